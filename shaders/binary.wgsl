@@ -1,0 +1,56 @@
+// Broadcasted binary elementwise op: out = a (op) b, out has shape `shape` (rank 4, left-padded
+// with 1). `sa` / `sb` are the strides of a and b in elements, 0 along broadcast dims.
+// Two outputs per invocation (see kernels/mod.rs).
+
+struct Params {
+    n: u32,        // elements of out
+    op: u32,       // 0 add, 1 sub, 2 mul, 3 div
+    _pad0: u32,
+    _pad1: u32,
+    shape: vec4<u32>,
+    sa: vec4<u32>,
+    sb: vec4<u32>,
+}
+@group(0) @binding(0) var<uniform> p: Params;
+
+const WG: u32 = 256u;
+
+// Offset of out's linear index `i` in a tensor with strides `s`.
+fn offset(i: u32, s: vec4<u32>) -> u32 {
+    let i3 = i % p.shape.w;
+    var r = i / p.shape.w;
+    let i2 = r % p.shape.z;
+    r = r / p.shape.z;
+    let i1 = r % p.shape.y;
+    let i0 = r / p.shape.y;
+    return i0 * s.x + i1 * s.y + i2 * s.z + i3 * s.w;
+}
+
+fn apply(x: f32, y: f32) -> f32 {
+    switch p.op {
+        case 0u: { return x + y; }
+        case 1u: { return x - y; }
+        case 2u: { return x * y; }
+        default: { return x / y; }
+    }
+}
+
+fn at(i: u32) -> f32 {
+    return apply(ld_a(offset(i, p.sa)), ld_b(offset(i, p.sb)));
+}
+
+@compute @workgroup_size(WG)
+fn main(@builtin(workgroup_id) wg: vec3<u32>,
+        @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+    let w = (wg.y * nwg.x + wg.x) * WG + lid;
+    let i = 2u * w;
+    if (i >= p.n) {
+        return;
+    }
+    var v1 = 0.0;
+    if (i + 1u < p.n) {
+        v1 = at(i + 1u);
+    }
+    st2_out(w, at(i), v1, p.n);
+}

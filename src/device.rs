@@ -1,0 +1,761 @@
+//! The GPU: adapter choice, limits and features, the pending command encoder that ops record
+//! into, pipeline cache, uploads and readback.
+//!
+//! Ops never submit on their own. Each records a compute pass into one pending encoder; the
+//! encoder is submitted on readback, on [`Device::sync`], or once [`FLUSH_EVERY`] dispatches (or
+//! a full parameter ring) have piled up. Kernel parameters (shapes, scalars) are packed into one
+//! uniform *ring* buffer: each dispatch appends its words to a host-side vector, and the whole
+//! vector is written with one `write_buffer` just before the submit, so a batch of a few hundred
+//! ops costs one upload and one submit.
+
+use crate::memory::{Arena, Block, MemoryStats};
+use crate::{Error, Result};
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Dispatches recorded before the pending encoder is submitted on its own. Large enough that
+/// submit overhead disappears, small enough that the GPU starts before a long graph is recorded.
+pub const FLUSH_EVERY: u32 = 256;
+/// Bytes in the kernel-parameter ring (one batch's parameters).
+const PARAM_RING_BYTES: u64 = 256 << 10;
+/// Workgroups per dispatch dimension that every adapter accepts.
+pub const MAX_GROUPS_PER_DIM: u32 = 65535;
+
+/// What to ask of [`Device::with_options`]. The environment overrides it: `FITGRAD_BACKEND`
+/// (vulkan, gl, metal, dx12; a comma list is allowed) and `FITGRAD_ADAPTER` (a case-insensitive
+/// substring of the adapter name).
+#[derive(Clone, Debug, Default)]
+pub struct DeviceOptions {
+    /// Backends to consider, as a comma list ("vulkan", "gl", ...); `None` means all.
+    pub backend: Option<String>,
+    /// Case-insensitive substring the adapter name must contain.
+    pub adapter: Option<String>,
+    /// Hard limit on the bytes the arena may hold from the driver.
+    pub memory_budget: Option<u64>,
+    /// Store f16 packed in u32 and compute in f32 even where the adapter has SHADER_F16
+    /// (tests use this to run the path that GL and some DX12 adapters need).
+    pub force_packed_f16: bool,
+}
+
+impl DeviceOptions {
+    fn with_env(mut self) -> Self {
+        if let Some(b) = std::env::var("FITGRAD_BACKEND")
+            .ok()
+            .filter(|s| !s.is_empty())
+        {
+            self.backend = Some(b);
+        }
+        if let Some(a) = std::env::var("FITGRAD_ADAPTER")
+            .ok()
+            .filter(|s| !s.is_empty())
+        {
+            self.adapter = Some(a);
+        }
+        self
+    }
+}
+
+/// Parses a comma list of backend names.
+fn parse_backends(list: &str) -> Result<wgpu::Backends> {
+    let mut out = wgpu::Backends::empty();
+    for name in list.split(',').map(|s| s.trim().to_ascii_lowercase()) {
+        out |= match name.as_str() {
+            "vulkan" | "vk" => wgpu::Backends::VULKAN,
+            "gl" | "gles" | "opengl" => wgpu::Backends::GL,
+            "metal" | "mtl" => wgpu::Backends::METAL,
+            "dx12" | "d3d12" => wgpu::Backends::DX12,
+            "" => continue,
+            _ => {
+                return Err(Error::InvalidArgument {
+                    op: "FITGRAD_BACKEND",
+                    reason: format!("unknown backend '{name}' (use vulkan, gl, metal or dx12)"),
+                })
+            }
+        };
+    }
+    Ok(out)
+}
+
+/// One adapter as the user sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AdapterSummary {
+    pub name: String,
+    pub vendor: u32,
+    pub vendor_name: &'static str,
+    pub backend: String,
+    pub device_type: String,
+    pub driver: String,
+    pub driver_info: String,
+}
+
+impl AdapterSummary {
+    fn from_info(info: &wgpu::AdapterInfo) -> Self {
+        AdapterSummary {
+            name: info.name.clone(),
+            vendor: info.vendor,
+            vendor_name: vendor_name(info.vendor),
+            backend: format!("{:?}", info.backend).to_lowercase(),
+            device_type: format!("{:?}", info.device_type),
+            driver: info.driver.clone(),
+            driver_info: info.driver_info.clone(),
+        }
+    }
+}
+
+impl fmt::Display for AdapterSummary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} ({}, {}, {}",
+            self.name, self.vendor_name, self.backend, self.device_type
+        )?;
+        if !self.driver.is_empty() {
+            write!(f, ", {} {}", self.driver, self.driver_info)?;
+        }
+        write!(f, ")")
+    }
+}
+
+fn vendor_name(id: u32) -> &'static str {
+    match id {
+        0x10de => "NVIDIA",
+        0x1002 | 0x1022 => "AMD",
+        0x8086 => "Intel",
+        0x106b => "Apple",
+        0x13b5 => "ARM",
+        0x5143 => "Qualcomm",
+        0x1414 => "Microsoft",
+        0x10005 => "Mesa",
+        _ => "unknown vendor",
+    }
+}
+
+/// Lower is better: discrete, integrated, virtual, then software.
+fn type_rank(t: wgpu::DeviceType) -> u32 {
+    match t {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Cpu => 3,
+        wgpu::DeviceType::Other => 4,
+    }
+}
+
+/// Native APIs before GL, whose compute support is the most limited.
+fn backend_rank(b: wgpu::Backend) -> u32 {
+    match b {
+        wgpu::Backend::Vulkan | wgpu::Backend::Metal | wgpu::Backend::Dx12 => 0,
+        _ => 1,
+    }
+}
+
+/// The limits that decide what fitgrad can run.
+#[derive(Clone, Debug)]
+pub struct DeviceLimits {
+    pub max_storage_buffer_binding_size: u64,
+    pub max_buffer_size: u64,
+    pub max_compute_workgroup_storage_size: u32,
+    pub max_compute_invocations_per_workgroup: u32,
+    pub max_compute_workgroups_per_dimension: u32,
+    pub max_storage_buffers_per_shader_stage: u32,
+    pub min_storage_buffer_offset_alignment: u32,
+    pub min_uniform_buffer_offset_alignment: u32,
+}
+
+/// What [`Device::info`] reports.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    pub adapter: AdapterSummary,
+    pub limits: DeviceLimits,
+    /// f16 math runs in f16 (SHADER_F16); otherwise f16 is stored packed and computed in f32.
+    pub f16_native: bool,
+}
+
+impl fmt::Display for DeviceInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let l = &self.limits;
+        writeln!(f, "adapter: {}", self.adapter)?;
+        writeln!(
+            f,
+            "limits: storage binding {}, buffer {}, workgroup storage {}, {} invocations per workgroup",
+            crate::error::Bytes(l.max_storage_buffer_binding_size),
+            crate::error::Bytes(l.max_buffer_size),
+            crate::error::Bytes(l.max_compute_workgroup_storage_size as u64),
+            l.max_compute_invocations_per_workgroup
+        )?;
+        write!(
+            f,
+            "f16: {}",
+            if self.f16_native {
+                "native (SHADER_F16)"
+            } else {
+                "packed in u32, computed in f32"
+            }
+        )
+    }
+}
+
+/// Work recorded but not yet submitted.
+struct Pending {
+    encoder: Option<wgpu::CommandEncoder>,
+    dispatches: u32,
+    /// Kernel parameters of this batch, written to the ring before the submit.
+    params: Vec<u8>,
+}
+
+/// A compiled kernel and the layout of its bind group (binding 0 = parameters, then tensors).
+pub(crate) struct Kernel {
+    pub pipeline: wgpu::ComputePipeline,
+    pub layout: wgpu::BindGroupLayout,
+}
+
+pub(crate) struct DeviceInner {
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    info: DeviceInfo,
+    pub arena: Mutex<Arena>,
+    pending: Mutex<Pending>,
+    kernels: Mutex<HashMap<String, Arc<Kernel>>>,
+    param_ring: wgpu::Buffer,
+    param_align: u64,
+    /// Host-visible buffer for readback, grown to the largest read so far.
+    staging: Mutex<Option<wgpu::Buffer>>,
+    /// First error wgpu reported outside an error scope (its default would panic).
+    uncaptured: Arc<Mutex<Option<String>>>,
+    lost: Arc<Mutex<Option<String>>>,
+}
+
+/// A GPU device. Cloning is cheap and shares everything (arena, caches, pending work).
+#[derive(Clone)]
+pub struct Device {
+    pub(crate) inner: Arc<DeviceInner>,
+}
+
+impl fmt::Debug for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Device({})", self.inner.info.adapter)
+    }
+}
+
+impl PartialEq for Device {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks leaves data that is still consistent
+    // (counters and caches), so a poisoned lock is taken over rather than propagated.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn instance(backends: wgpu::Backends) -> wgpu::Instance {
+    let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
+    desc.backends = backends;
+    wgpu::Instance::new(desc)
+}
+
+impl Device {
+    /// The best adapter: discrete GPU, then integrated, virtual, software.
+    pub fn new() -> Result<Device> {
+        Device::with_options(DeviceOptions::default())
+    }
+
+    pub fn with_options(options: DeviceOptions) -> Result<Device> {
+        let options = options.with_env();
+        let backends = match &options.backend {
+            Some(list) => parse_backends(list)?,
+            None => wgpu::Backends::all(),
+        };
+        let adapters = pollster::block_on(instance(backends).enumerate_adapters(backends));
+        let wanted = match (&options.backend, &options.adapter) {
+            (Some(b), Some(a)) => format!("backend {b}, adapter '{a}'"),
+            (Some(b), None) => format!("backend {b}"),
+            (None, Some(a)) => format!("adapter '{a}'"),
+            (None, None) => String::new(),
+        };
+        let seen: Vec<String> = adapters.iter().map(|a| a.get_info().name).collect();
+        let best = adapters
+            .into_iter()
+            .filter(|a| {
+                options.adapter.as_ref().is_none_or(|want| {
+                    a.get_info()
+                        .name
+                        .to_lowercase()
+                        .contains(&want.to_lowercase())
+                })
+            })
+            .min_by_key(|a| {
+                let i = a.get_info();
+                (type_rank(i.device_type), backend_rank(i.backend))
+            })
+            .ok_or_else(|| Error::NoAdapter {
+                wanted,
+                reason: if seen.is_empty() {
+                    "wgpu found no adapter".into()
+                } else {
+                    format!("the adapters found were {seen:?}")
+                },
+            })?;
+        Device::from_adapter(&best, &options)
+    }
+
+    /// Opens a device on `adapter`, with its real limits and SHADER_F16 where offered.
+    pub fn from_adapter(adapter: &wgpu::Adapter, options: &DeviceOptions) -> Result<Device> {
+        let info = adapter.get_info();
+        let mut features = wgpu::Features::empty();
+        if adapter.features().contains(wgpu::Features::SHADER_F16) {
+            features |= wgpu::Features::SHADER_F16;
+        }
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("fitgrad"),
+            required_features: features,
+            required_limits: adapter.limits(),
+            experimental_features: wgpu::ExperimentalFeatures::disabled(),
+            memory_hints: wgpu::MemoryHints::Performance,
+            trace: wgpu::Trace::Off,
+        }))
+        .map_err(|e| Error::RequestDevice {
+            adapter: info.name.clone(),
+            reason: e.to_string(),
+        })?;
+        Device::build(device, queue, info, options)
+    }
+
+    /// Runs fitgrad on a device and queue that the application already owns. fitgrad records
+    /// into its own encoders and submits on `queue`; the application's own work is ordered with
+    /// ours by the queue. Installs an uncaptured-error handler on `device`.
+    pub fn from_wgpu(
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        options: DeviceOptions,
+    ) -> Result<Device> {
+        let info = device.adapter_info();
+        Device::build(device, queue, info, &options)
+    }
+
+    fn build(
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        adapter: wgpu::AdapterInfo,
+        options: &DeviceOptions,
+    ) -> Result<Device> {
+        let l = device.limits();
+        let limits = DeviceLimits {
+            max_storage_buffer_binding_size: l.max_storage_buffer_binding_size,
+            max_buffer_size: l.max_buffer_size,
+            max_compute_workgroup_storage_size: l.max_compute_workgroup_storage_size,
+            max_compute_invocations_per_workgroup: l.max_compute_invocations_per_workgroup,
+            max_compute_workgroups_per_dimension: l.max_compute_workgroups_per_dimension,
+            max_storage_buffers_per_shader_stage: l.max_storage_buffers_per_shader_stage,
+            min_storage_buffer_offset_alignment: l.min_storage_buffer_offset_alignment,
+            min_uniform_buffer_offset_alignment: l.min_uniform_buffer_offset_alignment,
+        };
+        let info = DeviceInfo {
+            adapter: AdapterSummary::from_info(&adapter),
+            f16_native: device.features().contains(wgpu::Features::SHADER_F16)
+                && !options.force_packed_f16,
+            limits,
+        };
+        let uncaptured = Arc::new(Mutex::new(None::<String>));
+        let sink = uncaptured.clone();
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            let mut slot = lock(&sink);
+            if slot.is_none() {
+                *slot = Some(e.to_string());
+            }
+        }));
+        let lost = Arc::new(Mutex::new(None::<String>));
+        let lost_sink = lost.clone();
+        device.set_device_lost_callback(move |reason, msg| {
+            *lock(&lost_sink) = Some(format!("{reason:?}: {msg}"));
+        });
+        let param_ring = device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("fitgrad kernel parameters"),
+            size: PARAM_RING_BYTES,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let arena = Arena::new(
+            info.limits.max_buffer_size,
+            info.limits.max_storage_buffer_binding_size,
+            options.memory_budget,
+        );
+        Ok(Device {
+            inner: Arc::new(DeviceInner {
+                param_align: (info.limits.min_uniform_buffer_offset_alignment as u64).max(16),
+                device,
+                queue,
+                info,
+                arena: Mutex::new(arena),
+                pending: Mutex::new(Pending {
+                    encoder: None,
+                    dispatches: 0,
+                    params: Vec::new(),
+                }),
+                kernels: Mutex::new(HashMap::new()),
+                param_ring,
+                staging: Mutex::new(None),
+                uncaptured,
+                lost,
+            }),
+        })
+    }
+
+    /// Every adapter wgpu finds on this machine, best first.
+    pub fn adapters() -> Vec<AdapterSummary> {
+        let all = wgpu::Backends::all();
+        let mut list: Vec<wgpu::AdapterInfo> =
+            pollster::block_on(instance(all).enumerate_adapters(all))
+                .iter()
+                .map(|a| a.get_info())
+                .collect();
+        list.sort_by_key(|i| (type_rank(i.device_type), backend_rank(i.backend)));
+        list.iter().map(AdapterSummary::from_info).collect()
+    }
+
+    pub fn info(&self) -> &DeviceInfo {
+        &self.inner.info
+    }
+
+    /// The wgpu device, for applications that mix their own work with fitgrad's.
+    pub fn wgpu_device(&self) -> &wgpu::Device {
+        &self.inner.device
+    }
+
+    pub fn wgpu_queue(&self) -> &wgpu::Queue {
+        &self.inner.queue
+    }
+
+    /// Submits recorded work and waits until the GPU has finished it.
+    pub fn sync(&self) -> Result<()> {
+        self.flush()?;
+        self.inner
+            .device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| Error::Gpu(e.to_string()))?;
+        self.check_errors()
+    }
+
+    // ---- memory ----
+
+    pub fn memory_stats(&self) -> MemoryStats {
+        lock(&self.inner.arena).stats()
+    }
+
+    /// A readable table of the arena's state.
+    pub fn memory_report(&self) -> String {
+        format!(
+            "fitgrad memory on {}\n{}",
+            self.inner.info.adapter.name,
+            self.memory_stats()
+        )
+    }
+
+    /// Makes the next peaks start from the current usage.
+    pub fn reset_peak(&self) {
+        lock(&self.inner.arena).reset_peak();
+    }
+
+    /// Returns every segment that holds no tensor to the driver. (Recorded commands keep their
+    /// own references, so dropping a segment they name is safe.)
+    pub fn empty_cache(&self) {
+        lock(&self.inner.arena).release_free_segments();
+    }
+
+    /// Preallocates `bytes` so allocations up to that total create no buffers.
+    pub fn reserve(&self, bytes: u64) -> Result<()> {
+        lock(&self.inner.arena).reserve(&self.inner.device, bytes)
+    }
+
+    /// Sets or clears the hard memory budget. Lowering it below what is reserved frees cached
+    /// segments at the next allocation that needs room.
+    pub fn set_memory_budget(&self, budget: Option<u64>) {
+        lock(&self.inner.arena).set_budget(budget);
+    }
+
+    pub(crate) fn alloc(&self, bytes: u64) -> Result<Block> {
+        lock(&self.inner.arena).alloc(&self.inner.device, bytes)
+    }
+
+    pub(crate) fn free(&self, block: &Block) {
+        lock(&self.inner.arena).free(block);
+    }
+
+    // ---- kernels ----
+
+    /// The compiled kernel cached under `key`, compiling `source()` on first use. Shader
+    /// compile errors come back as [`Error::Gpu`] rather than a panic.
+    pub(crate) fn kernel(&self, key: &str, source: impl FnOnce() -> String) -> Result<Arc<Kernel>> {
+        if let Some(k) = lock(&self.inner.kernels).get(key) {
+            return Ok(k.clone());
+        }
+        let dev = &self.inner.device;
+        let scope = dev.push_error_scope(wgpu::ErrorFilter::Validation);
+        let module = dev.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(key),
+            source: wgpu::ShaderSource::Wgsl(source().into()),
+        });
+        let pipeline = dev.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(key),
+            layout: None,
+            module: &module,
+            entry_point: Some("main"),
+            compilation_options: wgpu::PipelineCompilationOptions {
+                constants: &[],
+                // Every kernel writes workgroup memory before reading it.
+                zero_initialize_workgroup_memory: false,
+            },
+            cache: None,
+        });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(Error::Gpu(format!("kernel {key}: {e}")));
+        }
+        let layout = pipeline.get_bind_group_layout(0);
+        let k = Arc::new(Kernel { pipeline, layout });
+        lock(&self.inner.kernels).insert(key.to_string(), k.clone());
+        Ok(k)
+    }
+
+    /// Records one dispatch of `kernel` over `groups` workgroups (split into a 2-D grid when
+    /// past 65,535; kernels rebuild the linear index from `num_workgroups`). `params` are the
+    /// kernel's uniform words; `tensors` are bound in order from binding 1.
+    pub(crate) fn dispatch(
+        &self,
+        kernel: &Kernel,
+        params: &[u32],
+        tensors: &[&Block],
+        groups: u32,
+    ) -> Result<()> {
+        if groups == 0 {
+            return Ok(());
+        }
+        let (gx, gy) = grid(groups);
+        if gy > MAX_GROUPS_PER_DIM {
+            return Err(Error::Limit {
+                op: "dispatch",
+                what: "workgroup count",
+                value: groups as u64,
+                limit: MAX_GROUPS_PER_DIM as u64 * MAX_GROUPS_PER_DIM as u64,
+            });
+        }
+        let inner = &*self.inner;
+        let param_bytes: &[u8] = bytemuck::cast_slice(params);
+        // Uniform structs are sized in multiples of 16 bytes.
+        let binding_size = (param_bytes.len() as u64).div_ceil(16).max(1) * 16;
+        let mut pending = lock(&inner.pending);
+        let mut offset =
+            (pending.params.len() as u64).div_ceil(inner.param_align) * inner.param_align;
+        if offset + binding_size > PARAM_RING_BYTES {
+            self.submit(&mut pending)?;
+            offset = 0;
+        }
+        pending.params.resize(offset as usize, 0);
+        pending.params.extend_from_slice(param_bytes);
+        pending.params.resize((offset + binding_size) as usize, 0);
+
+        let mut entries = vec![wgpu::BindGroupEntry {
+            binding: 0,
+            resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                buffer: &inner.param_ring,
+                offset,
+                size: wgpu::BufferSize::new(binding_size),
+            }),
+        }];
+        for (i, b) in tensors.iter().enumerate() {
+            entries.push(wgpu::BindGroupEntry {
+                binding: i as u32 + 1,
+                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer: &b.buffer,
+                    offset: b.offset,
+                    size: wgpu::BufferSize::new(b.size),
+                }),
+            });
+        }
+        let bind_group = inner.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &kernel.layout,
+            entries: &entries,
+        });
+        let encoder = pending.encoder.get_or_insert_with(|| {
+            inner
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("fitgrad ops"),
+                })
+        });
+        {
+            let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: None,
+                timestamp_writes: None,
+            });
+            pass.set_pipeline(&kernel.pipeline);
+            pass.set_bind_group(0, &bind_group, &[]);
+            pass.dispatch_workgroups(gx, gy, 1);
+        }
+        pending.dispatches += 1;
+        if pending.dispatches >= FLUSH_EVERY {
+            self.submit(&mut pending)?;
+        }
+        Ok(())
+    }
+
+    /// Records a zero fill of a block.
+    pub(crate) fn clear(&self, block: &Block) {
+        let mut pending = lock(&self.inner.pending);
+        let dev = &self.inner.device;
+        pending
+            .encoder
+            .get_or_insert_with(|| {
+                dev.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("fitgrad ops"),
+                })
+            })
+            .clear_buffer(&block.buffer, block.offset, Some(block.size));
+    }
+
+    /// Submits everything recorded so far (without waiting).
+    pub fn flush(&self) -> Result<()> {
+        let mut pending = lock(&self.inner.pending);
+        self.submit(&mut pending)
+    }
+
+    fn submit(&self, pending: &mut Pending) -> Result<()> {
+        if let Some(encoder) = pending.encoder.take() {
+            if !pending.params.is_empty() {
+                self.inner
+                    .queue
+                    .write_buffer(&self.inner.param_ring, 0, &pending.params);
+            }
+            self.inner.queue.submit([encoder.finish()]);
+        }
+        pending.params.clear();
+        pending.dispatches = 0;
+        self.check_errors()
+    }
+
+    fn check_errors(&self) -> Result<()> {
+        if let Some(msg) = lock(&self.inner.lost).clone() {
+            return Err(Error::DeviceLost(msg));
+        }
+        if let Some(msg) = lock(&self.inner.uncaptured).take() {
+            return Err(Error::Gpu(msg));
+        }
+        Ok(())
+    }
+
+    /// Writes host bytes into a block.
+    pub(crate) fn upload(&self, block: &Block, data: &[u8]) -> Result<()> {
+        // `write_buffer` lands before the *next* submit. Pending work recorded earlier may read
+        // the previous owner of this block, so that work must be submitted first.
+        self.flush()?;
+        let len = data.len() & !3;
+        if len > 0 {
+            self.inner
+                .queue
+                .write_buffer(&block.buffer, block.offset, &data[..len]);
+        }
+        if len < data.len() {
+            // wgpu writes whole 4-byte words; pad the tail (an odd count of f16).
+            let mut tail = [0u8; 4];
+            tail[..data.len() - len].copy_from_slice(&data[len..]);
+            self.inner
+                .queue
+                .write_buffer(&block.buffer, block.offset + len as u64, &tail);
+        }
+        Ok(())
+    }
+
+    /// Reads `bytes` bytes from the start of a block, after all recorded work.
+    pub(crate) fn download(&self, block: &Block, bytes: u64) -> Result<Vec<u8>> {
+        if bytes == 0 {
+            return Ok(Vec::new());
+        }
+        let size = bytes.div_ceil(4) * 4;
+        let inner = &*self.inner;
+        let mut staging = lock(&inner.staging);
+        if staging.as_ref().is_none_or(|s| s.size() < size) {
+            *staging = Some(inner.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("fitgrad readback"),
+                size: size.next_power_of_two(),
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }));
+        }
+        let staging = staging.as_ref().expect("created above");
+        {
+            let mut pending = lock(&inner.pending);
+            let dev = &inner.device;
+            pending
+                .encoder
+                .get_or_insert_with(|| {
+                    dev.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                        label: Some("fitgrad ops"),
+                    })
+                })
+                .copy_buffer_to_buffer(&block.buffer, block.offset, staging, 0, size);
+            self.submit(&mut pending)?;
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        staging.map_async(wgpu::MapMode::Read, ..size, move |r| {
+            let _ = tx.send(r);
+        });
+        inner
+            .device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| Error::Readback(e.to_string()))?;
+        rx.recv()
+            .map_err(|e| Error::Readback(e.to_string()))?
+            .map_err(|e| Error::Readback(e.to_string()))?;
+        let out = {
+            let view = staging
+                .get_mapped_range(..size)
+                .map_err(|e| Error::Readback(e.to_string()))?;
+            view[..bytes as usize].to_vec()
+        };
+        staging.unmap();
+        self.check_errors()?;
+        Ok(out)
+    }
+
+    pub(crate) fn f16_native(&self) -> bool {
+        self.inner.info.f16_native
+    }
+}
+
+/// Splits a workgroup count into a grid no dimension of which passes 65,535.
+pub(crate) fn grid(groups: u32) -> (u32, u32) {
+    if groups <= MAX_GROUPS_PER_DIM {
+        (groups, 1)
+    } else {
+        let y = groups.div_ceil(MAX_GROUPS_PER_DIM);
+        (groups.div_ceil(y), y)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backend_names() {
+        assert_eq!(parse_backends("vulkan").unwrap(), wgpu::Backends::VULKAN);
+        assert_eq!(
+            parse_backends("GL, vulkan").unwrap(),
+            wgpu::Backends::GL | wgpu::Backends::VULKAN
+        );
+        assert!(matches!(
+            parse_backends("cuda"),
+            Err(Error::InvalidArgument { .. })
+        ));
+    }
+
+    #[test]
+    fn grid_covers_every_group() {
+        for g in [1, 65535, 65536, 200_000, u32::MAX / 2] {
+            let (x, y) = grid(g);
+            assert!(x <= MAX_GROUPS_PER_DIM && x as u64 * y as u64 >= g as u64);
+        }
+    }
+}

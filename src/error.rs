@@ -1,0 +1,112 @@
+//! One error type for everything a user can cause: shapes, dtypes, memory, adapters, the driver.
+
+use std::fmt;
+
+/// Bytes shown the way people read memory sizes ("1.50 MiB").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Bytes(pub u64);
+
+impl fmt::Display for Bytes {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+        let mut v = self.0 as f64;
+        let mut unit = 0;
+        while v >= 1024.0 && unit + 1 < UNITS.len() {
+            v /= 1024.0;
+            unit += 1;
+        }
+        if unit == 0 {
+            write!(f, "{} B", self.0)
+        } else {
+            write!(f, "{v:.2} {}", UNITS[unit])
+        }
+    }
+}
+
+/// Renders the optional budget of an out-of-memory error.
+fn budget_text(budget: &Option<u64>) -> String {
+    match budget {
+        Some(b) => format!("budget {}", Bytes(*b)),
+        None => "no budget set: the driver itself ran out".to_string(),
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// No adapter matched the request (or the machine has none).
+    #[error("no GPU adapter found{}: {reason}. Install a driver, or Mesa's software Vulkan driver (apt-get install mesa-vulkan-drivers), or relax FITGRAD_BACKEND / FITGRAD_ADAPTER", if .wanted.is_empty() { String::new() } else { format!(" for {}", .wanted) })]
+    NoAdapter { wanted: String, reason: String },
+
+    /// The adapter refused to create a device.
+    #[error("could not open the device on adapter '{adapter}': {reason}")]
+    RequestDevice { adapter: String, reason: String },
+
+    /// An allocation would pass the budget, or the driver reported out-of-memory.
+    #[error(
+        "out of GPU memory: asked for {} while {} is in use and {} is reserved ({}). \
+         Try a smaller batch size, gradient accumulation with smaller micro-batches, \
+         mixed precision (f16 halves activations), or call empty_cache() to return cached blocks",
+        Bytes(*.requested), Bytes(*.in_use), Bytes(*.reserved), budget_text(.budget)
+    )]
+    OutOfMemory {
+        requested: u64,
+        in_use: u64,
+        reserved: u64,
+        budget: Option<u64>,
+    },
+
+    /// Shapes that do not fit together for an op.
+    #[error("{op}: shapes do not fit: {lhs:?} and {rhs:?}{}", if .reason.is_empty() { String::new() } else { format!(" ({})", .reason) })]
+    Shape {
+        op: &'static str,
+        lhs: Vec<usize>,
+        rhs: Vec<usize>,
+        reason: String,
+    },
+
+    /// Tensors of different dtypes, or a host slice of the wrong element type.
+    #[error("{op}: dtype mismatch: expected {expected}, got {got}")]
+    DType {
+        op: &'static str,
+        expected: crate::DType,
+        got: crate::DType,
+    },
+
+    /// Any other argument that cannot be used (an axis out of range, a bad option).
+    #[error("{op}: {reason}")]
+    InvalidArgument { op: &'static str, reason: String },
+
+    /// Two tensors live on different devices.
+    #[error("{op}: tensors are on different devices")]
+    DeviceMismatch { op: &'static str },
+
+    /// A limit of the adapter (buffer size, binding size, dispatch size) would be passed.
+    #[error("{op}: {what} of {value} passes the adapter's limit of {limit}")]
+    Limit {
+        op: &'static str,
+        what: &'static str,
+        value: u64,
+        limit: u64,
+    },
+
+    /// The device was lost (driver reset, GPU removed).
+    #[error("the GPU device was lost: {0}")]
+    DeviceLost(String),
+
+    /// A validation or internal error that wgpu reported outside an error scope.
+    #[error("GPU error: {0}")]
+    Gpu(String),
+
+    /// Reading a buffer back to the host failed.
+    #[error("reading GPU memory back failed: {0}")]
+    Readback(String),
+
+    #[error("I/O error on {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;

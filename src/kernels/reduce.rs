@@ -1,0 +1,42 @@
+//! Dispatch for the axis reduction (sum, mean).
+
+use super::{Storage, REDUCE, WG};
+use crate::{Result, Tensor};
+
+/// Rows at least this long get a workgroup each (tree sum); shorter rows are summed by one
+/// invocation each, which wastes no lanes when there are many of them.
+const ROW_PER_WORKGROUP: usize = 64;
+
+/// out (f32, outer * inner elements) = sum over the middle dim of x viewed as (outer, len, inner),
+/// divided by `div`.
+pub(crate) fn reduce(
+    x: &Tensor,
+    outer: usize,
+    len: usize,
+    inner: usize,
+    div: f32,
+    out: &Tensor,
+) -> Result<()> {
+    let outputs = outer * inner;
+    if outputs == 0 {
+        return Ok(());
+    }
+    let dev = out.device();
+    let k = REDUCE.kernel(dev, &[Storage::of(dev, x.dtype()), Storage::F32])?;
+    let (mode, groups) = if len >= ROW_PER_WORKGROUP {
+        (0, outputs as u32)
+    } else {
+        (1, (outputs as u32).div_ceil(WG))
+    };
+    let params = [
+        outputs as u32,
+        len as u32,
+        inner as u32,
+        mode,
+        div.to_bits(),
+        0,
+        0,
+        0,
+    ];
+    dev.dispatch(&k, &params, &[x.block(), out.block()], groups)
+}

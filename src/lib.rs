@@ -1,0 +1,23 @@
+//! fitgrad: train neural networks on any GPU through wgpu, built around GPU memory.
+//!
+//! ```no_run
+//! use fitgrad::{Device, DType, Tensor};
+//! # fn main() -> fitgrad::Result<()> {
+//! let dev = Device::new()?;
+//! let a = Tensor::randn(&dev, &[2, 3], 0.0, 1.0, 42, DType::F32)?;
+//! let b = Tensor::ones(&dev, &[3], DType::F32)?;
+//! let c = a.add(&b)?.relu()?.sum_axis(1, false)?; // (2,)
+//! println!("{:?}\n{}", c.to_vec::<f32>()?, dev.memory_report());
+//! # Ok(()) }
+//! ```
+
+pub mod device;
+pub mod error;
+pub mod kernels;
+pub mod memory;
+pub mod tensor;
+
+pub use device::{AdapterSummary, Device, DeviceInfo, DeviceLimits, DeviceOptions};
+pub use error::{Error, Result};
+pub use memory::MemoryStats;
+pub use tensor::{DType, Element, Shape, Tensor};

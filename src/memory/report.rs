@@ -1,0 +1,84 @@
+//! Memory statistics and the readable report.
+
+use crate::error::Bytes;
+use std::fmt;
+
+/// A snapshot of the arena. "In use" is what live tensors hold; "reserved" is what the arena holds
+/// from the driver (in use + cached free blocks). Peaks are since creation or `reset_peak()`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    pub bytes_in_use: u64,
+    pub peak_bytes_in_use: u64,
+    pub bytes_reserved: u64,
+    pub peak_bytes_reserved: u64,
+    /// Blocks handed out.
+    pub allocations: u64,
+    /// Blocks returned.
+    pub frees: u64,
+    /// wgpu buffers (segments) created.
+    pub buffers_created: u64,
+    /// Segments given back to the driver (`empty_cache`, or to make room under the budget).
+    pub buffers_released: u64,
+    /// Allocations served from memory the arena already held.
+    pub reuse_hits: u64,
+    /// Allocations refused (budget or driver).
+    pub oom_errors: u64,
+    /// Live segments.
+    pub segments: usize,
+    /// The largest free range in any segment (what one more tensor could get without a new buffer).
+    pub largest_free_block: u64,
+    pub budget: Option<u64>,
+}
+
+impl MemoryStats {
+    /// Reserved bytes that no tensor holds.
+    pub fn bytes_cached(&self) -> u64 {
+        self.bytes_reserved - self.bytes_in_use
+    }
+}
+
+impl fmt::Display for MemoryStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "| memory          |      current |         peak |")?;
+        writeln!(f, "|-----------------|--------------|--------------|")?;
+        let row = |f: &mut fmt::Formatter<'_>, name: &str, cur: String, peak: String| {
+            writeln!(f, "| {name:<15} | {cur:>12} | {peak:>12} |")
+        };
+        row(
+            f,
+            "in use",
+            Bytes(self.bytes_in_use).to_string(),
+            Bytes(self.peak_bytes_in_use).to_string(),
+        )?;
+        row(
+            f,
+            "reserved",
+            Bytes(self.bytes_reserved).to_string(),
+            Bytes(self.peak_bytes_reserved).to_string(),
+        )?;
+        row(
+            f,
+            "cached (free)",
+            Bytes(self.bytes_cached()).to_string(),
+            String::new(),
+        )?;
+        row(
+            f,
+            "budget",
+            self.budget.map_or("none".into(), |b| Bytes(b).to_string()),
+            String::new(),
+        )?;
+        writeln!(
+            f,
+            "allocations {}, frees {}, reuse hits {}, buffers created {}, released {}, live segments {}, largest free block {}, refused {}",
+            self.allocations,
+            self.frees,
+            self.reuse_hits,
+            self.buffers_created,
+            self.buffers_released,
+            self.segments,
+            Bytes(self.largest_free_block),
+            self.oom_errors
+        )
+    }
+}

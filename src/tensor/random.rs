@@ -1,0 +1,106 @@
+//! Seeded random tensors. Values are drawn on the host with a fixed generator and uploaded, so
+//! the same seed gives the same values on every adapter (GPU transcendentals differ in the last
+//! bits between vendors; the host's do not between runs).
+
+use super::{DType, Tensor};
+use crate::device::Device;
+use crate::{Error, Result};
+
+/// SplitMix64: tiny, fast, and statistically good enough for weight init and data shuffling.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1) with 53 random bits.
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// Standard normal (Box-Muller; one value per call, the pair's second is dropped to keep
+    /// the stream position simple).
+    pub fn next_normal(&mut self) -> f64 {
+        let u1 = 1.0 - self.next_f64(); // (0, 1]: ln is finite
+        let u2 = self.next_f64();
+        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+    }
+}
+
+fn upload(device: &Device, dims: &[usize], dtype: DType, values: Vec<f32>) -> Result<Tensor> {
+    match dtype {
+        DType::F32 => Tensor::from_slice(device, &values, dims),
+        DType::F16 => {
+            let h: Vec<half::f16> = values.into_iter().map(half::f16::from_f32).collect();
+            Tensor::from_slice(device, &h, dims)
+        }
+    }
+}
+
+fn check_numel(op: &'static str, dims: &[usize]) -> Result<usize> {
+    Ok(super::Shape::new(dims)
+        .map_err(|e| match e {
+            Error::InvalidArgument { reason, .. } => Error::InvalidArgument { op, reason },
+            other => other,
+        })?
+        .numel())
+}
+
+impl Tensor {
+    /// Uniform values in [low, high).
+    pub fn rand_uniform(
+        device: &Device,
+        dims: &[usize],
+        low: f32,
+        high: f32,
+        seed: u64,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        if !(low.is_finite() && high.is_finite() && low <= high) {
+            return Err(Error::InvalidArgument {
+                op: "rand_uniform",
+                reason: format!("need finite low <= high, got [{low}, {high})"),
+            });
+        }
+        let n = check_numel("rand_uniform", dims)?;
+        let mut rng = Rng::new(seed);
+        let span = (high - low) as f64;
+        let v = (0..n)
+            .map(|_| (low as f64 + span * rng.next_f64()) as f32)
+            .collect();
+        upload(device, dims, dtype, v)
+    }
+
+    /// Normal values with the given mean and standard deviation.
+    pub fn randn(
+        device: &Device,
+        dims: &[usize],
+        mean: f32,
+        std: f32,
+        seed: u64,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        if !(mean.is_finite() && std.is_finite() && std >= 0.0) {
+            return Err(Error::InvalidArgument {
+                op: "randn",
+                reason: format!("need finite mean and std >= 0, got mean {mean}, std {std}"),
+            });
+        }
+        let n = check_numel("randn", dims)?;
+        let mut rng = Rng::new(seed);
+        let v = (0..n)
+            .map(|_| (mean as f64 + std as f64 * rng.next_normal()) as f32)
+            .collect();
+        upload(device, dims, dtype, v)
+    }
+}
