@@ -198,21 +198,36 @@ pub fn variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
     }
 }
 
+/// Parses and validates `src` with naga, with the capabilities fitgrad's shaders rely on
+/// (f16 where the adapter offers it, and pack/unpack of f16 pairs in f32 everywhere).
+pub fn validate_wgsl(src: &str) -> std::result::Result<(), String> {
+    use naga::valid::{Capabilities, ValidationFlags, Validator};
+    let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
+    Validator::new(
+        ValidationFlags::all(),
+        Capabilities::SHADER_FLOAT16 | Capabilities::SHADER_FLOAT16_IN_FLOAT32,
+    )
+    .validate(&module)
+    .map_err(|e| format!("{e:?}"))?;
+    Ok(())
+}
+
+/// Validates every variant of every shader file without a GPU: one line per variant, with the
+/// error where one fails.
+pub fn validate_all() -> Vec<(String, std::result::Result<(), String>)> {
+    let mut out = Vec::new();
+    for file in SHADERS {
+        for storage in variants(file) {
+            let src = assemble(file.body, &file.with_storage(&storage));
+            out.push((format!("{} {storage:?}", file.name), validate_wgsl(&src)));
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn validate(src: &str) -> std::result::Result<(), String> {
-        let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
-        naga::valid::Validator::new(
-            naga::valid::ValidationFlags::all(),
-            naga::valid::Capabilities::SHADER_FLOAT16
-                | naga::valid::Capabilities::SHADER_FLOAT16_IN_FLOAT32,
-        )
-        .validate(&module)
-        .map_err(|e| format!("{e:?}"))?;
-        Ok(())
-    }
 
     /// Every file in shaders/ is registered, and every variant of it parses and validates.
     #[test]
@@ -224,20 +239,21 @@ mod tests {
             .filter(|n| n.ends_with(".wgsl"))
             .collect();
         on_disk.sort();
-        let mut registered: Vec<String> =
-            SHADERS.iter().map(|s| format!("{}.wgsl", s.name)).collect();
+        let mut registered: Vec<String> = SHADERS.iter().map(|s| format!("{}.wgsl", s.name)).collect();
         registered.sort();
-        assert_eq!(
-            on_disk, registered,
-            "every shader file must be registered in SHADERS"
-        );
-        for file in SHADERS {
-            for storage in variants(file) {
-                let src = assemble(file.body, &file.with_storage(&storage));
-                if let Err(e) = validate(&src) {
-                    panic!("{} {:?} does not validate:\n{e}\n{src}", file.name, storage);
-                }
+        assert_eq!(on_disk, registered, "every shader file must be registered in SHADERS");
+        let results = validate_all();
+        // f32, native f16 and packed f16 of each file at least.
+        assert!(results.len() >= 3 * SHADERS.len());
+        for (name, r) in results {
+            if let Err(e) = r {
+                panic!("{name} does not validate:\n{e}");
             }
         }
+    }
+
+    #[test]
+    fn a_broken_shader_is_reported() {
+        assert!(validate_wgsl("fn main() { let x: u32 = 1.5; }").is_err());
     }
 }

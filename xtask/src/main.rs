@@ -1,1 +1,54 @@
-fn main() {}
+//! `cargo xtask <task>`: project chores that are not tests.
+//!
+//! - `shaders`: parses and validates every shader variant with naga (no GPU needed).
+//! - `adapters`: lists the adapters wgpu finds.
+//! - `ci`: runs `.ci/run`.
+
+use std::process::{Command, ExitCode};
+
+fn main() -> ExitCode {
+    let task = std::env::args().nth(1).unwrap_or_default();
+    match task.as_str() {
+        "shaders" => shaders(),
+        "adapters" => {
+            for a in fitgrad::Device::adapters() {
+                println!("{a}");
+            }
+            ExitCode::SUCCESS
+        }
+        "ci" => {
+            let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+            match Command::new("bash").arg(".ci/run").current_dir(root).status() {
+                Ok(s) if s.success() => ExitCode::SUCCESS,
+                Ok(_) => ExitCode::FAILURE,
+                Err(e) => {
+                    eprintln!("could not run .ci/run: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+        _ => {
+            eprintln!("usage: cargo xtask <shaders|adapters|ci>");
+            ExitCode::from(2)
+        }
+    }
+}
+
+fn shaders() -> ExitCode {
+    let mut failed = 0;
+    for (name, result) in fitgrad::kernels::validate_all() {
+        match result {
+            Ok(()) => println!("ok    {name}"),
+            Err(e) => {
+                failed += 1;
+                println!("FAIL  {name}\n{e}");
+            }
+        }
+    }
+    if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("{failed} shader variant(s) failed validation");
+        ExitCode::FAILURE
+    }
+}
