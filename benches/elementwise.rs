@@ -29,7 +29,9 @@ fn bench(c: &mut Criterion) {
             })
         });
         g.throughput(Throughput::Bytes((n * dtype.size()) as u64));
-        g.bench_function("sum_1M", |bch| bch.iter(|| a.sum().unwrap().item().unwrap()));
+        g.bench_function("sum_1M", |bch| {
+            bch.iter(|| a.sum().unwrap().item().unwrap())
+        });
         g.finish();
     }
 }

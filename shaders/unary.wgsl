@@ -11,11 +11,18 @@ struct Params {
 
 const WG: u32 = 256u;
 
+// max(x, 0) that keeps NaN, as torch.relu does. Compared on the bits: GL drivers turn
+// `x < 0.0 ? 0.0 : x` into max(x, 0.0), which may drop NaN. Negative non-NaN floats are the
+// bit patterns in (0x80000000, 0xff800000]; -0.0 passes through.
+fn relu(x: f32) -> f32 {
+    let b = bitcast<u32>(x);
+    return select(x, 0.0, b > 0x80000000u && b <= 0xff800000u);
+}
+
 fn apply(x: f32) -> f32 {
     switch p.op {
         case 0u: { return x; }
-        // select keeps NaN (NaN < 0 is false), as torch.relu does.
-        case 1u: { return select(x, 0.0, x < 0.0); }
+        case 1u: { return relu(x); }
         case 2u: { return -x; }
         case 3u: { return x + p.s; }
         case 4u: { return x - p.s; }

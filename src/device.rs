@@ -485,25 +485,43 @@ impl Device {
 
     // ---- kernels ----
 
-    /// The compiled kernel cached under `key`, compiling `source()` on first use. Shader
-    /// compile errors come back as [`Error::Gpu`] rather than a panic.
-    pub(crate) fn kernel(&self, key: &str, source: impl FnOnce() -> String) -> Result<Arc<Kernel>> {
+    /// The compiled kernel cached under `key`, compiling `source()` on first use with the
+    /// given values for its `override` constants (which must be part of `key`). Shader compile
+    /// errors come back as [`Error::Gpu`] rather than a panic. `bounds_proven` drops wgpu's
+    /// runtime bounds checks: only for kernels that keep every access in range themselves.
+    pub(crate) fn kernel(
+        &self,
+        key: &str,
+        constants: &[(&str, f64)],
+        bounds_proven: bool,
+        source: impl FnOnce() -> String,
+    ) -> Result<Arc<Kernel>> {
         if let Some(k) = lock(&self.inner.kernels).get(key) {
             return Ok(k.clone());
         }
         let dev = &self.inner.device;
         let scope = dev.push_error_scope(wgpu::ErrorFilter::Validation);
-        let module = dev.create_shader_module(wgpu::ShaderModuleDescriptor {
+        let desc = wgpu::ShaderModuleDescriptor {
             label: Some(key),
             source: wgpu::ShaderSource::Wgsl(source().into()),
-        });
+        };
+        let module = if bounds_proven {
+            // SAFETY: the caller's kernel clamps or guards every index it reads and writes
+            // against the shapes it is dispatched with, and its tests cover the edges; wgpu's
+            // per-access bounds checks cost about a quarter of matmul time on lavapipe.
+            unsafe {
+                dev.create_shader_module_trusted(desc, wgpu::ShaderRuntimeChecks::unchecked())
+            }
+        } else {
+            dev.create_shader_module(desc)
+        };
         let pipeline = dev.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
             label: Some(key),
             layout: None,
             module: &module,
             entry_point: Some("main"),
             compilation_options: wgpu::PipelineCompilationOptions {
-                constants: &[],
+                constants,
                 // Every kernel writes workgroup memory before reading it.
                 zero_initialize_workgroup_memory: false,
             },
@@ -528,9 +546,6 @@ impl Device {
         tensors: &[&Block],
         groups: u32,
     ) -> Result<()> {
-        if groups == 0 {
-            return Ok(());
-        }
         let (gx, gy) = grid(groups);
         if gy > MAX_GROUPS_PER_DIM {
             return Err(Error::Limit {
@@ -538,6 +553,28 @@ impl Device {
                 what: "workgroup count",
                 value: groups as u64,
                 limit: MAX_GROUPS_PER_DIM as u64 * MAX_GROUPS_PER_DIM as u64,
+            });
+        }
+        self.dispatch3(kernel, params, tensors, [gx, gy, 1])
+    }
+
+    /// Records one dispatch over an explicit 3-D grid of workgroups.
+    pub(crate) fn dispatch3(
+        &self,
+        kernel: &Kernel,
+        params: &[u32],
+        tensors: &[&Block],
+        groups: [u32; 3],
+    ) -> Result<()> {
+        if groups.contains(&0) {
+            return Ok(());
+        }
+        if let Some(&g) = groups.iter().find(|&&g| g > MAX_GROUPS_PER_DIM) {
+            return Err(Error::Limit {
+                op: "dispatch",
+                what: "workgroups in one dimension",
+                value: g as u64,
+                limit: MAX_GROUPS_PER_DIM as u64,
             });
         }
         let inner = &*self.inner;
@@ -592,7 +629,7 @@ impl Device {
             });
             pass.set_pipeline(&kernel.pipeline);
             pass.set_bind_group(0, &bind_group, &[]);
-            pass.dispatch_workgroups(gx, gy, 1);
+            pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
         }
         pending.dispatches += 1;
         if pending.dispatches >= FLUSH_EVERY {

@@ -19,5 +19,6 @@ pub mod tensor;
 
 pub use device::{AdapterSummary, Device, DeviceInfo, DeviceLimits, DeviceOptions};
 pub use error::{Error, Result};
+pub use kernels::matmul::Activation;
 pub use memory::MemoryStats;
-pub use tensor::{DType, Element, Shape, Tensor};
+pub use tensor::{DType, Element, MatmulOptions, Shape, Tensor};

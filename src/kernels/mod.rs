@@ -10,6 +10,7 @@
 //! 32-bit words, and two invocations never write halves of the same word.
 
 pub(crate) mod elementwise;
+pub mod matmul;
 pub(crate) mod reduce;
 pub(crate) mod transpose;
 
@@ -47,22 +48,97 @@ impl Storage {
             Storage::F16Packed => "f16p",
         }
     }
-
-    fn wgsl_type(self) -> &'static str {
-        match self {
-            Storage::F32 => "f32",
-            Storage::F16 => "f16",
-            Storage::F16Packed => "u32",
-        }
-    }
 }
 
-/// A tensor binding of a shader: its name in the body, storage, and whether it is written.
+/// A tensor binding of a shader: its name in the body, storage, whether it is written, and
+/// whether it is declared as an array of 4-element vectors (16-byte loads and stores).
 #[derive(Clone, Copy, Debug)]
 pub struct Binding {
     pub name: &'static str,
     pub storage: Storage,
     pub write: bool,
+    pub vec4: bool,
+}
+
+/// The WGSL element type of a binding.
+fn wgsl_array_type(b: &Binding) -> &'static str {
+    match (b.storage, b.vec4) {
+        (Storage::F32, false) => "f32",
+        (Storage::F16, false) => "f16",
+        (Storage::F16Packed, false) => "u32",
+        (Storage::F32, true) => "vec4<f32>",
+        (Storage::F16, true) => "vec4<f16>",
+        (Storage::F16Packed, true) => "vec2<u32>",
+    }
+}
+
+/// Accessors of one binding; indices are always element indices.
+/// - `ld_N(i) -> f32`, `ld4_N(i) -> vec4<f32>` (elements i..i+4; i a multiple of 4 for a vec4
+///   binding);
+/// - if written: `st_N(i, v)`, `st2_N(w, v0, v1, n)` (elements 2w and 2w+1 if < n),
+///   `st4_N(i, v)` (elements i..i+4; i a multiple of 4, and even for packed f16).
+///
+/// On packed f16 a 32-bit word holds two elements, so `st_N` is a read-modify-write of the word:
+/// a kernel may use it only where one invocation owns both halves of every word it writes.
+fn accessors(b: &Binding) -> String {
+    let n = b.name;
+    let t = match b.storage {
+        Storage::F32 => "f32",
+        Storage::F16 => "f16",
+        Storage::F16Packed => "u32",
+    };
+    let mut s = String::new();
+    match (b.vec4, b.storage) {
+        (true, Storage::F16Packed) => {
+            s += &format!(
+                "fn ld4_{n}(i: u32) -> vec4<f32> {{ let w = {n}[i >> 2u]; \
+                 return vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y)); }}\n"
+            );
+        }
+        (true, _) => {
+            s += &format!("fn ld4_{n}(i: u32) -> vec4<f32> {{ return vec4<f32>({n}[i >> 2u]); }}\n")
+        }
+        (false, Storage::F16Packed) => {
+            s += &format!(
+                "fn ld_{n}(i: u32) -> f32 {{ return unpack2x16float({n}[i >> 1u])[i & 1u]; }}\n"
+            );
+        }
+        (false, _) => s += &format!("fn ld_{n}(i: u32) -> f32 {{ return f32({n}[i]); }}\n"),
+    }
+    if b.vec4 {
+        s += &format!("fn ld_{n}(i: u32) -> f32 {{ return ld4_{n}(i & ~3u)[i & 3u]; }}\n");
+    } else {
+        s += &format!(
+            "fn ld4_{n}(i: u32) -> vec4<f32> {{ return vec4<f32>(ld_{n}(i), ld_{n}(i + 1u), ld_{n}(i + 2u), ld_{n}(i + 3u)); }}\n"
+        );
+    }
+    if !b.write {
+        return s;
+    }
+    s += &match (b.vec4, b.storage) {
+        (true, Storage::F16Packed) => format!(
+            "fn st4_{n}(i: u32, v: vec4<f32>) {{ {n}[i >> 2u] = vec2<u32>(pack2x16float(v.xy), pack2x16float(v.zw)); }}\n\
+             fn st_{n}(i: u32, v: f32) {{\n  var w = ld4_{n}(i & ~3u);\n  w[i & 3u] = v;\n  st4_{n}(i & ~3u, w);\n}}\n"
+        ),
+        (true, _) => format!(
+            "fn st4_{n}(i: u32, v: vec4<f32>) {{ {n}[i >> 2u] = vec4<{t}>(v); }}\n\
+             fn st_{n}(i: u32, v: f32) {{ {n}[i >> 2u][i & 3u] = {t}(v); }}\n"
+        ),
+        (false, Storage::F16Packed) => format!(
+            "fn st2_{n}(w: u32, v0: f32, v1: f32, n: u32) {{ {n}[w] = pack2x16float(vec2<f32>(v0, v1)); }}\n\
+             fn st4_{n}(i: u32, v: vec4<f32>) {{ {n}[i >> 1u] = pack2x16float(v.xy); {n}[(i >> 1u) + 1u] = pack2x16float(v.zw); }}\n\
+             fn st_{n}(i: u32, v: f32) {{\n  var w = unpack2x16float({n}[i >> 1u]);\n  w[i & 1u] = v;\n  {n}[i >> 1u] = pack2x16float(w);\n}}\n"
+        ),
+        (false, _) => format!(
+            "fn st_{n}(i: u32, v: f32) {{ {n}[i] = {t}(v); }}\n\
+             fn st2_{n}(w: u32, v0: f32, v1: f32, n: u32) {{\n  \
+               let i = 2u * w;\n  \
+               if (i < n) {{ {n}[i] = {t}(v0); }}\n  \
+               if (i + 1u < n) {{ {n}[i + 1u] = {t}(v1); }}\n}}\n\
+             fn st4_{n}(i: u32, v: vec4<f32>) {{ {n}[i] = {t}(v.x); {n}[i + 1u] = {t}(v.y); {n}[i + 2u] = {t}(v.z); {n}[i + 3u] = {t}(v.w); }}\n"
+        ),
+    };
+    s
 }
 
 /// The full WGSL of `body` with declarations and accessors for `bindings` (binding 1, 2, ...).
@@ -76,35 +152,34 @@ pub fn assemble(body: &str, bindings: &[Binding]) -> String {
         // Inputs are declared read_write too: tensors are ranges of shared arena buffers, and
         // wgpu forbids one buffer bound read-only and writable in the same dispatch, while
         // several writable bindings of one buffer are allowed. Blocks never overlap.
-        let (n, t) = (b.name, b.storage.wgsl_type());
         src += &format!(
-            "@group(0) @binding({}) var<storage, read_write> {n}: array<{t}>;\n",
-            i + 1
+            "@group(0) @binding({}) var<storage, read_write> {}: array<{}>;\n",
+            i + 1,
+            b.name,
+            wgsl_array_type(b)
         );
-        src += &match b.storage {
-            Storage::F32 | Storage::F16 => {
-                format!("fn ld_{n}(i: u32) -> f32 {{ return f32({n}[i]); }}\n")
-            }
-            Storage::F16Packed => {
-                format!("fn ld_{n}(i: u32) -> f32 {{ return unpack2x16float({n}[i >> 1u])[i & 1u]; }}\n")
-            }
-        };
-        if b.write {
-            src += &match b.storage {
-                Storage::F32 | Storage::F16 => format!(
-                    "fn st2_{n}(w: u32, v0: f32, v1: f32, n: u32) {{\n  \
-                       let i = 2u * w;\n  \
-                       if (i < n) {{ {n}[i] = {t}(v0); }}\n  \
-                       if (i + 1u < n) {{ {n}[i + 1u] = {t}(v1); }}\n}}\n"
-                ),
-                Storage::F16Packed => format!(
-                    "fn st2_{n}(w: u32, v0: f32, v1: f32, n: u32) {{ {n}[w] = pack2x16float(vec2<f32>(v0, v1)); }}\n"
-                ),
-            };
-        }
+        src += &accessors(b);
     }
     src.push_str(body);
     src
+}
+
+/// Replaces the value of `const NAME: u32 = ...;` lines in a shader body (tile sizes that size
+/// arrays must be `const`, which pipeline overrides cannot fill).
+pub fn specialize(body: &str, consts: &[(&str, u32)]) -> String {
+    let mut out = String::with_capacity(body.len());
+    for line in body.lines() {
+        let t = line.trim_start();
+        match consts
+            .iter()
+            .find(|(name, _)| t.starts_with(&format!("const {name}: u32 =")))
+        {
+            Some((name, v)) => out += &format!("const {name}: u32 = {v}u;"),
+            None => out += line,
+        }
+        out.push('\n');
+    }
+    out
 }
 
 /// A shader file: its name (cache key prefix) and body.
@@ -141,8 +216,33 @@ pub const TRANSPOSE: ShaderFile = ShaderFile {
     bindings: &[("x", false), ("out", true)],
 };
 
+pub const MATMUL_REG: ShaderFile = ShaderFile {
+    name: "matmul_reg",
+    body: include_str!("../../shaders/matmul_reg.wgsl"),
+    bindings: &[("a", false), ("b", false), ("bias", false), ("c", true)],
+};
+pub const MATMUL_TILED: ShaderFile = ShaderFile {
+    name: "matmul_tiled",
+    body: include_str!("../../shaders/matmul_tiled.wgsl"),
+    bindings: &[("a", false), ("b", false), ("bias", false), ("c", true)],
+};
+pub const MATMUL_NAIVE: ShaderFile = ShaderFile {
+    name: "matmul_naive",
+    body: include_str!("../../shaders/matmul_naive.wgsl"),
+    bindings: &[("a", false), ("b", false), ("bias", false), ("c", true)],
+};
+
 /// Every shader file, for validation without a GPU (unit test and `cargo xtask shaders`).
-pub const SHADERS: &[ShaderFile] = &[BINARY, UNARY, FILL, REDUCE, TRANSPOSE];
+pub const SHADERS: &[ShaderFile] = &[
+    BINARY,
+    UNARY,
+    FILL,
+    REDUCE,
+    TRANSPOSE,
+    MATMUL_REG,
+    MATMUL_TILED,
+    MATMUL_NAIVE,
+];
 
 impl ShaderFile {
     /// The bindings with one storage per tensor, in declaration order.
@@ -154,6 +254,7 @@ impl ShaderFile {
                 name,
                 storage: s,
                 write: w,
+                vec4: false,
             })
             .collect()
     }
@@ -165,7 +266,9 @@ impl ShaderFile {
             key.push('_');
             key.push_str(s.tag());
         }
-        device.kernel(&key, || assemble(self.body, &self.with_storage(storage)))
+        device.kernel(&key, &[], false, || {
+            assemble(self.body, &self.with_storage(storage))
+        })
     }
 }
 
@@ -174,8 +277,31 @@ pub(crate) fn pair_groups(n: usize) -> u32 {
     (n.div_ceil(2) as u32).div_ceil(WG)
 }
 
-/// Every storage combination a shader file is built in at run time.
-pub fn variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
+/// Every binding combination a shader file is built in at run time.
+pub fn variants(file: &ShaderFile) -> Vec<Vec<Binding>> {
+    let mut out: Vec<Vec<Binding>> = storage_variants(file)
+        .iter()
+        .map(|st| file.with_storage(st))
+        .collect();
+    if file.name.starts_with("matmul_") {
+        // With 16-byte aligned rows, A, B and C are read and written as vec4.
+        let vectorized: Vec<Vec<Binding>> = out
+            .iter()
+            .map(|b| {
+                b.iter()
+                    .map(|&x| Binding {
+                        vec4: x.name != "bias",
+                        ..x
+                    })
+                    .collect()
+            })
+            .collect();
+        out.extend(vectorized);
+    }
+    out
+}
+
+fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
     use Storage::*;
     let n = file.bindings.len();
     match file.name {
@@ -217,9 +343,23 @@ pub fn validate_wgsl(src: &str) -> std::result::Result<(), String> {
 pub fn validate_all() -> Vec<(String, std::result::Result<(), String>)> {
     let mut out = Vec::new();
     for file in SHADERS {
-        for storage in variants(file) {
-            let src = assemble(file.body, &file.with_storage(&storage));
-            out.push((format!("{} {storage:?}", file.name), validate_wgsl(&src)));
+        for bindings in variants(file) {
+            let src = assemble(file.body, &bindings);
+            let desc: Vec<String> = bindings
+                .iter()
+                .map(|b| {
+                    format!(
+                        "{}:{}{}",
+                        b.name,
+                        b.storage.tag(),
+                        if b.vec4 { "x4" } else { "" }
+                    )
+                })
+                .collect();
+            out.push((
+                format!("{} {}", file.name, desc.join(" ")),
+                validate_wgsl(&src),
+            ));
         }
     }
     out
@@ -239,9 +379,13 @@ mod tests {
             .filter(|n| n.ends_with(".wgsl"))
             .collect();
         on_disk.sort();
-        let mut registered: Vec<String> = SHADERS.iter().map(|s| format!("{}.wgsl", s.name)).collect();
+        let mut registered: Vec<String> =
+            SHADERS.iter().map(|s| format!("{}.wgsl", s.name)).collect();
         registered.sort();
-        assert_eq!(on_disk, registered, "every shader file must be registered in SHADERS");
+        assert_eq!(
+            on_disk, registered,
+            "every shader file must be registered in SHADERS"
+        );
         let results = validate_all();
         // f32, native f16 and packed f16 of each file at least.
         assert!(results.len() >= 3 * SHADERS.len());

@@ -2,11 +2,13 @@
 //! row-major; `reshape` shares the block, every op writes a new one.
 
 mod dtype;
+mod matmul;
 mod ops;
 mod random;
 mod shape;
 
 pub use dtype::{DType, Element};
+pub use matmul::MatmulOptions;
 pub use random::Rng;
 pub use shape::{Shape, MAX_RANK};
 

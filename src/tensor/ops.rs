@@ -6,7 +6,7 @@ use crate::kernels::{reduce, transpose};
 use crate::{Error, Result};
 
 impl Tensor {
-    fn same_device_and_dtype(&self, op: &'static str, other: &Tensor) -> Result<()> {
+    pub(crate) fn same_device_and_dtype(&self, op: &'static str, other: &Tensor) -> Result<()> {
         if self.device() != other.device() {
             return Err(Error::DeviceMismatch { op });
         }

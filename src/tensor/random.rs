@@ -47,6 +47,16 @@ fn upload(device: &Device, dims: &[usize], dtype: DType, values: Vec<f32>) -> Re
     }
 }
 
+/// The largest f16 below `x` (x finite).
+fn f16_below(x: half::f16) -> half::f16 {
+    let b = x.to_bits();
+    half::f16::from_bits(match b {
+        0x0000 | 0x8000 => 0x8001,     // below ±0: the smallest negative subnormal
+        _ if b & 0x8000 == 0 => b - 1, // positive: one step toward zero
+        _ => b + 1,                    // negative: one step away from zero
+    })
+}
+
 fn check_numel(op: &'static str, dims: &[usize]) -> Result<usize> {
     Ok(super::Shape::new(dims)
         .map_err(|e| match e {
@@ -75,8 +85,19 @@ impl Tensor {
         let n = check_numel("rand_uniform", dims)?;
         let mut rng = Rng::new(seed);
         let span = (high - low) as f64;
-        let v = (0..n)
-            .map(|_| (low as f64 + span * rng.next_f64()) as f32)
+        // Rounding to the dtype can land on `high`; keep the interval half-open.
+        let v: Vec<f32> = (0..n)
+            .map(|_| {
+                let x = (low as f64 + span * rng.next_f64()) as f32;
+                match dtype {
+                    _ if low == high => low,
+                    DType::F32 if x >= high => high.next_down(),
+                    DType::F16 if half::f16::from_f32(x) >= half::f16::from_f32(high) => {
+                        f16_below(half::f16::from_f32(high)).to_f32().max(low)
+                    }
+                    _ => x,
+                }
+            })
             .collect();
         upload(device, dims, dtype, v)
     }

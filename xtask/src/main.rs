@@ -18,7 +18,11 @@ fn main() -> ExitCode {
         }
         "ci" => {
             let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
-            match Command::new("bash").arg(".ci/run").current_dir(root).status() {
+            match Command::new("bash")
+                .arg(".ci/run")
+                .current_dir(root)
+                .status()
+            {
                 Ok(s) if s.success() => ExitCode::SUCCESS,
                 Ok(_) => ExitCode::FAILURE,
                 Err(e) => {

@@ -1,0 +1,155 @@
+// C = op(A) · op(B) (+ bias) (activation), batched over workgroup_id.z.
+// op(A) is (M, K): A is stored (M, K), or (K, M) with TRANS_A. op(B) is (K, N): B is stored
+// (K, N), or (N, K) with TRANS_B. bias is (N). C is (M, N). All f32 accumulation, k in order.
+//
+// Register-blocked and barrier-free: each invocation computes a TM x TN block of C straight from
+// memory, four k at a time, with no workgroup memory and no barriers. CPU adapters (lavapipe)
+// run this fastest: their caches do the tiling, and barriers cost them a thread switch.
+
+struct Params {
+    m: u32,
+    n: u32,
+    k: u32,
+    epilogue: u32, // bit 0: add bias; bits 1..: 0 none, 1 relu, 2 gelu
+    a_batch: u32,  // elements between batches of A (0: shared)
+    b_batch: u32,
+    c_batch: u32,
+    _pad: u32,
+}
+@group(0) @binding(0) var<uniform> p: Params;
+
+const TM: u32 = 4u;   // rows of C per invocation
+const TN: u32 = 4u;   // columns of C per invocation, a multiple of 4
+const TN4: u32 = 1u;  // TN / 4
+const WG_X: u32 = 16u;
+const WG_Y: u32 = 4u;
+override TRANS_A: bool = false;
+override TRANS_B: bool = false;
+// B (not transposed) and C rows start on 16-byte boundaries: whole vec4 loads and stores.
+override VEC_B: bool = false;
+override VEC_C: bool = false;
+
+// tanh-form GELU; tanh through exp(-2|u|) so large |x| gives x or 0, never NaN.
+fn gelu(x: f32) -> f32 {
+    let u = 0.7978845608028654 * (x + 0.044715 * x * x * x);
+    let e = exp(-2.0 * abs(u));
+    let t = sign(u) * (1.0 - e) / (1.0 + e);
+    return 0.5 * x * (1.0 + t);
+}
+
+fn finish(v: f32, col: u32) -> f32 {
+    var r = v;
+    if ((p.epilogue & 1u) != 0u) {
+        r += ld_bias(col);
+    }
+    let act = p.epilogue >> 1u;
+    if (act == 1u) {
+        r = select(r, 0.0, bitcast<u32>(r) > 0x80000000u && bitcast<u32>(r) <= 0xff800000u); // relu keeping NaN (see unary.wgsl)
+    } else if (act == 2u) {
+        r = gelu(r);
+    }
+    return r;
+}
+
+// op(A)[row, k .. k + 4]
+fn a4(base: u32, row: u32, k: u32) -> vec4<f32> {
+    if (TRANS_A) {
+        return vec4<f32>(ld_a(base + k * p.m + row), ld_a(base + (k + 1u) * p.m + row),
+                         ld_a(base + (k + 2u) * p.m + row), ld_a(base + (k + 3u) * p.m + row));
+    }
+    return ld4_a(base + row * p.k + k);
+}
+
+fn a1(base: u32, row: u32, k: u32) -> f32 {
+    if (TRANS_A) {
+        return ld_a(base + k * p.m + row);
+    }
+    return ld_a(base + row * p.k + k);
+}
+
+// op(B)[k, cols of group j], cols clamped into range.
+fn b4(base: u32, k: u32, n: u32) -> vec4<f32> {
+    if (TRANS_B) {
+        let c0 = min(n, p.n - 1u) * p.k;
+        let c1 = min(n + 1u, p.n - 1u) * p.k;
+        let c2 = min(n + 2u, p.n - 1u) * p.k;
+        let c3 = min(n + 3u, p.n - 1u) * p.k;
+        return vec4<f32>(ld_b(base + c0 + k), ld_b(base + c1 + k), ld_b(base + c2 + k), ld_b(base + c3 + k));
+    }
+    if (VEC_B) {
+        return ld4_b(base + k * p.n + min(n, p.n - 4u));
+    }
+    let r = base + k * p.n;
+    return vec4<f32>(ld_b(r + min(n, p.n - 1u)), ld_b(r + min(n + 1u, p.n - 1u)),
+                     ld_b(r + min(n + 2u, p.n - 1u)), ld_b(r + min(n + 3u, p.n - 1u)));
+}
+
+@compute @workgroup_size(WG_X, WG_Y, 1)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    // With WG_Y = 1 the rows depend on the workgroup only, so a CPU adapter proves A's loads
+    // uniform across its SIMD lanes and issues one load instead of one per lane.
+    let ly = select(lid.y, 0u, WG_Y == 1u);
+    let m0 = (wg.y * WG_Y + ly) * TM;
+    let n0 = (wg.x * WG_X + lid.x) * TN;
+    if (m0 >= p.m || n0 >= p.n) {
+        return;
+    }
+    let a_base = wg.z * p.a_batch;
+    let b_base = wg.z * p.b_batch;
+    // Edge blocks read clamped rows; their extra results are never stored.
+    var rows: array<u32, TM>;
+    for (var r = 0u; r < TM; r++) {
+        rows[r] = min(m0 + r, p.m - 1u);
+    }
+    // acc[r * TN4 + j] = C[m0 + r, n0 + 4j .. n0 + 4j + 4]
+    var acc: array<vec4<f32>, TM * TN4>;
+    let k4 = p.k & ~3u;
+    for (var k = 0u; k < k4; k += 4u) {
+        var bv: array<vec4<f32>, 4 * TN4>; // bv[kk * TN4 + j]
+        for (var kk = 0u; kk < 4u; kk++) {
+            for (var j = 0u; j < TN4; j++) {
+                bv[kk * TN4 + j] = b4(b_base, k + kk, n0 + 4u * j);
+            }
+        }
+        for (var r = 0u; r < TM; r++) {
+            let a = a4(a_base, rows[r], k);
+            for (var j = 0u; j < TN4; j++) {
+                var s = acc[r * TN4 + j];
+                s = fma(vec4<f32>(a.x), bv[j], s);
+                s = fma(vec4<f32>(a.y), bv[TN4 + j], s);
+                s = fma(vec4<f32>(a.z), bv[2u * TN4 + j], s);
+                s = fma(vec4<f32>(a.w), bv[3u * TN4 + j], s);
+                acc[r * TN4 + j] = s;
+            }
+        }
+    }
+    for (var k = k4; k < p.k; k++) {
+        for (var r = 0u; r < TM; r++) {
+            let a = vec4<f32>(a1(a_base, rows[r], k));
+            for (var j = 0u; j < TN4; j++) {
+                acc[r * TN4 + j] = fma(a, b4(b_base, k, n0 + 4u * j), acc[r * TN4 + j]);
+            }
+        }
+    }
+    let c_base = wg.z * p.c_batch;
+    for (var r = 0u; r < TM; r++) {
+        let m = m0 + r;
+        if (m >= p.m) {
+            break;
+        }
+        for (var j = 0u; j < TN4; j++) {
+            let n = n0 + 4u * j;
+            let v = acc[r * TN4 + j];
+            let o = c_base + m * p.n + n;
+            if (VEC_C && n + 3u < p.n) {
+                st4_c(o, vec4<f32>(finish(v.x, n), finish(v.y, n + 1u), finish(v.z, n + 2u), finish(v.w, n + 3u)));
+            } else {
+                for (var q = 0u; q < 4u; q++) {
+                    if (n + q < p.n) {
+                        st_c(o + q, finish(v[q], n + q));
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,134 @@
+// C = op(A) · op(B) (+ bias) (activation), batched over workgroup_id.z; shapes and flags as in
+// matmul_reg.wgsl.
+//
+// Workgroup-tiled for GPUs: a (BN/4 x BM/4) workgroup stages a BM x BK tile of A and a BK x BN
+// tile of B in workgroup memory, then each invocation accumulates a 4 x 4 block of C from it
+// with vec4 reads. Tiles past the matrix edge are zero-filled, so any M, N, K works.
+
+struct Params {
+    m: u32,
+    n: u32,
+    k: u32,
+    epilogue: u32,
+    a_batch: u32,
+    b_batch: u32,
+    c_batch: u32,
+    _pad: u32,
+}
+@group(0) @binding(0) var<uniform> p: Params;
+
+const BM: u32 = 64u;  // rows of C per workgroup
+const BN: u32 = 64u;  // columns of C per workgroup
+const BK: u32 = 16u;  // k per stage
+const THREADS: u32 = 256u; // (BN / 4) * (BM / 4)
+override TRANS_A: bool = false;
+override TRANS_B: bool = false;
+override VEC_C: bool = false;
+
+// As[kk * BM / 4 + i] holds rows 4i .. 4i + 4 of the A tile at k = kk; Bs likewise for columns.
+var<workgroup> As: array<vec4<f32>, BK * BM / 4>;
+var<workgroup> Bs: array<vec4<f32>, BK * BN / 4>;
+
+fn gelu(x: f32) -> f32 {
+    let u = 0.7978845608028654 * (x + 0.044715 * x * x * x);
+    let e = exp(-2.0 * abs(u));
+    return 0.5 * x * (1.0 + sign(u) * (1.0 - e) / (1.0 + e));
+}
+
+fn finish(v: f32, col: u32) -> f32 {
+    var r = v;
+    if ((p.epilogue & 1u) != 0u) {
+        r += ld_bias(col);
+    }
+    let act = p.epilogue >> 1u;
+    if (act == 1u) {
+        r = select(r, 0.0, bitcast<u32>(r) > 0x80000000u && bitcast<u32>(r) <= 0xff800000u); // relu keeping NaN (see unary.wgsl)
+    } else if (act == 2u) {
+        r = gelu(r);
+    }
+    return r;
+}
+
+// op(A)[row, k], 0 outside the matrix.
+fn a_at(base: u32, row: u32, k: u32) -> f32 {
+    if (row >= p.m || k >= p.k) {
+        return 0.0;
+    }
+    if (TRANS_A) {
+        return ld_a(base + k * p.m + row);
+    }
+    return ld_a(base + row * p.k + k);
+}
+
+// op(B)[k, col], 0 outside the matrix.
+fn b_at(base: u32, k: u32, col: u32) -> f32 {
+    if (col >= p.n || k >= p.k) {
+        return 0.0;
+    }
+    if (TRANS_B) {
+        return ld_b(base + col * p.k + k);
+    }
+    return ld_b(base + k * p.n + col);
+}
+
+@compute @workgroup_size(BN / 4u, BM / 4u, 1)
+fn main(@builtin(workgroup_id) wg: vec3<u32>,
+        @builtin(local_invocation_id) lid: vec3<u32>,
+        @builtin(local_invocation_index) li: u32) {
+    let row0 = wg.y * BM;
+    let col0 = wg.x * BN;
+    let a_base = wg.z * p.a_batch;
+    let b_base = wg.z * p.b_batch;
+    var acc: array<vec4<f32>, 4>; // acc[i] = C[row0 + 4 lid.y + i, col0 + 4 lid.x .. + 4]
+    for (var k0 = 0u; k0 < p.k; k0 += BK) {
+        // Stage the tiles: consecutive invocations take consecutive k of A (or of B's rows when
+        // transposed) so reads along memory are adjacent.
+        for (var e = li; e < BM * BK; e += THREADS) {
+            var r = e / BK;
+            var kk = e % BK;
+            if (TRANS_A) {
+                r = e % BM;
+                kk = e / BM;
+            }
+            As[kk * (BM / 4u) + r / 4u][r % 4u] = a_at(a_base, row0 + r, k0 + kk);
+        }
+        for (var e = li; e < BK * BN; e += THREADS) {
+            var c = e % BN;
+            var kk = e / BN;
+            if (TRANS_B) {
+                c = e / BK;
+                kk = e % BK;
+            }
+            Bs[kk * (BN / 4u) + c / 4u][c % 4u] = b_at(b_base, k0 + kk, col0 + c);
+        }
+        workgroupBarrier();
+        for (var kk = 0u; kk < BK; kk++) {
+            let a = As[kk * (BM / 4u) + lid.y];
+            let b = Bs[kk * (BN / 4u) + lid.x];
+            acc[0] = fma(vec4<f32>(a.x), b, acc[0]);
+            acc[1] = fma(vec4<f32>(a.y), b, acc[1]);
+            acc[2] = fma(vec4<f32>(a.z), b, acc[2]);
+            acc[3] = fma(vec4<f32>(a.w), b, acc[3]);
+        }
+        workgroupBarrier();
+    }
+    let c_base = wg.z * p.c_batch;
+    let n = col0 + 4u * lid.x;
+    for (var i = 0u; i < 4u; i++) {
+        let m = row0 + 4u * lid.y + i;
+        if (m >= p.m || n >= p.n) {
+            continue;
+        }
+        let v = acc[i];
+        let o = c_base + m * p.n + n;
+        if (VEC_C && n + 3u < p.n) {
+            st4_c(o, vec4<f32>(finish(v.x, n), finish(v.y, n + 1u), finish(v.z, n + 2u), finish(v.w, n + 3u)));
+        } else {
+            for (var q = 0u; q < 4u; q++) {
+                if (n + q < p.n) {
+                    st_c(o + q, finish(v[q], n + q));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,612 @@
+//! Shared helpers of the integration tests: the devices to run on, plain-loop CPU references,
+//! host data generation and tolerant comparison.
+//!
+//! Every test binary includes this module with `mod common;` and uses a different part of it,
+//! hence the `dead_code` allowance.
+#![allow(dead_code)]
+
+use fitgrad::{DType, Device, DeviceOptions, Tensor};
+use half::f16;
+use std::io::Write;
+use std::sync::OnceLock;
+
+// ---------------------------------------------------------------------------------------------
+// Devices
+// ---------------------------------------------------------------------------------------------
+
+/// Backends tried when FITGRAD_BACKEND is not set.
+const BACKENDS: [&str; 4] = ["vulkan", "gl", "metal", "dx12"];
+
+fn under_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true")
+}
+
+/// Writes to the process's stderr directly: `eprintln!` inside a test is captured by the test
+/// harness and only shown when the test fails, and these lines must reach the CI log.
+fn log(msg: &str) {
+    let _ = writeln!(std::io::stderr().lock(), "{msg}");
+}
+
+fn no_device_message(detail: &str) -> String {
+    format!(
+        "no GPU adapter found under CI=true; install mesa-vulkan-drivers \
+         (apt-get install mesa-vulkan-drivers libegl1 libegl-mesa0 libgl1-mesa-dri). {detail}"
+    )
+}
+
+/// What to do when no adapter was found: fail under CI, skip loudly elsewhere.
+fn no_device(detail: &str) {
+    if under_ci() {
+        panic!("{}", no_device_message(detail));
+    }
+    log(&format!(
+        "\n*** SKIPPED: no GPU adapter found ({detail}). Install mesa-vulkan-drivers to run the \
+         GPU tests; under CI=true this is a failure. ***\n"
+    ));
+}
+
+/// A short label for a device: backend plus f16 mode, e.g. "vulkan/f16-native".
+pub fn label(dev: &Device) -> String {
+    let info = dev.info();
+    format!(
+        "{}/{} ({})",
+        info.adapter.backend,
+        if info.f16_native {
+            "f16-native"
+        } else {
+            "f16-packed"
+        },
+        info.adapter.name
+    )
+}
+
+/// The devices, or (under CI=true, when there are none) the message to fail with.
+fn open_all() -> Result<Vec<Device>, String> {
+    let mut devs = Vec::new();
+    let mut failures = Vec::new();
+    let env_backend = std::env::var("FITGRAD_BACKEND")
+        .ok()
+        .filter(|s| !s.is_empty());
+    if let Some(b) = &env_backend {
+        match Device::new() {
+            Ok(d) => devs.push(d),
+            Err(e) => failures.push(format!("FITGRAD_BACKEND={b}: {e}")),
+        }
+    } else {
+        for b in BACKENDS {
+            match Device::with_options(DeviceOptions {
+                backend: Some(b.into()),
+                ..Default::default()
+            }) {
+                Ok(d) => devs.push(d),
+                Err(e) => failures.push(format!("{b}: {e}")),
+            }
+        }
+    }
+    // The packed f16 path on adapters that would otherwise compute in f16.
+    let natives: Vec<String> = devs
+        .iter()
+        .filter(|d| d.info().f16_native)
+        .map(|d| d.info().adapter.backend.clone())
+        .collect();
+    for backend in natives {
+        match Device::with_options(DeviceOptions {
+            backend: Some(backend.clone()),
+            force_packed_f16: true,
+            ..Default::default()
+        }) {
+            Ok(d) => devs.push(d),
+            Err(e) => failures.push(format!("{backend} with force_packed_f16: {e}")),
+        }
+    }
+    if devs.is_empty() {
+        let detail = failures.join("; ");
+        if under_ci() {
+            return Err(no_device_message(&detail));
+        }
+        no_device(&detail);
+    }
+    for d in &devs {
+        log(&format!(
+            "fitgrad test device [{}]\n{}\n",
+            label(d),
+            d.info()
+        ));
+    }
+    Ok(devs)
+}
+
+/// One shared device per backend this machine offers (plus a forced-packed-f16 twin of every
+/// device with native f16), opened once per test binary. Empty (after a loud SKIPPED) when the
+/// machine has no adapter and CI is not "true"; panics under CI=true.
+pub fn devices() -> Vec<Device> {
+    // The outcome is kept either way, so adapters are enumerated once per test binary.
+    static DEVICES: OnceLock<Result<Vec<Device>, String>> = OnceLock::new();
+    match DEVICES.get_or_init(open_all) {
+        Ok(devs) => devs.clone(),
+        Err(msg) => panic!("{msg}"),
+    }
+}
+
+/// A device of its own (its own arena), for tests that look at memory statistics. Honours
+/// FITGRAD_BACKEND through `Device::with_options`. `None` (after a loud SKIPPED) when there is no
+/// adapter and CI is not "true".
+pub fn fresh_device(opts: DeviceOptions) -> Option<Device> {
+    match Device::with_options(opts) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            no_device(&e.to_string());
+            None
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host data
+// ---------------------------------------------------------------------------------------------
+
+/// SplitMix64, for test data (independent of the crate's own generator).
+pub struct HostRng(u64);
+
+impl HostRng {
+    pub fn new(seed: u64) -> Self {
+        HostRng(seed ^ 0x5DEE_CE66_D1CE_4E5B)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [lo, hi).
+    pub fn uniform(&mut self, lo: f32, hi: f32) -> f32 {
+        let u = (self.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
+        lo + (hi - lo) * u
+    }
+}
+
+/// `n` values uniform in [lo, hi).
+pub fn host_data(seed: u64, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    let mut r = HostRng::new(seed);
+    (0..n).map(|_| r.uniform(lo, hi)).collect()
+}
+
+/// `n` values with magnitude in [lo, hi) and a random sign (never near zero: divisors).
+pub fn host_data_away_from_zero(seed: u64, n: usize, lo: f32, hi: f32) -> Vec<f32> {
+    let mut r = HostRng::new(seed);
+    (0..n)
+        .map(|_| {
+            let m = r.uniform(lo, hi);
+            if r.next_u64() & 1 == 0 {
+                m
+            } else {
+                -m
+            }
+        })
+        .collect()
+}
+
+pub fn numel(dims: &[usize]) -> usize {
+    dims.iter().product()
+}
+
+/// f32 -> f16 -> f32 (round to nearest even, as `half` does).
+pub fn round_f16(x: f32) -> f32 {
+    f16::from_f32(x).to_f32()
+}
+
+pub fn round_f16_all(xs: &[f32]) -> Vec<f32> {
+    xs.iter().map(|&x| round_f16(x)).collect()
+}
+
+/// The host data as the tensor of `dtype` will hold it (rounded through f16 for f16).
+pub fn as_dtype(xs: &[f32], dtype: DType) -> Vec<f32> {
+    match dtype {
+        DType::F32 => xs.to_vec(),
+        DType::F16 => round_f16_all(xs),
+    }
+}
+
+/// A tensor of `dtype` holding `xs` (rounded through half::f16 for f16).
+pub fn upload(dev: &Device, xs: &[f32], dims: &[usize], dtype: DType) -> Tensor {
+    let t = match dtype {
+        DType::F32 => Tensor::from_slice(dev, xs, dims),
+        DType::F16 => {
+            let h: Vec<f16> = xs.iter().map(|&x| f16::from_f32(x)).collect();
+            Tensor::from_slice(dev, &h, dims)
+        }
+    };
+    t.unwrap_or_else(|e| panic!("upload of {dims:?} {dtype} on {}: {e}", label(dev)))
+}
+
+/// Reads a tensor back as f32, checking its dtype and dims first.
+pub fn download(t: &Tensor, dims: &[usize], dtype: DType) -> Result<Vec<f32>, String> {
+    if t.dims() != dims {
+        return Err(format!("result dims {:?}, expected {dims:?}", t.dims()));
+    }
+    if t.dtype() != dtype {
+        return Err(format!("result dtype {}, expected {dtype}", t.dtype()));
+    }
+    t.to_vec_f32().map_err(|e| format!("readback failed: {e}"))
+}
+
+// ---------------------------------------------------------------------------------------------
+// CPU references (plain loops, nothing clever)
+// ---------------------------------------------------------------------------------------------
+
+/// Row-major strides of `dims`.
+pub fn strides(dims: &[usize]) -> Vec<usize> {
+    let mut s = vec![1usize; dims.len()];
+    let mut acc = 1usize;
+    for i in (0..dims.len()).rev() {
+        s[i] = acc;
+        acc *= dims[i];
+    }
+    s
+}
+
+/// numpy broadcasting of two shapes; `None` when they do not fit.
+pub fn broadcast_dims(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+    let rank = a.len().max(b.len());
+    let mut out = vec![0usize; rank];
+    for (k, o) in out.iter_mut().enumerate() {
+        // k counts from the left of the output; dims are aligned on the right.
+        let da = if k + a.len() >= rank {
+            a[k + a.len() - rank]
+        } else {
+            1
+        };
+        let db = if k + b.len() >= rank {
+            b[k + b.len() - rank]
+        } else {
+            1
+        };
+        *o = if da == db {
+            da
+        } else if da == 1 {
+            db
+        } else if db == 1 {
+            da
+        } else {
+            return None;
+        };
+    }
+    Some(out)
+}
+
+/// Linear index into a tensor of `dims` for the output multi-index `idx` (of rank >= dims.len()),
+/// with broadcast dims (size 1) pinned to 0.
+fn broadcast_index(idx: &[usize], dims: &[usize]) -> usize {
+    let st = strides(dims);
+    let shift = idx.len() - dims.len();
+    let mut off = 0;
+    for i in 0..dims.len() {
+        let j = if dims[i] == 1 { 0 } else { idx[i + shift] };
+        off += j * st[i];
+    }
+    off
+}
+
+/// Multi-index of linear index `lin` in `dims`.
+fn unravel(mut lin: usize, dims: &[usize]) -> Vec<usize> {
+    let mut idx = vec![0; dims.len()];
+    for i in (0..dims.len()).rev() {
+        idx[i] = lin % dims[i];
+        lin /= dims[i];
+    }
+    idx
+}
+
+/// `f(a, b)` with numpy broadcasting; returns the values and the output dims.
+pub fn ref_binary(
+    a: &[f32],
+    ad: &[usize],
+    b: &[f32],
+    bd: &[usize],
+    f: impl Fn(f32, f32) -> f32,
+) -> (Vec<f32>, Vec<usize>) {
+    let od = broadcast_dims(ad, bd).expect("reference: shapes do not broadcast");
+    let n = numel(&od);
+    let mut out = Vec::with_capacity(n);
+    for lin in 0..n {
+        let idx = unravel(lin, &od);
+        out.push(f(
+            a[broadcast_index(&idx, ad)],
+            b[broadcast_index(&idx, bd)],
+        ));
+    }
+    (out, od)
+}
+
+/// `f(x)` for every element.
+pub fn ref_unary(x: &[f32], f: impl Fn(f32) -> f32) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    for &v in x {
+        out.push(f(v));
+    }
+    out
+}
+
+/// torch.relu: negative values become 0, NaN stays NaN.
+pub fn relu(x: f32) -> f32 {
+    if x < 0.0 {
+        0.0
+    } else {
+        x
+    }
+}
+
+/// Sum of every element, accumulated in f64.
+pub fn ref_sum(x: &[f32]) -> f64 {
+    let mut acc = 0.0f64;
+    for &v in x {
+        acc += v as f64;
+    }
+    acc
+}
+
+/// Sum (or mean) along `axis` with f64 accumulation; returns values and output dims. The mean
+/// of an empty axis is NaN.
+pub fn ref_reduce_axis(
+    x: &[f32],
+    dims: &[usize],
+    axis: usize,
+    keepdim: bool,
+    mean: bool,
+) -> (Vec<f32>, Vec<usize>) {
+    let outer: usize = dims[..axis].iter().product();
+    let len = dims[axis];
+    let inner: usize = dims[axis + 1..].iter().product();
+    let mut out = Vec::with_capacity(outer * inner);
+    for o in 0..outer {
+        for i in 0..inner {
+            let mut acc = 0.0f64;
+            for k in 0..len {
+                acc += x[(o * len + k) * inner + i] as f64;
+            }
+            out.push(if mean {
+                (acc / len as f64) as f32
+            } else {
+                acc as f32
+            });
+        }
+    }
+    let mut od = dims.to_vec();
+    if keepdim {
+        od[axis] = 1;
+    } else {
+        od.remove(axis);
+    }
+    (out, od)
+}
+
+/// Sum of |x| along `axis` (the scale of a reduction's rounding error).
+pub fn ref_abs_sum_axis(x: &[f32], dims: &[usize], axis: usize) -> Vec<f32> {
+    let abs: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+    ref_reduce_axis(&abs, dims, axis, true, false).0
+}
+
+/// Swaps the last two dims (rank >= 2).
+pub fn ref_transpose(x: &[f32], dims: &[usize]) -> (Vec<f32>, Vec<usize>) {
+    let k = dims.len();
+    assert!(k >= 2, "reference transpose needs rank >= 2");
+    let (r, c) = (dims[k - 2], dims[k - 1]);
+    let batch: usize = dims[..k - 2].iter().product();
+    let mut out = vec![0.0f32; x.len()];
+    for b in 0..batch {
+        for i in 0..r {
+            for j in 0..c {
+                out[b * r * c + j * r + i] = x[b * r * c + i * c + j];
+            }
+        }
+    }
+    let mut od = dims.to_vec();
+    od.swap(k - 2, k - 1);
+    (out, od)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Comparison
+// ---------------------------------------------------------------------------------------------
+
+/// Distance between `x` and the next f16 away from zero (the f16 ulp at `x`).
+pub fn f16_ulp(x: f32) -> f32 {
+    let h = f16::from_f32(x.abs());
+    if !h.is_finite() {
+        return 0.0;
+    }
+    let next = f16::from_bits(h.to_bits() + 1);
+    if next.is_finite() {
+        next.to_f32() - h.to_f32()
+    } else {
+        h.to_f32() - f16::from_bits(h.to_bits() - 1).to_f32()
+    }
+}
+
+/// Tolerance: |got - want| <= abs + rel * |want| + ulps * f16_ulp(want).
+#[derive(Clone, Copy, Debug)]
+pub struct Tol {
+    pub abs: f32,
+    pub rel: f32,
+    pub f16_ulps: f32,
+}
+
+impl Tol {
+    pub const EXACT: Tol = Tol {
+        abs: 0.0,
+        rel: 0.0,
+        f16_ulps: 0.0,
+    };
+
+    /// For elementwise results of `dtype` (reference computed from the rounded inputs and, for
+    /// f16, rounded to f16).
+    pub fn elementwise(dtype: DType) -> Tol {
+        match dtype {
+            DType::F32 => Tol {
+                abs: 1e-6,
+                rel: 1e-6,
+                f16_ulps: 0.0,
+            },
+            DType::F16 => Tol {
+                abs: 1e-6,
+                rel: 1e-3,
+                f16_ulps: 2.0,
+            },
+        }
+    }
+}
+
+/// Both NaN, equal (including infinities of one sign), or within `tol(i)`.
+fn close(got: f32, want: f32, tol: f32) -> bool {
+    if want.is_nan() || got.is_nan() {
+        return want.is_nan() && got.is_nan();
+    }
+    if got == want {
+        return true;
+    }
+    if want.is_infinite() || got.is_infinite() {
+        return false;
+    }
+    ((got - want).abs() as f64) <= tol as f64
+}
+
+/// Compares element by element with a per-element absolute tolerance; the error names the
+/// first mismatch (index, values, tolerance) and how many elements differ.
+pub fn check_close_by(
+    what: &str,
+    got: &[f32],
+    want: &[f32],
+    tol: impl Fn(usize) -> f32,
+) -> Result<(), String> {
+    if got.len() != want.len() {
+        return Err(format!(
+            "{what}: got {} values, expected {}",
+            got.len(),
+            want.len()
+        ));
+    }
+    let mut first = None;
+    let mut bad = 0usize;
+    for i in 0..got.len() {
+        let t = tol(i);
+        if !close(got[i], want[i], t) {
+            bad += 1;
+            if first.is_none() {
+                first = Some((i, got[i], want[i], t));
+            }
+        }
+    }
+    match first {
+        None => Ok(()),
+        Some((i, g, w, t)) => Err(format!(
+            "{what}: {bad} of {} values differ; first at index {i}: got {g:?}, expected {w:?} \
+             (|diff| {:e}, tolerance {t:e})",
+            got.len(),
+            (g - w).abs()
+        )),
+    }
+}
+
+/// Compares with `tol` (abs + rel + f16 ulps).
+pub fn check_close(what: &str, got: &[f32], want: &[f32], tol: Tol) -> Result<(), String> {
+    check_close_by(what, got, want, |i| {
+        let w = want[i].abs();
+        if w.is_finite() {
+            tol.abs + tol.rel * w + tol.f16_ulps * f16_ulp(w)
+        } else {
+            0.0 // NaN and infinities must match exactly
+        }
+    })
+}
+
+/// [`check_close`] that panics.
+pub fn assert_close(what: &str, got: &[f32], want: &[f32], tol: Tol) {
+    if let Err(e) = check_close(what, got, want, tol) {
+        panic!("{e}");
+    }
+}
+
+/// The reference in the result's dtype: f16 results are compared with the rounded reference.
+pub fn expect_in(want: Vec<f32>, dtype: DType) -> Vec<f32> {
+    as_dtype(&want, dtype)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shapes for proptest
+// ---------------------------------------------------------------------------------------------
+
+pub mod strategies {
+    use proptest::prelude::*;
+
+    /// Elements a generated tensor may have at most (lavapipe is a slow software GPU).
+    pub const MAX_NUMEL: usize = 20_000;
+
+    /// One dim: mostly small, often 1, sometimes 0 (empty), sometimes around the 256- and
+    /// 512-element workgroup sizes or long.
+    pub fn dim() -> impl Strategy<Value = usize> {
+        prop_oneof![
+            3 => Just(1usize),
+            5 => 2usize..9,
+            3 => 9usize..40,
+            2 => prop::sample::select(vec![63usize, 64, 65, 100, 255, 256, 257, 511, 512, 513, 1000, 1025]),
+            1 => Just(0usize),
+        ]
+    }
+
+    /// Halves the largest dim until the element count is at most `max` (keeps odd sizes odd
+    /// often enough: 513 -> 256 -> 128, 1025 -> 512, 257 -> 128, 17 -> 8).
+    pub fn cap(mut dims: Vec<usize>, max: usize) -> Vec<usize> {
+        while dims.iter().product::<usize>() > max {
+            let (i, _) = dims
+                .iter()
+                .enumerate()
+                .max_by_key(|(_, &d)| d)
+                .expect("a rank-0 shape has one element");
+            dims[i] = (dims[i] / 2) | 1;
+            if dims[i] == 1 && dims.iter().product::<usize>() > max {
+                // Cannot happen with max >= 1, but never loop forever.
+                break;
+            }
+        }
+        dims
+    }
+
+    /// A shape of rank `lo..=hi` with at most MAX_NUMEL elements (rank 0, a single case, half
+    /// as likely as each other rank).
+    pub fn shape_rank(lo: usize, hi: usize) -> impl Strategy<Value = Vec<usize>> {
+        let ranks: Vec<usize> = [0, 1, 1, 2, 2, 3, 3, 4, 4]
+            .into_iter()
+            .filter(|r| (lo..=hi).contains(r))
+            .collect();
+        prop::sample::select(ranks)
+            .prop_flat_map(|rank| prop::collection::vec(dim(), rank))
+            .prop_map(|d| cap(d, MAX_NUMEL))
+    }
+
+    /// A shape of rank 0..=4.
+    pub fn shape() -> impl Strategy<Value = Vec<usize>> {
+        shape_rank(0, 4)
+    }
+
+    /// Two shapes that broadcast together: both derived from one output shape by dropping
+    /// leading dims and setting dims to 1 (so either side, or both, may broadcast).
+    pub fn broadcast_pair() -> impl Strategy<Value = (Vec<usize>, Vec<usize>)> {
+        (shape(), any::<u64>()).prop_map(|(out, bits)| {
+            let rank = out.len();
+            let derive = |bits: u64| -> Vec<usize> {
+                // Low 3 bits: how many leading dims to drop; then one bit per dim: set to 1.
+                let drop = ((bits & 7) as usize) % (rank + 1);
+                let drop = if bits & 8 == 0 { 0 } else { drop };
+                out[drop..]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &d)| if (bits >> (4 + i)) & 3 == 0 { 1 } else { d })
+                    .collect()
+            };
+            (derive(bits), derive(bits >> 16))
+        })
+    }
+}

@@ -1,0 +1,318 @@
+//! Binary (broadcast), scalar and unary kernels against the CPU reference, on every device and
+//! in f32 and f16.
+
+mod common;
+
+use common::strategies::{broadcast_pair, shape};
+use common::*;
+use fitgrad::{DType, Device, Tensor};
+use proptest::prelude::*;
+
+const DTYPES: [DType; 2] = [DType::F32, DType::F16];
+
+type BinFn = fn(&Tensor, &Tensor) -> fitgrad::Result<Tensor>;
+/// (name, op, reference).
+type BinCase = (&'static str, BinFn, fn(f32, f32) -> f32);
+
+fn binary_ops() -> [BinCase; 4] {
+    [
+        ("add", Tensor::add, |x, y| x + y),
+        ("sub", Tensor::sub, |x, y| x - y),
+        ("mul", Tensor::mul, |x, y| x * y),
+        ("div", Tensor::div, |x, y| x / y),
+    ]
+}
+
+/// Runs every binary op on (ad, bd) shapes with data from `seed` on one device and dtype.
+fn check_binary(
+    dev: &Device,
+    dtype: DType,
+    ad: &[usize],
+    bd: &[usize],
+    seed: u64,
+) -> Result<(), String> {
+    let a_host = as_dtype(&host_data(seed, numel(ad), -4.0, 4.0), dtype);
+    // b is a divisor too: keep it away from zero so f16 results stay finite.
+    let b_host = as_dtype(
+        &host_data_away_from_zero(seed ^ 1, numel(bd), 0.25, 4.0),
+        dtype,
+    );
+    let a = upload(dev, &a_host, ad, dtype);
+    let b = upload(dev, &b_host, bd, dtype);
+    for (name, op, f) in binary_ops() {
+        let what = format!("{name} {ad:?} {bd:?} {dtype} on {}", label(dev));
+        let out = op(&a, &b).map_err(|e| format!("{what}: {e}"))?;
+        let (want, od) = ref_binary(&a_host, ad, &b_host, bd, f);
+        let got = download(&out, &od, dtype).map_err(|e| format!("{what}: {e}"))?;
+        check_close(
+            &what,
+            &got,
+            &expect_in(want, dtype),
+            Tol::elementwise(dtype),
+        )?;
+    }
+    Ok(())
+}
+
+type UnFn = fn(&Tensor, f32) -> fitgrad::Result<Tensor>;
+/// (name, op, reference, whether x must stay away from zero).
+type UnCase = (&'static str, UnFn, fn(f32, f32) -> f32, bool);
+
+/// The scalar and unary ops.
+fn unary_ops() -> Vec<UnCase> {
+    vec![
+        ("add_scalar", Tensor::add_scalar, |x, s| x + s, false),
+        ("sub_scalar", Tensor::sub_scalar, |x, s| x - s, false),
+        ("mul_scalar", Tensor::mul_scalar, |x, s| x * s, false),
+        ("div_scalar", Tensor::div_scalar, |x, s| x / s, false),
+        ("rsub_scalar", Tensor::rsub_scalar, |x, s| s - x, false),
+        ("rdiv_scalar", Tensor::rdiv_scalar, |x, s| s / x, true),
+        ("neg", |t, _| t.neg(), |x, _| -x, false),
+        ("relu", |t, _| t.relu(), |x, _| relu(x), false),
+    ]
+}
+
+fn check_unary(
+    dev: &Device,
+    dtype: DType,
+    dims: &[usize],
+    s: f32,
+    seed: u64,
+) -> Result<(), String> {
+    let n = numel(dims);
+    let x_host = as_dtype(&host_data(seed, n, -4.0, 4.0), dtype);
+    let x_nz = as_dtype(&host_data_away_from_zero(seed, n, 0.25, 4.0), dtype);
+    let x = upload(dev, &x_host, dims, dtype);
+    let xnz = upload(dev, &x_nz, dims, dtype);
+    for (name, op, f, nonzero) in unary_ops() {
+        let what = format!("{name}({s}) {dims:?} {dtype} on {}", label(dev));
+        let (xt, xh) = if nonzero {
+            (&xnz, &x_nz)
+        } else {
+            (&x, &x_host)
+        };
+        let out = op(xt, s).map_err(|e| format!("{what}: {e}"))?;
+        let want = ref_unary(xh, |v| f(v, s));
+        let got = download(&out, dims, dtype).map_err(|e| format!("{what}: {e}"))?;
+        check_close(
+            &what,
+            &got,
+            &expect_in(want, dtype),
+            Tol::elementwise(dtype),
+        )?;
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    #[test]
+    fn binary_ops_broadcast_like_numpy((ad, bd) in broadcast_pair(), seed in any::<u64>()) {
+        for dev in devices() {
+            for dtype in DTYPES {
+                check_binary(&dev, dtype, &ad, &bd, seed).map_err(TestCaseError::fail)?;
+            }
+        }
+    }
+
+    #[test]
+    fn scalar_and_unary_ops(
+        dims in shape(),
+        s in prop_oneof![Just(0.5f32), Just(-3.0f32), 0.25f32..4.0],
+        seed in any::<u64>(),
+    ) {
+        for dev in devices() {
+            for dtype in DTYPES {
+                check_unary(&dev, dtype, &dims, s, seed).map_err(TestCaseError::fail)?;
+            }
+        }
+    }
+}
+
+/// Fixed shapes the random ones might miss: both sides broadcasting, rank 0 with rank 4, empty
+/// with broadcast, and sizes around the 512 elements one workgroup handles.
+#[test]
+fn binary_edge_shapes() {
+    let cases: &[(&[usize], &[usize])] = &[
+        (&[3, 1, 5], &[4, 1]),
+        (&[4, 1], &[3, 1, 5]),
+        (&[], &[2, 3, 4, 5]),
+        (&[2, 3, 4, 5], &[]),
+        (&[], &[]),
+        (&[1], &[7]),
+        (&[0], &[1]),
+        (&[2, 0, 3], &[3]),
+        (&[0, 4], &[1, 4]),
+        (&[255], &[255]),
+        (&[256], &[1]),
+        (&[257], &[257]),
+        (&[511], &[511]),
+        (&[512], &[512]),
+        (&[513], &[1]),
+        (&[1025], &[1025]),
+        (&[3, 1, 513], &[5, 1]),
+        (&[2, 1, 3, 1], &[1, 4, 1, 5]),
+        (&[1, 1, 1, 1], &[9, 1, 1, 1]),
+        (&[4000], &[4000]),
+    ];
+    for dev in devices() {
+        for dtype in DTYPES {
+            for (i, (ad, bd)) in cases.iter().enumerate() {
+                check_binary(&dev, dtype, ad, bd, 100 + i as u64).unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn unary_edge_shapes() {
+    let shapes: &[&[usize]] = &[
+        &[],
+        &[0],
+        &[1],
+        &[2, 0],
+        &[255],
+        &[256],
+        &[257],
+        &[511],
+        &[512],
+        &[513],
+        &[1023],
+        &[1025],
+        &[3, 5, 7, 11],
+    ];
+    for dev in devices() {
+        for dtype in DTYPES {
+            for (i, dims) in shapes.iter().enumerate() {
+                check_unary(&dev, dtype, dims, 1.5, 7 + i as u64).unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+    }
+}
+
+/// relu maps -0.0 and negatives to 0 and keeps infinities' signs apart (-inf -> 0, inf -> inf).
+#[test]
+fn relu_special_values() {
+    let xs = [
+        -1.0,
+        -0.0,
+        0.0,
+        2.5,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        -1e-3,
+    ];
+    for dev in devices() {
+        for dtype in DTYPES {
+            let what = format!("relu special values {dtype} on {}", label(&dev));
+            let x = upload(&dev, &xs, &[xs.len()], dtype);
+            let got = download(&x.relu().unwrap(), &[xs.len()], dtype).unwrap();
+            assert_close(
+                &what,
+                &got,
+                &[0.0, 0.0, 0.0, 2.5, f32::INFINITY, 0.0, 0.0],
+                Tol::EXACT,
+            );
+        }
+    }
+}
+
+/// relu keeps NaN, as torch.relu does. `Err` names the first device and dtype that lost it.
+fn check_relu_keeps_nan(dev: &Device) -> Result<(), String> {
+    let xs = [f32::NAN, -1.0, 3.0, f32::NAN];
+    for dtype in DTYPES {
+        let x = upload(dev, &xs, &[4], dtype);
+        let got = download(&x.relu().unwrap(), &[4], dtype)?;
+        check_close(
+            &format!("relu of NaN {dtype} on {}", label(dev)),
+            &got,
+            &[f32::NAN, 0.0, 3.0, f32::NAN],
+            Tol::EXACT,
+        )?;
+    }
+    Ok(())
+}
+
+fn is_gl(dev: &Device) -> bool {
+    dev.info().adapter.backend == "gl"
+}
+
+#[test]
+fn relu_keeps_nan() {
+    for dev in devices().iter().filter(|d| !is_gl(d)) {
+        check_relu_keeps_nan(dev).unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
+/// Regression: on GL (Mesa llvmpipe) `select(x, 0.0, x < 0.0)`, emitted as GLSL
+/// `(x < 0.0) ? 0.0 : x`, was optimised into `max(x, 0.0)` and NaN became 0.
+#[test]
+fn relu_keeps_nan_on_gl() {
+    for dev in devices().iter().filter(|d| is_gl(d)) {
+        check_relu_keeps_nan(dev).unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
+/// Division follows IEEE: x / 0 is +-inf, 0 / 0 is NaN; f16 results overflow to inf.
+#[test]
+fn division_by_zero_gives_inf_and_nan() {
+    for dev in devices() {
+        for dtype in DTYPES {
+            let what = format!("div by zero {dtype} on {}", label(&dev));
+            let a = upload(&dev, &[1.0, -2.0, 0.0], &[3], dtype);
+            let b = upload(&dev, &[0.0, 0.0, 0.0], &[3], dtype);
+            let got = download(&a.div(&b).unwrap(), &[3], dtype).unwrap();
+            assert_close(
+                &what,
+                &got,
+                &[f32::INFINITY, f32::NEG_INFINITY, f32::NAN],
+                Tol::EXACT,
+            );
+        }
+    }
+}
+
+/// A chain of many ops (more than the 256 dispatches after which the device flushes on its own)
+/// gives the same result as the host.
+#[test]
+fn long_op_chain_crosses_flushes() {
+    for dev in devices() {
+        let host = host_data(5, 300, -1.0, 1.0);
+        let mut t = upload(&dev, &host, &[300], DType::F32);
+        let mut want = host.clone();
+        for step in 0..300 {
+            let s = (step % 7) as f32 * 0.25;
+            t = t.add_scalar(s).unwrap().mul_scalar(0.5).unwrap();
+            for v in want.iter_mut() {
+                *v = (*v + s) * 0.5;
+            }
+        }
+        let got = t.to_vec::<f32>().unwrap();
+        assert_close(
+            &format!("300-step chain on {}", label(&dev)),
+            &got,
+            &want,
+            Tol::elementwise(DType::F32),
+        );
+    }
+}
+
+/// Ops on the same device from several threads at once all give correct results.
+#[test]
+fn ops_from_several_threads() {
+    for dev in devices() {
+        std::thread::scope(|s| {
+            for th in 0..4u64 {
+                let dev = dev.clone();
+                s.spawn(move || {
+                    for round in 0..10u64 {
+                        let seed = th * 100 + round;
+                        check_binary(&dev, DType::F32, &[33, 7], &[7], seed)
+                            .unwrap_or_else(|e| panic!("thread {th}: {e}"));
+                    }
+                });
+            }
+        });
+    }
+}
