@@ -1,15 +1,39 @@
-// Unary elementwise op with an optional scalar `s`; with op 0 it is a copy or a cast (x and out
-// may have different storage). Two outputs per invocation (see kernels/mod.rs).
+// Unary elementwise op with up to two scalars `s`, `s2`; with op 0 it is a copy or a cast (x and
+// out may have different storage). Two outputs per invocation (see kernels/mod.rs). Every op
+// computes in f32 whatever the storage.
+//
+// NaN in, NaN out, as in torch, for every op but pow with exponent 0 (which gives 1). Ops that
+// must keep NaN through a comparison test the bits: GL drivers turn `x < a ? a : x` into
+// max(x, a), which may drop NaN.
 
 struct Params {
     n: u32,   // elements
-    op: u32,  // see UnaryOp in kernels/elementwise.rs
-    s: f32,   // the scalar operand
-    _pad: u32,
+    op: u32,  // see UnaryOp in kernels/elementwise.rs (ops 0-8; OP selects the others)
+    s: f32,   // the scalar operand (clamp: the lower bound; pow: the exponent)
+    s2: f32,  // a second scalar (clamp: the upper bound)
 }
 @group(0) @binding(0) var<uniform> p: Params;
 
 const WG: u32 = 256u;
+// Ops 9-16 each get a pipeline of their own, with OP specialized to their code; the arithmetic
+// ops 0-8 share one, with OP = 0xffffffff, and switch on p.op. CPU drivers such as lavapipe run
+// every case of a switch for every element (masked SIMD), so one shader holding every op made a
+// copy pay for gelu, pow and the rest: 4x the time on lavapipe.
+const OP: u32 = 0xffffffffu;
+
+fn is_nan(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
+}
+
+// A NaN built at run time: WGSL has no NaN literal and naga rejects a constant one.
+fn nan_like(x: f32) -> f32 {
+    return bitcast<f32>(bitcast<u32>(x) | 0x7fc00000u);
+}
+
+// +inf, built at run time for the same reason.
+fn inf_like(x: f32) -> f32 {
+    return bitcast<f32>((bitcast<u32>(x) | 0x7fffffffu) & 0x7f800000u);
+}
 
 // max(x, 0) that keeps NaN, as torch.relu does. Compared on the bits: GL drivers turn
 // `x < 0.0 ? 0.0 : x` into max(x, 0.0), which may drop NaN. Negative non-NaN floats are the
@@ -19,7 +43,91 @@ fn relu(x: f32) -> f32 {
     return select(x, 0.0, b > 0x80000000u && b <= 0xff800000u);
 }
 
+// tanh without overflow: sign(u) (1 - e) / (1 + e) with e = exp(-2|u|) <= 1, so |u| = 1e4 or inf
+// gives +-1, never inf / inf. Near 0, where 1 - e cancels, an odd Taylor polynomial (its first
+// omitted term is below 1e-9 relative for |u| < 0.125).
+fn tanh_stable(u: f32) -> f32 {
+    let a = abs(u);
+    let e = exp(-2.0 * a);
+    let far = sign(u) * (1.0 - e) / (1.0 + e);
+    let u2 = u * u;
+    let near = u * (1.0 + u2 * (-1.0 / 3.0 + u2 * (2.0 / 15.0 + u2 * (-17.0 / 315.0))));
+    return select(far, near, a < 0.125);
+}
+
+// gelu, tanh form: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+fn gelu(x: f32) -> f32 {
+    let u = 0.7978845608028654 * (x + 0.044715 * x * x * x);
+    return 0.5 * x * (1.0 + tanh_stable(u));
+}
+
+// 1 / (1 + exp(-x)), computed from e = exp(-|x|) <= 1 so neither sign overflows: 1 / (1 + e)
+// for x >= 0, e / (1 + e) below.
+fn sigmoid(x: f32) -> f32 {
+    let e = exp(-abs(x));
+    return select(e, 1.0, x >= 0.0) / (1.0 + e);
+}
+
+// log and sqrt of a negative number are NaN (torch); the builtins leave it undefined.
+fn log_nan(x: f32) -> f32 {
+    return select(log(x), nan_like(x), x < 0.0);
+}
+
+fn sqrt_nan(x: f32) -> f32 {
+    return select(sqrt(x), nan_like(x), x < 0.0);
+}
+
+// x^e with torch (C pow) semantics: x^0 = 1 even for NaN; a negative base with an integer
+// exponent takes the sign of its parity; a finite negative base with a fractional exponent is NaN;
+// 0^-e = inf (signed for -0 and an odd exponent). `e` is finite (the host checks).
+fn pow_scalar(x: f32, e: f32) -> f32 {
+    if (e == 0.0) {
+        return 1.0;
+    }
+    if (e == 1.0) {
+        return x;
+    }
+    if (e == 2.0) {
+        return x * x;
+    }
+    let a = abs(x);
+    var r = exp2(e * log2(a));
+    // The edges the builtins may leave undefined: zero and infinity.
+    if (a == 0.0) {
+        r = select(0.0, inf_like(x), e < 0.0);
+    }
+    if (a == inf_like(x)) {
+        r = select(a, 0.0, e < 0.0);
+    }
+    let integer = e == floor(e);
+    let odd = integer && fract(0.5 * e) != 0.0;
+    let negative = (bitcast<u32>(x) >> 31u) == 1u;
+    if (negative && odd) {
+        r = -r;
+    }
+    // -inf^e for a fractional e is +inf or +0 (C), not NaN.
+    if (negative && !integer && a != 0.0 && a != inf_like(x)) {
+        r = nan_like(x);
+    }
+    return select(r, x, is_nan(x));
+}
+
+// min(max(x, lo), hi) keeping NaN (the bounds are never NaN: the host checks). lo > hi gives hi
+// everywhere, as in torch.
+fn clamp_nan(x: f32, lo: f32, hi: f32) -> f32 {
+    return select(min(max(x, lo), hi), x, is_nan(x));
+}
+
 fn apply(x: f32) -> f32 {
+    // Constant conditions: the compiler keeps one of these, or none.
+    if (OP == 9u) { return gelu(x); }
+    if (OP == 10u) { return tanh_stable(x); }
+    if (OP == 11u) { return sigmoid(x); }
+    if (OP == 12u) { return exp(x); }
+    if (OP == 13u) { return log_nan(x); }
+    if (OP == 14u) { return sqrt_nan(x); }
+    if (OP == 15u) { return pow_scalar(x, p.s); }
+    if (OP == 16u) { return clamp_nan(x, p.s, p.s2); }
     switch p.op {
         case 0u: { return x; }
         case 1u: { return relu(x); }

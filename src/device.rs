@@ -217,6 +217,8 @@ pub(crate) struct DeviceInner {
     pub arena: Mutex<Arena>,
     pending: Mutex<Pending>,
     kernels: Mutex<HashMap<String, Arc<Kernel>>>,
+    /// Matmul autotuner winners for this adapter.
+    pub(crate) tune: Mutex<crate::kernels::autotune::TuneCache>,
     param_ring: wgpu::Buffer,
     param_align: u64,
     /// Host-visible buffer for readback, grown to the largest read so far.
@@ -244,7 +246,7 @@ impl PartialEq for Device {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding one of these locks leaves data that is still consistent
     // (counters and caches), so a poisoned lock is taken over rather than propagated.
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -395,6 +397,7 @@ impl Device {
                     params: Vec::new(),
                 }),
                 kernels: Mutex::new(HashMap::new()),
+                tune: Mutex::new(Default::default()),
                 param_ring,
                 staging: Mutex::new(None),
                 uncaptured,
@@ -636,6 +639,20 @@ impl Device {
             self.submit(&mut pending)?;
         }
         Ok(())
+    }
+
+    /// Records a copy of `bytes` bytes (a multiple of 4) between blocks.
+    pub(crate) fn copy(&self, src: &Block, dst: &Block, bytes: u64) {
+        let mut pending = lock(&self.inner.pending);
+        let dev = &self.inner.device;
+        pending
+            .encoder
+            .get_or_insert_with(|| {
+                dev.create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("fitgrad ops"),
+                })
+            })
+            .copy_buffer_to_buffer(&src.buffer, src.offset, &dst.buffer, dst.offset, bytes);
     }
 
     /// Records a zero fill of a block.

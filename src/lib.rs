@@ -13,6 +13,7 @@
 
 pub mod device;
 pub mod error;
+pub mod fsutil;
 pub mod kernels;
 pub mod memory;
 pub mod tensor;

@@ -9,8 +9,9 @@
 //! - `Naive`: one invocation per output (shaders/matmul_naive.wgsl): the reference the
 //!   benchmark reports ratios against.
 
+use super::autotune;
 use super::{Binding, Storage};
-use crate::device::Device;
+use crate::device::{lock, Device};
 use crate::{DType, Result, Tensor};
 
 /// An activation fused into the matmul's store.
@@ -61,22 +62,228 @@ pub enum Variant {
 
 use super::{MATMUL_NAIVE, MATMUL_REG, MATMUL_TILED};
 
-/// The variant to run when the autotuner has no measurement: register-blocked, with fewer rows
-/// per invocation for skinny problems.
-pub(crate) fn choose(_dev: &Device, pb: &Problem) -> Variant {
-    let tm = if pb.m <= 2 {
-        1
-    } else if pb.m <= 8 {
-        2
-    } else {
-        4
-    };
-    Variant::Reg {
-        tm,
-        tn: 4,
-        wg_x: 16,
-        wg_y: 4,
+/// Problems below this many flops are not worth timing: the built-in choice runs.
+const TUNE_MIN_FLOPS: usize = 1 << 22;
+
+fn is_cpu(dev: &Device) -> bool {
+    dev.info().adapter.device_type == "Cpu"
+}
+
+/// Whether `v` is practical on this device for `dtype`: within its workgroup limits, and a
+/// register block small enough to compile in reasonable time where compilers struggle with
+/// large ones: Mesa's GLSL path needs 1.6 s for an 8 x 8 block, 7 s for 16 x 8 and minutes
+/// beyond; lavapipe's f16 code for a 32 x 16 block does not finish in minutes either.
+pub fn supported(dev: &Device, v: Variant, dtype: DType) -> bool {
+    let l = &dev.info().limits;
+    let small_only = dev.info().adapter.backend == "gl" || (dtype == DType::F16 && is_cpu(dev));
+    match v {
+        Variant::Reg { tm, tn, wg_x, wg_y } => {
+            wg_x * wg_y <= l.max_compute_invocations_per_workgroup && (!small_only || tm * tn <= 32)
+        }
+        Variant::Tiled { bm, bn, bk } => {
+            bm * bn / 16 <= l.max_compute_invocations_per_workgroup
+                && bk * (bm + bn) * 4 <= l.max_compute_workgroup_storage_size
+        }
+        Variant::Naive => true,
     }
+}
+
+/// The variant to run when nothing was measured: on CPU adapters a register block as large as
+/// the problem allows (rows x 16 columns per invocation); on GPUs 64 x 64 workgroup tiles, or a
+/// small register block for skinny shapes.
+pub fn default_variant(dev: &Device, pb: &Problem, dtype: DType) -> Variant {
+    let rows = pb.m.next_power_of_two().clamp(1, 32) as u32;
+    if is_cpu(dev) {
+        let tn = if pb.n >= 16 { 16 } else { 4 };
+        let v = Variant::Reg {
+            tm: rows,
+            tn,
+            wg_x: 16,
+            wg_y: 1,
+        };
+        return if supported(dev, v, dtype) {
+            v
+        } else {
+            Variant::Reg {
+                tm: rows.min(8),
+                tn: 4,
+                wg_x: 16,
+                wg_y: 1,
+            }
+        };
+    }
+    if pb.m >= 64 && pb.n >= 64 {
+        Variant::Tiled {
+            bm: 64,
+            bn: 64,
+            bk: 16,
+        }
+    } else {
+        Variant::Reg {
+            tm: rows.min(4),
+            tn: 4,
+            wg_x: 16,
+            wg_y: 4,
+        }
+    }
+}
+
+/// The kernels worth timing for this problem on this adapter.
+pub fn candidates(dev: &Device, pb: &Problem, dtype: DType) -> Vec<Variant> {
+    let m_cap = pb.m.next_power_of_two().max(1) as u32;
+    let n_cap = pb.n.next_power_of_two().max(4) as u32;
+    let mut v: Vec<Variant> = if is_cpu(dev) {
+        // Barrier-free register blocks: CPU adapters pay per load instruction and per barrier.
+        [(1, 16), (8, 4), (8, 8), (16, 16), (32, 16), (64, 16)]
+            .iter()
+            .map(|&(tm, tn)| Variant::Reg {
+                tm,
+                tn,
+                wg_x: 16,
+                wg_y: 1,
+            })
+            .collect()
+    } else {
+        vec![
+            Variant::Tiled {
+                bm: 64,
+                bn: 64,
+                bk: 16,
+            },
+            Variant::Tiled {
+                bm: 64,
+                bn: 64,
+                bk: 8,
+            },
+            Variant::Tiled {
+                bm: 32,
+                bn: 32,
+                bk: 16,
+            },
+            Variant::Reg {
+                tm: 4,
+                tn: 4,
+                wg_x: 16,
+                wg_y: 4,
+            },
+            Variant::Reg {
+                tm: 1,
+                tn: 4,
+                wg_x: 64,
+                wg_y: 1,
+            },
+            Variant::Reg {
+                tm: 2,
+                tn: 8,
+                wg_x: 16,
+                wg_y: 4,
+            },
+        ]
+    };
+    // Transposed operands are read with scalar loads, which lavapipe unrolls into far more code:
+    // keep their register blocks at 32 x 16 (64 x 16 did not compile in minutes).
+    let max_block = if pb.trans_a || pb.trans_b {
+        512
+    } else {
+        u32::MAX
+    };
+    v.retain(|&c| {
+        supported(dev, c, dtype)
+            && !matches!(c, Variant::Reg { tm, tn, .. } if tm > m_cap || tn > n_cap || tm * tn > max_block)
+    });
+    let d = default_variant(dev, pb, dtype);
+    if !v.contains(&d) {
+        v.push(d);
+    }
+    v
+}
+
+/// The autotuner's key: problems in one class share a winner.
+fn class_key(dev: &Device, pb: &Problem, a: &Tensor) -> String {
+    let b = |x: usize| x.next_power_of_two();
+    format!(
+        "{:?} ta{} tb{} m{} n{} k{} batched{} n4{} k4{}",
+        Storage::of(dev, a.dtype()),
+        pb.trans_a as u8,
+        pb.trans_b as u8,
+        b(pb.m),
+        b(pb.n),
+        b(pb.k),
+        (pb.batch > 1) as u8,
+        pb.n.is_multiple_of(4) as u8,
+        pb.k.is_multiple_of(4) as u8
+    )
+}
+
+/// The variant for this problem: the cached winner of its class, or (for a problem big enough to
+/// be worth it, with tuning on) the fastest candidate timed now on these very tensors, writing
+/// into `out`, which the caller then overwrites.
+pub(crate) fn select(
+    dev: &Device,
+    pb: &Problem,
+    a: &Tensor,
+    b: &Tensor,
+    bias: Option<&Tensor>,
+    out: &Tensor,
+) -> Result<Variant> {
+    let fallback = default_variant(dev, pb, a.dtype());
+    if pb.batch * pb.m * pb.n * pb.k * 2 < TUNE_MIN_FLOPS || !autotune::enabled() {
+        return Ok(fallback);
+    }
+    let class = class_key(dev, pb, a);
+    let path = autotune::cache_path(dev.info());
+    if let Some(v) = lock(&dev.inner.tune).get(path.as_ref(), &class) {
+        return Ok(v);
+    }
+    let mut best = (f64::INFINITY, fallback);
+    for cand in candidates(dev, pb, a.dtype()) {
+        if let Ok(t) = time_variant(dev, cand, pb, a, b, bias, out) {
+            if t < best.0 {
+                best = (t, cand);
+            }
+        }
+    }
+    lock(&dev.inner.tune).put(path.as_ref(), class, best.1);
+    Ok(best.1)
+}
+
+/// The variant `a.matmul_with(b, opts)` runs now (benchmark reports name it).
+pub fn chosen(
+    dev: &Device,
+    a: &Tensor,
+    b: &Tensor,
+    opts: &crate::MatmulOptions,
+) -> Result<Variant> {
+    let (pb, dims) = a.matmul_problem(b, opts)?;
+    let out = Tensor::uninit(dev, crate::Shape::new(&dims)?, a.dtype())?;
+    select(dev, &pb, a, b, opts.bias, &out)
+}
+
+/// Seconds one run of `variant` takes: a warm-up run (which compiles the kernel), then the
+/// median of 1 or, for quick kernels, 3 timed runs.
+pub fn time_variant(
+    dev: &Device,
+    variant: Variant,
+    pb: &Problem,
+    a: &Tensor,
+    b: &Tensor,
+    bias: Option<&Tensor>,
+    out: &Tensor,
+) -> Result<f64> {
+    run(dev, variant, pb, a, b, bias, out)?;
+    dev.sync()?;
+    let mut times = Vec::new();
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        run(dev, variant, pb, a, b, bias, out)?;
+        dev.sync()?;
+        times.push(t.elapsed().as_secs_f64());
+        if times[0] > 0.05 {
+            break;
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
 }
 
 fn act_code(a: Activation) -> u32 {

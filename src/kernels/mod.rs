@@ -9,9 +9,13 @@
 //! Elementwise kernels therefore compute two outputs per invocation: packed f16 stores whole
 //! 32-bit words, and two invocations never write halves of the same word.
 
+pub(crate) mod autotune;
 pub(crate) mod elementwise;
 pub mod matmul;
+pub(crate) mod nonfinite;
 pub(crate) mod reduce;
+pub(crate) mod reduce_max;
+pub(crate) mod softmax;
 pub(crate) mod transpose;
 
 use crate::device::{Device, Kernel};
@@ -215,6 +219,26 @@ pub const TRANSPOSE: ShaderFile = ShaderFile {
     body: include_str!("../../shaders/transpose.wgsl"),
     bindings: &[("x", false), ("out", true)],
 };
+pub const REDUCE_MAX: ShaderFile = ShaderFile {
+    name: "reduce_max",
+    body: include_str!("../../shaders/reduce_max.wgsl"),
+    bindings: &[("x", false), ("out", true), ("idx", true)],
+};
+pub const SOFTMAX: ShaderFile = ShaderFile {
+    name: "softmax",
+    body: include_str!("../../shaders/softmax.wgsl"),
+    bindings: &[("x", false), ("out", true)],
+};
+pub const CROSS_ENTROPY: ShaderFile = ShaderFile {
+    name: "cross_entropy",
+    body: include_str!("../../shaders/cross_entropy.wgsl"),
+    bindings: &[("x", false), ("t", false), ("grad", true), ("loss", true)],
+};
+pub const NONFINITE: ShaderFile = ShaderFile {
+    name: "nonfinite",
+    body: include_str!("../../shaders/nonfinite.wgsl"),
+    bindings: &[("x", false), ("flag", true)],
+};
 
 pub const MATMUL_REG: ShaderFile = ShaderFile {
     name: "matmul_reg",
@@ -242,6 +266,10 @@ pub const SHADERS: &[ShaderFile] = &[
     MATMUL_REG,
     MATMUL_TILED,
     MATMUL_NAIVE,
+    REDUCE_MAX,
+    SOFTMAX,
+    CROSS_ENTROPY,
+    NONFINITE,
 ];
 
 impl ShaderFile {
@@ -320,6 +348,28 @@ fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
             vec![F32, F16Packed],
             vec![F16Packed, F32],
         ],
+        // Max and argmax are written in f32; nonfinite's flag is f32.
+        "reduce_max" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s, F32, F32])
+            .collect(),
+        "nonfinite" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s, F32])
+            .collect(),
+        // Packed f16 rows of odd length are written to f32 first.
+        "softmax" => vec![
+            vec![F32, F32],
+            vec![F16, F16],
+            vec![F16Packed, F16Packed],
+            vec![F16Packed, F32],
+        ],
+        // Targets and row losses are f32.
+        "cross_entropy" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s, F32, s, F32])
+            .chain([vec![F16Packed, F32, F32, F32]])
+            .collect(),
         _ => [F32, F16, F16Packed].iter().map(|&s| vec![s; n]).collect(),
     }
 }

@@ -28,7 +28,7 @@ impl Tensor {
     pub fn matmul_with(&self, other: &Tensor, opts: &MatmulOptions) -> Result<Tensor> {
         let (pb, out_dims) = self.matmul_problem(other, opts)?;
         let out = Tensor::uninit(self.device(), Shape::new(&out_dims)?, self.dtype())?;
-        let variant = matmul::choose(self.device(), &pb);
+        let variant = matmul::select(self.device(), &pb, self, other, opts.bias, &out)?;
         matmul::run(self.device(), variant, &pb, self, other, opts.bias, &out)?;
         Ok(out)
     }
@@ -47,7 +47,7 @@ impl Tensor {
         Ok(out)
     }
 
-    fn matmul_problem(
+    pub(crate) fn matmul_problem(
         &self,
         other: &Tensor,
         opts: &MatmulOptions,

@@ -6,6 +6,7 @@ mod matmul;
 mod ops;
 mod random;
 mod shape;
+mod softmax;
 
 pub use dtype::{DType, Element};
 pub use matmul::MatmulOptions;
@@ -98,6 +99,17 @@ impl Tensor {
         let t = Tensor::uninit(device, Shape::new(dims)?, dtype)?;
         elementwise::fill(&t, value)?;
         Ok(t)
+    }
+
+    /// A copy made by the copy engine (`copy_buffer_to_buffer`), no kernel: the memory-bandwidth
+    /// yardstick benchmarks compare kernels against.
+    pub fn copy(&self) -> Result<Tensor> {
+        let out = Tensor::uninit(self.device(), self.shape.clone(), self.dtype)?;
+        let bytes = bytes_for(&self.shape, self.dtype).div_ceil(4) * 4;
+        if bytes > 0 {
+            self.device().copy(self.block(), out.block(), bytes);
+        }
+        Ok(out)
     }
 
     /// Reads the tensor back. `T` must match the dtype.

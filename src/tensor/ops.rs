@@ -2,8 +2,11 @@
 
 use super::{DType, Shape, Tensor};
 use crate::kernels::elementwise::{self, BinaryOp, UnaryOp};
-use crate::kernels::{reduce, transpose};
-use crate::{Error, Result};
+use crate::kernels::{nonfinite, reduce, reduce_max, transpose};
+use crate::{Device, Error, Result};
+
+/// Largest axis length whose indices f32 holds exactly (argmax returns f32 indices).
+const MAX_EXACT_INDEX: usize = 1 << 24;
 
 impl Tensor {
     pub(crate) fn same_device_and_dtype(&self, op: &'static str, other: &Tensor) -> Result<()> {
@@ -85,6 +88,65 @@ impl Tensor {
         self.unary(UnaryOp::Relu, 0.0)
     }
 
+    /// GELU, tanh approximation (torch's `approximate="tanh"`):
+    /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`. Finite for every finite x.
+    pub fn gelu(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Gelu, 0.0)
+    }
+
+    /// tanh, computed without overflow (+-1 for large |x|).
+    pub fn tanh(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Tanh, 0.0)
+    }
+
+    /// 1 / (1 + exp(-x)), computed without overflow for either sign.
+    pub fn sigmoid(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Sigmoid, 0.0)
+    }
+
+    pub fn exp(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Exp, 0.0)
+    }
+
+    /// Natural log: -inf at 0, NaN below 0.
+    pub fn log(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Log, 0.0)
+    }
+
+    /// Square root: NaN below 0.
+    pub fn sqrt(&self) -> Result<Tensor> {
+        self.unary(UnaryOp::Sqrt, 0.0)
+    }
+
+    /// `self^p` elementwise with torch's semantics: `x^0 = 1` (even for NaN), a negative base
+    /// with an integer exponent keeps the sign of the exponent's parity, a negative base with a
+    /// fractional exponent gives NaN, `0^p` is inf for p < 0. `p` must be finite
+    /// ([`Error::InvalidArgument`] otherwise). p = 1 and p = 2 are exact.
+    pub fn pow_scalar(&self, p: f32) -> Result<Tensor> {
+        if !p.is_finite() {
+            return Err(Error::InvalidArgument {
+                op: "pow_scalar",
+                reason: format!("the exponent must be finite, got {p}"),
+            });
+        }
+        self.unary(UnaryOp::PowScalar, p)
+    }
+
+    /// Every element limited to `[min, max]`; NaN stays NaN. As in torch, `min > max` sets every
+    /// element to `max`. Infinite bounds are allowed, NaN bounds are an
+    /// [`Error::InvalidArgument`].
+    pub fn clamp(&self, min: f32, max: f32) -> Result<Tensor> {
+        if min.is_nan() || max.is_nan() {
+            return Err(Error::InvalidArgument {
+                op: "clamp",
+                reason: format!("bounds must not be NaN, got [{min}, {max}]"),
+            });
+        }
+        let out = Tensor::uninit(self.device(), self.shape().clone(), self.dtype())?;
+        elementwise::unary2(UnaryOp::Clamp, self, min, max, &out)?;
+        Ok(out)
+    }
+
     /// A copy in another dtype (f32 -> f16 rounds to nearest even); the same dtype copies.
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         let out = Tensor::uninit(self.device(), self.shape().clone(), dtype)?;
@@ -160,6 +222,79 @@ impl Tensor {
         }
     }
 
+    /// The largest element, as a rank-0 tensor of the same dtype. NaN if any element is NaN (as
+    /// in torch); an empty tensor is an [`Error::InvalidArgument`].
+    pub fn max(&self) -> Result<Tensor> {
+        self.reshape(&[self.numel()])?.max_axis(0, false)
+    }
+
+    /// The max along `axis` (`keepdim` keeps it as a dim of size 1), in the tensor's dtype.
+    /// NaN wins over every number, as in torch. An empty axis is an [`Error::InvalidArgument`]
+    /// (a max has no identity).
+    pub fn max_axis(&self, axis: usize, keepdim: bool) -> Result<Tensor> {
+        Ok(self.max_argmax("max_axis", axis, keepdim)?.0)
+    }
+
+    /// The index along `axis` of the max, as an **f32** tensor (fitgrad has no integer dtype;
+    /// indices are exact because the axis may hold at most 2^24 elements). Ties go to the first
+    /// index and the first NaN counts as the max, as in torch. Deterministic.
+    pub fn argmax_axis(&self, axis: usize, keepdim: bool) -> Result<Tensor> {
+        Ok(self.max_argmax("argmax_axis", axis, keepdim)?.1)
+    }
+
+    /// Both [`Tensor::max_axis`] and [`Tensor::argmax_axis`] from one kernel pass:
+    /// (values in the tensor's dtype, f32 indices), like torch's `max(dim)`.
+    pub fn max_axis_with_indices(&self, axis: usize, keepdim: bool) -> Result<(Tensor, Tensor)> {
+        self.max_argmax("max_axis_with_indices", axis, keepdim)
+    }
+
+    fn max_argmax(&self, op: &'static str, axis: usize, keepdim: bool) -> Result<(Tensor, Tensor)> {
+        let dims = self.dims();
+        if axis >= dims.len() {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: format!("axis {axis} is out of range for shape {dims:?}"),
+            });
+        }
+        let outer: usize = dims[..axis].iter().product();
+        let len = dims[axis];
+        let inner: usize = dims[axis + 1..].iter().product();
+        if len == 0 {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: format!(
+                    "axis {axis} of shape {dims:?} is empty, and a max has no identity"
+                ),
+            });
+        }
+        if len > MAX_EXACT_INDEX {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: format!(
+                    "axis {axis} has {len} elements; f32 indices are exact only up to 2^24"
+                ),
+            });
+        }
+        let mut out_dims = dims.to_vec();
+        if keepdim {
+            out_dims[axis] = 1;
+        } else {
+            out_dims.remove(axis);
+        }
+        let dev = self.device();
+        let out_shape = Shape::new(&out_dims)?;
+        // The kernel writes f32; f16 maxima are f16 values, so the cast back is exact.
+        let max = Tensor::uninit(dev, out_shape.clone(), DType::F32)?;
+        let idx = Tensor::uninit(dev, out_shape, DType::F32)?;
+        reduce_max::max_axis(self, outer, len, inner, &max, &idx)?;
+        let max = if self.dtype() == DType::F32 {
+            max
+        } else {
+            max.to_dtype(self.dtype())?
+        };
+        Ok((max, idx))
+    }
+
     /// Swaps the last two dims: (.., R, C) -> (.., C, R), as a new contiguous tensor.
     pub fn transpose(&self) -> Result<Tensor> {
         let dims = self.dims();
@@ -178,5 +313,24 @@ impl Tensor {
         let out = Tensor::uninit(self.device(), Shape::new(&out_dims)?, self.dtype())?;
         transpose::transpose(self, r, c, &out)?;
         Ok(out)
+    }
+}
+
+impl Device {
+    /// Whether any of `tensors` holds a NaN or an infinity: one small dispatch per tensor into a
+    /// shared flag and a single readback of 4 bytes (for mixed-precision loss scaling, which
+    /// skips a step whose gradients overflowed). Empty tensors and an empty list give `false`.
+    pub fn nonfinite(&self, tensors: &[&Tensor]) -> Result<bool> {
+        if tensors.iter().all(|t| t.numel() == 0) {
+            return Ok(false);
+        }
+        if tensors.iter().any(|t| t.device() != self) {
+            return Err(Error::DeviceMismatch { op: "nonfinite" });
+        }
+        let flag = Tensor::zeros(self, &[1], DType::F32)?;
+        for t in tensors {
+            nonfinite::nonfinite(t, &flag)?;
+        }
+        Ok(flag.item()? != 0.0)
     }
 }

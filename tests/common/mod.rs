@@ -610,3 +610,155 @@ pub mod strategies {
         })
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// CPU references of the activations, softmax family, max / argmax and cross-entropy (f64 inside,
+// plain loops)
+// ---------------------------------------------------------------------------------------------
+
+/// torch.tanh in f64.
+pub fn ref_tanh(x: f32) -> f32 {
+    (x as f64).tanh() as f32
+}
+
+/// torch gelu with approximate="tanh", in f64.
+pub fn ref_gelu(x: f32) -> f32 {
+    let x = x as f64;
+    let u = 0.797_884_560_802_865_4 * (x + 0.044715 * x * x * x);
+    (0.5 * x * (1.0 + u.tanh())) as f32
+}
+
+/// 1 / (1 + exp(-x)) in f64.
+pub fn ref_sigmoid(x: f32) -> f32 {
+    let x = x as f64;
+    (1.0 / (1.0 + (-x).exp())) as f32
+}
+
+pub fn ref_exp(x: f32) -> f32 {
+    (x as f64).exp() as f32
+}
+
+/// NaN below 0, -inf at 0 (C's log).
+pub fn ref_log(x: f32) -> f32 {
+    (x as f64).ln() as f32
+}
+
+/// NaN below 0, -0 at -0 (C's sqrt).
+pub fn ref_sqrt(x: f32) -> f32 {
+    (x as f64).sqrt() as f32
+}
+
+/// C's pow (which torch follows): x^0 = 1 even for NaN, negative bases need integer exponents.
+pub fn ref_pow(x: f32, p: f32) -> f32 {
+    (x as f64).powf(p as f64) as f32
+}
+
+/// torch.clamp(x, lo, hi): NaN stays NaN; lo > hi gives hi.
+pub fn ref_clamp(x: f32, lo: f32, hi: f32) -> f32 {
+    if x.is_nan() {
+        return x;
+    }
+    let y = if x < lo { lo } else { x };
+    if y > hi {
+        hi
+    } else {
+        y
+    }
+}
+
+/// Softmax (or log-softmax) of every row of length `c`, in f64 with the max subtracted, as torch
+/// defines it: x - max, exp, sum, divide. A row that is all -inf, or holds NaN or +inf, is NaN.
+pub fn ref_softmax(x: &[f32], c: usize, log: bool) -> Vec<f32> {
+    let mut out = Vec::with_capacity(x.len());
+    if c == 0 {
+        return out;
+    }
+    for row in x.chunks(c) {
+        let mut m = f64::NEG_INFINITY;
+        let mut nan = false;
+        for &v in row {
+            if v.is_nan() {
+                nan = true;
+            }
+            if (v as f64) > m {
+                m = v as f64;
+            }
+        }
+        let mut s = 0.0f64;
+        for &v in row {
+            s += (v as f64 - m).exp();
+        }
+        for &v in row {
+            let d = v as f64 - m;
+            let y = if log { d - s.ln() } else { d.exp() / s };
+            out.push(if nan { f32::NAN } else { y as f32 });
+        }
+    }
+    out
+}
+
+/// Max and first argmax along `axis` (NaN counts as the largest, the first NaN wins, ties go to
+/// the first index); returns (values, indices as f32, output dims). The axis must not be empty.
+pub fn ref_max_axis(
+    x: &[f32],
+    dims: &[usize],
+    axis: usize,
+    keepdim: bool,
+) -> (Vec<f32>, Vec<f32>, Vec<usize>) {
+    let outer: usize = dims[..axis].iter().product();
+    let len = dims[axis];
+    let inner: usize = dims[axis + 1..].iter().product();
+    assert!(len > 0, "reference max over an empty axis");
+    let mut vals = Vec::with_capacity(outer * inner);
+    let mut idx = Vec::with_capacity(outer * inner);
+    for o in 0..outer {
+        for i in 0..inner {
+            let mut best = x[o * len * inner + i];
+            let mut bi = 0usize;
+            for k in 1..len {
+                let v = x[(o * len + k) * inner + i];
+                if best.is_nan() {
+                    break;
+                }
+                if v.is_nan() || v > best {
+                    best = v;
+                    bi = k;
+                }
+            }
+            vals.push(best);
+            idx.push(bi as f32);
+        }
+    }
+    let mut od = dims.to_vec();
+    if keepdim {
+        od[axis] = 1;
+    } else {
+        od.remove(axis);
+    }
+    (vals, idx, od)
+}
+
+/// Mean cross-entropy of logits (b, c) against `targets`, and its gradient
+/// (softmax - onehot) / b, in f64. The loss of an empty batch is NaN.
+pub fn ref_cross_entropy(x: &[f32], b: usize, c: usize, targets: &[u32]) -> (f32, Vec<f32>) {
+    let mut loss = 0.0f64;
+    let mut grad = Vec::with_capacity(b * c);
+    for r in 0..b {
+        let row = &x[r * c..(r + 1) * c];
+        let t = targets[r] as usize;
+        let mut m = f64::NEG_INFINITY;
+        for &v in row {
+            m = m.max(v as f64);
+        }
+        let mut s = 0.0f64;
+        for &v in row {
+            s += (v as f64 - m).exp();
+        }
+        loss += m + s.ln() - row[t] as f64;
+        for (j, &v) in row.iter().enumerate() {
+            let hot = if j == t { 1.0 } else { 0.0 };
+            grad.push((((v as f64 - m).exp() / s - hot) / b as f64) as f32);
+        }
+    }
+    ((loss / b as f64) as f32, grad)
+}

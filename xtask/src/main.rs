@@ -2,7 +2,10 @@
 //!
 //! - `shaders`: parses and validates every shader variant with naga (no GPU needed).
 //! - `adapters`: lists the adapters wgpu finds.
+//! - `bench [--quick] [--adapter NAME]`: the cross-vendor benchmark report (see bench.rs).
 //! - `ci`: runs `.ci/run`.
+
+mod bench;
 
 use std::process::{Command, ExitCode};
 
@@ -10,6 +13,16 @@ fn main() -> ExitCode {
     let task = std::env::args().nth(1).unwrap_or_default();
     match task.as_str() {
         "shaders" => shaders(),
+        "bench" => {
+            let args: Vec<String> = std::env::args().skip(2).collect();
+            match bench::run(&args) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("bench: {e}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
         "adapters" => {
             for a in fitgrad::Device::adapters() {
                 println!("{a}");
@@ -32,7 +45,7 @@ fn main() -> ExitCode {
             }
         }
         _ => {
-            eprintln!("usage: cargo xtask <shaders|adapters|ci>");
+            eprintln!("usage: cargo xtask <shaders|bench [--quick] [--adapter NAME]|adapters|ci>");
             ExitCode::from(2)
         }
     }

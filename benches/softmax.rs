@@ -1,0 +1,51 @@
+//! Softmax throughput (GB/s of memory touched: the row read once and written once) on the
+//! default adapter, next to a plain copy of the same bytes (`to_dtype` of the same dtype, the
+//! copy kernel), which is the bar: softmax should cost a small multiple of the copy.
+//! `cargo bench --bench softmax`; set FITGRAD_BACKEND / FITGRAD_ADAPTER to pick another adapter.
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use fitgrad::{DType, Device, Tensor};
+
+fn bench(c: &mut Criterion) {
+    let dev = match Device::new() {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("no adapter, nothing to measure: {e}");
+            return;
+        }
+    };
+    eprintln!("{}", dev.info());
+    let (rows, cols) = (4096usize, 1024usize);
+    for dtype in [DType::F32, DType::F16] {
+        let x = Tensor::randn(&dev, &[rows, cols], 0.0, 3.0, 1, dtype).unwrap();
+        let mut g = c.benchmark_group(format!("softmax_{dtype}"));
+        g.sample_size(20);
+        // Both read and write every element once.
+        g.throughput(Throughput::Bytes((2 * rows * cols * dtype.size()) as u64));
+        g.bench_function("copy_4096x1024", |b| {
+            b.iter(|| {
+                let y = x.to_dtype(dtype).unwrap();
+                dev.sync().unwrap();
+                y
+            })
+        });
+        g.bench_function("softmax_4096x1024", |b| {
+            b.iter(|| {
+                let y = x.softmax().unwrap();
+                dev.sync().unwrap();
+                y
+            })
+        });
+        g.bench_function("log_softmax_4096x1024", |b| {
+            b.iter(|| {
+                let y = x.log_softmax().unwrap();
+                dev.sync().unwrap();
+                y
+            })
+        });
+        g.finish();
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

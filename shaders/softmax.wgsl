@@ -1,0 +1,238 @@
+// Softmax or log-softmax along the last dim: x and out are (rows, C), contiguous. Statistics and
+// exponentials in f32 whatever the storage.
+//
+// For a row with max M and S = sum_j exp(x_j - M):
+//   softmax     y_i = exp(x_i - M) / S
+//   log_softmax y_i = (x_i - M) - log(S)
+// Subtracting M keeps every exponential in [0, 1], so 1e30 works. A -inf entry gives 0 (or -inf);
+// a row that is all -inf gives NaN, and a row holding NaN or +inf gives NaN everywhere (torch).
+//
+// mode 0: `lanes` invocations per row (a power of two, 16 to WG), WG / lanes rows per
+// workgroup. `lanes` is chosen so each invocation has up to CHUNKS quads: the per-invocation
+// overhead and the barriers are then shared by enough elements. Each invocation takes the vec4
+// quads q = lane + lanes * c of its row and keeps the first CHUNKS of them in registers: it finds
+// their max m and sum s of exp(x - m) (the row is read once), then streams any further quads
+// with an online (m, s) update. The (m, s) pairs of a row merge in two stages (PARTS invocations
+// merge lanes / PARTS pairs each, then every invocation merges the PARTS results): two barriers
+// per workgroup. The order is fixed, so results are bitwise reproducible. Quads in registers are
+// written without reading x again; streamed ones are read a second time.
+// mode 1, short rows: one invocation per row, three passes over the row.
+//
+// x and out may be vec4 bindings (C a multiple of 4); loads and stores go through ld4_ / st4_
+// either way, with per-element guards for a row's last, partial quad.
+
+struct Params {
+    rows: u32,
+    c: u32,          // row length
+    quads: u32,      // ceil(c / 4)
+    lane_shift: u32, // log2 of the invocations per row (mode 0)
+}
+@group(0) @binding(0) var<uniform> p: Params;
+
+const WG: u32 = 256u;
+// Quads per invocation held in registers; rows up to 4 * lanes * CHUNKS elements are read once.
+const CHUNKS: u32 = 8u;
+// 1: log_softmax, 0: softmax. Specialized.
+const LOG: u32 = 0u;
+// 0: 2^lane_shift invocations per row, 1: one invocation per row. Specialized, not a uniform:
+// lavapipe recompiles a shader at every dispatch when inlining a uniform would remove half of it.
+const MODE: u32 = 0u;
+// Invocations per row in the first merge stage.
+const PARTS: u32 = 4u;
+// Rows per workgroup are at most WG / MIN_LANES.
+const MIN_LANES: u32 = 16u;
+
+var<workgroup> wm: array<f32, WG>;
+var<workgroup> ws: array<f32, WG>;
+var<workgroup> pm: array<f32, WG / MIN_LANES * PARTS>;
+var<workgroup> ps: array<f32, WG / MIN_LANES * PARTS>;
+
+// -inf and NaN, built at run time: WGSL has no literal for them and naga rejects constant ones.
+fn neg_inf() -> f32 {
+    return bitcast<f32>(0xff800000u | (p.c & 0u));
+}
+
+fn nan() -> f32 {
+    return bitcast<f32>(0x7fc00000u | (p.c & 0u));
+}
+
+fn max4(v: vec4<f32>) -> f32 {
+    return max(max(v.x, v.y), max(v.z, v.w));
+}
+
+fn sum4(v: vec4<f32>) -> f32 {
+    return (v.x + v.y) + (v.z + v.w);
+}
+
+// Elements 4q..4q+4 of the row at `base`; past the row end -inf (exp gives 0).
+fn load4(base: u32, q: u32) -> vec4<f32> {
+    let i = 4u * q;
+    if (i + 4u <= p.c) {
+        return ld4_x(base + i);
+    }
+    var v = vec4<f32>(neg_inf());
+    for (var k = 0u; i + k < p.c; k++) {
+        v[k] = ld_x(base + i + k);
+    }
+    return v;
+}
+
+fn store4(base: u32, q: u32, y: vec4<f32>) {
+    let i = 4u * q;
+    if (i + 4u <= p.c) {
+        st4_out(base + i, y);
+        return;
+    }
+    for (var k = 0u; i + k < p.c; k++) {
+        st_out(base + i + k, y[k]);
+    }
+}
+
+// Merges two (max, sum of exp(x - max)) pairs. A pair with max -inf is empty (sum 0), and two
+// empty pairs stay empty rather than giving exp(-inf + inf) = NaN.
+fn merge(a: vec2<f32>, b: vec2<f32>) -> vec2<f32> {
+    let m = max(a.x, b.x);
+    if (m == neg_inf()) {
+        return vec2<f32>(m, 0.0);
+    }
+    return vec2<f32>(m, a.y * exp(a.x - m) + b.y * exp(b.x - m));
+}
+
+@compute @workgroup_size(WG)
+fn main(@builtin(workgroup_id) wg: vec3<u32>,
+        @builtin(num_workgroups) nwg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
+    let group = wg.y * nwg.x + wg.x;
+    let ninf = neg_inf();
+    if (MODE == 0u) {
+        // Every invocation reaches both barriers; those of a row past the end only skip the
+        // loads and stores (`live`).
+        let lanes = 1u << p.lane_shift;
+        let slot = lid >> p.lane_shift;
+        let lane = lid & (lanes - 1u);
+        let row = group * (WG >> p.lane_shift) + slot;
+        let live = row < p.rows;
+        let quads = select(0u, p.quads, live);
+        let base = row * p.c;
+        // Quads in registers: their max, then exp(x - max) (kept for softmax) and its sum.
+        var v: array<vec4<f32>, CHUNKS>;
+        var mc = ninf;
+        for (var c = 0u; c < CHUNKS; c++) {
+            let q = lane + c * lanes;
+            if (q < quads) {
+                v[c] = load4(base, q);
+            } else {
+                v[c] = vec4<f32>(ninf);
+            }
+            mc = max(mc, max4(v[c]));
+        }
+        // A lane that holds only -inf subtracts 0: its exponentials are 0, not NaN.
+        let shift = select(mc, 0.0, mc == ninf);
+        var sc = 0.0;
+        for (var c = 0u; c < CHUNKS; c++) {
+            let e = exp(v[c] - shift);
+            sc += sum4(e);
+            if (LOG == 0u) {
+                v[c] = e;
+            }
+        }
+        // Quads past the registers: online update.
+        var mt = ninf;
+        var st = 0.0;
+        for (var q = lane + CHUNKS * lanes; q < quads; q += lanes) {
+            let x = load4(base, q);
+            let mn = max(mt, max4(x));
+            if (mn != ninf) {
+                st = st * exp(mt - mn) + sum4(exp(x - mn));
+                mt = mn;
+            }
+        }
+        let mine = merge(vec2<f32>(mc, sc), vec2<f32>(mt, st));
+        wm[lid] = mine.x;
+        ws[lid] = mine.y;
+        workgroupBarrier();
+        if (lane < PARTS) {
+            // Max first, then one exp per pair.
+            let per_part = lanes / PARTS;
+            let j0 = slot * lanes + lane * per_part;
+            var m = wm[j0];
+            for (var j = 1u; j < per_part; j++) {
+                m = max(m, wm[j0 + j]);
+            }
+            var s = 0.0;
+            if (m != ninf) {
+                for (var j = 0u; j < per_part; j++) {
+                    s += ws[j0 + j] * exp(wm[j0 + j] - m);
+                }
+            }
+            pm[slot * PARTS + lane] = m;
+            ps[slot * PARTS + lane] = s;
+        }
+        workgroupBarrier();
+        if (!live) {
+            return;
+        }
+        let p0 = slot * PARTS;
+        var big_m = pm[p0];
+        for (var j = 1u; j < PARTS; j++) {
+            big_m = max(big_m, pm[p0 + j]);
+        }
+        var big_s = 0.0;
+        for (var j = 0u; j < PARTS; j++) {
+            big_s += ps[p0 + j] * exp(pm[p0 + j] - big_m);
+        }
+        // An all -inf row: big_m = -inf and every output NaN (the expressions below give it).
+        if (LOG == 0u) {
+            // exp(mc - M) is 0 for a lane of -inf (M finite) and NaN for an all -inf row.
+            let factor = exp(mc - big_m) / big_s;
+            let inv = 1.0 / big_s;
+            for (var c = 0u; c < CHUNKS; c++) {
+                let q = lane + c * lanes;
+                if (q < quads) {
+                    store4(base, q, v[c] * factor);
+                }
+            }
+            for (var q = lane + CHUNKS * lanes; q < quads; q += lanes) {
+                store4(base, q, exp(load4(base, q) - big_m) * inv);
+            }
+        } else {
+            let ls = select(log(big_s), nan(), big_m == ninf);
+            for (var c = 0u; c < CHUNKS; c++) {
+                let q = lane + c * lanes;
+                if (q < quads) {
+                    store4(base, q, (v[c] - big_m) - ls);
+                }
+            }
+            for (var q = lane + CHUNKS * lanes; q < quads; q += lanes) {
+                store4(base, q, (load4(base, q) - big_m) - ls);
+            }
+        }
+        return;
+    }
+    // mode 1: row `group * WG + lid`, three passes.
+    let row = group * WG + lid;
+    if (row >= p.rows) {
+        return;
+    }
+    let base = row * p.c;
+    var m = ninf;
+    for (var i = 0u; i < p.c; i++) {
+        m = max(m, ld_x(base + i));
+    }
+    var s = 0.0;
+    for (var i = 0u; i < p.c; i++) {
+        s += exp(ld_x(base + i) - m);
+    }
+    // All -inf: m = -inf, x - m = NaN, s NaN, every output NaN.
+    if (LOG == 0u) {
+        let inv = 1.0 / s;
+        for (var i = 0u; i < p.c; i++) {
+            st_out(base + i, exp(ld_x(base + i) - m) * inv);
+        }
+    } else {
+        let ls = log(s);
+        for (var i = 0u; i < p.c; i++) {
+            st_out(base + i, (ld_x(base + i) - m) - ls);
+        }
+    }
+}

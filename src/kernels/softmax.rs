@@ -1,0 +1,236 @@
+//! Dispatch for the row-softmax family: softmax and log-softmax along the last dim, and the fused
+//! softmax cross-entropy (loss and gradient in one pass per row).
+
+use super::elementwise::{self, UnaryOp};
+use super::{assemble, specialize, Binding, ShaderFile, Storage, CROSS_ENTROPY, SOFTMAX, WG};
+use crate::device::Kernel;
+use crate::{DType, Device, Result, Tensor};
+use std::sync::Arc;
+
+/// Rows at least this long are shared by several invocations (mode 0); shorter rows get one
+/// invocation each (mode 1), which needs no barrier and leaves no invocation idle.
+const ROW_PER_WORKGROUP: usize = 64;
+
+/// Quads per invocation held in registers (CHUNKS in the shaders), which is also what a row aims
+/// for: rows up to 4 * 256 * 8 = 8192 elements are read from memory once, and with fewer
+/// invocations per row more elements share each invocation's fixed costs (the merge and its
+/// exps) and each workgroup's two barriers. On lavapipe a 4096 x 1024 f32 softmax took ~57 ms
+/// with 256 invocations per row, ~43 ms with 64 and ~30 ms with 32 (this value's choice).
+const CHUNKS: usize = 8;
+
+/// Fewest invocations per row (a row of 64 elements has 16 quads); MIN_LANES in the shaders.
+const MIN_LANES: usize = 16;
+
+/// How a (rows, c) problem is launched: mode (0: `lanes` invocations per row, 1: an invocation
+/// per row; a specialization, see shaders/softmax.wgsl), workgroups, and whether the tensors are
+/// vec4 bindings.
+struct Launch {
+    mode: u32,
+    groups: u32,
+    lanes: u32,
+    vec4: bool,
+}
+
+fn launch(rows: usize, c: usize) -> Launch {
+    let wg = WG as usize;
+    if c >= ROW_PER_WORKGROUP {
+        let quads = c.div_ceil(4);
+        let lanes = quads
+            .div_ceil(CHUNKS)
+            .next_power_of_two()
+            .clamp(MIN_LANES, wg);
+        Launch {
+            mode: 0,
+            groups: rows.div_ceil(wg / lanes) as u32,
+            lanes: lanes as u32,
+            // Every row starts on a 16-byte boundary (and a whole packed word pair).
+            vec4: c.is_multiple_of(4),
+        }
+    } else {
+        Launch {
+            mode: 1,
+            groups: rows.div_ceil(wg) as u32,
+            lanes: 1,
+            vec4: false,
+        }
+    }
+}
+
+/// The bindings of `file` with these storages, vec4 where `vec4[i]`.
+fn bindings(file: &ShaderFile, storage: &[Storage], vec4: &[bool]) -> Vec<Binding> {
+    file.with_storage(storage)
+        .into_iter()
+        .zip(vec4)
+        .map(|(b, &v)| Binding { vec4: v, ..b })
+        .collect()
+}
+
+/// The kernel of `file` for these bindings and specialized constants, cached on the device.
+fn kernel(
+    dev: &Device,
+    file: &ShaderFile,
+    bind: &[Binding],
+    consts: &[(&str, u32)],
+) -> Result<Arc<Kernel>> {
+    let mut key = file.name.to_string();
+    for (name, v) in consts {
+        key += &format!("_{name}{v}");
+    }
+    for b in bind {
+        key += &format!("_{}{}", b.storage.tag(), if b.vec4 { "x4" } else { "" });
+    }
+    dev.kernel(&key, &[], false, || {
+        assemble(&specialize(file.body, consts), bind)
+    })
+}
+
+/// Packed f16 holds two elements per 32-bit word: with an odd row length a word straddles two
+/// rows, which two workgroups (or invocations) would write at once. Those outputs go through f32.
+fn needs_f32_staging(dev: &Device, out: &Tensor, c: usize) -> bool {
+    Storage::of(dev, out.dtype()) == Storage::F16Packed && !c.is_multiple_of(2)
+}
+
+/// out = softmax (or log-softmax) of x along rows of length `c`; x and out are (rows, c)
+/// contiguous, of any dtypes.
+pub(crate) fn softmax(x: &Tensor, rows: usize, c: usize, log: bool, out: &Tensor) -> Result<()> {
+    if rows == 0 || c == 0 {
+        return Ok(());
+    }
+    let dev = out.device();
+    if needs_f32_staging(dev, out, c) {
+        let tmp = Tensor::uninit(dev, out.shape().clone(), DType::F32)?;
+        softmax(x, rows, c, log, &tmp)?;
+        return elementwise::unary(UnaryOp::Identity, &tmp, 0.0, out);
+    }
+    let l = launch(rows, c);
+    let bind = bindings(
+        &SOFTMAX,
+        &[Storage::of(dev, x.dtype()), Storage::of(dev, out.dtype())],
+        &[l.vec4, l.vec4],
+    );
+    let k = kernel(
+        dev,
+        &SOFTMAX,
+        &bind,
+        &[("MODE", l.mode), ("LOG", u32::from(log))],
+    )?;
+    let params = [
+        rows as u32,
+        c as u32,
+        c.div_ceil(4) as u32,
+        l.lanes.trailing_zeros(),
+    ];
+    dev.dispatch(&k, &params, &[x.block(), out.block()], l.groups)
+}
+
+/// Cross-entropy of logits x (rows, c) against `targets` (rows, f32 class indices, checked by
+/// the caller to be < c): `loss` (rows, f32) gets each row's loss and, if given, `grad` (rows, c)
+/// gets (softmax - onehot) * inv_b.
+pub(crate) fn cross_entropy(
+    x: &Tensor,
+    targets: &Tensor,
+    rows: usize,
+    c: usize,
+    inv_b: f32,
+    grad: Option<&Tensor>,
+    loss: &Tensor,
+) -> Result<()> {
+    if rows == 0 {
+        return Ok(());
+    }
+    let dev = x.device();
+    if let Some(g) = grad {
+        if needs_f32_staging(dev, g, c) {
+            let tmp = Tensor::uninit(dev, g.shape().clone(), DType::F32)?;
+            cross_entropy(x, targets, rows, c, inv_b, Some(&tmp), loss)?;
+            return elementwise::unary(UnaryOp::Identity, &tmp, 0.0, g);
+        }
+    }
+    let l = launch(rows, c);
+    // Without a gradient, x stands in for the grad binding (the kernel does not touch it).
+    let g = grad.unwrap_or(x);
+    let bind = bindings(
+        &CROSS_ENTROPY,
+        &[
+            Storage::of(dev, x.dtype()),
+            Storage::F32,
+            Storage::of(dev, g.dtype()),
+            Storage::F32,
+        ],
+        &[l.vec4, false, l.vec4, false],
+    );
+    let k = kernel(
+        dev,
+        &CROSS_ENTROPY,
+        &bind,
+        &[("MODE", l.mode), ("GRAD", u32::from(grad.is_some()))],
+    )?;
+    let params = [
+        rows as u32,
+        c as u32,
+        c.div_ceil(4) as u32,
+        l.lanes.trailing_zeros(),
+        inv_b.to_bits(),
+        0,
+        0,
+        0,
+    ];
+    dev.dispatch(
+        &k,
+        &params,
+        &[x.block(), targets.block(), g.block(), loss.block()],
+        l.groups,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::{validate_wgsl, variants};
+
+    /// The vec4 variants (which the registry's own test does not build) and every specialization
+    /// parse and validate.
+    #[test]
+    fn vec4_and_specialized_variants_validate() {
+        for file in [&SOFTMAX, &CROSS_ENTROPY] {
+            for plain in variants(file) {
+                for vec4 in [false, true] {
+                    let bind: Vec<Binding> = plain
+                        .iter()
+                        .map(|b| Binding {
+                            vec4: vec4 && b.name != "t" && b.name != "loss",
+                            ..*b
+                        })
+                        .collect();
+                    for mode in [0, 1] {
+                        for flag in [0, 1] {
+                            let consts = [("MODE", mode), ("LOG", flag), ("GRAD", flag)];
+                            let src = assemble(&specialize(file.body, &consts), &bind);
+                            if let Err(e) = validate_wgsl(&src) {
+                                panic!("{} {bind:?} {consts:?}: {e}", file.name);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn launch_shapes() {
+        let l = launch(5, 10);
+        assert_eq!((l.mode, l.groups, l.vec4), (1, 1, false));
+        // 256 quads: 32 invocations of 8 quads, 8 rows per workgroup.
+        let l = launch(4096, 1024);
+        assert_eq!((l.mode, l.groups, l.lanes), (0, 512, 32));
+        assert!(l.vec4);
+        let l = launch(9, 64);
+        assert_eq!((l.mode, l.groups, l.lanes), (0, 1, 16));
+        // Past 8192 elements the rest of a row is streamed.
+        let l = launch(3, 8193);
+        assert_eq!((l.mode, l.groups, l.lanes), (0, 3, 256));
+        assert!(!l.vec4);
+        let l = launch(3, 1000);
+        assert_eq!(l.lanes, 32);
+    }
+}

@@ -1,0 +1,350 @@
+//! Matmul kernels against a plain-loop reference: every variant, transposed operands, batches,
+//! the fused bias + activation, f32 and f16, on every device.
+
+mod common;
+
+use common::*;
+use fitgrad::kernels::matmul::{self, Variant};
+use fitgrad::{Activation, DType, Device, Error, MatmulOptions, Tensor};
+use proptest::prelude::*;
+
+/// The variants under test: the reference, register blocks (skinny TM = 1 included) and
+/// workgroup tiles.
+const VARIANTS: [Variant; 6] = [
+    Variant::Naive,
+    Variant::Reg {
+        tm: 1,
+        tn: 16,
+        wg_x: 16,
+        wg_y: 1,
+    },
+    Variant::Reg {
+        tm: 4,
+        tn: 4,
+        wg_x: 16,
+        wg_y: 4,
+    },
+    Variant::Reg {
+        tm: 32,
+        tn: 16,
+        wg_x: 16,
+        wg_y: 1,
+    },
+    Variant::Tiled {
+        bm: 64,
+        bn: 64,
+        bk: 16,
+    },
+    Variant::Tiled {
+        bm: 32,
+        bn: 32,
+        bk: 16,
+    },
+];
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    /// 0: no batch; 1: A batched, B shared; 2: A shared, B batched; 3: both batched.
+    batch_mode: u8,
+    batch: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    ta: bool,
+    tb: bool,
+    bias: bool,
+    act: Activation,
+}
+
+fn gelu(x: f64) -> f64 {
+    0.5 * x * (1.0 + (0.7978845608028654 * (x + 0.044715 * x * x * x)).tanh())
+}
+
+/// Plain loops in f64 over the (already rounded) inputs: C[b, i, j].
+fn reference(c: &Case, a: &[f32], b: &[f32], bias: &[f32]) -> Vec<f32> {
+    let (m, n, k) = (c.m, c.n, c.k);
+    let batches = if c.batch_mode == 0 { 1 } else { c.batch };
+    let a_step = if matches!(c.batch_mode, 1 | 3) {
+        m * k
+    } else {
+        0
+    };
+    let b_step = if matches!(c.batch_mode, 2 | 3) {
+        k * n
+    } else {
+        0
+    };
+    let mut out = Vec::with_capacity(batches * m * n);
+    for bi in 0..batches {
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0f64;
+                for q in 0..k {
+                    let x = if c.ta {
+                        a[bi * a_step + q * m + i]
+                    } else {
+                        a[bi * a_step + i * k + q]
+                    };
+                    let y = if c.tb {
+                        b[bi * b_step + j * k + q]
+                    } else {
+                        b[bi * b_step + q * n + j]
+                    };
+                    s += x as f64 * y as f64;
+                }
+                if c.bias {
+                    s += bias[j] as f64;
+                }
+                s = match c.act {
+                    Activation::None => s,
+                    Activation::Relu => s.max(0.0),
+                    Activation::Gelu => gelu(s),
+                };
+                out.push(s as f32);
+            }
+        }
+    }
+    out
+}
+
+fn dims(c: &Case) -> (Vec<usize>, Vec<usize>, Vec<usize>) {
+    let a2 = if c.ta { vec![c.k, c.m] } else { vec![c.m, c.k] };
+    let b2 = if c.tb { vec![c.n, c.k] } else { vec![c.k, c.n] };
+    let lead = |batched: bool, mut d: Vec<usize>| {
+        if batched {
+            d.insert(0, c.batch);
+        }
+        d
+    };
+    let a = lead(matches!(c.batch_mode, 1 | 3), a2);
+    let b = lead(matches!(c.batch_mode, 2 | 3), b2);
+    let mut o = if c.batch_mode == 0 {
+        vec![]
+    } else {
+        vec![c.batch]
+    };
+    o.extend([c.m, c.n]);
+    (a, b, o)
+}
+
+fn check(
+    dev: &Device,
+    dtype: DType,
+    c: &Case,
+    variants: &[Variant],
+    seed: u64,
+) -> Result<(), String> {
+    let (ad, bd, od) = dims(c);
+    let a_host = as_dtype(&host_data(seed, numel(&ad), -1.0, 1.0), dtype);
+    let b_host = as_dtype(&host_data(seed ^ 7, numel(&bd), -1.0, 1.0), dtype);
+    let bias_host = as_dtype(&host_data(seed ^ 9, c.n, -1.0, 1.0), dtype);
+    let a = upload(dev, &a_host, &ad, dtype);
+    let b = upload(dev, &b_host, &bd, dtype);
+    let bias = upload(dev, &bias_host, &[c.n], dtype);
+    let opts = MatmulOptions {
+        trans_a: c.ta,
+        trans_b: c.tb,
+        bias: c.bias.then_some(&bias),
+        activation: c.act,
+    };
+    let want = expect_in(reference(c, &a_host, &b_host, &bias_host), dtype);
+    // Sums of k products of values in [-1, 1]: f32 accumulation error grows with k.
+    let tol = match dtype {
+        DType::F32 => Tol {
+            abs: 2e-6 * (c.k as f32 + 1.0),
+            rel: 1e-5,
+            f16_ulps: 0.0,
+        },
+        DType::F16 => Tol {
+            abs: 1e-4 * (c.k as f32 + 1.0),
+            rel: 2e-3,
+            f16_ulps: 2.0,
+        },
+    };
+    for &v in variants
+        .iter()
+        .filter(|&&v| matmul::supported(dev, v, dtype))
+    {
+        let what = format!("{} {dtype:?} {c:?} {v:?}", label(dev));
+        let out = a
+            .matmul_variant(&b, &opts, v)
+            .map_err(|e| format!("{what}: {e}"))?;
+        if out.dims() != od.as_slice() {
+            return Err(format!("{what}: shape {:?}, expected {od:?}", out.dims()));
+        }
+        check_close(&what, &download(&out, &od, dtype)?, &want, tol)?;
+    }
+    // The autotuned path (built-in choice for these small sizes) agrees too.
+    let out = a.matmul_with(&b, &opts).map_err(|e| e.to_string())?;
+    check_close(
+        &format!("{} {dtype:?} {c:?} matmul_with", label(dev)),
+        &download(&out, &od, dtype)?,
+        &want,
+        tol,
+    )
+}
+
+fn size() -> impl Strategy<Value = usize> {
+    prop_oneof![
+        2 => Just(1usize),
+        4 => 2usize..9,
+        3 => 9usize..40,
+        2 => prop::sample::select(vec![63usize, 64, 65, 100, 129]),
+    ]
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    (
+        (0u8..4, 1usize..4, size(), size(), size()),
+        (any::<bool>(), any::<bool>(), any::<bool>(), 0u8..3),
+    )
+        .prop_map(|((batch_mode, batch, m, n, k), (ta, tb, bias, act))| Case {
+            batch_mode,
+            batch,
+            m,
+            n,
+            k,
+            ta,
+            tb,
+            bias,
+            act: [Activation::None, Activation::Relu, Activation::Gelu][act as usize],
+        })
+}
+
+/// One of each kernel family; compiling a pipeline costs lavapipe ~0.2 s, so random cases use
+/// these and the fixed cases below run all of VARIANTS.
+const SAMPLED: [Variant; 3] = [VARIANTS[1], VARIANTS[3], VARIANTS[5]];
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(8))]
+
+    #[test]
+    fn kernels_match_the_reference_on_random_shapes(c in case(), seed in any::<u64>()) {
+        for dev in devices() {
+            for dtype in [DType::F32, DType::F16] {
+                check(&dev, dtype, &c, &SAMPLED, seed).map_err(TestCaseError::fail)?;
+            }
+        }
+    }
+}
+
+#[test]
+fn every_variant_in_every_transposed_form() {
+    for dev in devices() {
+        for (i, (ta, tb)) in [(false, false), (true, false), (false, true), (true, true)]
+            .into_iter()
+            .enumerate()
+        {
+            let c = Case {
+                batch_mode: i as u8,
+                batch: 2,
+                m: 37,
+                n: 20,
+                k: 24,
+                ta,
+                tb,
+                bias: true,
+                act: [Activation::Relu, Activation::Gelu][i % 2],
+            };
+            for dtype in [DType::F32, DType::F16] {
+                check(&dev, dtype, &c, &VARIANTS, i as u64).unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn edges_and_empty() {
+    let plain = |m, n, k| Case {
+        batch_mode: 0,
+        batch: 1,
+        m,
+        n,
+        k,
+        ta: false,
+        tb: false,
+        bias: true,
+        act: Activation::None,
+    };
+    for dev in devices() {
+        // k = 0 gives the bias alone; m or n = 0 gives an empty result.
+        for c in [
+            plain(1, 1, 1),
+            plain(3, 5, 0),
+            plain(0, 4, 3),
+            plain(4, 0, 3),
+            plain(65, 67, 130),
+        ] {
+            for dtype in [DType::F32, DType::F16] {
+                check(&dev, dtype, &c, &VARIANTS, 5).unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn transposed_forms_match_explicit_transposes() {
+    for dev in devices() {
+        let x = Tensor::randn(&dev, &[7, 5], 0.0, 1.0, 1, DType::F32).unwrap();
+        let y = Tensor::randn(&dev, &[7, 6], 0.0, 1.0, 2, DType::F32).unwrap();
+        // xᵀ·y without materializing xᵀ, against the transpose kernel.
+        let tn = x
+            .matmul_with(
+                &y,
+                &MatmulOptions {
+                    trans_a: true,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        let explicit = x.transpose().unwrap().matmul(&y).unwrap();
+        assert_close(
+            "xT.y",
+            &tn.to_vec_f32().unwrap(),
+            &explicit.to_vec_f32().unwrap(),
+            Tol::elementwise(DType::F32),
+        );
+        let z = Tensor::randn(&dev, &[6, 5], 0.0, 1.0, 3, DType::F32).unwrap();
+        let nt = x
+            .matmul_with(
+                &z,
+                &MatmulOptions {
+                    trans_b: true,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+        let explicit = x.matmul(&z.transpose().unwrap()).unwrap();
+        assert_close(
+            "x.zT",
+            &nt.to_vec_f32().unwrap(),
+            &explicit.to_vec_f32().unwrap(),
+            Tol::elementwise(DType::F32),
+        );
+    }
+}
+
+#[test]
+fn bad_shapes_are_errors() {
+    for dev in devices() {
+        let t = |d: &[usize]| Tensor::zeros(&dev, d, DType::F32).unwrap();
+        let shape_err = |r: fitgrad::Result<Tensor>| matches!(r, Err(Error::Shape { op, .. }) if op.starts_with("matmul"));
+        assert!(shape_err(t(&[2, 3]).matmul(&t(&[4, 5]))));
+        assert!(shape_err(t(&[3]).matmul(&t(&[3, 2]))));
+        assert!(shape_err(t(&[2, 2, 3]).matmul(&t(&[3, 3, 2]))));
+        let bias = t(&[3]);
+        let opts = MatmulOptions {
+            bias: Some(&bias),
+            ..Default::default()
+        };
+        assert!(shape_err(t(&[2, 3]).matmul_with(&t(&[3, 2]), &opts)));
+        let h = Tensor::zeros(&dev, &[3, 2], DType::F16).unwrap();
+        assert!(matches!(t(&[2, 3]).matmul(&h), Err(Error::DType { .. })));
+        // The device still works.
+        let ok = Tensor::ones(&dev, &[2, 3], DType::F32)
+            .unwrap()
+            .matmul(&t(&[3, 2]))
+            .unwrap();
+        assert_eq!(ok.to_vec::<f32>().unwrap(), vec![0.0; 4]);
+    }
+}

@@ -1,0 +1,329 @@
+//! `cargo xtask bench [--quick] [--adapter NAME]`: the cross-vendor benchmark.
+//!
+//! Runs one set of kernels on every adapter wgpu finds (or those whose name contains NAME) and
+//! writes target/bench/report.md and target/bench/report.json. Each matmul figure comes with two
+//! references measured in the same run, so it reads as a ratio: a naive one-invocation-per-output
+//! matmul on the same adapter, and a single-threaded CPU sgemm (the `matrixmultiply` crate).
+//! Softmax is compared with a plain buffer copy of the same bytes on the same adapter.
+
+use fitgrad::kernels::matmul::Variant;
+use fitgrad::{DType, Device, DeviceOptions, MatmulOptions, Tensor};
+use serde_json::json;
+use std::time::Instant;
+
+struct Opts {
+    quick: bool,
+    adapter: Option<String>,
+}
+
+/// One matmul shape: C (m, n) = op(A) · op(B) with k inner.
+#[derive(Clone, Copy)]
+struct Mm {
+    name: &'static str,
+    m: usize,
+    n: usize,
+    k: usize,
+    ta: bool,
+    tb: bool,
+}
+
+fn mm(name: &'static str, m: usize, n: usize, k: usize, ta: bool, tb: bool) -> Mm {
+    Mm {
+        name,
+        m,
+        n,
+        k,
+        ta,
+        tb,
+    }
+}
+
+/// The shapes of an MLP 784-512-512-10 training step at batch 128: forward X·W, and backward
+/// dW = Xᵀ·dY and dX = dY·Wᵀ.
+fn training_shapes() -> Vec<Mm> {
+    let mut v = Vec::new();
+    for (k, n) in [(784, 512), (512, 512), (512, 10)] {
+        v.push(mm("train fwd", 128, n, k, false, false));
+        v.push(mm("train dW=XᵀdY", k, n, 128, true, false));
+        v.push(mm("train dX=dYWᵀ", 128, k, n, false, true));
+    }
+    v
+}
+
+/// Median seconds of `reps` runs of `f` (after one warm-up run).
+fn median_secs(reps: usize, mut f: impl FnMut() -> fitgrad::Result<()>) -> fitgrad::Result<f64> {
+    f()?;
+    let mut t = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let s = Instant::now();
+        f()?;
+        t.push(s.elapsed().as_secs_f64());
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+/// Single-threaded CPU sgemm of the same shape (f32), seconds.
+fn cpu_sgemm_secs(s: &Mm, reps: usize) -> f64 {
+    let a = vec![0.5f32; s.m * s.k];
+    let b = vec![0.25f32; s.k * s.n];
+    let mut c = vec![0f32; s.m * s.n];
+    // Row and column strides of op(A) (m x k) and op(B) (k x n) as stored.
+    let (rsa, csa) = if s.ta {
+        (1, s.m as isize)
+    } else {
+        (s.k as isize, 1)
+    };
+    let (rsb, csb) = if s.tb {
+        (1, s.k as isize)
+    } else {
+        (s.n as isize, 1)
+    };
+    let mut run = || unsafe {
+        matrixmultiply::sgemm(
+            s.m,
+            s.k,
+            s.n,
+            1.0,
+            a.as_ptr(),
+            rsa,
+            csa,
+            b.as_ptr(),
+            rsb,
+            csb,
+            0.0,
+            c.as_mut_ptr(),
+            s.n as isize,
+            1,
+        );
+    };
+    run();
+    let mut t: Vec<f64> = (0..reps.max(3))
+        .map(|_| {
+            let st = Instant::now();
+            run();
+            st.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
+
+struct Row {
+    op: String,
+    shape: String,
+    dtype: String,
+    variant: String,
+    ms: f64,
+    rate: f64,
+    unit: &'static str,
+    vs: Vec<(String, f64)>,
+}
+
+fn bench_adapter(dev: &Device, o: &Opts) -> fitgrad::Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    let reps = if o.quick { 3 } else { 10 };
+    let mut shapes: Vec<Mm> = if o.quick {
+        vec![256, 512, 1024]
+    } else {
+        vec![256, 512, 1024, 2048]
+    }
+    .into_iter()
+    .map(|s| mm("square", s, s, s, false, false))
+    .collect();
+    shapes.extend(training_shapes());
+    for dtype in [DType::F32, DType::F16] {
+        for s in &shapes {
+            let ad = if s.ta { [s.k, s.m] } else { [s.m, s.k] };
+            let bd = if s.tb { [s.n, s.k] } else { [s.k, s.n] };
+            let a = Tensor::randn(dev, &ad, 0.0, 1.0, 1, dtype)?;
+            let b = Tensor::randn(dev, &bd, 0.0, 1.0, 2, dtype)?;
+            let opts = MatmulOptions {
+                trans_a: s.ta,
+                trans_b: s.tb,
+                ..Default::default()
+            };
+            let flops = 2.0 * (s.m * s.n * s.k) as f64;
+            // The first call tunes (or reads the tuning cache); the timed calls reuse the winner.
+            let t = median_secs(reps, || {
+                a.matmul_with(&b, &opts)?;
+                dev.sync()
+            })?;
+            let variant = fitgrad::kernels::matmul::chosen(dev, &a, &b, &opts)?;
+            // The naive kernel is slow: one timed run is enough for its ratio at large sizes.
+            let naive_reps = if flops > 5e8 { 1 } else { reps };
+            let naive = median_secs(naive_reps, || {
+                a.matmul_variant(&b, &opts, Variant::Naive)?;
+                dev.sync()
+            })?;
+            let cpu = cpu_sgemm_secs(s, reps);
+            rows.push(Row {
+                op: format!("matmul {}", s.name),
+                shape: format!(
+                    "{}x{}x{}{}{}",
+                    s.m,
+                    s.n,
+                    s.k,
+                    if s.ta { " Aᵀ" } else { "" },
+                    if s.tb { " Bᵀ" } else { "" }
+                ),
+                dtype: dtype.to_string(),
+                variant: variant.name(),
+                ms: t * 1e3,
+                rate: flops / t / 1e9,
+                unit: "GFLOP/s",
+                vs: vec![
+                    ("naive".into(), naive / t),
+                    ("cpu sgemm 1 thread".into(), cpu / t),
+                ],
+            });
+            eprintln!(
+                "  {} {} {dtype}: {:.2} ms",
+                rows.last().unwrap().op,
+                rows.last().unwrap().shape,
+                t * 1e3
+            );
+        }
+    }
+    // Softmax 4096x1024 against a copy of the same bytes.
+    for dtype in [DType::F32, DType::F16] {
+        let x = Tensor::randn(dev, &[4096, 1024], 0.0, 1.0, 3, dtype)?;
+        let bytes = (4096 * 1024 * dtype.size()) as f64;
+        let copy = median_secs(reps, || {
+            x.copy()?;
+            dev.sync()
+        })?;
+        let copy_kernel = median_secs(reps, || {
+            x.to_dtype(dtype)?;
+            dev.sync()
+        })?;
+        let sm = median_secs(reps, || {
+            x.softmax()?;
+            dev.sync()
+        })?;
+        let ratios = vec![
+            ("copy engine (time ratio)".to_string(), sm / copy),
+            ("copy kernel (time ratio)".to_string(), sm / copy_kernel),
+        ];
+        for (op, t, vs) in [
+            ("copy (copy_buffer_to_buffer)", copy, vec![]),
+            ("copy (kernel)", copy_kernel, vec![]),
+            ("softmax", sm, ratios),
+        ] {
+            rows.push(Row {
+                op: op.into(),
+                shape: "4096x1024".into(),
+                dtype: dtype.to_string(),
+                variant: String::new(),
+                ms: t * 1e3,
+                // Read once and written once.
+                rate: 2.0 * bytes / t / 1e9,
+                unit: "GB/s",
+                vs,
+            });
+        }
+    }
+    // Elementwise add of 16M elements: two reads and a write.
+    let n = 16 << 20;
+    let a = Tensor::randn(dev, &[n], 0.0, 1.0, 4, DType::F32)?;
+    let b = Tensor::randn(dev, &[n], 0.0, 1.0, 5, DType::F32)?;
+    let t = median_secs(reps, || {
+        a.add(&b)?;
+        dev.sync()
+    })?;
+    rows.push(Row {
+        op: "add".into(),
+        shape: "16M".into(),
+        dtype: "f32".into(),
+        variant: String::new(),
+        ms: t * 1e3,
+        rate: 3.0 * 4.0 * n as f64 / t / 1e9,
+        unit: "GB/s",
+        vs: vec![],
+    });
+    Ok(rows)
+}
+
+pub fn run(args: &[String]) -> Result<(), String> {
+    let mut o = Opts {
+        quick: false,
+        adapter: None,
+    };
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--quick" => o.quick = true,
+            "--adapter" => o.adapter = Some(it.next().ok_or("--adapter needs a name")?.clone()),
+            other => {
+                return Err(format!(
+                    "unknown argument {other}; use [--quick] [--adapter NAME]"
+                ))
+            }
+        }
+    }
+    let mut adapters = Device::adapters();
+    if let Some(want) = &o.adapter {
+        adapters.retain(|a| a.name.to_lowercase().contains(&want.to_lowercase()));
+    }
+    if o.quick {
+        // One backend per physical adapter (the list is best first).
+        let mut seen = std::collections::HashSet::new();
+        adapters.retain(|a| seen.insert(a.name.clone()));
+    }
+    if adapters.is_empty() {
+        return Err("no adapter to benchmark".into());
+    }
+    let started = Instant::now();
+    let mut md = String::from("| adapter | vendor | backend | driver | op | shape | dtype | kernel | median ms | rate | vs references |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+    let mut records = Vec::new();
+    for a in &adapters {
+        eprintln!("benchmarking {a}");
+        let dev = Device::with_options(DeviceOptions {
+            backend: Some(a.backend.clone()),
+            adapter: Some(a.name.clone()),
+            ..Default::default()
+        })
+        .map_err(|e| e.to_string())?;
+        let rows = bench_adapter(&dev, &o).map_err(|e| format!("{}: {e}", a.name))?;
+        for r in rows {
+            let vs: Vec<String> = r.vs.iter().map(|(k, v)| format!("{v:.2}x {k}")).collect();
+            md += &format!(
+                "| {} | {} | {} | {} | {} | {} | {} | {} | {:.3} | {:.2} {} | {} |\n",
+                a.name,
+                a.vendor_name,
+                a.backend,
+                a.driver,
+                r.op,
+                r.shape,
+                r.dtype,
+                r.variant,
+                r.ms,
+                r.rate,
+                r.unit,
+                vs.join(", ")
+            );
+            records.push(json!({
+                "adapter": a.name, "vendor": a.vendor_name, "backend": a.backend, "driver": a.driver,
+                "driver_info": a.driver_info, "op": r.op, "shape": r.shape, "dtype": r.dtype,
+                "kernel": r.variant, "median_ms": r.ms, "rate": r.rate, "unit": r.unit,
+                "ratios": r.vs.iter().map(|(k, v)| json!({"vs": k, "ratio": v})).collect::<Vec<_>>(),
+            }));
+        }
+    }
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench");
+    let dir = std::path::Path::new(dir);
+    let report =
+        json!({ "quick": o.quick, "seconds": started.elapsed().as_secs_f64(), "results": records });
+    fitgrad::fsutil::write_atomic(&dir.join("report.md"), md.as_bytes())
+        .map_err(|e| e.to_string())?;
+    let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+    fitgrad::fsutil::write_atomic(&dir.join("report.json"), text.as_bytes())
+        .map_err(|e| e.to_string())?;
+    println!("{md}");
+    println!(
+        "wrote {} and report.json in {:.0} s",
+        dir.join("report.md").display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
