@@ -372,3 +372,21 @@ fn randn_mean_and_std() {
         }
     }
 }
+
+/// `copy()` (the copy engine) gives an independent tensor with the same bits, odd f16 lengths
+/// and empty tensors included.
+#[test]
+fn copy_duplicates_data() {
+    for dev in devices() {
+        for n in [0usize, 1, 5, 1001] {
+            let host: Vec<f32> = host_data(n as u64, n, -3.0, 3.0);
+            let t = Tensor::from_slice(&dev, &host, &[n]).unwrap();
+            let c = t.copy().unwrap();
+            drop(t);
+            assert_eq!(c.to_vec::<f32>().unwrap(), host);
+            let h: Vec<half::f16> = host.iter().map(|&x| half::f16::from_f32(x)).collect();
+            let c16 = Tensor::from_slice(&dev, &h, &[n]).unwrap().copy().unwrap();
+            assert_eq!(c16.to_vec::<half::f16>().unwrap(), h);
+        }
+    }
+}

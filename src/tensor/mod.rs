@@ -101,12 +101,15 @@ impl Tensor {
         Ok(t)
     }
 
-    /// A copy made by the copy engine (`copy_buffer_to_buffer`), no kernel: the memory-bandwidth
-    /// yardstick benchmarks compare kernels against.
+    /// A copy made by the copy engine (`copy_buffer_to_buffer`), the memory-bandwidth yardstick
+    /// benchmarks compare kernels against. wgpu cannot copy within one buffer, so when the new
+    /// block lands in the same arena segment the copy kernel runs instead.
     pub fn copy(&self) -> Result<Tensor> {
         let out = Tensor::uninit(self.device(), self.shape.clone(), self.dtype)?;
         let bytes = bytes_for(&self.shape, self.dtype).div_ceil(4) * 4;
-        if bytes > 0 {
+        if Arc::ptr_eq(&self.block().buffer, &out.block().buffer) {
+            elementwise::unary(elementwise::UnaryOp::Identity, self, 0.0, &out)?;
+        } else if bytes > 0 {
             self.device().copy(self.block(), out.block(), bytes);
         }
         Ok(out)
