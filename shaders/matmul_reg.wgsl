@@ -1,22 +1,11 @@
 // C = op(A) · op(B) (+ bias) (activation), batched over workgroup_id.z.
 // op(A) is (M, K): A is stored (M, K), or (K, M) with TRANS_A. op(B) is (K, N): B is stored
 // (K, N), or (N, K) with TRANS_B. bias is (N). C is (M, N). All f32 accumulation, k in order.
+// Parameters (binding 0) and the fused epilogue `finish` come from include/matmul_common.wgsl.
 //
 // Register-blocked and barrier-free: each invocation computes a TM x TN block of C straight from
 // memory, four k at a time, with no workgroup memory and no barriers. CPU adapters (lavapipe)
 // run this fastest: their caches do the tiling, and barriers cost them a thread switch.
-
-struct Params {
-    m: u32,
-    n: u32,
-    k: u32,
-    epilogue: u32, // bit 0: add bias; bits 1..: 0 none, 1 relu, 2 gelu
-    a_batch: u32,  // elements between batches of A (0: shared)
-    b_batch: u32,
-    c_batch: u32,
-    _pad: u32,
-}
-@group(0) @binding(0) var<uniform> p: Params;
 
 const TM: u32 = 4u;   // rows of C per invocation
 const TN: u32 = 4u;   // columns of C per invocation, a multiple of 4
@@ -28,28 +17,6 @@ override TRANS_B: bool = false;
 // B (not transposed) and C rows start on 16-byte boundaries: whole vec4 loads and stores.
 override VEC_B: bool = false;
 override VEC_C: bool = false;
-
-// tanh-form GELU; tanh through exp(-2|u|) so large |x| gives x or 0, never NaN.
-fn gelu(x: f32) -> f32 {
-    let u = 0.7978845608028654 * (x + 0.044715 * x * x * x);
-    let e = exp(-2.0 * abs(u));
-    let t = sign(u) * (1.0 - e) / (1.0 + e);
-    return 0.5 * x * (1.0 + t);
-}
-
-fn finish(v: f32, col: u32) -> f32 {
-    var r = v;
-    if ((p.epilogue & 1u) != 0u) {
-        r += ld_bias(col);
-    }
-    let act = p.epilogue >> 1u;
-    if (act == 1u) {
-        r = select(r, 0.0, bitcast<u32>(r) > 0x80000000u && bitcast<u32>(r) <= 0xff800000u); // relu keeping NaN (see unary.wgsl)
-    } else if (act == 2u) {
-        r = gelu(r);
-    }
-    return r;
-}
 
 // op(A)[row, k .. k + 4]
 fn a4(base: u32, row: u32, k: u32) -> vec4<f32> {

@@ -5,18 +5,6 @@
 // tile of B in workgroup memory, then each invocation accumulates a 4 x 4 block of C from it
 // with vec4 reads. Tiles past the matrix edge are zero-filled, so any M, N, K works.
 
-struct Params {
-    m: u32,
-    n: u32,
-    k: u32,
-    epilogue: u32,
-    a_batch: u32,
-    b_batch: u32,
-    c_batch: u32,
-    _pad: u32,
-}
-@group(0) @binding(0) var<uniform> p: Params;
-
 const BM: u32 = 64u;  // rows of C per workgroup
 const BN: u32 = 64u;  // columns of C per workgroup
 const BK: u32 = 16u;  // k per stage
@@ -28,26 +16,6 @@ override VEC_C: bool = false;
 // As[kk * BM / 4 + i] holds rows 4i .. 4i + 4 of the A tile at k = kk; Bs likewise for columns.
 var<workgroup> As: array<vec4<f32>, BK * BM / 4>;
 var<workgroup> Bs: array<vec4<f32>, BK * BN / 4>;
-
-fn gelu(x: f32) -> f32 {
-    let u = 0.7978845608028654 * (x + 0.044715 * x * x * x);
-    let e = exp(-2.0 * abs(u));
-    return 0.5 * x * (1.0 + sign(u) * (1.0 - e) / (1.0 + e));
-}
-
-fn finish(v: f32, col: u32) -> f32 {
-    var r = v;
-    if ((p.epilogue & 1u) != 0u) {
-        r += ld_bias(col);
-    }
-    let act = p.epilogue >> 1u;
-    if (act == 1u) {
-        r = select(r, 0.0, bitcast<u32>(r) > 0x80000000u && bitcast<u32>(r) <= 0xff800000u); // relu keeping NaN (see unary.wgsl)
-    } else if (act == 2u) {
-        r = gelu(r);
-    }
-    return r;
-}
 
 // op(A)[row, k], 0 outside the matrix.
 fn a_at(base: u32, row: u32, k: u32) -> f32 {

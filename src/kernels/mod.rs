@@ -242,17 +242,26 @@ pub const NONFINITE: ShaderFile = ShaderFile {
 
 pub const MATMUL_REG: ShaderFile = ShaderFile {
     name: "matmul_reg",
-    body: include_str!("../../shaders/matmul_reg.wgsl"),
+    body: concat!(
+        include_str!("../../shaders/include/matmul_common.wgsl"),
+        include_str!("../../shaders/matmul_reg.wgsl")
+    ),
     bindings: &[("a", false), ("b", false), ("bias", false), ("c", true)],
 };
 pub const MATMUL_TILED: ShaderFile = ShaderFile {
     name: "matmul_tiled",
-    body: include_str!("../../shaders/matmul_tiled.wgsl"),
+    body: concat!(
+        include_str!("../../shaders/include/matmul_common.wgsl"),
+        include_str!("../../shaders/matmul_tiled.wgsl")
+    ),
     bindings: &[("a", false), ("b", false), ("bias", false), ("c", true)],
 };
 pub const MATMUL_NAIVE: ShaderFile = ShaderFile {
     name: "matmul_naive",
-    body: include_str!("../../shaders/matmul_naive.wgsl"),
+    body: concat!(
+        include_str!("../../shaders/include/matmul_common.wgsl"),
+        include_str!("../../shaders/matmul_naive.wgsl")
+    ),
     bindings: &[("a", false), ("b", false), ("bias", false), ("c", true)],
 };
 
