@@ -101,6 +101,15 @@ pub enum Error {
     #[error("reading GPU memory back failed: {0}")]
     Readback(String),
 
+    /// A data or checkpoint file that is malformed, truncated, or not what it claims to be.
+    #[error("{path}: {reason}")]
+    Data { path: String, reason: String },
+
+    /// A backward pass that cannot run: nothing requires grad, a graph already freed by an
+    /// earlier backward, or a gradient of the wrong shape.
+    #[error("autograd: {0}")]
+    Autograd(String),
+
     #[error("I/O error on {path}: {source}")]
     Io {
         path: String,

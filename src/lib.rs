@@ -17,6 +17,7 @@ pub mod fsutil;
 pub mod kernels;
 pub mod memory;
 pub mod tensor;
+pub mod train;
 
 pub use device::{AdapterSummary, Device, DeviceInfo, DeviceLimits, DeviceOptions};
 pub use error::{Error, Result};

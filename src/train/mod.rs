@@ -1,0 +1,3 @@
+//! Training: datasets and the training loop.
+
+pub mod data;
