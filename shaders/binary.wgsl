@@ -1,6 +1,14 @@
 // Broadcasted binary elementwise op: out = a (op) b, out has shape `shape` (rank 4, left-padded
 // with 1). `sa` / `sb` are the strides of a and b in elements, 0 along broadcast dims.
 // Two outputs per invocation (see kernels/mod.rs).
+//
+// Ops 0-3 (arithmetic) share one pipeline and switch on p.op. The others, the backward rules of
+// activations, get a pipeline each with OP specialized (lavapipe runs every case of a switch):
+//   4 expand:  out = a (b ignored; a broadcast to out's shape)
+//   5 relu':   out = a where b > 0, else 0   (a = grad, b = relu output)
+//   6 gelu':   out = a * gelu'(b)            (b = gelu input)
+//   7 tanh':   out = a * (1 - b^2)           (b = tanh output)
+//   8 sigmoid': out = a * b * (1 - b)        (b = sigmoid output)
 
 struct Params {
     n: u32,        // elements of out
@@ -14,6 +22,7 @@ struct Params {
 @group(0) @binding(0) var<uniform> p: Params;
 
 const WG: u32 = 256u;
+const OP: u32 = 0xffffffffu;
 
 // Offset of out's linear index `i` in a tensor with strides `s`.
 fn offset(i: u32, s: vec4<u32>) -> u32 {
@@ -27,6 +36,12 @@ fn offset(i: u32, s: vec4<u32>) -> u32 {
 }
 
 fn apply(x: f32, y: f32) -> f32 {
+    // Constant conditions: the compiler keeps one of these, or none.
+    if (OP == 4u) { return x; }
+    if (OP == 5u) { return select(0.0, x, y > 0.0); }
+    if (OP == 6u) { return x * gelu_grad(y); }
+    if (OP == 7u) { return x * (1.0 - y * y); }
+    if (OP == 8u) { return x * y * (1.0 - y); }
     switch p.op {
         case 0u: { return x + y; }
         case 1u: { return x - y; }

@@ -11,6 +11,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod autograd;
 pub mod device;
 pub mod error;
 pub mod fsutil;
@@ -19,6 +20,7 @@ pub mod memory;
 pub mod tensor;
 pub mod train;
 
+pub use autograd::{is_grad_enabled, no_grad, NoGradGuard};
 pub use device::{AdapterSummary, Device, DeviceInfo, DeviceLimits, DeviceOptions};
 pub use error::{Error, Result};
 pub use kernels::matmul::Activation;

@@ -9,6 +9,23 @@ pub(crate) enum BinaryOp {
     Sub = 1,
     Mul = 2,
     Div = 3,
+    /// out = a broadcast to out's shape (b ignored).
+    Expand = 4,
+    /// out = a where b > 0 (relu backward: a = grad, b = relu output).
+    ReluBackward = 5,
+    /// out = a * gelu'(b) (b = gelu input).
+    GeluBackward = 6,
+    /// out = a * (1 - b^2) (b = tanh output).
+    TanhBackward = 7,
+    /// out = a * b * (1 - b) (b = sigmoid output).
+    SigmoidBackward = 8,
+}
+
+impl BinaryOp {
+    /// The backward ops get a pipeline each (see shaders/binary.wgsl).
+    fn has_own_pipeline(self) -> bool {
+        self as u32 >= BinaryOp::Expand as u32
+    }
 }
 
 /// Op codes of shaders/unary.wgsl.
@@ -56,7 +73,15 @@ pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor) -> Resu
     }
     let dev = out.device();
     let s = Storage::of(dev, out.dtype());
-    let k = BINARY.kernel(dev, &[s, s, s])?;
+    let k = if op.has_own_pipeline() {
+        let key = format!("binary_op{}_{}", op as u32, s.tag());
+        dev.kernel(&key, &[], false, || {
+            let body = specialize(BINARY.body, &[("OP", op as u32)]);
+            assemble(&body, &BINARY.with_storage(&[s, s, s]))
+        })?
+    } else {
+        BINARY.kernel(dev, &[s, s, s])?
+    };
     let shape = out.shape();
     let mut params = vec![n as u32, op as u32, 0, 0];
     params.extend(shape.dims4());
@@ -138,6 +163,21 @@ mod tests {
             assert!(op.has_own_pipeline());
             for bind in variants(&UNARY) {
                 let src = assemble(&specialize(UNARY.body, &[("OP", op as u32)]), &bind);
+                if let Err(e) = validate_wgsl(&src) {
+                    panic!("{op:?} {bind:?}: {e}");
+                }
+            }
+        }
+        for op in [
+            BinaryOp::Expand,
+            BinaryOp::ReluBackward,
+            BinaryOp::GeluBackward,
+            BinaryOp::TanhBackward,
+            BinaryOp::SigmoidBackward,
+        ] {
+            assert!(op.has_own_pipeline());
+            for bind in variants(&BINARY) {
+                let src = assemble(&specialize(BINARY.body, &[("OP", op as u32)]), &bind);
                 if let Err(e) = validate_wgsl(&src) {
                     panic!("{op:?} {bind:?}: {e}");
                 }

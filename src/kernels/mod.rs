@@ -196,12 +196,18 @@ pub struct ShaderFile {
 
 pub const BINARY: ShaderFile = ShaderFile {
     name: "binary",
-    body: include_str!("../../shaders/binary.wgsl"),
+    body: concat!(
+        include_str!("../../shaders/include/activations.wgsl"),
+        include_str!("../../shaders/binary.wgsl")
+    ),
     bindings: &[("a", false), ("b", false), ("out", true)],
 };
 pub const UNARY: ShaderFile = ShaderFile {
     name: "unary",
-    body: include_str!("../../shaders/unary.wgsl"),
+    body: concat!(
+        include_str!("../../shaders/include/activations.wgsl"),
+        include_str!("../../shaders/unary.wgsl")
+    ),
     bindings: &[("x", false), ("out", true)],
 };
 pub const FILL: ShaderFile = ShaderFile {

@@ -1,6 +1,8 @@
 //! Matrix products: `matmul`, the transposed forms backward needs, and the fused Linear forward.
 
 use super::{Shape, Tensor};
+use crate::autograd::{self, grad_if, record};
+use crate::kernels::elementwise::{self, BinaryOp};
 use crate::kernels::matmul::{self, Activation, Problem, Variant};
 use crate::{Error, Result};
 
@@ -25,12 +27,40 @@ impl Tensor {
 
     /// `matmul` with transposed operands (read in place, never copied), a bias and an
     /// activation fused into the same kernel.
+    ///
+    /// Recorded for autograd with a fused relu (its backward needs only the output). A fused
+    /// gelu's backward needs the pre-activation, so while recording it runs as matmul + bias,
+    /// then a recorded gelu.
     pub fn matmul_with(&self, other: &Tensor, opts: &MatmulOptions) -> Result<Tensor> {
+        let recording = autograd::is_grad_enabled()
+            && (self.requires_grad()
+                || other.requires_grad()
+                || opts.bias.is_some_and(|b| b.requires_grad()));
+        if recording && opts.activation == Activation::Gelu {
+            let pre = self.matmul_with(
+                other,
+                &MatmulOptions {
+                    activation: Activation::None,
+                    ..*opts
+                },
+            )?;
+            return pre.gelu();
+        }
         let (pb, out_dims) = self.matmul_problem(other, opts)?;
         let out = Tensor::uninit(self.device(), Shape::new(&out_dims)?, self.dtype())?;
         let variant = matmul::select(self.device(), &pb, self, other, opts.bias, &out)?;
         matmul::run(self.device(), variant, &pb, self, other, opts.bias, &out)?;
-        Ok(out)
+        if !recording {
+            return Ok(out);
+        }
+        let relu_out = (opts.activation == Activation::Relu).then(|| out.detach());
+        let (ta, tb) = (opts.trans_a, opts.trans_b);
+        let (a, b) = (self.detach(), other.detach());
+        let mut inputs = vec![self, other];
+        inputs.extend(opts.bias);
+        Ok(record("matmul", out, &inputs, move || {
+            Box::new(move |g, need| matmul_backward(g, &a, &b, ta, tb, relu_out.as_ref(), need))
+        }))
     }
 
     /// `matmul_with` forcing one kernel variant (tests and benchmarks).
@@ -113,4 +143,88 @@ impl Tensor {
         };
         Ok((pb, out_dims))
     }
+}
+
+/// Gradients of `C = act(op(A) · op(B) + bias)` for A, B and (when present) the bias, from the
+/// output gradient `g` (.., M, N). Transposed operands get gradients in their stored layout, and
+/// every product reads its operands in place (no transpose is materialized).
+fn matmul_backward(
+    g: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    ta: bool,
+    tb: bool,
+    relu_out: Option<&Tensor>,
+    need: &[bool],
+) -> Result<Vec<Option<Tensor>>> {
+    let g = match relu_out {
+        Some(y) => {
+            let masked = Tensor::uninit(g.device(), g.shape().clone(), g.dtype())?;
+            elementwise::binary(BinaryOp::ReluBackward, g, y, &masked)?;
+            masked
+        }
+        None => g.clone(),
+    };
+    let mm = |x: &Tensor, y: &Tensor, trans_a: bool, trans_b: bool| {
+        x.matmul_with(
+            y,
+            &MatmulOptions {
+                trans_a,
+                trans_b,
+                ..Default::default()
+            },
+        )
+    };
+    let n = *g.dims().last().expect("matmul output has rank >= 2");
+    let ga = grad_if(need[0], || {
+        // dA = g · op(B)ᵀ, or its transpose when A is stored transposed.
+        let r = match (ta, tb) {
+            (false, false) => mm(&g, b, false, true), // (M,N)·(K,N)ᵀ
+            (false, true) => mm(&g, b, false, false), // (M,N)·(N,K)
+            (true, false) => mm(b, &g, false, true),  // stored (K,M) = (K,N)·(M,N)ᵀ
+            (true, true) => mm(b, &g, true, true),    // stored (K,M) = (N,K)ᵀ·(M,N)ᵀ
+        }?;
+        sum_leading(r, a.dims())
+    })?;
+    let gb = grad_if(need[1], || {
+        let shared_b = b.rank() == 2 && g.rank() > 2;
+        if shared_b && !ta {
+            // B is shared by every batch: fold the batch into the rows, one product.
+            let k = *a.dims().last().expect("rank >= 2");
+            let a2 = a.reshape(&[a.numel() / k.max(1), k])?;
+            let g2 = g.reshape(&[g.numel() / n.max(1), n])?;
+            return if tb {
+                mm(&g2, &a2, true, false) // (N,K) = gᵀ·A
+            } else {
+                mm(&a2, &g2, true, false) // (K,N) = Aᵀ·g
+            };
+        }
+        // dB = op(A)ᵀ · g, or its transpose when B is stored transposed.
+        let r = match (ta, tb) {
+            (false, false) => mm(a, &g, true, false), // (M,K)ᵀ·(M,N)
+            (true, false) => mm(a, &g, false, false), // (K,M)·(M,N)
+            (false, true) => mm(&g, a, true, false),  // stored (N,K) = (M,N)ᵀ·(M,K)
+            (true, true) => mm(&g, a, true, true),    // stored (N,K) = (M,N)ᵀ·(K,M)ᵀ
+        }?;
+        sum_leading(r, b.dims())
+    })?;
+    let mut out = vec![ga, gb];
+    if need.len() > 2 {
+        out.push(grad_if(need[2], || {
+            g.reshape(&[g.numel() / n.max(1), n])?.sum_axis(0, false)
+        })?);
+    }
+    Ok(out)
+}
+
+/// Sums a batched gradient (.., R, C) over its leading dims when the operand had none.
+fn sum_leading(r: Tensor, dims: &[usize]) -> Result<Tensor> {
+    if r.dims() == dims {
+        return Ok(r);
+    }
+    let rank = r.rank();
+    let (rows, cols) = (r.dims()[rank - 2], r.dims()[rank - 1]);
+    r.reshape(&[r.numel() / (rows * cols).max(1), rows, cols])?
+        .sum_axis(0, false)?
+        .reshape(dims)
 }

@@ -13,6 +13,7 @@ pub use matmul::MatmulOptions;
 pub use random::Rng;
 pub use shape::{Shape, MAX_RANK};
 
+use crate::autograd::{self, Node};
 use crate::device::Device;
 use crate::kernels::elementwise;
 use crate::memory::Block;
@@ -37,6 +38,8 @@ pub struct Tensor {
     storage: Arc<Storage>,
     shape: Shape,
     dtype: DType,
+    /// Autograd: set on leaves that require grad and on outputs of ops recorded from them.
+    node: Option<Arc<Node>>,
 }
 
 impl fmt::Debug for Tensor {
@@ -60,6 +63,7 @@ impl Tensor {
             }),
             shape,
             dtype,
+            node: None,
         })
     }
 
@@ -112,7 +116,9 @@ impl Tensor {
         } else if bytes > 0 {
             self.device().copy(self.block(), out.block(), bytes);
         }
-        Ok(out)
+        Ok(autograd::record("copy", out, &[self], || {
+            Box::new(|g, _| Ok(vec![Some(g.clone())]))
+        }))
     }
 
     /// Reads the tensor back. `T` must match the dtype.
@@ -166,11 +172,16 @@ impl Tensor {
                 reason: "element counts differ".into(),
             });
         }
-        Ok(Tensor {
+        let out = Tensor {
             storage: self.storage.clone(),
             shape,
             dtype: self.dtype,
-        })
+            node: None,
+        };
+        let from = self.dims().to_vec();
+        Ok(autograd::record("reshape", out, &[self], || {
+            Box::new(move |g, _| Ok(vec![Some(g.reshape(&from)?)]))
+        }))
     }
 
     pub fn shape(&self) -> &Shape {
@@ -204,5 +215,111 @@ impl Tensor {
 
     pub(crate) fn block(&self) -> &Block {
         &self.storage.block
+    }
+
+    /// Whether no other tensor (clone or reshape) shares this tensor's memory.
+    pub(crate) fn storage_is_unique(&self) -> bool {
+        Arc::strong_count(&self.storage) == 1
+    }
+
+    pub(crate) fn node(&self) -> Option<&Arc<Node>> {
+        self.node.as_ref()
+    }
+
+    pub(crate) fn set_node(&mut self, node: Option<Arc<Node>>) {
+        self.node = node;
+    }
+
+    // ---- autograd ----
+
+    /// Whether ops on this tensor are recorded for `backward()`.
+    pub fn requires_grad(&self) -> bool {
+        self.node.is_some()
+    }
+
+    /// Marks this tensor as a leaf whose gradient `backward()` accumulates (a parameter), or
+    /// stops that. Clones made afterwards share the gradient; clones made before do not.
+    pub fn set_requires_grad(&mut self, on: bool) {
+        self.node = on.then(|| Node::leaf(self.dims()));
+    }
+
+    /// The builder form of [`Tensor::set_requires_grad`]`(true)`.
+    pub fn with_requires_grad(mut self) -> Tensor {
+        self.set_requires_grad(true);
+        self
+    }
+
+    /// Whether this is a tensor the user created (not an op's recorded output).
+    pub fn is_leaf(&self) -> bool {
+        self.node.as_ref().is_none_or(|n| n.is_leaf())
+    }
+
+    /// The same memory without the graph: ops on it are not recorded and backward stops there.
+    pub fn detach(&self) -> Tensor {
+        Tensor {
+            storage: self.storage.clone(),
+            shape: self.shape.clone(),
+            dtype: self.dtype,
+            node: None,
+        }
+    }
+
+    /// The gradient accumulated by `backward()` calls since the last `zero_grad()` (leaves
+    /// only; `None` before any backward reached this tensor).
+    pub fn grad(&self) -> Option<Tensor> {
+        self.node.as_ref().and_then(|n| n.grad())
+    }
+
+    /// Replaces the accumulated gradient (gradient clipping, loss scaling, tests). The shape
+    /// must match.
+    pub fn set_grad(&self, grad: Option<Tensor>) -> Result<()> {
+        match &self.node {
+            Some(n) if n.is_leaf() => n.set_grad(grad),
+            _ => Err(Error::Autograd(
+                "set_grad needs a leaf tensor that requires grad".into(),
+            )),
+        }
+    }
+
+    /// Drops the accumulated gradient (torch's `zero_grad(set_to_none=True)`): its memory goes
+    /// back to the arena and the next backward starts from zero.
+    pub fn zero_grad(&self) {
+        if let Some(n) = &self.node {
+            if n.is_leaf() {
+                let _ = n.set_grad(None);
+            }
+        }
+    }
+
+    /// Backpropagates from this one-element tensor (a loss): every leaf it depends on gets
+    /// d(self)/d(leaf) added to its gradient. The graph is freed as it goes, so a second
+    /// `backward()` through the same graph is an [`Error::Autograd`].
+    pub fn backward(&self) -> Result<()> {
+        if self.numel() != 1 {
+            return Err(Error::Autograd(format!(
+                "backward() needs a one-element tensor (a loss), got shape {:?};                  use backward_with(grad) for others",
+                self.dims()
+            )));
+        }
+        let seed = Tensor::full(self.device(), self.dims(), 1.0, self.dtype)?;
+        self.backward_with(seed)
+    }
+
+    /// Backpropagates with `grad` as the gradient of this tensor (same shape).
+    pub fn backward_with(&self, grad: Tensor) -> Result<()> {
+        let node = self.node.as_ref().ok_or_else(|| {
+            Error::Autograd(
+                "this tensor does not require grad: nothing it was computed from has                  set_requires_grad(true), or it was computed under no_grad()"
+                    .into(),
+            )
+        })?;
+        if grad.dims() != self.dims() {
+            return Err(Error::Autograd(format!(
+                "backward_with: gradient shape {:?} differs from the tensor's {:?}",
+                grad.dims(),
+                self.dims()
+            )));
+        }
+        autograd::backward(node, grad.detach())
     }
 }

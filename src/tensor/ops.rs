@@ -1,6 +1,7 @@
 //! The ops a user calls on tensors: validation here, kernels in src/kernels/.
 
 use super::{DType, Shape, Tensor};
+use crate::autograd::{self, expand, grad_if, record, sum_to};
 use crate::kernels::elementwise::{self, BinaryOp, UnaryOp};
 use crate::kernels::{nonfinite, reduce, reduce_max, transpose};
 use crate::{Device, Error, Result};
@@ -33,19 +34,66 @@ impl Tensor {
 
     /// Elementwise `self + other`, broadcasting like numpy.
     pub fn add(&self, other: &Tensor) -> Result<Tensor> {
-        self.binary(BinaryOp::Add, "add", other)
+        let out = self.binary(BinaryOp::Add, "add", other)?;
+        let (da, db) = (self.dims().to_vec(), other.dims().to_vec());
+        Ok(record("add", out, &[self, other], || {
+            Box::new(move |g, need| {
+                Ok(vec![
+                    grad_if(need[0], || sum_to(g, &da))?,
+                    grad_if(need[1], || sum_to(g, &db))?,
+                ])
+            })
+        }))
     }
 
     pub fn sub(&self, other: &Tensor) -> Result<Tensor> {
-        self.binary(BinaryOp::Sub, "sub", other)
+        let out = self.binary(BinaryOp::Sub, "sub", other)?;
+        let (da, db) = (self.dims().to_vec(), other.dims().to_vec());
+        Ok(record("sub", out, &[self, other], || {
+            Box::new(move |g, need| {
+                Ok(vec![
+                    grad_if(need[0], || sum_to(g, &da))?,
+                    grad_if(need[1], || sum_to(g, &db)?.neg())?,
+                ])
+            })
+        }))
     }
 
     pub fn mul(&self, other: &Tensor) -> Result<Tensor> {
-        self.binary(BinaryOp::Mul, "mul", other)
+        let out = self.binary(BinaryOp::Mul, "mul", other)?;
+        Ok(record("mul", out, &[self, other], || {
+            let (a, b) = (self.detach(), other.detach());
+            Box::new(move |g, need| {
+                Ok(vec![
+                    grad_if(need[0], || sum_to(&g.mul(&b)?, a.dims()))?,
+                    grad_if(need[1], || sum_to(&g.mul(&a)?, b.dims()))?,
+                ])
+            })
+        }))
     }
 
     pub fn div(&self, other: &Tensor) -> Result<Tensor> {
-        self.binary(BinaryOp::Div, "div", other)
+        let out = self.binary(BinaryOp::Div, "div", other)?;
+        let saved = out.detach();
+        Ok(record("div", out, &[self, other], || {
+            let (a_dims, b) = (self.dims().to_vec(), other.detach());
+            Box::new(move |g, need| {
+                // d(a/b)/da = 1/b; d(a/b)/db = -(a/b)/b.
+                Ok(vec![
+                    grad_if(need[0], || sum_to(&g.div(&b)?, &a_dims))?,
+                    grad_if(need[1], || {
+                        sum_to(&g.mul(&saved)?.div(&b)?.neg()?, b.dims())
+                    })?,
+                ])
+            })
+        }))
+    }
+
+    /// An activation's backward as one kernel: `op(g, y)` with y the saved input or output.
+    fn activation_backward(op: BinaryOp, g: &Tensor, y: &Tensor) -> Result<Tensor> {
+        let out = Tensor::uninit(g.device(), g.shape().clone(), g.dtype())?;
+        elementwise::binary(op, g, y, &out)?;
+        Ok(out)
     }
 
     fn unary(&self, op: UnaryOp, s: f32) -> Result<Tensor> {
@@ -54,68 +102,118 @@ impl Tensor {
         Ok(out)
     }
 
+    /// A unary op whose gradient is the output's gradient times a constant.
+    fn linear_unary(&self, name: &'static str, op: UnaryOp, s: f32, slope: f32) -> Result<Tensor> {
+        let out = self.unary(op, s)?;
+        Ok(record(name, out, &[self], || {
+            Box::new(move |g, _| {
+                Ok(vec![Some(if slope == 1.0 {
+                    g.clone()
+                } else {
+                    g.mul_scalar(slope)?
+                })])
+            })
+        }))
+    }
+
+    /// A unary op whose backward needs its input (`save_output` false) or output (true).
+    fn saving_unary(
+        &self,
+        name: &'static str,
+        op: UnaryOp,
+        s: f32,
+        save_output: bool,
+        rule: fn(&Tensor, &Tensor, f32) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let out = self.unary(op, s)?;
+        let saved = if save_output {
+            out.detach()
+        } else {
+            self.detach()
+        };
+        Ok(record(name, out, &[self], || {
+            Box::new(move |g, _| Ok(vec![Some(rule(g, &saved, s)?)]))
+        }))
+    }
+
     pub fn add_scalar(&self, s: f32) -> Result<Tensor> {
-        self.unary(UnaryOp::AddScalar, s)
+        self.linear_unary("add_scalar", UnaryOp::AddScalar, s, 1.0)
     }
 
     pub fn sub_scalar(&self, s: f32) -> Result<Tensor> {
-        self.unary(UnaryOp::SubScalar, s)
+        self.linear_unary("sub_scalar", UnaryOp::SubScalar, s, 1.0)
     }
 
     pub fn mul_scalar(&self, s: f32) -> Result<Tensor> {
-        self.unary(UnaryOp::MulScalar, s)
+        self.linear_unary("mul_scalar", UnaryOp::MulScalar, s, s)
     }
 
     pub fn div_scalar(&self, s: f32) -> Result<Tensor> {
-        self.unary(UnaryOp::DivScalar, s)
+        self.linear_unary("div_scalar", UnaryOp::DivScalar, s, 1.0 / s)
     }
 
     /// `s - self`.
     pub fn rsub_scalar(&self, s: f32) -> Result<Tensor> {
-        self.unary(UnaryOp::RSubScalar, s)
+        self.linear_unary("rsub_scalar", UnaryOp::RSubScalar, s, -1.0)
     }
 
     /// `s / self`.
     pub fn rdiv_scalar(&self, s: f32) -> Result<Tensor> {
-        self.unary(UnaryOp::RDivScalar, s)
+        let out = self.unary(UnaryOp::RDivScalar, s)?;
+        let y = out.detach();
+        Ok(record("rdiv_scalar", out, &[self], || {
+            let x = self.detach();
+            // d(s/x)/dx = -(s/x)/x
+            Box::new(move |g, _| Ok(vec![Some(g.mul(&y)?.div(&x)?.neg()?)]))
+        }))
     }
 
     pub fn neg(&self) -> Result<Tensor> {
-        self.unary(UnaryOp::Neg, 0.0)
+        self.linear_unary("neg", UnaryOp::Neg, 0.0, -1.0)
     }
 
     pub fn relu(&self) -> Result<Tensor> {
-        self.unary(UnaryOp::Relu, 0.0)
+        self.saving_unary("relu", UnaryOp::Relu, 0.0, true, |g, y, _| {
+            Tensor::activation_backward(BinaryOp::ReluBackward, g, y)
+        })
     }
 
     /// GELU, tanh approximation (torch's `approximate="tanh"`):
     /// `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`. Finite for every finite x.
     pub fn gelu(&self) -> Result<Tensor> {
-        self.unary(UnaryOp::Gelu, 0.0)
+        self.saving_unary("gelu", UnaryOp::Gelu, 0.0, false, |g, x, _| {
+            Tensor::activation_backward(BinaryOp::GeluBackward, g, x)
+        })
     }
 
     /// tanh, computed without overflow (+-1 for large |x|).
     pub fn tanh(&self) -> Result<Tensor> {
-        self.unary(UnaryOp::Tanh, 0.0)
+        self.saving_unary("tanh", UnaryOp::Tanh, 0.0, true, |g, y, _| {
+            Tensor::activation_backward(BinaryOp::TanhBackward, g, y)
+        })
     }
 
     /// 1 / (1 + exp(-x)), computed without overflow for either sign.
     pub fn sigmoid(&self) -> Result<Tensor> {
-        self.unary(UnaryOp::Sigmoid, 0.0)
+        self.saving_unary("sigmoid", UnaryOp::Sigmoid, 0.0, true, |g, y, _| {
+            Tensor::activation_backward(BinaryOp::SigmoidBackward, g, y)
+        })
     }
 
     pub fn exp(&self) -> Result<Tensor> {
-        self.unary(UnaryOp::Exp, 0.0)
+        self.saving_unary("exp", UnaryOp::Exp, 0.0, true, |g, y, _| g.mul(y))
     }
 
     /// Natural log: -inf at 0, NaN below 0.
     pub fn log(&self) -> Result<Tensor> {
-        self.unary(UnaryOp::Log, 0.0)
+        self.saving_unary("log", UnaryOp::Log, 0.0, false, |g, x, _| g.div(x))
     }
 
     /// Square root: NaN below 0.
     pub fn sqrt(&self) -> Result<Tensor> {
-        self.unary(UnaryOp::Sqrt, 0.0)
+        self.saving_unary("sqrt", UnaryOp::Sqrt, 0.0, true, |g, y, _| {
+            g.div(y)?.mul_scalar(0.5)
+        })
     }
 
     /// `self^p` elementwise with torch's semantics: `x^0 = 1` (even for NaN), a negative base
@@ -129,7 +227,10 @@ impl Tensor {
                 reason: format!("the exponent must be finite, got {p}"),
             });
         }
-        self.unary(UnaryOp::PowScalar, p)
+        // d(x^p)/dx = p x^(p-1)
+        self.saving_unary("pow_scalar", UnaryOp::PowScalar, p, false, |g, x, p| {
+            g.mul(&x.pow_scalar(p - 1.0)?.mul_scalar(p)?)
+        })
     }
 
     /// Every element limited to `[min, max]`; NaN stays NaN. As in torch, `min > max` sets every
@@ -144,14 +245,17 @@ impl Tensor {
         }
         let out = Tensor::uninit(self.device(), self.shape().clone(), self.dtype())?;
         elementwise::unary2(UnaryOp::Clamp, self, min, max, &out)?;
-        Ok(out)
+        Ok(autograd::record_nondiff("clamp", out, &[self]))
     }
 
     /// A copy in another dtype (f32 -> f16 rounds to nearest even); the same dtype copies.
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         let out = Tensor::uninit(self.device(), self.shape().clone(), dtype)?;
         elementwise::unary(UnaryOp::Identity, self, 0.0, &out)?;
-        Ok(out)
+        let from = self.dtype();
+        Ok(record("to_dtype", out, &[self], || {
+            Box::new(move |g, _| Ok(vec![Some(g.to_dtype(from)?)]))
+        }))
     }
 
     /// Sum of every element, as a rank-0 tensor of the same dtype (accumulated in f32).
@@ -215,11 +319,22 @@ impl Tensor {
         let acc = Tensor::uninit(dev, out_shape, DType::F32)?;
         let div = if mean { len as f32 } else { 1.0 };
         reduce::reduce(self, outer, len, inner, div, &acc)?;
-        if self.dtype() == DType::F32 {
-            Ok(acc)
+        let out = if self.dtype() == DType::F32 {
+            acc
         } else {
-            acc.to_dtype(self.dtype())
-        }
+            let _g = autograd::no_grad();
+            acc.to_dtype(self.dtype())?
+        };
+        let in_dims = dims.to_vec();
+        let mut kept = in_dims.clone();
+        kept[axis] = 1;
+        Ok(record(op, out, &[self], || {
+            // Each input element gets the gradient of its row's result (over `len` for a mean).
+            Box::new(move |g, _| {
+                let g = expand(&g.reshape(&kept)?, &in_dims)?;
+                Ok(vec![Some(if mean { g.div_scalar(div)? } else { g })])
+            })
+        }))
     }
 
     /// The largest element, as a rank-0 tensor of the same dtype. NaN if any element is NaN (as
@@ -290,9 +405,10 @@ impl Tensor {
         let max = if self.dtype() == DType::F32 {
             max
         } else {
+            let _g = autograd::no_grad();
             max.to_dtype(self.dtype())?
         };
-        Ok((max, idx))
+        Ok((autograd::record_nondiff(op, max, &[self]), idx))
     }
 
     /// Swaps the last two dims: (.., R, C) -> (.., C, R), as a new contiguous tensor.
@@ -312,7 +428,9 @@ impl Tensor {
         out_dims.swap(k - 2, k - 1);
         let out = Tensor::uninit(self.device(), Shape::new(&out_dims)?, self.dtype())?;
         transpose::transpose(self, r, c, &out)?;
-        Ok(out)
+        Ok(record("transpose", out, &[self], || {
+            Box::new(|g, _| Ok(vec![Some(g.transpose()?)]))
+        }))
     }
 }
 

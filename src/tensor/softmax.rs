@@ -2,6 +2,7 @@
 //! src/kernels/softmax.rs.
 
 use super::{DType, Shape, Tensor};
+use crate::autograd::{self, record};
 use crate::kernels::softmax;
 use crate::{Error, Result};
 
@@ -29,7 +30,27 @@ impl Tensor {
         let rows = self.numel().checked_div(c).unwrap_or(0);
         let out = Tensor::uninit(self.device(), self.shape().clone(), self.dtype())?;
         softmax::softmax(self, rows, c, log, &out)?;
-        Ok(out)
+        let y = out.detach();
+        Ok(record(op, out, &[self], || {
+            Box::new(move |g, _| {
+                // Rows along the last dim; a rank-0 tensor is one row of one.
+                let dims = g.dims().to_vec();
+                let (g2, y2) = if dims.is_empty() {
+                    (g.reshape(&[1])?, y.reshape(&[1])?)
+                } else {
+                    (g.clone(), y.clone())
+                };
+                let last = g2.rank() - 1;
+                let dx = if log {
+                    // y = log softmax: dx = g - softmax * sum(g)
+                    g2.sub(&y2.exp()?.mul(&g2.sum_axis(last, true)?)?)?
+                } else {
+                    // y = softmax: dx = y * (g - sum(g * y))
+                    y2.mul(&g2.sub(&g2.mul(&y2)?.sum_axis(last, true)?)?)?
+                };
+                Ok(vec![Some(dx.reshape(&dims)?)])
+            })
+        }))
     }
 
     /// Mean softmax cross-entropy of logits `self` (B, C) against class indices `targets`
@@ -41,16 +62,32 @@ impl Tensor {
     /// Targets are host data (labels come from the dataset) and are checked here: a target of C
     /// or more is an [`Error::InvalidArgument`], never a read past the row. An empty batch gives
     /// a NaN loss (a mean over nothing), as in torch. All statistics are f32.
+    ///
+    /// When `self` requires grad the loss is recorded too, with `grad` saved for its backward.
     pub fn cross_entropy(&self, targets: &[u32]) -> Result<(Tensor, Tensor)> {
         let (loss, grad) = self.cross_entropy_impl("cross_entropy", targets, true)?;
-        Ok((loss, grad.expect("asked for the gradient")))
+        let grad = grad.expect("asked for the gradient");
+        Ok((Self::record_cross_entropy(loss, self, &grad), grad))
     }
 
-    /// The loss of [`Tensor::cross_entropy`] only (no gradient is written).
+    /// The loss of [`Tensor::cross_entropy`]. The gradient is written by the same kernel only
+    /// when the loss is recorded for `backward()` (then it is the backward's saved tensor, and
+    /// backward costs one scale of it).
     pub fn cross_entropy_loss(&self, targets: &[u32]) -> Result<Tensor> {
-        Ok(self
-            .cross_entropy_impl("cross_entropy_loss", targets, false)?
-            .0)
+        let recording = autograd::is_grad_enabled() && self.requires_grad();
+        let (loss, grad) = self.cross_entropy_impl("cross_entropy_loss", targets, recording)?;
+        Ok(match grad {
+            Some(grad) => Self::record_cross_entropy(loss, self, &grad),
+            None => loss,
+        })
+    }
+
+    fn record_cross_entropy(loss: Tensor, logits: &Tensor, grad: &Tensor) -> Tensor {
+        let grad = grad.detach();
+        // d loss / d logits is `grad` (already divided by B); scaled by the loss's gradient.
+        record("cross_entropy", loss, &[logits], move || {
+            Box::new(move |g, _| Ok(vec![Some(grad.mul(g)?)]))
+        })
     }
 
     fn cross_entropy_impl(
@@ -103,6 +140,7 @@ impl Tensor {
             let t = Tensor::from_slice(dev, &t, &[b])?;
             softmax::cross_entropy(self, &t, b, c, 1.0 / b as f32, grad.as_ref(), &rows)?;
         }
+        let _g = autograd::no_grad();
         let loss = rows.mean()?;
         let loss = if self.dtype() == DType::F32 {
             loss

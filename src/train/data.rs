@@ -1,1 +1,525 @@
-//! Datasets (being written).
+//! Datasets on the host: the embedded digits, MNIST / Fashion-MNIST IDX files, CSV; seeded
+//! splits, per-epoch shuffles, and batch gathering into reused buffers.
+//!
+//! Everything here is plain host code. A training loop asks for `shuffled_order(seed, epoch)`,
+//! then `gather`s each batch into the same two vectors and uploads them, so nothing is allocated
+//! per step and the same seed gives the same batches on every machine.
+
+use std::fs;
+use std::io::{self, Read};
+use std::path::{Path, PathBuf};
+
+use crate::tensor::Rng;
+use crate::{Error, Result};
+
+/// The UCI digits (1,797 rows of 64 pixels 0..16, then the label), gzipped CSV; see data/README.md.
+const DIGITS_CSV_GZ: &[u8] = include_bytes!("../../data/digits.csv.gz");
+
+const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
+const IDX_IMAGES_MAGIC: u32 = 0x0000_0803; // unsigned bytes, 3 dims (n, rows, cols)
+const IDX_LABELS_MAGIC: u32 = 0x0000_0801; // unsigned bytes, 1 dim (n)
+
+/// Where Debian's dataset-fashion-mnist package puts its files.
+const FASHION_MNIST_DIR: &str = "/usr/share/datasets/fashion-mnist";
+const MNIST_DIR: &str = "/usr/share/datasets/mnist";
+
+/// The share of a single file that `load` holds out for testing.
+const TEST_FRACTION: f64 = 0.2;
+
+/// A labelled dataset held on the host: `features` is (len, dim) row-major, one label per row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Dataset {
+    pub name: String,
+    /// (len, dim), row-major.
+    pub features: Vec<f32>,
+    /// One per row, each < `classes`.
+    pub labels: Vec<u32>,
+    pub dim: usize,
+    /// The model's output width. A split keeps its parent's, so train and test agree even when
+    /// one of them happens to miss a class.
+    pub classes: usize,
+}
+
+impl Dataset {
+    /// Number of rows.
+    pub fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
+
+    /// Rows per class, indexed by label.
+    pub fn class_counts(&self) -> Vec<usize> {
+        let mut counts = vec![0; self.classes];
+        for &l in &self.labels {
+            if let Some(c) = counts.get_mut(l as usize) {
+                *c += 1;
+            }
+        }
+        counts
+    }
+
+    /// The UCI handwritten digits shipped inside the crate: 1,797 rows of 8x8 = 64 pixels
+    /// scaled to [0, 1], 10 classes.
+    pub fn digits() -> Dataset {
+        // The bytes are the crate's own and a test parses them, so a failure is a build defect.
+        let path = Path::new("digits.csv.gz (embedded)");
+        let mut d = gunzip_if_gz(path, DIGITS_CSV_GZ.to_vec())
+            .and_then(|csv| parse_csv(path, &csv, None))
+            .expect("the embedded digits.csv.gz parses");
+        d.name = "digits".to_string();
+        d.classes = 10;
+        for x in &mut d.features {
+            *x /= 16.0; // each pixel counts the set bits of a 4x4 block
+        }
+        d
+    }
+
+    /// A pair of IDX files (MNIST layout): images `(n, rows, cols)` of unsigned bytes and `n`
+    /// labels. Either may be gzipped (detected by its magic bytes, not its name). Pixels are
+    /// scaled to [0, 1]; `classes` is the largest label + 1.
+    pub fn from_idx(images: &Path, labels: &Path) -> Result<Dataset> {
+        let img_bytes = read_maybe_gz(images)?;
+        let (idims, pixels) = parse_idx(images, &img_bytes, IDX_IMAGES_MAGIC, "pixel")?;
+        let lab_bytes = read_maybe_gz(labels)?;
+        let (ldims, labs) = parse_idx(labels, &lab_bytes, IDX_LABELS_MAGIC, "label")?;
+        let (n, dim) = (idims[0], idims[1] * idims[2]);
+        if ldims[0] != n {
+            return Err(data_err(
+                labels,
+                format!(
+                    "holds {} labels but {} holds {n} images",
+                    ldims[0],
+                    images.display()
+                ),
+            ));
+        }
+        let classes = labs.iter().map(|&l| l as usize + 1).max().unwrap_or(0);
+        let name = images
+            .parent()
+            .and_then(Path::file_name)
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "idx".to_string());
+        Ok(Dataset {
+            name,
+            features: pixels.iter().map(|&p| f32::from(p) / 255.0).collect(),
+            labels: labs.iter().map(|&l| u32::from(l)).collect(),
+            dim,
+            classes,
+        })
+    }
+
+    /// Fashion-MNIST (train, test) from `dir`, by default where `apt-get install
+    /// dataset-fashion-mnist` puts it.
+    pub fn fashion_mnist(dir: Option<&Path>) -> Result<(Dataset, Dataset)> {
+        let hint = "install it with `apt-get install dataset-fashion-mnist`, \
+                    or pass a directory that holds the four IDX files";
+        idx_pair(
+            dir.unwrap_or(Path::new(FASHION_MNIST_DIR)),
+            "fashion-mnist",
+            hint,
+        )
+    }
+
+    /// MNIST (train, test) from `dir`, by default /usr/share/datasets/mnist.
+    pub fn mnist(dir: Option<&Path>) -> Result<(Dataset, Dataset)> {
+        let hint = "download the four IDX files (for example from \
+                    https://ossci-datasets.s3.amazonaws.com/mnist/) into it, \
+                    or pass a directory that holds them";
+        idx_pair(dir.unwrap_or(Path::new(MNIST_DIR)), "mnist", hint)
+    }
+
+    /// A CSV of numbers, optionally gzipped (detected by its magic bytes). The first row is a
+    /// header when any of its fields is not a number. The label column is `label_column`, else
+    /// the header's "label", else the last column. Labels must be non-negative integers and
+    /// `classes` is the largest + 1. Features are kept as they are; see `normalize_max`.
+    pub fn from_csv(path: &Path, label_column: Option<&str>) -> Result<Dataset> {
+        let bytes = read_maybe_gz(path)?;
+        parse_csv(path, &bytes, label_column)
+    }
+
+    /// Divides every feature by the largest absolute feature, so the data lies in [-1, 1]
+    /// (one factor for all columns keeps images' relative intensities). Returns the divisor,
+    /// 1 when all features are 0, so a second dataset can be scaled the same way.
+    pub fn normalize_max(&mut self) -> f32 {
+        let max = self.features.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+        let div = if max > 0.0 { max } else { 1.0 };
+        for x in &mut self.features {
+            *x /= div;
+        }
+        div
+    }
+
+    /// A seeded random split into (train, test) with `round(len * test_fraction)` test rows;
+    /// `test_fraction` is clamped to [0, 1] (NaN counts as 0). Rows keep the shuffled order.
+    pub fn split(&self, test_fraction: f64, seed: u64) -> (Dataset, Dataset) {
+        let f = if test_fraction.is_nan() {
+            0.0
+        } else {
+            test_fraction.clamp(0.0, 1.0)
+        };
+        let n_test = ((self.len() as f64 * f).round() as usize).min(self.len());
+        let order = permutation(self.len(), &mut Rng::new(seed));
+        let (test_idx, train_idx) = order.split_at(n_test);
+        (
+            self.subset(train_idx, "train"),
+            self.subset(test_idx, "test"),
+        )
+    }
+
+    /// The row order for one epoch: a permutation of 0..len that depends only on (seed, epoch).
+    pub fn shuffled_order(&self, seed: u64, epoch: u64) -> Vec<usize> {
+        // Hash the epoch before mixing it in: SplitMix64 streams whose seeds differ by a
+        // multiple of its increment are shifted copies of each other.
+        let mut rng = Rng::new(seed ^ Rng::new(epoch ^ 0xA076_1D64_78BD_642F).next_u64());
+        permutation(self.len(), &mut rng)
+    }
+
+    /// Copies the rows `indices` into `features_out` ((indices.len(), dim)) and `labels_out`,
+    /// clearing them first; their capacity is reused, so a loop allocates only on the first
+    /// batch. Panics if an index is out of range (indices come from `shuffled_order`).
+    pub fn gather(
+        &self,
+        indices: &[usize],
+        features_out: &mut Vec<f32>,
+        labels_out: &mut Vec<u32>,
+    ) {
+        features_out.clear();
+        labels_out.clear();
+        features_out.reserve(indices.len() * self.dim);
+        labels_out.reserve(indices.len());
+        for &i in indices {
+            assert!(
+                i < self.len(),
+                "gather: row {i} out of range for {} rows",
+                self.len()
+            );
+            features_out.extend_from_slice(&self.features[i * self.dim..(i + 1) * self.dim]);
+            labels_out.push(self.labels[i]);
+        }
+    }
+
+    fn subset(&self, indices: &[usize], part: &str) -> Dataset {
+        let mut d = Dataset {
+            name: format!("{}/{part}", self.name),
+            features: Vec::new(),
+            labels: Vec::new(),
+            dim: self.dim,
+            classes: self.classes,
+        };
+        self.gather(indices, &mut d.features, &mut d.labels);
+        d
+    }
+}
+
+/// (train, test) from a spec: "digits" (80/20 seeded split), "fashion-mnist", "mnist" (their own
+/// train and test files), or a path: a directory of IDX files, or a CSV file (80/20 seeded split).
+pub fn load(spec: &str, seed: u64) -> Result<(Dataset, Dataset)> {
+    match spec {
+        "digits" => Ok(Dataset::digits().split(TEST_FRACTION, seed)),
+        "fashion-mnist" | "fashion_mnist" => Dataset::fashion_mnist(None),
+        "mnist" => Dataset::mnist(None),
+        _ => {
+            let path = Path::new(spec);
+            if path.is_dir() {
+                let hint = "expected train-images-idx3-ubyte[.gz], train-labels-idx1-ubyte[.gz], \
+                            t10k-images-idx3-ubyte[.gz] and t10k-labels-idx1-ubyte[.gz]";
+                let name = path
+                    .file_name()
+                    .map(|s| s.to_string_lossy().into_owned())
+                    .unwrap_or_else(|| spec.to_string());
+                idx_pair(path, &name, hint)
+            } else if path.is_file() {
+                Ok(Dataset::from_csv(path, None)?.split(TEST_FRACTION, seed))
+            } else {
+                Err(Error::InvalidArgument {
+                    op: "data::load",
+                    reason: format!(
+                        "'{spec}' is neither a known dataset (digits, mnist, fashion-mnist) \
+                         nor an existing file or directory"
+                    ),
+                })
+            }
+        }
+    }
+}
+
+/// Fisher–Yates over 0..n.
+fn permutation(n: usize, rng: &mut Rng) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    for i in (1..n).rev() {
+        // Multiply-shift maps 64 random bits to 0..=i; the bias is below 2^-32 for any real n.
+        let j = ((u128::from(rng.next_u64()) * (i as u128 + 1)) >> 64) as usize;
+        order.swap(i, j);
+    }
+    order
+}
+
+fn data_err(path: &Path, reason: impl Into<String>) -> Error {
+    Error::Data {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}
+
+fn io_err(path: &Path, source: io::Error) -> Error {
+    Error::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// The file's bytes, gunzipped when it starts with the gzip magic. The name is not trusted:
+/// browsers and proxies often store decompressed files under a .gz name.
+fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
+    let raw = fs::read(path).map_err(|e| io_err(path, e))?;
+    gunzip_if_gz(path, raw)
+}
+
+fn gunzip_if_gz(path: &Path, raw: Vec<u8>) -> Result<Vec<u8>> {
+    if !raw.starts_with(&GZIP_MAGIC) {
+        return Ok(raw);
+    }
+    let mut out = Vec::new();
+    flate2::read::MultiGzDecoder::new(raw.as_slice())
+        .read_to_end(&mut out)
+        .map_err(|e| data_err(path, format!("gzip data is corrupt or truncated: {e}")))?;
+    Ok(out)
+}
+
+/// Checks an IDX header of unsigned bytes with `magic` and returns (dims, payload). The payload
+/// must be exactly the product of the dims: a short file is truncated, a long one is not IDX.
+fn parse_idx<'a>(
+    path: &Path,
+    bytes: &'a [u8],
+    magic: u32,
+    what: &str,
+) -> Result<(Vec<usize>, &'a [u8])> {
+    let kind = |m: u32| match m {
+        IDX_IMAGES_MAGIC => " (an IDX image file)",
+        IDX_LABELS_MAGIC => " (an IDX label file)",
+        _ => "",
+    };
+    let be_u32 =
+        |i: usize| u32::from_be_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
+    if bytes.len() < 4 {
+        return Err(data_err(
+            path,
+            format!("{} bytes is too short for an IDX header", bytes.len()),
+        ));
+    }
+    let found = be_u32(0);
+    if found != magic {
+        return Err(data_err(
+            path,
+            format!(
+                "magic number 0x{found:08x}{} is not the expected 0x{magic:08x}{}",
+                kind(found),
+                kind(magic)
+            ),
+        ));
+    }
+    let ndims = (magic & 0xff) as usize;
+    let header = 4 + 4 * ndims;
+    if bytes.len() < header {
+        return Err(data_err(
+            path,
+            format!(
+                "truncated IDX header: expected {header} bytes, found {}",
+                bytes.len()
+            ),
+        ));
+    }
+    let dims: Vec<usize> = (0..ndims).map(|d| be_u32(4 + 4 * d) as usize).collect();
+    if let Some(d) = dims.iter().position(|&d| d == 0) {
+        return Err(data_err(path, format!("dimension {d} of {dims:?} is 0")));
+    }
+    let expected = dims
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| data_err(path, format!("dimensions {dims:?} overflow")))?;
+    let payload = &bytes[header..];
+    if payload.len() != expected {
+        let why = if payload.len() < expected {
+            "truncated"
+        } else {
+            "extra data after the end"
+        };
+        return Err(data_err(
+            path,
+            format!(
+                "expected {expected} {what} bytes for dimensions {dims:?}, found {} ({why})",
+                payload.len()
+            ),
+        ));
+    }
+    Ok((dims, payload))
+}
+
+/// The standard MNIST file names, each accepted with or without .gz.
+const IDX_FILES: [&str; 4] = [
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+];
+
+/// (train, test) from the four MNIST-named files in `dir`; `hint` says how to get them.
+fn idx_pair(dir: &Path, name: &str, hint: &str) -> Result<(Dataset, Dataset)> {
+    if !dir.is_dir() {
+        let msg = format!("no such directory; {hint}");
+        return Err(io_err(dir, io::Error::new(io::ErrorKind::NotFound, msg)));
+    }
+    let find = |base: &str| -> Result<PathBuf> {
+        let gz = dir.join(format!("{base}.gz"));
+        let raw = dir.join(base);
+        if gz.is_file() {
+            Ok(gz)
+        } else if raw.is_file() {
+            Ok(raw)
+        } else {
+            let msg = format!("neither {base}.gz nor {base} is here; {hint}");
+            Err(io_err(dir, io::Error::new(io::ErrorKind::NotFound, msg)))
+        }
+    };
+    let [tri, trl, tei, tel] = IDX_FILES.map(find);
+    let mut train = Dataset::from_idx(&tri?, &trl?)?;
+    let mut test = Dataset::from_idx(&tei?, &tel?)?;
+    // One output width for both, as with `split`.
+    let classes = train.classes.max(test.classes);
+    train.classes = classes;
+    test.classes = classes;
+    train.name = format!("{name}/train");
+    test.name = format!("{name}/test");
+    Ok((train, test))
+}
+
+/// A finite number, or None. NaN and infinities are refused: one of them poisons a whole run.
+fn number(field: &str) -> Option<f32> {
+    field.parse::<f32>().ok().filter(|x| x.is_finite())
+}
+
+/// A field without surrounding whitespace and double quotes.
+fn unquote(field: &str) -> &str {
+    let f = field.trim();
+    f.strip_prefix('"')
+        .and_then(|s| s.strip_suffix('"'))
+        .unwrap_or(f)
+}
+
+/// A CSV already gunzipped; see `Dataset::from_csv`.
+fn parse_csv(path: &Path, bytes: &[u8], label_column: Option<&str>) -> Result<Dataset> {
+    let text = std::str::from_utf8(&bytes).map_err(|e| {
+        let line = 1 + bytes[..e.valid_up_to()]
+            .iter()
+            .filter(|&&b| b == b'\n')
+            .count();
+        data_err(path, format!("line {line}: not UTF-8 text"))
+    })?;
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text); // spreadsheet byte-order mark
+                                                              // (1-based line number, fields); blank lines are skipped but keep the numbering.
+    let mut rows = text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, l)| (i + 1, l.split(',').map(unquote)));
+
+    let Some((first_line, first)) = rows.next() else {
+        return Err(data_err(path, "empty file: no rows"));
+    };
+    let first: Vec<&str> = first.collect();
+    let cols = first.len();
+    if cols < 2 {
+        return Err(data_err(
+            path,
+            format!("line {first_line}: need at least one feature column and a label column, found {cols} column"),
+        ));
+    }
+    let has_header = first.iter().any(|f| number(f).is_none());
+    let label_col = match (has_header, label_column) {
+        (true, Some(want)) => first.iter().position(|h| *h == want).ok_or_else(|| {
+            data_err(
+                path,
+                format!("the header has no column named '{want}' (columns: {})", first.join(", ")),
+            )
+        })?,
+        (true, None) => first.iter().position(|h| *h == "label").unwrap_or(cols - 1),
+        (false, Some(want)) => {
+            return Err(data_err(
+                path,
+                format!("has no header row, so there is no column named '{want}' (without a header the label is the last column)"),
+            ))
+        }
+        (false, None) => cols - 1,
+    };
+
+    let dim = cols - 1;
+    let mut features = Vec::new();
+    let mut labels = Vec::new();
+    let mut push_row = |line: usize, fields: &mut dyn Iterator<Item = &str>| -> Result<()> {
+        let mut n = 0;
+        for (c, f) in fields.enumerate() {
+            n += 1;
+            if n > cols {
+                continue; // counted for the message below, not stored
+            }
+            if c == label_col {
+                labels.push(label(f).ok_or_else(|| {
+                    data_err(
+                        path,
+                        format!("line {line}: label {f} is not a non-negative integer"),
+                    )
+                })?);
+            } else {
+                features.push(number(f).ok_or_else(|| {
+                    data_err(
+                        path,
+                        format!("line {line}: '{f}' is not a number (column {})", c + 1),
+                    )
+                })?);
+            }
+        }
+        if n != cols {
+            return Err(data_err(
+                path,
+                format!("line {line}: expected {cols} columns, found {n}"),
+            ));
+        }
+        Ok(())
+    };
+    if !has_header {
+        push_row(first_line, &mut first.into_iter())?;
+    }
+    for (line, mut fields) in rows {
+        push_row(line, &mut fields)?;
+    }
+    if labels.is_empty() {
+        return Err(data_err(path, "has a header but no data rows"));
+    }
+    let classes = labels.iter().map(|&l| l as usize + 1).max().unwrap_or(0);
+    let name = path
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let name = name.strip_suffix(".gz").unwrap_or(&name);
+    let name = name.strip_suffix(".csv").unwrap_or(name).to_string();
+    Ok(Dataset {
+        name,
+        features,
+        labels,
+        dim,
+        classes,
+    })
+}
+
+/// A label: a non-negative integer, also written as "3.0" (as pandas exports integer columns
+/// that once held a NaN).
+fn label(field: &str) -> Option<u32> {
+    if let Ok(l) = field.parse::<u32>() {
+        return Some(l);
+    }
+    let x = field.parse::<f64>().ok()?;
+    (x >= 0.0 && x.fract() == 0.0 && x <= f64::from(u32::MAX)).then_some(x as u32)
+}
