@@ -17,6 +17,8 @@ pub mod error;
 pub mod fsutil;
 pub mod kernels;
 pub mod memory;
+pub mod nn;
+pub mod optim;
 pub mod tensor;
 pub mod train;
 

@@ -13,6 +13,7 @@ pub(crate) mod autotune;
 pub(crate) mod elementwise;
 pub mod matmul;
 pub(crate) mod nonfinite;
+pub(crate) mod optim;
 pub(crate) mod reduce;
 pub(crate) mod reduce_max;
 pub(crate) mod softmax;
@@ -246,6 +247,12 @@ pub const NONFINITE: ShaderFile = ShaderFile {
     bindings: &[("x", false), ("flag", true)],
 };
 
+pub const OPTIM: ShaderFile = ShaderFile {
+    name: "optim",
+    body: include_str!("../../shaders/optim.wgsl"),
+    bindings: &[("p", true), ("g", false), ("m", true), ("sq", true)],
+};
+
 pub const MATMUL_REG: ShaderFile = ShaderFile {
     name: "matmul_reg",
     body: concat!(
@@ -285,6 +292,7 @@ pub const SHADERS: &[ShaderFile] = &[
     SOFTMAX,
     CROSS_ENTROPY,
     NONFINITE,
+    OPTIM,
 ];
 
 impl ShaderFile {

@@ -6,6 +6,10 @@ use crate::{Result, Tensor};
 /// Rows at least this long get a workgroup each (tree sum); shorter rows are summed by one
 /// invocation each, which wastes no lanes when there are many of them.
 const ROW_PER_WORKGROUP: usize = 64;
+/// From this many contiguous outputs (`inner`), one invocation per output is better even for
+/// long rows: neighbouring invocations read neighbouring addresses at every step and no barrier
+/// runs (a bias gradient, (128, 512) summed over rows, is 3x faster this way on lavapipe).
+const COLUMNS_PER_INVOCATION: usize = 64;
 
 /// out (f32, outer * inner elements) = sum over the middle dim of x viewed as (outer, len, inner),
 /// divided by `div`.
@@ -23,7 +27,7 @@ pub(crate) fn reduce(
     }
     let dev = out.device();
     let k = REDUCE.kernel(dev, &[Storage::of(dev, x.dtype()), Storage::F32])?;
-    let (mode, groups) = if len >= ROW_PER_WORKGROUP {
+    let (mode, groups) = if len >= ROW_PER_WORKGROUP && inner < COLUMNS_PER_INVOCATION {
         (0, outputs as u32)
     } else {
         (1, (outputs as u32).div_ceil(WG))

@@ -411,7 +411,7 @@ fn unquote(field: &str) -> &str {
 
 /// A CSV already gunzipped; see `Dataset::from_csv`.
 fn parse_csv(path: &Path, bytes: &[u8], label_column: Option<&str>) -> Result<Dataset> {
-    let text = std::str::from_utf8(&bytes).map_err(|e| {
+    let text = std::str::from_utf8(bytes).map_err(|e| {
         let line = 1 + bytes[..e.valid_up_to()]
             .iter()
             .filter(|&&b| b == b'\n')

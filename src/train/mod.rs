@@ -1,3 +1,7 @@
-//! Training: datasets and the training loop.
+//! Training: datasets and the [`Trainer`] loop (micro-batches, gradient accumulation, learning
+//! rate schedule, evaluation, the memory summary).
 
 pub mod data;
+mod trainer;
+
+pub use trainer::{MemorySummary, Trainer, TrainerConfig};

@@ -1,0 +1,209 @@
+//! Dispatch for the fused optimizer updates (shaders/optim.wgsl): one kernel per parameter per
+//! step, updating the parameter and its state in place. Nothing is allocated here.
+
+use super::{assemble, pair_groups, specialize, Storage, OPTIM};
+use crate::{Result, Tensor};
+
+/// One SGD update (torch.optim.SGD).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SgdHyper {
+    pub lr: f32,
+    pub weight_decay: f32,
+    pub momentum: f32,
+    pub dampening: f32,
+    pub nesterov: bool,
+    /// The momentum buffer is new: it becomes the gradient instead of being decayed (torch's
+    /// `buf = clone(grad)`).
+    pub first_step: bool,
+}
+
+/// One AdamW update (torch.optim.AdamW).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AdamWHyper {
+    pub lr: f32,
+    pub weight_decay: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// This parameter's update count including this update (t >= 1 in the bias corrections).
+    pub step: u64,
+}
+
+/// `KIND` of shaders/optim.wgsl: each gets a pipeline of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Sgd = 0,
+    AdamW = 1,
+    SgdMomentum = 2,
+}
+
+/// The shader's `Params`, in declaration order.
+#[derive(Default)]
+struct Params {
+    flags: u32,
+    lr: f32,
+    weight_decay: f32,
+    momentum: f32,
+    one_minus_damp: f32,
+    decay: f32,
+    step_size: f32,
+    beta1: f32,
+    beta2: f32,
+    one_minus_beta1: f32,
+    one_minus_beta2: f32,
+    eps: f32,
+    bc2_sqrt: f32,
+}
+
+impl Params {
+    fn words(&self, n: usize) -> [u32; 16] {
+        [
+            n as u32,
+            self.flags,
+            self.lr.to_bits(),
+            self.weight_decay.to_bits(),
+            self.momentum.to_bits(),
+            self.one_minus_damp.to_bits(),
+            self.decay.to_bits(),
+            self.step_size.to_bits(),
+            self.beta1.to_bits(),
+            self.beta2.to_bits(),
+            self.one_minus_beta1.to_bits(),
+            self.one_minus_beta2.to_bits(),
+            self.eps.to_bits(),
+            self.bc2_sqrt.to_bits(),
+            0,
+            0,
+        ]
+    }
+}
+
+/// p -= lr * (SGD direction of g), with `buf` the momentum buffer (required when momentum != 0;
+/// same element count as `p`). `g` and the state may have any dtype; all math is f32.
+pub(crate) fn sgd_step(p: &Tensor, g: &Tensor, buf: Option<&Tensor>, hp: &SgdHyper) -> Result<()> {
+    let params = Params {
+        flags: hp.nesterov as u32 | (hp.first_step as u32) << 1,
+        lr: hp.lr,
+        weight_decay: hp.weight_decay,
+        momentum: hp.momentum,
+        one_minus_damp: (1.0 - hp.dampening as f64) as f32,
+        ..Default::default()
+    };
+    match buf {
+        // Unused state bindings alias a bound tensor (the shader never touches them).
+        Some(b) => dispatch(Kind::SgdMomentum, p, g, b, b, &params),
+        None => {
+            assert!(hp.momentum == 0.0, "SGD with momentum needs a buffer");
+            dispatch(Kind::Sgd, p, g, p, p, &params)
+        }
+    }
+}
+
+/// One AdamW update of `p` with first and second moments `m`, `v` (same element count as `p`).
+/// The bias corrections are computed here in f64, as torch does on the host.
+pub(crate) fn adamw_step(
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    hp: &AdamWHyper,
+) -> Result<()> {
+    assert!(hp.step >= 1, "AdamW steps count from 1");
+    let (lr, b1, b2) = (hp.lr as f64, hp.beta1 as f64, hp.beta2 as f64);
+    let t = hp.step as f64;
+    let bc1 = 1.0 - b1.powf(t);
+    let bc2 = 1.0 - b2.powf(t);
+    let params = Params {
+        decay: (1.0 - lr * hp.weight_decay as f64) as f32,
+        step_size: (lr / bc1) as f32,
+        beta1: hp.beta1,
+        beta2: hp.beta2,
+        one_minus_beta1: (1.0 - b1) as f32,
+        one_minus_beta2: (1.0 - b2) as f32,
+        eps: hp.eps,
+        bc2_sqrt: bc2.sqrt() as f32,
+        ..Default::default()
+    };
+    dispatch(Kind::AdamW, p, g, m, v, &params)
+}
+
+fn dispatch(
+    kind: Kind,
+    p: &Tensor,
+    g: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    params: &Params,
+) -> Result<()> {
+    let n = p.numel();
+    for t in [g, m, v] {
+        assert_eq!(t.numel(), n, "optimizer tensors must match the parameter");
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    let dev = p.device();
+    let storage = [p, g, m, v].map(|t| Storage::of(dev, t.dtype()));
+    let key = format!(
+        "optim_k{}_{}_{}_{}_{}",
+        kind as u32,
+        storage[0].tag(),
+        storage[1].tag(),
+        storage[2].tag(),
+        storage[3].tag()
+    );
+    let k = dev.kernel(&key, &[], false, || {
+        let body = specialize(OPTIM.body, &[("KIND", kind as u32)]);
+        assemble(&body, &OPTIM.with_storage(&storage))
+    })?;
+    dev.dispatch(
+        &k,
+        &params.words(n),
+        &[p.block(), g.block(), m.block(), v.block()],
+        pair_groups(n),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::validate_wgsl;
+    use Storage::*;
+
+    /// Every kind validates with every storage, and with f32 master weights and state beside an
+    /// f16 gradient (mixed precision).
+    #[test]
+    fn every_kind_validates() {
+        let mut combos: Vec<[Storage; 4]> = [F32, F16, F16Packed].map(|s| [s; 4]).to_vec();
+        combos.push([F32, F16, F32, F32]);
+        combos.push([F32, F16Packed, F32, F32]);
+        for kind in [Kind::Sgd, Kind::AdamW, Kind::SgdMomentum] {
+            let body = specialize(OPTIM.body, &[("KIND", kind as u32)]);
+            assert!(body.contains(&format!("const KIND: u32 = {}u;", kind as u32)));
+            for st in &combos {
+                if let Err(e) = validate_wgsl(&assemble(&body, &OPTIM.with_storage(st))) {
+                    panic!("{kind:?} {st:?}: {e}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn params_fill_the_uniform_struct() {
+        // 16 words = the shader's Params (a multiple of 16 bytes).
+        let w = Params {
+            bc2_sqrt: 2.0,
+            ..Default::default()
+        }
+        .words(7);
+        assert_eq!(w[0], 7);
+        assert_eq!(f32::from_bits(w[13]), 2.0);
+        let body = OPTIM.body;
+        let start = body.find("struct Params").unwrap();
+        let end = start + body[start..].find('}').unwrap();
+        assert_eq!(
+            body[start..end].matches(": u32").count() + body[start..end].matches(": f32").count(),
+            w.len()
+        );
+    }
+}

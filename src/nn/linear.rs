@@ -1,0 +1,123 @@
+//! `Linear`: y = x · Wᵀ + b with W stored (out, in) as in torch, so weights load into and out of
+//! PyTorch state dicts unchanged. The forward is one fused matmul dispatch (bias and activation
+//! in its epilogue) that reads W transposed in place.
+
+use super::Module;
+use crate::kernels::matmul::Activation;
+use crate::{DType, Device, Error, MatmulOptions, Result, Tensor};
+
+pub struct Linear {
+    /// (out_features, in_features)
+    pub weight: Tensor,
+    /// (out_features)
+    pub bias: Option<Tensor>,
+    pub in_features: usize,
+    pub out_features: usize,
+}
+
+impl Linear {
+    /// A Linear layer with bias, f32, initialized like torch's `nn.Linear` from `seed`.
+    pub fn new(
+        device: &Device,
+        in_features: usize,
+        out_features: usize,
+        seed: u64,
+    ) -> Result<Linear> {
+        Linear::with_options(device, in_features, out_features, true, DType::F32, seed)
+    }
+
+    /// Kaiming-uniform init as torch does it (`kaiming_uniform_(a=sqrt(5))`): weight and bias
+    /// uniform in ±1/sqrt(in_features). The weight draws from `seed`, the bias from a stream
+    /// derived from it.
+    pub fn with_options(
+        device: &Device,
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        dtype: DType,
+        seed: u64,
+    ) -> Result<Linear> {
+        if in_features == 0 || out_features == 0 {
+            return Err(Error::InvalidArgument {
+                op: "Linear::new",
+                reason: format!(
+                    "features must be positive, got in {in_features}, out {out_features}"
+                ),
+            });
+        }
+        let bound = 1.0 / (in_features as f32).sqrt();
+        let weight = Tensor::rand_uniform(
+            device,
+            &[out_features, in_features],
+            -bound,
+            bound,
+            seed,
+            dtype,
+        )?
+        .with_requires_grad();
+        let bias = if bias {
+            let s = seed ^ 0x9e37_79b9_7f4a_7c15;
+            Some(
+                Tensor::rand_uniform(device, &[out_features], -bound, bound, s, dtype)?
+                    .with_requires_grad(),
+            )
+        } else {
+            None
+        };
+        Ok(Linear {
+            weight,
+            bias,
+            in_features,
+            out_features,
+        })
+    }
+
+    /// `act(x · Wᵀ + b)` in one dispatch; x is (.., in_features).
+    pub fn forward_act(&self, x: &Tensor, activation: Activation) -> Result<Tensor> {
+        if x.dims().last() != Some(&self.in_features) {
+            return Err(Error::Shape {
+                op: "Linear::forward",
+                lhs: x.dims().to_vec(),
+                rhs: self.weight.dims().to_vec(),
+                reason: format!(
+                    "input's last dim must be in_features = {}",
+                    self.in_features
+                ),
+            });
+        }
+        // A rank-1 input is one row.
+        let x2 = if x.rank() == 1 {
+            x.reshape(&[1, self.in_features])?
+        } else {
+            x.clone()
+        };
+        let y = x2.matmul_with(
+            &self.weight,
+            &MatmulOptions {
+                trans_b: true,
+                bias: self.bias.as_ref(),
+                activation,
+                ..Default::default()
+            },
+        )?;
+        if x.rank() == 1 {
+            y.reshape(&[self.out_features])
+        } else {
+            Ok(y)
+        }
+    }
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_act(x, Activation::None)
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut v = vec![("weight".to_string(), self.weight.clone())];
+        if let Some(b) = &self.bias {
+            v.push(("bias".to_string(), b.clone()));
+        }
+        v
+    }
+}

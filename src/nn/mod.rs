@@ -1,0 +1,45 @@
+//! Layers and losses: [`Linear`], [`Mlp`], cross-entropy, mse, accuracy. Parameters are leaf
+//! tensors that require grad; a [`Module`] lists them for optimizers and checkpoints.
+
+mod linear;
+mod loss;
+mod mlp;
+
+pub use linear::Linear;
+pub use loss::{accuracy, correct, cross_entropy, mse_loss};
+pub use mlp::{Act, Mlp};
+
+use crate::{Result, Tensor};
+
+/// What optimizers, checkpoints and the trainer need from a model.
+pub trait Module {
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+
+    /// Parameters with stable names (`layers.0.weight`, ...), in a fixed order.
+    fn named_parameters(&self) -> Vec<(String, Tensor)>;
+
+    /// The parameters (clones share memory and gradients with the model's).
+    fn parameters(&self) -> Vec<Tensor> {
+        self.named_parameters()
+            .into_iter()
+            .map(|(_, t)| t)
+            .collect()
+    }
+
+    /// Drops every parameter's gradient.
+    fn zero_grad(&self) {
+        for p in self.parameters() {
+            p.zero_grad();
+        }
+    }
+
+    /// Number of scalar parameters.
+    fn num_parameters(&self) -> usize {
+        self.parameters().iter().map(|p| p.numel()).sum()
+    }
+
+    /// Device bytes the parameters take (without gradients or optimizer state).
+    fn parameter_bytes(&self) -> u64 {
+        self.parameters().iter().map(|p| p.allocated_bytes()).sum()
+    }
+}

@@ -1,0 +1,198 @@
+//! Adam with decoupled weight decay (torch.optim.AdamW).
+
+use super::{check, check_params, grad_of, take_state, zeros_like, Optimizer, OptimizerState};
+use crate::kernels::optim::{adamw_step, AdamWHyper};
+use crate::{Result, Tensor};
+
+const OP: &str = "AdamW";
+const NAMES: [&str; 2] = ["exp_avg", "exp_avg_sq"];
+
+/// AdamW, per parameter and step (g the gradient, p the parameter, t the parameter's update
+/// count including this one):
+/// ```text
+/// p *= 1 - lr * weight_decay
+/// m = beta1 * m + (1 - beta1) * g
+/// v = beta2 * v + (1 - beta2) * g^2
+/// p -= lr * (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^t)) + eps)
+/// ```
+/// Defaults as torch: betas (0.9, 0.999), eps 1e-8, weight decay 0.01. Builder methods check
+/// their value ([`Error::InvalidArgument`](crate::Error::InvalidArgument)); `step()` checks them
+/// all again, with the learning rate of `set_lr`, before it updates anything.
+///
+/// ```no_run
+/// # fn f(params: Vec<fitgrad::Tensor>) -> fitgrad::Result<()> {
+/// let opt = fitgrad::optim::AdamW::new(params, 3e-4)?.betas(0.9, 0.95)?.weight_decay(0.1)?;
+/// # Ok(()) }
+/// ```
+pub struct AdamW {
+    params: Vec<Tensor>,
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    weight_decay: f32,
+    /// (m, v) per parameter, created on its first update.
+    moments: Vec<Option<(Tensor, Tensor)>>,
+    /// Updates per parameter: the bias corrections' t (torch keeps it per parameter too).
+    param_steps: Vec<u64>,
+    steps: u64,
+}
+
+impl AdamW {
+    /// AdamW over `params` (leaves that require grad) with learning rate `lr >= 0`.
+    pub fn new(params: Vec<Tensor>, lr: f32) -> Result<AdamW> {
+        check_params(OP, &params)?;
+        check(OP, "lr", lr, lr >= 0.0, ">= 0")?;
+        let n = params.len();
+        Ok(AdamW {
+            params,
+            lr,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            moments: vec![None; n],
+            param_steps: vec![0; n],
+            steps: 0,
+        })
+    }
+
+    /// Decay rates of the first and second moments (each in [0, 1); default 0.9, 0.999).
+    pub fn betas(mut self, beta1: f32, beta2: f32) -> Result<AdamW> {
+        check(OP, "beta1", beta1, in_unit(beta1), "in [0, 1)")?;
+        check(OP, "beta2", beta2, in_unit(beta2), "in [0, 1)")?;
+        self.beta1 = beta1;
+        self.beta2 = beta2;
+        Ok(self)
+    }
+
+    /// Added to the denominator (> 0; default 1e-8).
+    pub fn eps(mut self, eps: f32) -> Result<AdamW> {
+        check(OP, "eps", eps, eps > 0.0, "> 0")?;
+        self.eps = eps;
+        Ok(self)
+    }
+
+    /// Decoupled weight decay (>= 0; default 0.01): p *= 1 - lr * weight_decay each step.
+    pub fn weight_decay(mut self, weight_decay: f32) -> Result<AdamW> {
+        check(
+            OP,
+            "weight_decay",
+            weight_decay,
+            weight_decay >= 0.0,
+            ">= 0",
+        )?;
+        self.weight_decay = weight_decay;
+        Ok(self)
+    }
+
+    fn check_hyperparameters(&self) -> Result<()> {
+        check(OP, "lr", self.lr, self.lr >= 0.0, ">= 0")?;
+        check(OP, "beta1", self.beta1, in_unit(self.beta1), "in [0, 1)")?;
+        check(OP, "beta2", self.beta2, in_unit(self.beta2), "in [0, 1)")?;
+        check(OP, "eps", self.eps, self.eps > 0.0, "> 0")?;
+        let wd = self.weight_decay;
+        check(OP, "weight_decay", wd, wd >= 0.0, ">= 0")
+    }
+}
+
+fn in_unit(b: f32) -> bool {
+    (0.0..1.0).contains(&b)
+}
+
+impl Optimizer for AdamW {
+    fn step(&mut self) -> Result<()> {
+        self.check_hyperparameters()?;
+        let grads = self
+            .params
+            .iter()
+            .map(|p| grad_of(OP, p))
+            .collect::<Result<Vec<_>>>()?;
+        // State first, so that running out of memory leaves every parameter and state as it was.
+        let mut new = Vec::new();
+        for (i, g) in grads.iter().enumerate() {
+            if g.is_some() && self.moments[i].is_none() {
+                let p = &self.params[i];
+                new.push((i, (zeros_like(p)?, zeros_like(p)?)));
+            }
+        }
+        for (i, mv) in new {
+            self.moments[i] = Some(mv);
+        }
+        for (i, g) in grads.iter().enumerate() {
+            let (Some(g), Some((m, v))) = (g, &self.moments[i]) else {
+                continue;
+            };
+            let hp = AdamWHyper {
+                lr: self.lr,
+                weight_decay: self.weight_decay,
+                beta1: self.beta1,
+                beta2: self.beta2,
+                eps: self.eps,
+                step: self.param_steps[i] + 1,
+            };
+            adamw_step(&self.params[i], g, m, v, &hp)?;
+            self.param_steps[i] += 1;
+        }
+        self.steps += 1;
+        Ok(())
+    }
+
+    fn zero_grad(&mut self) {
+        for p in &self.params {
+            p.zero_grad();
+        }
+    }
+
+    fn lr(&self) -> f32 {
+        self.lr
+    }
+
+    fn set_lr(&mut self, lr: f32) {
+        self.lr = lr;
+    }
+
+    fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+
+    fn step_count(&self) -> u64 {
+        self.steps
+    }
+
+    fn state_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        for (i, mv) in self.moments.iter().enumerate() {
+            if let Some((m, v)) = mv {
+                out.push((format!("{i}.{}", NAMES[0]), m.clone()));
+                out.push((format!("{i}.{}", NAMES[1]), v.clone()));
+            }
+        }
+        out
+    }
+
+    fn state(&self) -> OptimizerState {
+        OptimizerState {
+            step_count: self.steps,
+            param_steps: self.param_steps.clone(),
+            tensors: self.state_tensors(),
+        }
+    }
+
+    fn load_state(&mut self, state: OptimizerState) -> Result<()> {
+        let (steps, param_steps) = (state.step_count, state.param_steps.clone());
+        let slots = take_state(OP, &self.params, &NAMES, state)?;
+        self.moments = slots
+            .into_iter()
+            .map(|s| {
+                s.map(|s| {
+                    let mut it = s.into_iter();
+                    (it.next().unwrap(), it.next().unwrap())
+                })
+            })
+            .collect();
+        self.param_steps = param_steps;
+        self.steps = steps;
+        Ok(())
+    }
+}

@@ -1,0 +1,202 @@
+//! Optimizers ([`Sgd`], [`AdamW`], with torch's semantics) and learning-rate schedules.
+//!
+//! Each update is one fused kernel per parameter (shaders/optim.wgsl), in place: it reads the
+//! parameter, its gradient and its state once and writes the parameter and the state once. The
+//! same AdamW update written with tensor ops is about eight elementwise dispatches (decay, two
+//! moment updates, square root, two bias corrections, add, divide), each reading and writing whole
+//! tensors and allocating temporaries: several times the memory traffic, and a transient peak of
+//! several parameter-sized buffers right when the gradients are also alive. The fused kernel
+//! computes in f32 registers whatever the storage, and allocates nothing.
+//!
+//! State (momentum buffers, moments) is created on the first step that sees a parameter's
+//! gradient, as zeros of the parameter's shape and dtype, and stays on the GPU. After that a step
+//! creates no tensor at all. A parameter without a gradient is skipped (as in torch).
+//!
+//! ```no_run
+//! use fitgrad::optim::{AdamW, Optimizer};
+//! # fn f(params: Vec<fitgrad::Tensor>, loss: impl Fn() -> fitgrad::Result<fitgrad::Tensor>) -> fitgrad::Result<()> {
+//! let mut opt = AdamW::new(params, 1e-3)?.weight_decay(0.1)?;
+//! for _ in 0..100 {
+//!     opt.zero_grad();
+//!     loss()?.backward()?;
+//!     opt.step()?;
+//! }
+//! # Ok(()) }
+//! ```
+
+mod adamw;
+pub mod schedule;
+mod sgd;
+
+pub use adamw::AdamW;
+pub use schedule::LrSchedule;
+pub use sgd::Sgd;
+
+use crate::{Error, Result, Tensor};
+
+/// An optimizer over a fixed list of parameters.
+pub trait Optimizer {
+    /// Updates every parameter that has a gradient, from its gradient and state.
+    fn step(&mut self) -> Result<()>;
+    /// Drops every parameter's gradient (torch's `zero_grad(set_to_none=True)`).
+    fn zero_grad(&mut self);
+    fn lr(&self) -> f32;
+    /// Sets the learning rate for the next steps (checked by `step`).
+    fn set_lr(&mut self, lr: f32);
+    fn params(&self) -> &[Tensor];
+    /// `step()` calls that succeeded.
+    fn step_count(&self) -> u64;
+    /// The state on the GPU, named `"{param index}.{torch name}"` (`"0.exp_avg"`,
+    /// `"3.momentum_buffer"`); parameters not updated yet have none.
+    fn state_tensors(&self) -> Vec<(String, Tensor)>;
+    /// Bytes of arena memory the state holds.
+    fn state_bytes(&self) -> u64 {
+        self.state_tensors()
+            .iter()
+            .map(|(_, t)| t.allocated_bytes())
+            .sum()
+    }
+    /// Everything a checkpoint needs besides the hyperparameters.
+    fn state(&self) -> OptimizerState;
+    /// Restores a state taken from an optimizer over parameters of the same shapes. The tensors
+    /// are adopted, not copied: later steps update them in place.
+    fn load_state(&mut self, state: OptimizerState) -> Result<()>;
+}
+
+/// What a checkpoint saves of an optimizer besides its hyperparameters.
+#[derive(Clone, Debug, Default)]
+pub struct OptimizerState {
+    /// `step()` calls so far.
+    pub step_count: u64,
+    /// Per parameter, the updates it has had (AdamW's bias-correction step; parameters skipped
+    /// for lack of a gradient do not count, as in torch).
+    pub param_steps: Vec<u64>,
+    /// As [`Optimizer::state_tensors`].
+    pub tensors: Vec<(String, Tensor)>,
+}
+
+/// Checks the parameter list: non-empty, leaves that require grad, one device, no tensor twice
+/// (it would be updated twice per step).
+fn check_params(op: &'static str, params: &[Tensor]) -> Result<()> {
+    let invalid = |reason: String| Err(Error::InvalidArgument { op, reason });
+    let Some(first) = params.first() else {
+        return invalid("the parameter list is empty".into());
+    };
+    let mut seen = std::collections::HashSet::new();
+    for (i, p) in params.iter().enumerate() {
+        if !p.requires_grad() {
+            return invalid(format!(
+                "parameter {i} {p:?} does not require grad (call with_requires_grad())"
+            ));
+        }
+        if !p.is_leaf() {
+            return invalid(format!(
+                "parameter {i} {p:?} is an op's output, not a leaf: it never gets a gradient"
+            ));
+        }
+        if p.device() != first.device() {
+            return Err(Error::DeviceMismatch { op });
+        }
+        let b = p.block();
+        if p.numel() > 0 && !seen.insert((std::sync::Arc::as_ptr(&b.buffer), b.offset)) {
+            return invalid(format!(
+                "parameter {i} shares its memory with an earlier parameter"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `Err(InvalidArgument)` naming the hyperparameter unless `ok`.
+fn check(op: &'static str, name: &str, value: f32, ok: bool, want: &str) -> Result<()> {
+    if ok && value.is_finite() {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument {
+            op,
+            reason: format!("{name} = {value} must be {want}"),
+        })
+    }
+}
+
+/// The gradient of `p`, checked against it: same device and element count.
+fn grad_of(op: &'static str, p: &Tensor) -> Result<Option<Tensor>> {
+    let Some(g) = p.grad() else {
+        return Ok(None);
+    };
+    if g.device() != p.device() {
+        return Err(Error::DeviceMismatch { op });
+    }
+    if g.dims() != p.dims() {
+        return Err(Error::Shape {
+            op,
+            lhs: p.dims().to_vec(),
+            rhs: g.dims().to_vec(),
+            reason: "the gradient's shape differs from the parameter's".into(),
+        });
+    }
+    Ok(Some(g))
+}
+
+/// New state for `p`: zeros of its shape and dtype.
+fn zeros_like(p: &Tensor) -> Result<Tensor> {
+    Tensor::zeros(p.device(), p.dims(), p.dtype())
+}
+
+/// Checks a loaded state against `params` and the state names of one optimizer, and returns
+/// per parameter the tensor of each name (all present or none).
+fn take_state(
+    op: &'static str,
+    params: &[Tensor],
+    names: &[&str],
+    state: OptimizerState,
+) -> Result<Vec<Option<Vec<Tensor>>>> {
+    let invalid = |reason: String| Error::InvalidArgument { op, reason };
+    if state.param_steps.len() != params.len() {
+        return Err(invalid(format!(
+            "the state has steps for {} parameters, the optimizer has {}",
+            state.param_steps.len(),
+            params.len()
+        )));
+    }
+    let mut slots: Vec<Vec<Option<Tensor>>> = vec![vec![None; names.len()]; params.len()];
+    for (key, t) in state.tensors {
+        let parsed = key.split_once('.').and_then(|(i, name)| {
+            let i: usize = i.parse().ok()?;
+            let j = names.iter().position(|n| *n == name)?;
+            (i < params.len()).then_some((i, j))
+        });
+        let Some((i, j)) = parsed else {
+            return Err(invalid(format!("unknown state tensor '{key}'")));
+        };
+        let p = &params[i];
+        if t.device() != p.device() {
+            return Err(Error::DeviceMismatch { op });
+        }
+        if t.dims() != p.dims() {
+            return Err(Error::Shape {
+                op,
+                lhs: p.dims().to_vec(),
+                rhs: t.dims().to_vec(),
+                reason: format!("state tensor '{key}' does not fit its parameter"),
+            });
+        }
+        if slots[i][j].replace(t.detach()).is_some() {
+            return Err(invalid(format!("state tensor '{key}' given twice")));
+        }
+    }
+    slots
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let have = s.iter().filter(|t| t.is_some()).count();
+            if have == 0 {
+                Ok(None)
+            } else if have < s.len() {
+                Err(invalid(format!("parameter {i} has only part of its state")))
+            } else {
+                Ok(Some(s.into_iter().flatten().collect()))
+            }
+        })
+        .collect()
+}

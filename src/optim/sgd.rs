@@ -1,0 +1,213 @@
+//! Stochastic gradient descent with momentum, dampening, Nesterov and L2 weight decay
+//! (torch.optim.SGD).
+
+use super::{check, check_params, grad_of, take_state, zeros_like, Optimizer, OptimizerState};
+use crate::kernels::optim::{sgd_step, SgdHyper};
+use crate::{Result, Tensor};
+
+const OP: &str = "Sgd";
+const BUF: &str = "momentum_buffer";
+
+/// SGD, per parameter and step (g the gradient, p the parameter):
+/// ```text
+/// g' = g + weight_decay * p
+/// buf = momentum * buf + (1 - dampening) * g'   (first step: buf = g')   if momentum != 0
+/// g' = nesterov ? g' + momentum * buf : buf                                if momentum != 0
+/// p -= lr * g'
+/// ```
+/// Builder methods check their value ([`Error::InvalidArgument`](crate::Error::InvalidArgument));
+/// `step()` checks them all again, with the learning rate of `set_lr` and Nesterov's conditions,
+/// before it updates anything.
+///
+/// ```no_run
+/// # fn f(params: Vec<fitgrad::Tensor>) -> fitgrad::Result<()> {
+/// let opt = fitgrad::optim::Sgd::new(params, 0.1)?.momentum(0.9)?.nesterov(true)?;
+/// # Ok(()) }
+/// ```
+pub struct Sgd {
+    params: Vec<Tensor>,
+    lr: f32,
+    momentum: f32,
+    dampening: f32,
+    weight_decay: f32,
+    nesterov: bool,
+    /// Momentum buffers, created on a parameter's first update when momentum != 0.
+    bufs: Vec<Option<Tensor>>,
+    param_steps: Vec<u64>,
+    steps: u64,
+}
+
+impl Sgd {
+    /// Plain SGD over `params` (leaves that require grad) with learning rate `lr >= 0`.
+    pub fn new(params: Vec<Tensor>, lr: f32) -> Result<Sgd> {
+        check_params(OP, &params)?;
+        check(OP, "lr", lr, lr >= 0.0, ">= 0")?;
+        let n = params.len();
+        Ok(Sgd {
+            params,
+            lr,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+            bufs: vec![None; n],
+            param_steps: vec![0; n],
+            steps: 0,
+        })
+    }
+
+    /// Momentum factor (>= 0; default 0, no buffer).
+    pub fn momentum(mut self, momentum: f32) -> Result<Sgd> {
+        check(OP, "momentum", momentum, momentum >= 0.0, ">= 0")?;
+        self.momentum = momentum;
+        Ok(self)
+    }
+
+    /// Dampening of the gradient's share of the momentum buffer (finite; default 0).
+    pub fn dampening(mut self, dampening: f32) -> Result<Sgd> {
+        check(OP, "dampening", dampening, true, "finite")?;
+        self.dampening = dampening;
+        Ok(self)
+    }
+
+    /// L2 penalty added to the gradient (>= 0; default 0).
+    pub fn weight_decay(mut self, weight_decay: f32) -> Result<Sgd> {
+        check(
+            OP,
+            "weight_decay",
+            weight_decay,
+            weight_decay >= 0.0,
+            ">= 0",
+        )?;
+        self.weight_decay = weight_decay;
+        Ok(self)
+    }
+
+    /// Nesterov momentum (default off). It needs momentum > 0 and dampening 0, which `step()`
+    /// checks (so the builder calls may come in any order).
+    pub fn nesterov(mut self, nesterov: bool) -> Result<Sgd> {
+        self.nesterov = nesterov;
+        Ok(self)
+    }
+
+    fn check_hyperparameters(&self) -> Result<()> {
+        check(OP, "lr", self.lr, self.lr >= 0.0, ">= 0")?;
+        check(OP, "momentum", self.momentum, self.momentum >= 0.0, ">= 0")?;
+        check(OP, "dampening", self.dampening, true, "finite")?;
+        let wd = self.weight_decay;
+        check(OP, "weight_decay", wd, wd >= 0.0, ">= 0")?;
+        if self.nesterov {
+            check(
+                OP,
+                "momentum",
+                self.momentum,
+                self.momentum > 0.0,
+                "> 0 with nesterov",
+            )?;
+            check(
+                OP,
+                "dampening",
+                self.dampening,
+                self.dampening == 0.0,
+                "0 with nesterov",
+            )?;
+        }
+        Ok(())
+    }
+}
+
+impl Optimizer for Sgd {
+    fn step(&mut self) -> Result<()> {
+        self.check_hyperparameters()?;
+        let grads = self
+            .params
+            .iter()
+            .map(|p| grad_of(OP, p))
+            .collect::<Result<Vec<_>>>()?;
+        // State first, so that running out of memory leaves every parameter as it was.
+        let mut fresh = vec![false; self.params.len()];
+        if self.momentum != 0.0 {
+            let mut new = Vec::new();
+            for (i, g) in grads.iter().enumerate() {
+                if g.is_some() && self.bufs[i].is_none() {
+                    new.push((i, zeros_like(&self.params[i])?));
+                }
+            }
+            for (i, b) in new {
+                self.bufs[i] = Some(b);
+                fresh[i] = true;
+            }
+        }
+        for (i, g) in grads.iter().enumerate() {
+            let Some(g) = g else { continue };
+            let buf = if self.momentum != 0.0 {
+                self.bufs[i].as_ref()
+            } else {
+                None
+            };
+            let hp = SgdHyper {
+                lr: self.lr,
+                weight_decay: self.weight_decay,
+                momentum: self.momentum,
+                dampening: self.dampening,
+                nesterov: self.nesterov,
+                // A new buffer takes the gradient as it is (torch: `buf = clone(grad)`).
+                first_step: fresh[i],
+            };
+            sgd_step(&self.params[i], g, buf, &hp)?;
+            self.param_steps[i] += 1;
+        }
+        self.steps += 1;
+        Ok(())
+    }
+
+    fn zero_grad(&mut self) {
+        for p in &self.params {
+            p.zero_grad();
+        }
+    }
+
+    fn lr(&self) -> f32 {
+        self.lr
+    }
+
+    fn set_lr(&mut self, lr: f32) {
+        self.lr = lr;
+    }
+
+    fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+
+    fn step_count(&self) -> u64 {
+        self.steps
+    }
+
+    fn state_tensors(&self) -> Vec<(String, Tensor)> {
+        self.bufs
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| Some((format!("{i}.{BUF}"), b.clone()?)))
+            .collect()
+    }
+
+    fn state(&self) -> OptimizerState {
+        OptimizerState {
+            step_count: self.steps,
+            param_steps: self.param_steps.clone(),
+            tensors: self.state_tensors(),
+        }
+    }
+
+    fn load_state(&mut self, state: OptimizerState) -> Result<()> {
+        let (steps, param_steps) = (state.step_count, state.param_steps.clone());
+        let slots = take_state(OP, &self.params, &[BUF], state)?;
+        self.bufs = slots
+            .into_iter()
+            .map(|s| s.and_then(|mut s| s.pop()))
+            .collect();
+        self.param_steps = param_steps;
+        self.steps = steps;
+        Ok(())
+    }
+}

@@ -1,0 +1,275 @@
+//! The training loop. One optimizer step consumes an *effective batch* of
+//! `batch_size * accum_steps` samples, run as micro-batches of `micro_batch` samples whose
+//! gradients add up in place. Each micro-batch's mean loss is weighted by its share of the
+//! effective batch, so the update is the same however the batch is split (up to float rounding):
+//! `--batch-size 64` gives the same weights as `--batch-size 16 --accum-steps 4`.
+
+use super::data::Dataset;
+use crate::kernels::elementwise::{self, BinaryOp};
+use crate::nn::{self, Mlp, Module};
+use crate::optim::{LrSchedule, Optimizer};
+use crate::{DType, Device, Error, MemoryStats, Result, Tensor};
+
+/// How batches are formed and the learning rate moves.
+#[derive(Clone, Debug)]
+pub struct TrainerConfig {
+    /// Samples per batch (the data loader's batch).
+    pub batch_size: usize,
+    /// Batches whose gradients add up before one optimizer step.
+    pub accum_steps: usize,
+    /// Samples per forward/backward; at most `batch_size` (None: `batch_size`).
+    pub micro_batch: Option<usize>,
+    /// The learning rate the schedule scales.
+    pub lr: f32,
+    pub schedule: LrSchedule,
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        TrainerConfig {
+            batch_size: 64,
+            accum_steps: 1,
+            micro_batch: None,
+            lr: 1e-3,
+            schedule: LrSchedule::Constant,
+        }
+    }
+}
+
+/// Where the device memory of training went, from the arena's statistics.
+#[derive(Clone, Debug)]
+pub struct MemorySummary {
+    pub parameter_bytes: u64,
+    pub gradient_bytes: u64,
+    pub optimizer_state_bytes: u64,
+    /// Peak live bytes minus parameters, gradients and optimizer state: activations, saved
+    /// tensors and temporaries alive at the worst point of a step.
+    pub activation_bytes: u64,
+    pub stats: MemoryStats,
+}
+
+impl MemorySummary {
+    /// What a step really needs at its worst point (= peak bytes in use).
+    pub fn needed_bytes(&self) -> u64 {
+        self.stats.peak_bytes_in_use
+    }
+
+    /// Peak bytes the arena held from the driver over what the step needed (1.0 = no waste).
+    pub fn overhead(&self) -> f64 {
+        self.stats.peak_bytes_reserved as f64 / self.needed_bytes().max(1) as f64
+    }
+}
+
+impl std::fmt::Display for MemorySummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        use crate::error::Bytes;
+        writeln!(f, "training memory (peak of a step):")?;
+        writeln!(f, "  parameters        {:>12}", Bytes(self.parameter_bytes))?;
+        writeln!(f, "  gradients         {:>12}", Bytes(self.gradient_bytes))?;
+        writeln!(
+            f,
+            "  optimizer state   {:>12}",
+            Bytes(self.optimizer_state_bytes)
+        )?;
+        writeln!(
+            f,
+            "  activations etc.  {:>12}",
+            Bytes(self.activation_bytes)
+        )?;
+        writeln!(f, "  = needed          {:>12}", Bytes(self.needed_bytes()))?;
+        writeln!(
+            f,
+            "  reserved (peak)   {:>12}  ({:.2}x of needed)",
+            Bytes(self.stats.peak_bytes_reserved),
+            self.overhead()
+        )
+    }
+}
+
+pub struct Trainer {
+    pub model: Mlp,
+    pub optimizer: Box<dyn Optimizer>,
+    config: TrainerConfig,
+    device: Device,
+    /// Optimizer steps taken.
+    step: u64,
+    /// Sum of step losses since the last `take_loss`, kept on the GPU so a step never waits for
+    /// a readback.
+    loss_sum: Tensor,
+    loss_steps: u64,
+    /// Host staging reused by every batch.
+    xs: Vec<f32>,
+    ys: Vec<u32>,
+}
+
+impl Trainer {
+    pub fn new(
+        model: Mlp,
+        optimizer: Box<dyn Optimizer>,
+        config: TrainerConfig,
+    ) -> Result<Trainer> {
+        if config.batch_size == 0 || config.accum_steps == 0 || config.micro_batch == Some(0) {
+            return Err(Error::InvalidArgument {
+                op: "Trainer::new",
+                reason: format!(
+                    "batch_size, accum_steps and micro_batch must be positive, got {}, {}, {:?}",
+                    config.batch_size, config.accum_steps, config.micro_batch
+                ),
+            });
+        }
+        let device = model.layers[0].weight.device().clone();
+        let loss_sum = Tensor::zeros(&device, &[], DType::F32)?;
+        Ok(Trainer {
+            model,
+            optimizer,
+            config,
+            device,
+            step: 0,
+            loss_sum,
+            loss_steps: 0,
+            xs: Vec::new(),
+            ys: Vec::new(),
+        })
+    }
+
+    pub fn config(&self) -> &TrainerConfig {
+        &self.config
+    }
+
+    /// Samples per optimizer step.
+    pub fn effective_batch(&self) -> usize {
+        self.config.batch_size * self.config.accum_steps
+    }
+
+    /// Samples per forward/backward.
+    pub fn micro_batch(&self) -> usize {
+        self.config
+            .micro_batch
+            .unwrap_or(self.config.batch_size)
+            .min(self.config.batch_size)
+    }
+
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// One optimizer step over `x` (n, dim) row-major and labels `y` (n): forward and backward
+    /// per micro-batch, gradients accumulated, then the update and `zero_grad`.
+    pub fn step(&mut self, x: &[f32], y: &[u32]) -> Result<()> {
+        let n = y.len();
+        let dim = self.model.layers[0].in_features;
+        if n == 0 || x.len() != n * dim {
+            return Err(Error::Shape {
+                op: "Trainer::step",
+                lhs: vec![x.len()],
+                rhs: vec![n, dim],
+                reason: format!("need {n} rows of {dim} features and at least one sample"),
+            });
+        }
+        let mb = self.micro_batch();
+        let mut start = 0;
+        while start < n {
+            let end = (start + mb).min(n);
+            let xt = Tensor::from_slice(
+                &self.device,
+                &x[start * dim..end * dim],
+                &[end - start, dim],
+            )?;
+            let logits = self.model.forward(&xt)?;
+            let mut loss = nn::cross_entropy(&logits, &y[start..end])?;
+            if end - start != n {
+                // This micro-batch's share of the effective batch's mean.
+                loss = loss.mul_scalar((end - start) as f32 / n as f32)?;
+            }
+            loss.backward()?;
+            elementwise::binary(
+                BinaryOp::Add,
+                &self.loss_sum,
+                &loss.detach(),
+                &self.loss_sum,
+            )?;
+            start = end;
+        }
+        let lr = self.config.schedule.lr_at(self.config.lr, self.step);
+        self.optimizer.set_lr(lr);
+        self.optimizer.step()?;
+        self.optimizer.zero_grad();
+        self.step += 1;
+        self.loss_steps += 1;
+        Ok(())
+    }
+
+    /// Steps over one epoch of `data` in a seeded order; `on_step(done, total)` after each.
+    pub fn train_epoch(
+        &mut self,
+        data: &Dataset,
+        seed: u64,
+        epoch: u64,
+        mut on_step: impl FnMut(&mut Trainer, usize, usize) -> Result<()>,
+    ) -> Result<()> {
+        let order = data.shuffled_order(seed, epoch);
+        let eff = self.effective_batch();
+        let total = order.len().div_ceil(eff);
+        let (mut xs, mut ys) = (std::mem::take(&mut self.xs), std::mem::take(&mut self.ys));
+        let mut result = Ok(());
+        for (i, idx) in order.chunks(eff).enumerate() {
+            data.gather(idx, &mut xs, &mut ys);
+            result = self
+                .step(&xs, &ys)
+                .and_then(|_| on_step(self, i + 1, total));
+            if result.is_err() {
+                break;
+            }
+        }
+        (self.xs, self.ys) = (xs, ys);
+        result
+    }
+
+    /// The mean step loss since the last call (one readback), or NaN when no step ran.
+    pub fn take_loss(&mut self) -> Result<f32> {
+        if self.loss_steps == 0 {
+            return Ok(f32::NAN);
+        }
+        let v = self.loss_sum.item()? / self.loss_steps as f32;
+        crate::kernels::elementwise::fill(&self.loss_sum, 0.0)?;
+        self.loss_steps = 0;
+        Ok(v)
+    }
+
+    /// Mean loss and accuracy over `data`, in batches of `batch` without recording.
+    pub fn evaluate(&self, data: &Dataset, batch: usize) -> Result<(f32, f32)> {
+        let _g = crate::no_grad();
+        let (mut xs, mut ys) = (Vec::new(), Vec::new());
+        let idx: Vec<usize> = (0..data.len()).collect();
+        let (mut loss, mut correct) = (0.0f64, 0usize);
+        for chunk in idx.chunks(batch.max(1)) {
+            data.gather(chunk, &mut xs, &mut ys);
+            let xt = Tensor::from_slice(&self.device, &xs, &[ys.len(), data.dim])?;
+            let logits = self.model.forward(&xt)?;
+            loss += nn::cross_entropy(&logits, &ys)?.item()? as f64 * ys.len() as f64;
+            correct += nn::correct(&logits, &ys)?;
+        }
+        let n = data.len().max(1) as f64;
+        Ok(((loss / n) as f32, (correct as f64 / n) as f32))
+    }
+
+    /// Parameters, gradients, optimizer state and activations at the peak, from the arena.
+    pub fn memory_summary(&self) -> MemorySummary {
+        let stats = self.device.memory_stats();
+        let parameter_bytes = self.model.parameter_bytes();
+        let gradient_bytes = parameter_bytes;
+        let optimizer_state_bytes = self.optimizer.state_bytes();
+        let fixed = parameter_bytes + gradient_bytes + optimizer_state_bytes;
+        MemorySummary {
+            parameter_bytes,
+            gradient_bytes,
+            optimizer_state_bytes,
+            activation_bytes: stats.peak_bytes_in_use.saturating_sub(fixed),
+            stats,
+        }
+    }
+}
