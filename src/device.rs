@@ -456,6 +456,12 @@ impl Device {
         )
     }
 
+    /// (size, bytes in use) of each of the arena's segments (wgpu buffers), for reports and
+    /// tests of fragmentation.
+    pub fn memory_segments(&self) -> Vec<(u64, u64)> {
+        lock(&self.inner.arena).segments()
+    }
+
     /// Makes the next peaks start from the current usage.
     pub fn reset_peak(&self) {
         lock(&self.inner.arena).reset_peak();

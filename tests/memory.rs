@@ -337,7 +337,8 @@ fn reserve_empty_cache_and_peaks() {
 fn freed_neighbours_merge() {
     for dev in fresh_devices(DeviceOptions::default()) {
         let what = label(&dev);
-        // Four 512 KiB tensors fill one 2 MiB shared segment, in order.
+        // Four 512 KiB tensors fill one reserved 2 MiB segment, in order.
+        dev.reserve(2 * MIB).unwrap();
         let q = 128 * 1024; // f32 elements in 512 KiB
         let a = Tensor::zeros(&dev, &[q], DType::F32).unwrap();
         let b = Tensor::zeros(&dev, &[q], DType::F32).unwrap();

@@ -126,11 +126,26 @@ impl Node {
                 elementwise::binary(BinaryOp::Add, held, &g, held)?;
             }
             None => {
-                let g = g.detach();
-                *slot = Some(if g.storage_is_unique() { g } else { g.copy()? });
+                let d = g.detach();
+                drop(g);
+                *slot = Some(if d.storage_is_unique() { d } else { d.copy()? });
             }
         }
         Ok(())
+    }
+}
+
+impl Drop for Node {
+    /// Unlinks the graph iteratively: dropping a long chain of nodes recursively (a loop of
+    /// thousands of recorded ops) would overflow the stack.
+    fn drop(&mut self) {
+        let mut stack: Vec<Arc<Node>> = self.inputs.drain(..).flatten().collect();
+        while let Some(node) = stack.pop() {
+            if let Ok(mut inner) = Arc::try_unwrap(node) {
+                stack.extend(inner.inputs.drain(..).flatten());
+                // The rule owns saved tensors only, never nodes, so it drops shallowly.
+            }
+        }
     }
 }
 

@@ -9,7 +9,8 @@
 //!
 //! Segment sizes: requests up to [`SMALL_REQUEST`] share [`SMALL_SEGMENT`]-byte segments (many
 //! biases and scalars in one buffer); larger requests get a segment of their own rounded up to
-//! [`LARGE_ROUND`], which later requests of any smaller size may share once it is free.
+//! [`LARGE_ROUND`], which later large requests of any smaller size may share once it is free.
+//! Small and large requests use separate segments (see `Pool`).
 //!
 //! The optional budget is checked *before* the driver is asked: when a new segment would pass it,
 //! the arena first drops its fully free segments, then returns [`Error::OutOfMemory`].
@@ -25,11 +26,11 @@ use std::sync::Arc;
 /// Offsets and sizes of blocks are multiples of this (wgpu's maximum storage offset alignment).
 pub const BLOCK_ALIGN: u64 = 256;
 /// Requests up to this size share segments.
-pub const SMALL_REQUEST: u64 = 1 << 20;
+pub const SMALL_REQUEST: u64 = 256 << 10;
 /// Size of a shared segment for small requests.
 pub const SMALL_SEGMENT: u64 = 2 << 20;
 /// Dedicated segments are rounded up to this, so slightly different sizes reuse them.
-pub const LARGE_ROUND: u64 = 256 << 10;
+pub const LARGE_ROUND: u64 = 64 << 10;
 
 /// A range of a segment owned by one tensor.
 #[derive(Debug, Clone)]
@@ -46,6 +47,33 @@ struct Segment {
     /// Free ranges: offset -> length, never adjacent (merged on free).
     free: BTreeMap<u64, u64>,
     used: u64,
+    pool: Pool,
+}
+
+/// Which requests a segment serves first. Keeping small tensors out of large segments stops a
+/// scalar from landing in the middle of a freed activation's segment and forcing a new buffer
+/// for the next activation of that size (the caching allocators of torch split pools the same
+/// way). Under a budget either pool may lend to the other rather than fail.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pool {
+    Small,
+    Large,
+    /// Made by `reserve`: serves both.
+    Any,
+}
+
+impl Pool {
+    fn of(size: u64) -> Pool {
+        if size <= SMALL_REQUEST {
+            Pool::Small
+        } else {
+            Pool::Large
+        }
+    }
+
+    fn serves(self, want: Option<Pool>) -> bool {
+        want.is_none_or(|w| self == Pool::Any || self == w)
+    }
 }
 
 impl Segment {
@@ -131,11 +159,12 @@ impl Arena {
             });
         }
         self.stats.allocations += 1;
-        if let Some(block) = self.take_free(size) {
+        let pool = Pool::of(size);
+        if let Some(block) = self.take_free(size, Some(pool)) {
             self.stats.reuse_hits += 1;
             return Ok(block);
         }
-        let preferred = if size <= SMALL_REQUEST {
+        let preferred = if pool == Pool::Small {
             SMALL_SEGMENT.max(size)
         } else {
             align_up(size, LARGE_ROUND)
@@ -148,6 +177,11 @@ impl Arena {
             size
         };
         if !self.fits_budget(seg_size) {
+            // Borrow from the other pool before giving segments back.
+            if let Some(block) = self.take_free(size, None) {
+                self.stats.reuse_hits += 1;
+                return Ok(block);
+            }
             self.release_free_segments();
         }
         if !self.fits_budget(seg_size) {
@@ -156,7 +190,7 @@ impl Arena {
             return Err(self.oom(bytes));
         }
         let seg = self
-            .create_segment(device, seg_size)
+            .create_segment(device, seg_size, pool)
             .inspect_err(|_| self.stats.allocations -= 1)?;
         Ok(self.take_from(seg, 0, seg_size, size))
     }
@@ -174,7 +208,7 @@ impl Arena {
                     return Err(self.oom(seg_size));
                 }
             }
-            self.create_segment(device, seg_size)?;
+            self.create_segment(device, seg_size, Pool::Any)?;
             left = left.saturating_sub(seg_size);
         }
         Ok(())
@@ -230,13 +264,15 @@ impl Arena {
         }
     }
 
-    fn take_free(&mut self, size: u64) -> Option<Block> {
+    /// The best fit among segments serving `pool` (`None`: every segment).
+    fn take_free(&mut self, size: u64, pool: Option<Pool>) -> Option<Block> {
         let (seg, off, len) = self
             .segments
             .iter()
             .enumerate()
             .filter_map(|(i, s)| {
                 s.as_ref()
+                    .filter(|s| s.pool.serves(pool))
                     .and_then(|s| s.best_fit(size))
                     .map(|(o, l)| (i, o, l))
             })
@@ -262,8 +298,17 @@ impl Arena {
         }
     }
 
+    /// (size, bytes in use) of every live segment.
+    pub fn segments(&self) -> Vec<(u64, u64)> {
+        self.segments
+            .iter()
+            .flatten()
+            .map(|s| (s.size, s.used))
+            .collect()
+    }
+
     /// Creates a segment, turning a driver out-of-memory into [`Error::OutOfMemory`].
-    fn create_segment(&mut self, device: &wgpu::Device, size: u64) -> Result<usize> {
+    fn create_segment(&mut self, device: &wgpu::Device, size: u64, pool: Pool) -> Result<usize> {
         let scope = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let buffer = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("fitgrad arena segment"),
@@ -282,6 +327,7 @@ impl Arena {
             size,
             free: BTreeMap::from([(0, size)]),
             used: 0,
+            pool,
         };
         self.stats.buffers_created += 1;
         self.stats.bytes_reserved += size;

@@ -297,7 +297,7 @@ impl Tensor {
     pub fn backward(&self) -> Result<()> {
         if self.numel() != 1 {
             return Err(Error::Autograd(format!(
-                "backward() needs a one-element tensor (a loss), got shape {:?};                  use backward_with(grad) for others",
+                "backward() needs a one-element tensor (a loss), got shape {:?}; use backward_with(grad) for others",
                 self.dims()
             )));
         }
@@ -309,7 +309,7 @@ impl Tensor {
     pub fn backward_with(&self, grad: Tensor) -> Result<()> {
         let node = self.node.as_ref().ok_or_else(|| {
             Error::Autograd(
-                "this tensor does not require grad: nothing it was computed from has                  set_requires_grad(true), or it was computed under no_grad()"
+                "this tensor does not require grad: nothing it was computed from has set_requires_grad(true), or it was computed under no_grad()"
                     .into(),
             )
         })?;

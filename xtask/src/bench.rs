@@ -1,4 +1,4 @@
-//! `cargo xtask bench [--quick] [--adapter NAME]`: the cross-vendor benchmark.
+//! `cargo xtask bench [--quick] [--train-only] [--adapter NAME]`: the cross-vendor benchmark.
 //!
 //! Runs one set of kernels on every adapter wgpu finds (or those whose name contains NAME) and
 //! writes target/bench/report.md and target/bench/report.json. Each matmul figure comes with two
@@ -13,6 +13,8 @@ use std::time::Instant;
 
 struct Opts {
     quick: bool,
+    /// Only the training-step entry.
+    train_only: bool,
     adapter: Option<String>,
 }
 
@@ -123,6 +125,9 @@ struct Row {
 fn bench_adapter(dev: &Device, o: &Opts) -> fitgrad::Result<Vec<Row>> {
     let mut rows = Vec::new();
     let reps = if o.quick { 3 } else { 10 };
+    if o.train_only {
+        return bench_train_step(dev, reps);
+    }
     let mut shapes: Vec<Mm> = if o.quick {
         vec![256, 512, 1024]
     } else {
@@ -343,16 +348,18 @@ fn bench_train_step(dev: &Device, reps: usize) -> fitgrad::Result<Vec<Row>> {
 pub fn run(args: &[String]) -> Result<(), String> {
     let mut o = Opts {
         quick: false,
+        train_only: false,
         adapter: None,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--quick" => o.quick = true,
+            "--train-only" => o.train_only = true,
             "--adapter" => o.adapter = Some(it.next().ok_or("--adapter needs a name")?.clone()),
             other => {
                 return Err(format!(
-                    "unknown argument {other}; use [--quick] [--adapter NAME]"
+                    "unknown argument {other}; use [--quick] [--train-only] [--adapter NAME]"
                 ))
             }
         }
