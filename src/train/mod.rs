@@ -1,6 +1,8 @@
 //! Training: datasets and the [`Trainer`] loop (micro-batches, gradient accumulation, learning
 //! rate schedule, evaluation, the memory summary).
 
+#[doc(hidden)]
+pub mod bench;
 pub mod data;
 mod trainer;
 

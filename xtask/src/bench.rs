@@ -253,21 +253,10 @@ fn bench_adapter(dev: &Device, o: &Opts) -> fitgrad::Result<Vec<Row>> {
 /// One full training step (forward, backward, AdamW) of an MLP 784-512-512-10 at batch 128,
 /// against the same step's matmuls alone, and the step's peak memory against its real need.
 fn bench_train_step(dev: &Device, reps: usize) -> fitgrad::Result<Vec<Row>> {
-    use fitgrad::nn::{Act, Mlp, Module};
-    use fitgrad::optim::AdamW;
-    use fitgrad::train::{Trainer, TrainerConfig};
+    use fitgrad::train::bench::{step_fixture, StepMatmuls};
     const B: usize = 128;
     let widths = [784, 512, 512, 10];
-    let model = Mlp::new(dev, &widths, Act::Relu, 0)?;
-    let opt = AdamW::new(model.parameters(), 1e-3)?;
-    let config = TrainerConfig {
-        batch_size: B,
-        ..Default::default()
-    };
-    let mut trainer = Trainer::new(model, Box::new(opt), config)?;
-    let mut rng = fitgrad::tensor::Rng::new(9);
-    let x: Vec<f32> = (0..B * 784).map(|_| rng.next_f64() as f32).collect();
-    let y: Vec<u32> = (0..B).map(|i| (i % 10) as u32).collect();
+    let (mut trainer, x, y) = step_fixture(dev, &widths, B)?;
     // Two steps create the optimizer state and tune the matmuls; then peaks count one step.
     trainer.step(&x, &y)?;
     trainer.step(&x, &y)?;
@@ -278,41 +267,9 @@ fn bench_train_step(dev: &Device, reps: usize) -> fitgrad::Result<Vec<Row>> {
         dev.sync()
     })?;
     let mem = trainer.memory_summary();
-
-    // The step's matmuls alone, on tensors of the same shapes: forward (bias + relu fused),
-    // weight gradients dW = dYᵀ·X and input gradients dX = dY·W (none for the first layer).
-    let t = |d: &[usize], s| Tensor::randn(dev, d, 0.0, 0.1, s, DType::F32);
-    let mut mats = Vec::new();
-    for (i, w) in widths.windows(2).enumerate() {
-        let (k, n) = (w[0], w[1]);
-        mats.push((
-            t(&[B, k], 1)?,
-            t(&[n, k], 2)?,
-            t(&[n], 3)?,
-            t(&[B, n], 4)?,
-            i,
-        ));
-    }
+    let mats = StepMatmuls::new(dev, &widths, B)?;
     let matmuls = median_secs(reps, || {
-        for (x, w, b, dy, i) in &mats {
-            let fwd = MatmulOptions {
-                trans_b: true,
-                bias: Some(b),
-                activation: fitgrad::Activation::Relu,
-                ..Default::default()
-            };
-            x.matmul_with(w, &fwd)?;
-            dy.matmul_with(
-                x,
-                &MatmulOptions {
-                    trans_a: true,
-                    ..Default::default()
-                },
-            )?;
-            if *i > 0 {
-                dy.matmul(w)?;
-            }
-        }
+        mats.run()?;
         dev.sync()
     })?;
     let need = mem.needed_bytes() as f64;
