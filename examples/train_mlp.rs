@@ -5,11 +5,12 @@
 //! the device memory went. `--help` lists the flags; `--json` ends stdout with one JSON object.
 
 use clap::Parser;
+use fitgrad::memory::plan::Precision;
 use fitgrad::nn::{Act, Mlp, Module};
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
 use fitgrad::train::data;
-use fitgrad::train::{Trainer, TrainerConfig};
-use fitgrad::{Device, DeviceOptions};
+use fitgrad::train::{reserved_estimate, Trainer, TrainerConfig};
+use fitgrad::{Bytes, DType, Device, DeviceOptions};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::process::ExitCode;
 use std::time::Instant;
@@ -55,6 +56,23 @@ struct Args {
     /// End stdout with one JSON object describing the run.
     #[arg(long)]
     json: bool,
+    /// f32, f16, or mixed (f32 master weights and optimizer state, f16 activations and
+    /// matmuls, dynamic loss scaling).
+    #[arg(long, default_value = "f32")]
+    precision: String,
+    /// Hard limit on device memory (e.g. 48MiB). The micro-batch is chosen to fit, with
+    /// gradient accumulation keeping the effective batch.
+    #[arg(long)]
+    memory_budget: Option<String>,
+    /// Print the planned peak memory of a training step, by category, and exit.
+    #[arg(long)]
+    plan: bool,
+    /// Reserve the planned peak before training, so no buffer is created afterwards.
+    #[arg(long)]
+    prealloc: bool,
+    /// Recompute hidden layers in backward instead of keeping their activations.
+    #[arg(long)]
+    checkpoint_activations: bool,
 }
 
 fn run(args: Args) -> fitgrad::Result<()> {
@@ -64,8 +82,15 @@ fn run(args: Args) -> fitgrad::Result<()> {
         }
         return Ok(());
     }
+    let precision: Precision = args.precision.parse()?;
+    let budget = args
+        .memory_budget
+        .as_deref()
+        .map(|b| b.parse::<Bytes>().map(|b| b.0))
+        .transpose()?;
     let device = Device::with_options(DeviceOptions {
         adapter: args.adapter.clone(),
+        memory_budget: budget,
         ..Default::default()
     })?;
     let info = device.info();
@@ -85,7 +110,12 @@ fn run(args: Args) -> fitgrad::Result<()> {
     widths.extend(args.hidden.iter().copied().filter(|&w| w > 0));
     widths.push(train.classes);
     let act: Act = args.activation.parse()?;
-    let model = Mlp::new(&device, &widths, act, args.seed)?;
+    let param_dtype = match precision {
+        Precision::F16 => DType::F16,
+        _ => DType::F32,
+    };
+    let mut model = Mlp::with_dtype(&device, &widths, act, param_dtype, args.seed)?;
+    model.checkpoint_activations = args.checkpoint_activations;
     let params = model.parameters();
     let (optimizer, lr): (Box<dyn Optimizer>, f32) = match args.optimizer.as_str() {
         "adamw" => {
@@ -120,14 +150,43 @@ fn run(args: Args) -> fitgrad::Result<()> {
         micro_batch: None,
         lr,
         schedule,
+        precision,
     };
     let mut trainer = Trainer::new(model, optimizer, config)?;
+    if let Some(b) = budget {
+        let micro = trainer.fit_to_budget(b)?;
+        println!(
+            "memory budget {}: micro-batch {micro} of {} ({} accumulated micro-batches per step)",
+            Bytes(b),
+            args.batch_size,
+            args.batch_size.div_ceil(micro) * args.accum_steps
+        );
+    }
+    let plan = trainer.plan();
+    if args.plan {
+        print!("{plan}");
+        println!(
+            "  reserved estimate {:>12}  (with the arena's rounding and reuse holes)",
+            Bytes(reserved_estimate(&plan))
+        );
+        return Ok(());
+    }
+    if args.prealloc {
+        device.reserve(reserved_estimate(&plan))?;
+        println!("reserved {} up front", Bytes(reserved_estimate(&plan)));
+    }
     println!(
-        "model: MLP {widths:?} ({} parameters), {}, batch {} x {} accumulation steps",
+        "model: MLP {widths:?} ({} parameters), {}, {}, batch {} x {} accumulation steps{}",
         trainer.model.num_parameters(),
         args.optimizer,
+        args.precision,
         args.batch_size,
-        args.accum_steps
+        args.accum_steps,
+        if args.checkpoint_activations {
+            ", activation checkpointing"
+        } else {
+            ""
+        }
     );
 
     let style = ProgressStyle::with_template(
@@ -159,6 +218,9 @@ fn run(args: Args) -> fitgrad::Result<()> {
             Ok(())
         })?;
         bar.finish();
+        for e in trainer.take_events() {
+            println!("  {e}");
+        }
     }
     device.sync()?;
     let train_secs = started.elapsed().as_secs_f64();
@@ -186,6 +248,11 @@ fn run(args: Args) -> fitgrad::Result<()> {
             "batch_size": args.batch_size,
             "accum_steps": args.accum_steps,
             "micro_batch": trainer.micro_batch(),
+            "precision": args.precision,
+            "checkpoint_activations": args.checkpoint_activations,
+            "memory_budget": budget,
+            "planned_peak_bytes": plan.peak,
+            "skipped_steps": trainer.scaler().map_or(0, |s| s.skipped_steps()),
             "seed": args.seed,
             "final_loss": final_loss,
             "test_loss": test_loss,

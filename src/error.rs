@@ -23,6 +23,37 @@ impl fmt::Display for Bytes {
     }
 }
 
+impl std::str::FromStr for Bytes {
+    type Err = Error;
+    /// "48MiB", "1.5 GiB", "512KB", "1000000" (plain bytes). KB/MB/GB are read as powers of 1024,
+    /// as memory sizes usually are.
+    fn from_str(s: &str) -> Result<Bytes> {
+        let t = s.trim();
+        let split = t
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let bad = || Error::InvalidArgument {
+            op: "memory size",
+            reason: format!("cannot read '{s}' as a size (e.g. 48MiB, 1.5GiB, 1000000)"),
+        };
+        let v: f64 = num.parse().map_err(|_| bad())?;
+        let mult = match unit.trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 1u64,
+            "k" | "kb" | "kib" => 1 << 10,
+            "m" | "mb" | "mib" => 1 << 20,
+            "g" | "gb" | "gib" => 1 << 30,
+            "t" | "tb" | "tib" => 1 << 40,
+            _ => return Err(bad()),
+        };
+        let bytes = v * mult as f64;
+        if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
+            return Err(bad());
+        }
+        Ok(Bytes(bytes.round() as u64))
+    }
+}
+
 /// Renders the optional budget of an out-of-memory error.
 fn budget_text(budget: &Option<u64>) -> String {
     match budget {
@@ -53,6 +84,18 @@ pub enum Error {
         in_use: u64,
         reserved: u64,
         budget: Option<u64>,
+    },
+
+    /// A memory budget too small for even the smallest configuration (a micro-batch of one).
+    #[error(
+        "the memory budget of {} is too small: {what} needs at least {} (a micro-batch of one sample). \
+         Raise --memory-budget, use --precision mixed, or --checkpoint-activations",
+        Bytes(*.budget), Bytes(*.minimum)
+    )]
+    BudgetTooSmall {
+        budget: u64,
+        minimum: u64,
+        what: String,
     },
 
     /// Shapes that do not fit together for an op.

@@ -12,6 +12,7 @@
 //! ```
 
 pub mod autograd;
+pub mod checkpoint;
 pub mod device;
 pub mod error;
 pub mod fsutil;
@@ -24,7 +25,7 @@ pub mod train;
 
 pub use autograd::{is_grad_enabled, no_grad, NoGradGuard};
 pub use device::{AdapterSummary, Device, DeviceInfo, DeviceLimits, DeviceOptions};
-pub use error::{Error, Result};
+pub use error::{Bytes, Error, Result};
 pub use kernels::matmul::Activation;
 pub use memory::MemoryStats;
 pub use tensor::{DType, Element, MatmulOptions, Shape, Tensor};

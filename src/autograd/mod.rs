@@ -50,6 +50,70 @@ pub fn no_grad() -> NoGradGuard {
     NoGradGuard { prev }
 }
 
+/// Turns recording back on inside a `no_grad` scope until the guard drops (checkpointed
+/// segments recompute their forward with recording inside the backward pass).
+pub fn enable_grad() -> NoGradGuard {
+    let prev = GRAD_ENABLED.with(|g| g.replace(true));
+    NoGradGuard { prev }
+}
+
+/// Gradient checkpointing: runs `f(inputs)` without keeping its intermediate activations; the
+/// backward pass runs `f` again with recording on and backpropagates through that. Only the
+/// inputs are saved. `params` are the leaves `f` uses (they get their gradients during the
+/// recomputation); listing them makes the segment recorded even when no input requires grad.
+///
+/// Trades one extra forward of the segment for its activations: worth it where a segment keeps
+/// more than its input alive (gelu layers keep their pre-activation; deep stacks keep one
+/// activation per layer).
+pub fn checkpoint<F>(inputs: &[&Tensor], params: &[&Tensor], f: F) -> Result<Tensor>
+where
+    F: Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
+{
+    let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
+    let out = {
+        let _g = no_grad();
+        f(&detached)?
+    };
+    let n_inputs = inputs.len();
+    let n_params = params.len();
+    let mut all: Vec<&Tensor> = inputs.to_vec();
+    all.extend_from_slice(params);
+    Ok(record("checkpoint", out, &all, move || {
+        Box::new(move |g, need| {
+            let _e = enable_grad();
+            let xs: Vec<Tensor> = detached
+                .iter()
+                .zip(need)
+                .map(|(x, &n)| {
+                    if n {
+                        x.detach().with_requires_grad()
+                    } else {
+                        x.detach()
+                    }
+                })
+                .collect();
+            let out = f(&xs)?;
+            // Only the recomputed graph is needed: the output's memory goes before backward
+            // (a rule that needs it, like relu's mask, keeps its own reference).
+            if let Some(node) = out.node().cloned() {
+                if out.dims() != g.dims() {
+                    return Err(Error::Autograd(format!(
+                        "checkpoint: the recomputed output has shape {:?}, the gradient {:?}",
+                        out.dims(),
+                        g.dims()
+                    )));
+                }
+                drop(out);
+                backward(&node, g.detach())?;
+            }
+            let mut grads: Vec<Option<Tensor>> = xs.iter().map(|x| x.grad()).collect();
+            grads.truncate(n_inputs);
+            grads.extend((0..n_params).map(|_| None));
+            Ok(grads)
+        })
+    }))
+}
+
 /// A backward rule: given the gradient of the op's output and which inputs need one, the
 /// gradients of the inputs (in input order; `None` where not needed).
 pub(crate) type BackwardFn =

@@ -15,6 +15,7 @@
 //! The optional budget is checked *before* the driver is asked: when a new segment would pass it,
 //! the arena first drops its fully free segments, then returns [`Error::OutOfMemory`].
 
+pub mod plan;
 mod report;
 
 pub use report::MemoryStats;

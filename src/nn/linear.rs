@@ -6,6 +6,7 @@ use super::Module;
 use crate::kernels::matmul::Activation;
 use crate::{DType, Device, Error, MatmulOptions, Result, Tensor};
 
+#[derive(Clone)]
 pub struct Linear {
     /// (out_features, in_features)
     pub weight: Tensor,
@@ -74,6 +75,22 @@ impl Linear {
 
     /// `act(x · Wᵀ + b)` in one dispatch; x is (.., in_features).
     pub fn forward_act(&self, x: &Tensor, activation: Activation) -> Result<Tensor> {
+        self.forward_in(x, activation, self.weight.dtype())
+    }
+
+    /// `forward_act` computed in `dtype`: x must have it, and the parameters are cast to it on
+    /// the fly (recorded, so their gradients flow back to the stored dtype). Mixed precision keeps
+    /// f32 parameters and runs the matmuls in f16 this way.
+    pub fn forward_in(&self, x: &Tensor, activation: Activation, dtype: DType) -> Result<Tensor> {
+        let cast = |t: &Tensor| {
+            if t.dtype() == dtype {
+                Ok(t.clone())
+            } else {
+                t.to_dtype(dtype)
+            }
+        };
+        let weight = cast(&self.weight)?;
+        let bias = self.bias.as_ref().map(cast).transpose()?;
         if x.dims().last() != Some(&self.in_features) {
             return Err(Error::Shape {
                 op: "Linear::forward",
@@ -92,10 +109,10 @@ impl Linear {
             x.clone()
         };
         let y = x2.matmul_with(
-            &self.weight,
+            &weight,
             &MatmulOptions {
                 trans_b: true,
-                bias: self.bias.as_ref(),
+                bias: bias.as_ref(),
                 activation,
                 ..Default::default()
             },

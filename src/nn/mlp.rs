@@ -34,6 +34,11 @@ impl FromStr for Act {
 pub struct Mlp {
     pub layers: Vec<Linear>,
     pub act: Act,
+    /// Recompute each gelu layer in backward instead of keeping its pre-activation (see
+    /// [`crate::autograd::checkpoint`]). Relu, tanh and sigmoid layers keep only their output,
+    /// which the next layer needs anyway, so recomputing them would save nothing and cost a
+    /// forward: they run as usual (the planner shows the difference).
+    pub checkpoint_activations: bool,
 }
 
 impl Mlp {
@@ -66,7 +71,40 @@ impl Mlp {
                 Linear::with_options(device, w[0], w[1], true, dtype, s)
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Mlp { layers, act })
+        Ok(Mlp {
+            layers,
+            act,
+            checkpoint_activations: false,
+        })
+    }
+
+    /// Logits (B, out) from x (B, in) with every matmul in `dtype` (parameters cast on the fly,
+    /// so f32 parameters can run an f16 forward); the logits are returned in f32.
+    pub fn forward_in(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        let last = self.layers.len() - 1;
+        let mut h = if x.dtype() == dtype {
+            x.clone()
+        } else {
+            x.to_dtype(dtype)?
+        };
+        for (i, layer) in self.layers.iter().enumerate() {
+            h = if i == last {
+                layer.forward_in(&h, Activation::None, dtype)?
+            } else if self.checkpoint_activations && self.act == Act::Gelu {
+                let (l, act) = (layer.clone(), self.act);
+                let params: Vec<Tensor> =
+                    layer.named_parameters().into_iter().map(|p| p.1).collect();
+                let refs: Vec<&Tensor> = params.iter().collect();
+                crate::autograd::checkpoint(&[&h], &refs, move |xs| hidden(&l, act, &xs[0], dtype))?
+            } else {
+                hidden(layer, self.act, &h, dtype)?
+            };
+        }
+        if h.dtype() == DType::F32 {
+            Ok(h)
+        } else {
+            h.to_dtype(DType::F32)
+        }
     }
 
     /// The widths the model was built from.
@@ -77,24 +115,26 @@ impl Mlp {
     }
 }
 
+/// One hidden layer: `act(h · Wᵀ + b)` in `dtype`, relu and gelu fused into the matmul.
+fn hidden(layer: &Linear, act: Act, h: &Tensor, dtype: DType) -> Result<Tensor> {
+    match act {
+        Act::Relu => layer.forward_in(h, Activation::Relu, dtype),
+        Act::Gelu => layer.forward_in(h, Activation::Gelu, dtype),
+        Act::Tanh => layer.forward_in(h, Activation::None, dtype)?.tanh(),
+        Act::Sigmoid => layer.forward_in(h, Activation::None, dtype)?.sigmoid(),
+    }
+}
+
 impl Module for Mlp {
-    /// x (B, in) -> logits (B, out).
+    /// x (B, in) -> logits (B, out), in the parameters' dtype.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let last = self.layers.len() - 1;
-        let mut h = x.clone();
-        for (i, layer) in self.layers.iter().enumerate() {
-            h = if i == last {
-                layer.forward(&h)?
-            } else {
-                match self.act {
-                    Act::Relu => layer.forward_act(&h, Activation::Relu)?,
-                    Act::Gelu => layer.forward_act(&h, Activation::Gelu)?,
-                    Act::Tanh => layer.forward(&h)?.tanh()?,
-                    Act::Sigmoid => layer.forward(&h)?.sigmoid()?,
-                }
-            };
+        let dtype = self.layers[0].weight.dtype();
+        let logits = self.forward_in(x, dtype)?;
+        if logits.dtype() == dtype {
+            Ok(logits)
+        } else {
+            logits.to_dtype(dtype)
         }
-        Ok(h)
     }
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {

@@ -101,6 +101,10 @@ fn in_unit(b: f32) -> bool {
 }
 
 impl Optimizer for AdamW {
+    fn name(&self) -> &'static str {
+        "adamw"
+    }
+
     fn step(&mut self) -> Result<()> {
         self.check_hyperparameters()?;
         let grads = self

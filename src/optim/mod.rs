@@ -25,10 +25,12 @@
 //! ```
 
 mod adamw;
+mod scaler;
 pub mod schedule;
 mod sgd;
 
 pub use adamw::AdamW;
+pub use scaler::GradScaler;
 pub use schedule::LrSchedule;
 pub use sgd::Sgd;
 
@@ -36,6 +38,13 @@ use crate::{Error, Result, Tensor};
 
 /// An optimizer over a fixed list of parameters.
 pub trait Optimizer {
+    /// "sgd" or "adamw" (reports, the memory planner).
+    fn name(&self) -> &'static str;
+    /// Whether the optimizer keeps a state tensor per parameter beyond AdamW's two moments
+    /// (SGD's momentum buffer).
+    fn has_momentum(&self) -> bool {
+        false
+    }
     /// Updates every parameter that has a gradient, from its gradient and state.
     fn step(&mut self) -> Result<()>;
     /// Drops every parameter's gradient (torch's `zero_grad(set_to_none=True)`).

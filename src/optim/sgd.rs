@@ -117,6 +117,14 @@ impl Sgd {
 }
 
 impl Optimizer for Sgd {
+    fn name(&self) -> &'static str {
+        "sgd"
+    }
+
+    fn has_momentum(&self) -> bool {
+        self.momentum != 0.0
+    }
+
     fn step(&mut self) -> Result<()> {
         self.check_hyperparameters()?;
         let grads = self

@@ -15,6 +15,17 @@ impl Rng {
         Rng(seed)
     }
 
+    /// The generator's position, for checkpoints: `Rng::from_state(r.state())` continues the
+    /// same stream.
+    pub fn state(&self) -> u64 {
+        self.0
+    }
+
+    /// A generator at a position taken with [`Rng::state`].
+    pub fn from_state(state: u64) -> Rng {
+        Rng(state)
+    }
+
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;

@@ -6,4 +6,4 @@ pub mod bench;
 pub mod data;
 mod trainer;
 
-pub use trainer::{MemorySummary, Trainer, TrainerConfig};
+pub use trainer::{reserved_estimate, MemorySummary, Trainer, TrainerConfig};

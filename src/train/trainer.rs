@@ -6,8 +6,9 @@
 
 use super::data::Dataset;
 use crate::kernels::elementwise::{self, BinaryOp};
+use crate::memory::plan::{self, OptimizerKind, Plan, PlanConfig, Precision};
 use crate::nn::{self, Mlp, Module};
-use crate::optim::{LrSchedule, Optimizer};
+use crate::optim::{GradScaler, LrSchedule, Optimizer};
 use crate::{DType, Device, Error, MemoryStats, Result, Tensor};
 
 /// How batches are formed and the learning rate moves.
@@ -22,6 +23,8 @@ pub struct TrainerConfig {
     /// The learning rate the schedule scales.
     pub lr: f32,
     pub schedule: LrSchedule,
+    /// f32, f16 (the model must be f16), or mixed (f32 parameters, f16 compute, loss scaling).
+    pub precision: Precision,
 }
 
 impl Default for TrainerConfig {
@@ -32,6 +35,7 @@ impl Default for TrainerConfig {
             micro_batch: None,
             lr: 1e-3,
             schedule: LrSchedule::Constant,
+            precision: Precision::F32,
         }
     }
 }
@@ -100,6 +104,11 @@ pub struct Trainer {
     /// Host staging reused by every batch.
     xs: Vec<f32>,
     ys: Vec<u32>,
+    /// Samples per forward/backward now (halved after an out-of-memory).
+    micro: usize,
+    scaler: Option<GradScaler>,
+    /// What the trainer changed on its own (micro-batch halvings, skipped steps), for the log.
+    events: Vec<String>,
 }
 
 impl Trainer {
@@ -118,7 +127,20 @@ impl Trainer {
             });
         }
         let device = model.layers[0].weight.device().clone();
+        let want = config.precision.param_dtype();
+        if let Some(p) = model.parameters().iter().find(|p| p.dtype() != want) {
+            return Err(Error::DType {
+                op: "Trainer::new (parameters for this precision)",
+                expected: want,
+                got: p.dtype(),
+            });
+        }
         let loss_sum = Tensor::zeros(&device, &[], DType::F32)?;
+        let micro = config
+            .micro_batch
+            .unwrap_or(config.batch_size)
+            .min(config.batch_size);
+        let scaler = (config.precision == Precision::Mixed).then(GradScaler::new);
         Ok(Trainer {
             model,
             optimizer,
@@ -129,7 +151,77 @@ impl Trainer {
             loss_steps: 0,
             xs: Vec::new(),
             ys: Vec::new(),
+            micro,
+            scaler,
+            events: Vec::new(),
         })
+    }
+
+    /// The planner's configuration for this trainer at micro-batch `micro`.
+    pub fn plan_config(&self, micro: usize) -> PlanConfig {
+        let kind = if self.optimizer.name() == "adamw" {
+            OptimizerKind::AdamW
+        } else {
+            OptimizerKind::Sgd {
+                momentum: self.optimizer.has_momentum(),
+            }
+        };
+        PlanConfig {
+            widths: self.model.widths(),
+            act: self.model.act,
+            micro_batch: micro,
+            micro_steps: self.config.batch_size.div_ceil(micro) * self.config.accum_steps,
+            precision: self.config.precision,
+            optimizer: kind,
+            checkpoint_activations: self.model.checkpoint_activations,
+        }
+    }
+
+    /// The planned peak of one step at the current micro-batch.
+    pub fn plan(&self) -> Plan {
+        plan::plan(&self.plan_config(self.micro))
+    }
+
+    /// Chooses the largest micro-batch whose planned peak, with the arena's overhead, fits
+    /// `budget` bytes (the effective batch stays: more micro-batches accumulate). A budget too
+    /// small for one sample is [`Error::BudgetTooSmall`], before any step runs.
+    pub fn fit_to_budget(&mut self, budget: u64) -> Result<usize> {
+        let fits =
+            |micro: usize| reserved_estimate(&plan::plan(&self.plan_config(micro))) <= budget;
+        if !fits(1) {
+            return Err(Error::BudgetTooSmall {
+                budget,
+                minimum: reserved_estimate(&plan::plan(&self.plan_config(1))),
+                what: format!("MLP {:?}", self.model.widths()),
+            });
+        }
+        // The planned peak grows with the micro-batch: binary search the largest that fits.
+        let (mut lo, mut hi) = (1, self.config.batch_size);
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if fits(mid) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        self.micro = lo;
+        self.config.micro_batch = Some(lo);
+        Ok(lo)
+    }
+
+    /// What the trainer decided on its own since the last call (micro-batch halvings after an
+    /// out-of-memory, steps skipped by the loss scaler).
+    pub fn take_events(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.events)
+    }
+
+    pub fn scaler(&self) -> Option<&GradScaler> {
+        self.scaler.as_ref()
+    }
+
+    pub fn scaler_mut(&mut self) -> Option<&mut GradScaler> {
+        self.scaler.as_mut()
     }
 
     pub fn config(&self) -> &TrainerConfig {
@@ -141,12 +233,10 @@ impl Trainer {
         self.config.batch_size * self.config.accum_steps
     }
 
-    /// Samples per forward/backward.
+    /// Samples per forward/backward (smaller than the batch after fitting a budget or an
+    /// out-of-memory).
     pub fn micro_batch(&self) -> usize {
-        self.config
-            .micro_batch
-            .unwrap_or(self.config.batch_size)
-            .min(self.config.batch_size)
+        self.micro
     }
 
     pub fn steps(&self) -> u64 {
@@ -159,6 +249,11 @@ impl Trainer {
 
     /// One optimizer step over `x` (n, dim) row-major and labels `y` (n): forward and backward
     /// per micro-batch, gradients accumulated, then the update and `zero_grad`.
+    ///
+    /// If the device runs out of memory mid-step (the budget, fragmentation, the driver), the
+    /// step's gradients and activations are dropped, the micro-batch halves (so the number of
+    /// accumulated micro-batches doubles) and the step starts over: no sample is lost or counted
+    /// twice, and the weights are those an unconstrained run would reach.
     pub fn step(&mut self, x: &[f32], y: &[u32]) -> Result<()> {
         let n = y.len();
         let dim = self.model.layers[0].in_features;
@@ -170,34 +265,85 @@ impl Trainer {
                 reason: format!("need {n} rows of {dim} features and at least one sample"),
             });
         }
-        let mb = self.micro_batch();
-        let mut start = 0;
-        while start < n {
-            let end = (start + mb).min(n);
-            let xt = Tensor::from_slice(
-                &self.device,
-                &x[start * dim..end * dim],
-                &[end - start, dim],
-            )?;
-            let logits = self.model.forward(&xt)?;
-            let mut loss = nn::cross_entropy(&logits, &y[start..end])?;
-            if end - start != n {
-                // This micro-batch's share of the effective batch's mean.
-                loss = loss.mul_scalar((end - start) as f32 / n as f32)?;
+        loop {
+            match self.try_step(x, y) {
+                Err(Error::OutOfMemory { requested, .. }) if self.micro > 1 => {
+                    // try_step left no gradient behind; the weights are untouched.
+                    self.optimizer.zero_grad();
+                    let old = self.micro;
+                    self.micro = old.div_ceil(2);
+                    self.events.push(format!(
+                        "step {}: out of memory (asked for {}); micro-batch {old} -> {}, redoing the step",
+                        self.step,
+                        crate::error::Bytes(requested),
+                        self.micro
+                    ));
+                }
+                other => return other,
             }
-            loss.backward()?;
-            elementwise::binary(
-                BinaryOp::Add,
-                &self.loss_sum,
-                &loss.detach(),
-                &self.loss_sum,
-            )?;
-            start = end;
+        }
+    }
+
+    fn try_step(&mut self, x: &[f32], y: &[u32]) -> Result<()> {
+        let n = y.len();
+        let dim = self.model.layers[0].in_features;
+        let dtype = self.config.precision.compute_dtype();
+        let mb = self.micro;
+        // The step's loss, added to the running sum only once the step succeeds.
+        let step_loss = Tensor::zeros(&self.device, &[], DType::F32)?;
+        let result = (|| {
+            let mut start = 0;
+            while start < n {
+                let end = (start + mb).min(n);
+                let xt = Tensor::from_slice(
+                    &self.device,
+                    &x[start * dim..end * dim],
+                    &[end - start, dim],
+                )?;
+                let logits = self.model.forward_in(&xt, dtype)?;
+                drop(xt); // the graph keeps what backward needs
+                let mut loss = nn::cross_entropy(&logits, &y[start..end])?;
+                drop(logits);
+                if end - start != n {
+                    // This micro-batch's share of the effective batch's mean.
+                    loss = loss.mul_scalar((end - start) as f32 / n as f32)?;
+                }
+                match &self.scaler {
+                    Some(sc) => sc.scale_loss(&loss)?.backward()?,
+                    None => loss.backward()?,
+                }
+                elementwise::binary(BinaryOp::Add, &step_loss, &loss.detach(), &step_loss)?;
+                start = end;
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            self.optimizer.zero_grad();
+            return Err(e);
+        }
+        if let Some(sc) = &self.scaler {
+            let params = self.model.parameters();
+            let nonfinite = sc.unscale(&self.device, &params)?;
+            let sc = self.scaler.as_mut().expect("checked above");
+            sc.update(nonfinite);
+            if nonfinite {
+                self.optimizer.zero_grad();
+                self.events.push(format!(
+                    "step {}: gradients overflowed; step skipped, loss scale now {}",
+                    self.step,
+                    sc.scale()
+                ));
+                return Ok(());
+            }
         }
         let lr = self.config.schedule.lr_at(self.config.lr, self.step);
         self.optimizer.set_lr(lr);
-        self.optimizer.step()?;
+        if let Err(e) = self.optimizer.step() {
+            self.optimizer.zero_grad();
+            return Err(e);
+        }
         self.optimizer.zero_grad();
+        elementwise::binary(BinaryOp::Add, &self.loss_sum, &step_loss, &self.loss_sum)?;
         self.step += 1;
         self.loss_steps += 1;
         Ok(())
@@ -249,7 +395,9 @@ impl Trainer {
         for chunk in idx.chunks(batch.max(1)) {
             data.gather(chunk, &mut xs, &mut ys);
             let xt = Tensor::from_slice(&self.device, &xs, &[ys.len(), data.dim])?;
-            let logits = self.model.forward(&xt)?;
+            let logits = self
+                .model
+                .forward_in(&xt, self.config.precision.compute_dtype())?;
             loss += nn::cross_entropy(&logits, &ys)?.item()? as f64 * ys.len() as f64;
             correct += nn::correct(&logits, &ys)?;
         }
@@ -272,4 +420,11 @@ impl Trainer {
             stats,
         }
     }
+}
+
+/// The reserved bytes a planned peak needs: the arena rounds large blocks to 64 KiB segments and
+/// keeps small ones in 2 MiB segments, and reuse leaves some holes. 15% plus one small segment
+/// covers what the training-step benchmark measures (1.12x).
+pub fn reserved_estimate(plan: &Plan) -> u64 {
+    plan.peak + plan.peak / 100 * 15 + crate::memory::SMALL_SEGMENT
 }

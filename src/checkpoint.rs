@@ -1,0 +1,615 @@
+//! Checkpoints: a model's parameters, its optimizer's state and the trainer's progress in one
+//! [safetensors](https://github.com/huggingface/safetensors) file, so PyTorch and numpy read it
+//! as they read any other.
+//!
+//! A file holds tensors `model.<parameter name>` (`model.layers.0.weight`) and
+//! `optim.<state name>` (`optim.0.exp_avg`), f32 or f16 with their shapes, little-endian and
+//! row-major, and string metadata (the format allows no other kind):
+//!
+//! | key | value |
+//! |---|---|
+//! | `format`, `version` | `fitgrad`, [`VERSION`] |
+//! | `step`, `epoch`, `rng_state` | [`TrainingState`]'s fields, decimal |
+//! | `scaler.scale`, `scaler.growth_tracker` | the loss scaler's state, when there is one |
+//! | `optim.name`, `optim.step_count`, `optim.param_steps` | [`Optimizer::name`] and [`OptimizerState`]'s counters; steps comma-separated |
+//! | `extra.<key>` | [`TrainingState::extra`] |
+//!
+//! Saving goes through [`write_atomic`](crate::fsutil::write_atomic): the bytes land in a
+//! temporary file that is flushed to disk and renamed over the old checkpoint, so a crash or a
+//! kill mid-save leaves the previous checkpoint whole (and possibly a `.NAME.tmp-PID` file
+//! beside it). Loading checks everything a damaged or foreign file can get wrong and returns
+//! [`Error::Data`] naming the file; it never panics on bad input.
+//!
+//! ```no_run
+//! use fitgrad::checkpoint::{self, TrainingState};
+//! use fitgrad::nn::{Act, Mlp};
+//! use fitgrad::optim::{AdamW, Optimizer};
+//! # fn f(dev: &fitgrad::Device) -> fitgrad::Result<()> {
+//! # use fitgrad::nn::Module;
+//! let model = Mlp::new(dev, &[784, 128, 10], Act::Relu, 0)?;
+//! let mut opt = AdamW::new(model.parameters(), 1e-3)?;
+//! let path = std::path::Path::new("run/last.safetensors");
+//! checkpoint::save(path, &model, Some(&opt), &TrainingState { step: 100, ..Default::default() })?;
+//!
+//! let ckpt = checkpoint::load(path)?;
+//! ckpt.apply_model(&model)?; // in place: the optimizer keeps the same tensors
+//! ckpt.apply_optimizer(&mut opt)?;
+//! let state = ckpt.training_state()?;
+//! # Ok(()) }
+//! ```
+
+use crate::nn::Module;
+use crate::optim::{Optimizer, OptimizerState};
+use crate::tensor::MAX_RANK;
+use crate::{DType, Device, Error, Result, Tensor};
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+/// The layout version this code writes and the newest it reads.
+pub const VERSION: u32 = 1;
+/// The `format` metadata of fitgrad's checkpoints.
+pub const FORMAT: &str = "fitgrad";
+/// Prefix of the model's tensors.
+pub const MODEL_PREFIX: &str = "model.";
+/// Prefix of the optimizer's tensors and metadata.
+pub const OPTIM_PREFIX: &str = "optim.";
+const EXTRA_PREFIX: &str = "extra.";
+/// safetensors' own limit on the JSON header.
+const MAX_HEADER: u64 = 100_000_000;
+/// The largest shape or offset a header may hold: far past any real file (256 TiB), and far
+/// enough below `usize::MAX` that safetensors' `offset + header length` cannot overflow.
+const MAX_NUMBER: u64 = if usize::BITS >= 64 {
+    1 << 48
+} else {
+    usize::MAX as u64 / 4
+};
+
+/// The loss scaler's state (mixed precision).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScalerState {
+    pub scale: f32,
+    /// Steps since the scale last changed.
+    pub growth_tracker: u64,
+}
+
+/// Where training stands, besides the model and the optimizer.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TrainingState {
+    /// Optimizer steps taken.
+    pub step: u64,
+    pub epoch: u64,
+    /// The host generator's position ([`Rng::state`](crate::tensor::Rng::state)).
+    pub rng_state: u64,
+    pub scaler: Option<ScalerState>,
+    /// Anything else the application wants back (stored as `extra.<key>`).
+    pub extra: BTreeMap<String, String>,
+}
+
+/// A tensor's bytes on the host: little-endian, row-major.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostTensor {
+    pub dtype: DType,
+    pub dims: Vec<usize>,
+    pub bytes: Vec<u8>,
+}
+
+impl HostTensor {
+    /// Checks that `bytes` holds exactly `dims` elements of `dtype`.
+    pub fn new(dtype: DType, dims: &[usize], bytes: Vec<u8>) -> Result<HostTensor> {
+        let want = dims.iter().try_fold(dtype.size(), |n, &d| n.checked_mul(d));
+        if want != Some(bytes.len()) {
+            return Err(Error::InvalidArgument {
+                op: "HostTensor::new",
+                reason: format!(
+                    "{} bytes do not hold a {dtype} tensor of shape {dims:?}",
+                    bytes.len()
+                ),
+            });
+        }
+        Ok(HostTensor {
+            dtype,
+            dims: dims.to_vec(),
+            bytes,
+        })
+    }
+
+    /// Reads a tensor back from its device (after all recorded work).
+    pub fn read(t: &Tensor) -> Result<HostTensor> {
+        let bytes = t
+            .device()
+            .download(t.block(), (t.numel() * t.dtype().size()) as u64)?;
+        HostTensor::new(t.dtype(), t.dims(), bytes)
+    }
+
+    pub fn numel(&self) -> usize {
+        self.dims.iter().product()
+    }
+
+    /// The values as f32 whatever the dtype.
+    pub fn to_f32(&self) -> Vec<f32> {
+        match self.dtype {
+            DType::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(&self.bytes),
+            DType::F16 => bytemuck::pod_collect_to_vec::<u8, half::f16>(&self.bytes)
+                .into_iter()
+                .map(f32::from)
+                .collect(),
+        }
+    }
+
+    /// A new tensor on `device` with these bytes.
+    pub fn to_device(&self, device: &Device) -> Result<Tensor> {
+        match self.dtype {
+            DType::F32 => Tensor::from_slice(
+                device,
+                &bytemuck::pod_collect_to_vec::<u8, f32>(&self.bytes),
+                &self.dims,
+            ),
+            DType::F16 => Tensor::from_slice(
+                device,
+                &bytemuck::pod_collect_to_vec::<u8, half::f16>(&self.bytes),
+                &self.dims,
+            ),
+        }
+    }
+}
+
+impl safetensors::View for &HostTensor {
+    fn dtype(&self) -> safetensors::Dtype {
+        match self.dtype {
+            DType::F32 => safetensors::Dtype::F32,
+            DType::F16 => safetensors::Dtype::F16,
+        }
+    }
+    fn shape(&self) -> &[usize] {
+        &self.dims
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Borrowed(&self.bytes)
+    }
+    fn data_len(&self) -> usize {
+        self.bytes.len()
+    }
+}
+
+/// A checkpoint on the host: tensors by name and string metadata, as in the file.
+#[derive(Clone, Debug, Default)]
+pub struct Checkpoint {
+    pub tensors: BTreeMap<String, HostTensor>,
+    pub metadata: BTreeMap<String, String>,
+    /// The file it was read from, for error messages (empty for one captured in memory).
+    pub source: String,
+}
+
+/// Saves `model`'s parameters, `optimizer`'s state and `state` to `path` atomically.
+pub fn save(
+    path: &Path,
+    model: &dyn Module,
+    optimizer: Option<&dyn Optimizer>,
+    state: &TrainingState,
+) -> Result<()> {
+    Checkpoint::capture(model, optimizer, state)?.save(path)
+}
+
+/// Reads a checkpoint (any safetensors file of f32 and f16 tensors) to the host.
+pub fn load(path: &Path) -> Result<Checkpoint> {
+    let bytes = std::fs::read(path).map_err(|source| Error::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    Checkpoint::from_bytes(&bytes, &path.display().to_string())
+}
+
+impl Checkpoint {
+    /// Reads the model's parameters and the optimizer's state back to the host.
+    pub fn capture(
+        model: &dyn Module,
+        optimizer: Option<&dyn Optimizer>,
+        state: &TrainingState,
+    ) -> Result<Checkpoint> {
+        let mut c = Checkpoint::default();
+        let mut put = |name: String, t: &Tensor| -> Result<()> {
+            if c.tensors
+                .insert(name.clone(), HostTensor::read(t)?)
+                .is_some()
+            {
+                return Err(Error::InvalidArgument {
+                    op: "checkpoint::save",
+                    reason: format!("two tensors are named '{name}'"),
+                });
+            }
+            Ok(())
+        };
+        for (name, t) in model.named_parameters() {
+            put(format!("{MODEL_PREFIX}{name}"), &t)?;
+        }
+        let m = &mut c.metadata;
+        if let Some(opt) = optimizer {
+            let s = opt.state();
+            for (name, t) in &s.tensors {
+                put(format!("{OPTIM_PREFIX}{name}"), t)?;
+            }
+            m.insert("optim.name".into(), opt.name().into());
+            m.insert("optim.step_count".into(), s.step_count.to_string());
+            let steps: Vec<String> = s.param_steps.iter().map(u64::to_string).collect();
+            m.insert("optim.param_steps".into(), steps.join(","));
+        }
+        m.insert("format".into(), FORMAT.into());
+        m.insert("version".into(), VERSION.to_string());
+        m.insert("step".into(), state.step.to_string());
+        m.insert("epoch".into(), state.epoch.to_string());
+        m.insert("rng_state".into(), state.rng_state.to_string());
+        if let Some(s) = &state.scaler {
+            // Display of f32 is the shortest string that parses back to the same bits.
+            m.insert("scaler.scale".into(), s.scale.to_string());
+            m.insert("scaler.growth_tracker".into(), s.growth_tracker.to_string());
+        }
+        for (k, v) in &state.extra {
+            m.insert(format!("{EXTRA_PREFIX}{k}"), v.clone());
+        }
+        Ok(c)
+    }
+
+    /// The file's bytes in safetensors layout.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let meta: HashMap<String, String> = self.metadata.clone().into_iter().collect();
+        safetensors::serialize(self.tensors.iter(), Some(meta)).map_err(|e| Error::Data {
+            path: self.source.clone(),
+            reason: format!("cannot write a safetensors file: {e}"),
+        })
+    }
+
+    /// Writes the checkpoint to `path` atomically (temporary file, fsync, rename).
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let bytes = self.to_bytes().map_err(|e| match e {
+            Error::Data { reason, .. } => Error::Data {
+                path: path.display().to_string(),
+                reason,
+            },
+            e => e,
+        })?;
+        crate::fsutil::write_atomic(path, &bytes)
+    }
+
+    /// Parses a safetensors file; `source` names it in errors.
+    pub fn from_bytes(bytes: &[u8], source: &str) -> Result<Checkpoint> {
+        let bad = |reason: String| Error::Data {
+            path: source.to_string(),
+            reason,
+        };
+        let len = bytes.len() as u64;
+        // The checks safetensors makes too, with messages that say what is wrong; the integer
+        // scan keeps its offset arithmetic from overflowing (which would panic).
+        let Some(head) = bytes.get(..8) else {
+            return Err(bad(format!(
+                "{len} bytes is too short for a safetensors file (it starts with an 8-byte header length): empty or truncated"
+            )));
+        };
+        let n = u64::from_le_bytes(head.try_into().expect("8 bytes"));
+        if n > MAX_HEADER {
+            return Err(bad(format!(
+                "the header claims {n} bytes, past safetensors' limit of {MAX_HEADER}: not a safetensors file"
+            )));
+        }
+        if 8 + n > len {
+            return Err(bad(format!(
+                "the header claims {n} bytes but only {} follow the length: truncated",
+                len - 8
+            )));
+        }
+        let header = &bytes[8..8 + n as usize];
+        let data_len = len - 8 - n;
+        if let Some(v) = bare_integer_above(header, MAX_NUMBER) {
+            return Err(bad(format!(
+                "the header holds the number {v}: no shape or data offset is that large"
+            )));
+        }
+        let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| {
+            use safetensors::SafeTensorError as E;
+            bad(match e {
+                E::InvalidHeader(_) => "the header is not UTF-8: not a safetensors file".into(),
+                E::InvalidHeaderDeserialization(e) => {
+                    format!("the header is not valid safetensors JSON: {e}")
+                }
+                E::MetadataIncompleteBuffer => format!(
+                    "the tensors' data offsets do not end where the file does ({data_len} bytes of data): truncated, or offsets out of range"
+                ),
+                E::InvalidOffset(name) => format!(
+                    "tensor '{name}': data offsets out of order, overlapping or out of range"
+                ),
+                E::TensorInvalidInfo => {
+                    "a tensor's data offsets do not match its shape and dtype".into()
+                }
+                e => format!("not a valid safetensors file: {e}"),
+            })
+        })?;
+        let (_, meta) =
+            safetensors::SafeTensors::read_metadata(bytes).map_err(|e| bad(e.to_string()))?;
+        let mut c = Checkpoint {
+            source: source.to_string(),
+            metadata: meta
+                .metadata()
+                .clone()
+                .unwrap_or_default()
+                .into_iter()
+                .collect(),
+            ..Default::default()
+        };
+        for (name, view) in st.iter() {
+            let dtype = match view.dtype() {
+                safetensors::Dtype::F32 => DType::F32,
+                safetensors::Dtype::F16 => DType::F16,
+                other => {
+                    return Err(bad(format!(
+                        "tensor '{name}' has dtype {other}; fitgrad reads F32 and F16"
+                    )))
+                }
+            };
+            let t = HostTensor::new(dtype, view.shape(), view.data().to_vec())
+                .map_err(|e| bad(format!("tensor '{name}': {e}")))?;
+            c.tensors.insert(name.to_string(), t);
+        }
+        if c.is_fitgrad() {
+            let v = c.metadata.get("version").map(String::as_str).unwrap_or("");
+            match v.parse::<u32>() {
+                Ok(v) if v <= VERSION => {}
+                Ok(v) => {
+                    return Err(bad(format!(
+                        "written by a newer fitgrad (checkpoint version {v}; this one reads up to {VERSION})"
+                    )))
+                }
+                Err(_) => return Err(bad(format!("checkpoint version '{v}' is not a number"))),
+            }
+        }
+        Ok(c)
+    }
+
+    /// Whether the metadata says fitgrad wrote the file (`format = "fitgrad"`).
+    pub fn is_fitgrad(&self) -> bool {
+        self.metadata.get("format").map(String::as_str) == Some(FORMAT)
+    }
+
+    fn err(&self, reason: String) -> Error {
+        Error::Data {
+            path: self.source.clone(),
+            reason,
+        }
+    }
+
+    fn not_fitgrad(&self, what: &str) -> String {
+        if self.is_fitgrad() {
+            String::new()
+        } else {
+            format!(
+                " ({what}: the file was not written by fitgrad, it has no format = \"{FORMAT}\" metadata)"
+            )
+        }
+    }
+
+    /// The prefix of the model's tensors: `model.`, or none for a foreign file (a plain state
+    /// dict) that has no `model.` tensor.
+    fn model_prefix(&self) -> &'static str {
+        let ours = self.tensors.keys().any(|k| k.starts_with(MODEL_PREFIX));
+        if ours || self.is_fitgrad() {
+            MODEL_PREFIX
+        } else {
+            ""
+        }
+    }
+
+    /// Copies the saved parameters into `model`'s own tensors, in place: optimizers and other
+    /// holders of those tensors see the new values. Every parameter must be in the file with
+    /// the same shape and dtype, and the file must hold no other model tensor; nothing is
+    /// written unless all of them fit.
+    pub fn apply_model(&self, model: &dyn Module) -> Result<()> {
+        let prefix = self.model_prefix();
+        let params = model.named_parameters();
+        let mut missing = Vec::new();
+        let mut plan = Vec::new();
+        for (name, p) in &params {
+            let key = format!("{prefix}{name}");
+            let Some(h) = self.tensors.get(&key) else {
+                missing.push(key);
+                continue;
+            };
+            if h.dims != p.dims() || h.dtype != p.dtype() {
+                return Err(self.err(format!(
+                    "tensor '{key}' is {} {:?} in the file, the model's parameter is {} {:?}",
+                    h.dtype,
+                    h.dims,
+                    p.dtype(),
+                    p.dims()
+                )));
+            }
+            plan.push((p, h));
+        }
+        if !missing.is_empty() {
+            return Err(self.err(format!(
+                "no tensor for the model's parameters {}{}",
+                list(&missing),
+                self.not_fitgrad("names must match")
+            )));
+        }
+        let extra: Vec<String> = self
+            .tensors
+            .keys()
+            .filter(|k| {
+                let ours = if prefix.is_empty() {
+                    !k.starts_with(OPTIM_PREFIX)
+                } else {
+                    k.starts_with(prefix)
+                };
+                ours && !params.iter().any(|(n, _)| k[prefix.len()..] == **n)
+            })
+            .cloned()
+            .collect();
+        if !extra.is_empty() {
+            return Err(self.err(format!(
+                "tensors {} are not parameters of the model",
+                list(&extra)
+            )));
+        }
+        for (p, h) in plan {
+            p.device().upload(p.block(), &h.bytes)?;
+        }
+        Ok(())
+    }
+
+    /// The optimizer's state with its tensors uploaded to `device`, for
+    /// [`Optimizer::load_state`].
+    pub fn optimizer_state(&self, device: &Device) -> Result<OptimizerState> {
+        let count = |key: &str, v: &str| {
+            v.parse::<u64>()
+                .map_err(|_| self.err(format!("metadata {key} = '{v}' is not a count")))
+        };
+        let Some(step_count) = self.metadata.get("optim.step_count") else {
+            return Err(self.err(format!(
+                "the checkpoint holds no optimizer state{}",
+                self.not_fitgrad("no optim.step_count")
+            )));
+        };
+        let step_count = count("optim.step_count", step_count)?;
+        let steps = self
+            .metadata
+            .get("optim.param_steps")
+            .ok_or_else(|| self.err("metadata optim.param_steps is missing".into()))?;
+        let param_steps = steps
+            .split(',')
+            .filter(|s| !s.is_empty())
+            .map(|s| count("optim.param_steps", s))
+            .collect::<Result<Vec<u64>>>()?;
+        let mut tensors = Vec::new();
+        for (name, h) in &self.tensors {
+            let Some(short) = name.strip_prefix(OPTIM_PREFIX) else {
+                continue;
+            };
+            if h.dims.len() > MAX_RANK {
+                return Err(self.err(format!(
+                    "tensor '{name}' has rank {}; fitgrad tensors have at most {MAX_RANK} dimensions",
+                    h.dims.len()
+                )));
+            }
+            tensors.push((short.to_string(), h.to_device(device)?));
+        }
+        Ok(OptimizerState {
+            step_count,
+            param_steps,
+            tensors,
+        })
+    }
+
+    /// Loads the optimizer's state into `optimizer` (on its parameters' device); a state that
+    /// does not fit its parameters is an [`Error::Data`] naming the file.
+    pub fn apply_optimizer(&self, optimizer: &mut dyn Optimizer) -> Result<()> {
+        let Some(device) = optimizer.params().first().map(|p| p.device().clone()) else {
+            return Err(self.err("the optimizer has no parameters".into()));
+        };
+        if let Some(saved) = self.metadata.get("optim.name") {
+            if saved != optimizer.name() {
+                return Err(self.err(format!(
+                    "the checkpoint holds {saved} state, the optimizer is {}",
+                    optimizer.name()
+                )));
+            }
+        }
+        let state = self.optimizer_state(&device)?;
+        optimizer.load_state(state).map_err(|e| match e {
+            Error::InvalidArgument { reason, .. } => {
+                self.err(format!("the optimizer state does not fit: {reason}"))
+            }
+            Error::Shape {
+                reason, lhs, rhs, ..
+            } => self.err(format!(
+                "the optimizer state does not fit: {reason} (parameter {lhs:?}, state {rhs:?})"
+            )),
+            e => e,
+        })
+    }
+
+    /// Step, epoch, generator and scaler state, and the extra entries.
+    pub fn training_state(&self) -> Result<TrainingState> {
+        if !self.is_fitgrad() {
+            return Err(self.err(format!(
+                "not a fitgrad checkpoint (no format = \"{FORMAT}\" metadata): it holds tensors only"
+            )));
+        }
+        let get = |key: &str| {
+            self.metadata
+                .get(key)
+                .ok_or_else(|| self.err(format!("metadata {key} is missing")))
+        };
+        let int = |key: &str| {
+            let v = get(key)?;
+            v.parse::<u64>()
+                .map_err(|_| self.err(format!("metadata {key} = '{v}' is not a count")))
+        };
+        let scaler = match (
+            self.metadata.get("scaler.scale"),
+            self.metadata.get("scaler.growth_tracker"),
+        ) {
+            (None, None) => None,
+            (Some(s), Some(_)) => Some(ScalerState {
+                scale: s.parse::<f32>().map_err(|_| {
+                    self.err(format!("metadata scaler.scale = '{s}' is not a number"))
+                })?,
+                growth_tracker: int("scaler.growth_tracker")?,
+            }),
+            _ => {
+                return Err(self
+                    .err("metadata has only one of scaler.scale and scaler.growth_tracker".into()))
+            }
+        };
+        Ok(TrainingState {
+            step: int("step")?,
+            epoch: int("epoch")?,
+            rng_state: int("rng_state")?,
+            scaler,
+            extra: self
+                .metadata
+                .iter()
+                .filter_map(|(k, v)| Some((k.strip_prefix(EXTRA_PREFIX)?.to_string(), v.clone())))
+                .collect(),
+        })
+    }
+}
+
+/// `'a', 'b', 'c'`, at most eight names.
+fn list(names: &[String]) -> String {
+    let mut s: Vec<String> = names.iter().take(8).map(|n| format!("'{n}'")).collect();
+    if names.len() > 8 {
+        s.push(format!("and {} more", names.len() - 8));
+    }
+    s.join(", ")
+}
+
+/// The first integer written outside a string in a JSON header that is greater than `limit`
+/// (in a safetensors header: the shapes and data offsets).
+fn bare_integer_above(header: &[u8], limit: u64) -> Option<String> {
+    let (mut in_string, mut escaped) = (false, false);
+    let mut i = 0;
+    while i < header.len() {
+        let c = header[i];
+        if in_string {
+            match c {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+        } else if c == b'"' {
+            in_string = true;
+        } else if c.is_ascii_digit() {
+            let start = i;
+            while i < header.len() && header[i].is_ascii_digit() {
+                i += 1;
+            }
+            let digits = std::str::from_utf8(&header[start..i]).expect("ASCII digits");
+            if digits.parse::<u64>().map_or(true, |v| v > limit) {
+                return Some(digits.to_string());
+            }
+            continue;
+        }
+        i += 1;
+    }
+    None
+}
