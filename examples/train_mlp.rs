@@ -70,9 +70,15 @@ struct Args {
     /// Reserve the planned peak before training, so no buffer is created afterwards.
     #[arg(long)]
     prealloc: bool,
-    /// Recompute hidden layers in backward instead of keeping their activations.
+    /// Recompute gelu layers in backward instead of keeping their pre-activations.
     #[arg(long)]
     checkpoint_activations: bool,
+    /// Save a checkpoint (safetensors, written atomically) after every epoch.
+    #[arg(long)]
+    save: Option<std::path::PathBuf>,
+    /// Resume from a checkpoint written by --save (same model flags).
+    #[arg(long)]
+    resume: Option<std::path::PathBuf>,
 }
 
 fn run(args: Args) -> fitgrad::Result<()> {
@@ -189,6 +195,15 @@ fn run(args: Args) -> fitgrad::Result<()> {
         }
     );
 
+    let mut first_epoch = 0;
+    if let Some(path) = &args.resume {
+        first_epoch = trainer.resume_from(path)?;
+        println!(
+            "resumed from {} after {first_epoch} epochs ({} steps)",
+            path.display(),
+            trainer.steps()
+        );
+    }
     let style = ProgressStyle::with_template(
         "epoch {prefix:>3} [{bar:30}] {pos}/{len} steps {msg} ({elapsed})",
     )
@@ -196,7 +211,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
     .progress_chars("=> ");
     let started = Instant::now();
     let mut final_loss = f32::NAN;
-    for epoch in 0..args.epochs {
+    for epoch in first_epoch..args.epochs {
         let bar = ProgressBar::new(steps_per_epoch)
             .with_style(style.clone())
             .with_prefix(format!("{}", epoch + 1));
@@ -221,10 +236,14 @@ fn run(args: Args) -> fitgrad::Result<()> {
         for e in trainer.take_events() {
             println!("  {e}");
         }
+        if let Some(path) = &args.save {
+            trainer.save_checkpoint(path, epoch + 1)?;
+        }
     }
     device.sync()?;
     let train_secs = started.elapsed().as_secs_f64();
-    let samples_per_s = (train.len() as u64 * args.epochs) as f64 / train_secs.max(1e-9);
+    let epochs_run = args.epochs.saturating_sub(first_epoch);
+    let samples_per_s = (train.len() as u64 * epochs_run) as f64 / train_secs.max(1e-9);
     let (test_loss, test_accuracy) = trainer.evaluate(&test, 1024)?;
     println!(
         "test: loss {test_loss:.4}, accuracy {:.2}% ({:.1} s training, {samples_per_s:.0} samples/s)",

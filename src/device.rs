@@ -462,6 +462,13 @@ impl Device {
         lock(&self.inner.arena).segments()
     }
 
+    /// Fault injection for tests: the allocation after `n` more fails with
+    /// [`Error::OutOfMemory`], once, as if the driver had run out.
+    #[doc(hidden)]
+    pub fn inject_oom_after(&self, n: u64) {
+        lock(&self.inner.arena).inject_oom_after(n);
+    }
+
     /// Makes the next peaks start from the current usage.
     pub fn reset_peak(&self) {
         lock(&self.inner.arena).reset_peak();

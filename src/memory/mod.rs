@@ -100,6 +100,9 @@ pub(crate) struct Arena {
     /// Largest range one storage binding may cover.
     max_binding_size: u64,
     stats: MemoryStats,
+    /// Fault injection for tests: the allocation after this many more fails with
+    /// `OutOfMemory` (as a driver would).
+    fail_after: Option<u64>,
 }
 
 fn align_up(v: u64, a: u64) -> u64 {
@@ -117,7 +120,13 @@ impl Arena {
                 budget,
                 ..Default::default()
             },
+            fail_after: None,
         }
+    }
+
+    /// Makes the allocation after `n` more fail with `OutOfMemory`, once.
+    pub fn inject_oom_after(&mut self, n: u64) {
+        self.fail_after = Some(n);
     }
 
     pub fn stats(&self) -> MemoryStats {
@@ -158,6 +167,15 @@ impl Arena {
                 value: size,
                 limit: self.max_binding_size,
             });
+        }
+        match self.fail_after {
+            Some(0) => {
+                self.fail_after = None;
+                self.stats.oom_errors += 1;
+                return Err(self.oom(bytes));
+            }
+            Some(n) => self.fail_after = Some(n - 1),
+            None => {}
         }
         self.stats.allocations += 1;
         let pool = Pool::of(size);

@@ -375,6 +375,41 @@ impl Trainer {
         result
     }
 
+    /// Saves the model, the optimizer state, the loss scaler and the position in training
+    /// (`epochs_done` full epochs) to a safetensors file, atomically: a crash mid-save leaves the
+    /// previous file intact.
+    pub fn save_checkpoint(&self, path: &std::path::Path, epochs_done: u64) -> Result<()> {
+        let state = crate::checkpoint::TrainingState {
+            step: self.step,
+            epoch: epochs_done,
+            rng_state: 0,
+            scaler: self
+                .scaler
+                .as_ref()
+                .map(|s| crate::checkpoint::ScalerState {
+                    scale: s.scale(),
+                    growth_tracker: s.growth_tracker(),
+                }),
+            extra: Default::default(),
+        };
+        crate::checkpoint::save(path, &self.model, Some(self.optimizer.as_ref()), &state)
+    }
+
+    /// Restores what [`Trainer::save_checkpoint`] wrote into this trainer (same model shape
+    /// and optimizer kind) and returns the epochs already done; training on from there gives
+    /// the weights of an uninterrupted run (the data order depends only on seed and epoch).
+    pub fn resume_from(&mut self, path: &std::path::Path) -> Result<u64> {
+        let ckpt = crate::checkpoint::load(path)?;
+        let state = ckpt.training_state()?;
+        ckpt.apply_model(&self.model)?;
+        ckpt.apply_optimizer(self.optimizer.as_mut())?;
+        self.step = state.step;
+        if let (Some(sc), Some(saved)) = (self.scaler.as_mut(), state.scaler) {
+            sc.set_state(saved.scale, saved.growth_tracker);
+        }
+        Ok(state.epoch)
+    }
+
     /// The mean step loss since the last call (one readback), or NaN when no step ran.
     pub fn take_loss(&mut self) -> Result<f32> {
         if self.loss_steps == 0 {
