@@ -73,6 +73,11 @@ struct Args {
     /// Recompute gelu layers in backward instead of keeping their pre-activations.
     #[arg(long)]
     checkpoint_activations: bool,
+    /// Stream the training set through the device in shards of this many samples, read from a
+    /// file on disk (written once to the temp folder), so a dataset larger than the memory
+    /// budget trains.
+    #[arg(long)]
+    shard_size: Option<usize>,
     /// Save a checkpoint (safetensors, written atomically) after every epoch.
     #[arg(long)]
     save: Option<std::path::PathBuf>,
@@ -204,6 +209,24 @@ fn run(args: Args) -> fitgrad::Result<()> {
             trainer.steps()
         );
     }
+    let sharded = match args.shard_size {
+        Some(size) => {
+            let path = std::env::temp_dir().join(format!(
+                "fitgrad-{}-seed{}.fgshard",
+                train.name.replace('/', "-"),
+                args.seed
+            ));
+            fitgrad::train::shard::ShardedDataset::create(&train, &path)?;
+            let s = fitgrad::train::shard::ShardedDataset::open(&path, size)?;
+            println!(
+                "sharded: {} shards of up to {size} samples from {}",
+                s.num_shards(),
+                path.display()
+            );
+            Some(s)
+        }
+        None => None,
+    };
     let style = ProgressStyle::with_template(
         "epoch {prefix:>3} [{bar:30}] {pos}/{len} steps {msg} ({elapsed})",
     )
@@ -218,7 +241,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
         let epoch_start = Instant::now();
         let mut samples = 0usize;
         let eff = args.batch_size * args.accum_steps;
-        trainer.train_epoch(&train, args.seed, epoch, |t, done, total| {
+        let on_step = |t: &mut Trainer, done: usize, total: usize| {
             samples = (done * eff).min(train.len());
             bar.set_position(done as u64);
             // A readback every 10 steps keeps the GPU busy between them.
@@ -231,7 +254,11 @@ fn run(args: Args) -> fitgrad::Result<()> {
                 bar.set_message(format!("loss {final_loss:.4}, {rate:.0} samples/s"));
             }
             Ok(())
-        })?;
+        };
+        match &sharded {
+            Some(s) => trainer.train_epoch_sharded(s, args.seed, epoch, on_step)?,
+            None => trainer.train_epoch(&train, args.seed, epoch, on_step)?,
+        }
         bar.finish();
         for e in trainer.take_events() {
             println!("  {e}");

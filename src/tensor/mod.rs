@@ -121,6 +121,46 @@ impl Tensor {
         }))
     }
 
+    /// Rows `start..end` along the first dim, as a new tensor copied by the copy engine (a
+    /// batch out of a dataset shard). Not differentiable.
+    pub fn rows(&self, start: usize, end: usize) -> Result<Tensor> {
+        let dims = self.dims();
+        if dims.is_empty() || start > end || end > dims[0] {
+            return Err(Error::Shape {
+                op: "rows",
+                lhs: dims.to_vec(),
+                rhs: vec![start, end],
+                reason: "need rank >= 1 and start <= end <= the first dim".into(),
+            });
+        }
+        let per_row = dims[1..].iter().product::<usize>() * self.dtype.size();
+        let mut out_dims = dims.to_vec();
+        out_dims[0] = end - start;
+        let out = Tensor::uninit(self.device(), Shape::new(&out_dims)?, self.dtype)?;
+        let (offset, bytes) = ((start * per_row) as u64, ((end - start) * per_row) as u64);
+        if bytes == 0 {
+            return Ok(out);
+        }
+        let same_buffer = Arc::ptr_eq(&self.block().buffer, &out.block().buffer);
+        if offset % 4 == 0 && bytes % 4 == 0 && !same_buffer {
+            let src = Block {
+                offset: self.block().offset + offset,
+                size: bytes,
+                ..self.block().clone()
+            };
+            self.device().copy(&src, out.block(), bytes);
+        } else {
+            // Unaligned f16 rows, or both in one segment (wgpu cannot copy a buffer onto
+            // itself): through the host.
+            let all = self
+                .device()
+                .download(self.block(), bytes_for(&self.shape, self.dtype))?;
+            let part = &all[offset as usize..(offset + bytes) as usize];
+            self.device().upload(out.block(), part)?;
+        }
+        Ok(autograd::record_nondiff("rows", out, &[self]))
+    }
+
     /// Reads the tensor back. `T` must match the dtype.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         if T::DTYPE != self.dtype {

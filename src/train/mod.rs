@@ -4,6 +4,7 @@
 #[doc(hidden)]
 pub mod bench;
 pub mod data;
+pub mod shard;
 mod trainer;
 
 pub use trainer::{reserved_estimate, MemorySummary, Trainer, TrainerConfig};

@@ -255,12 +255,29 @@ impl Trainer {
     /// accumulated micro-batches doubles) and the step starts over: no sample is lost or counted
     /// twice, and the weights are those an unconstrained run would reach.
     pub fn step(&mut self, x: &[f32], y: &[u32]) -> Result<()> {
+        self.step_from(Input::Host(x), y)
+    }
+
+    /// [`Trainer::step`] with the inputs already on the device: `x` is (n, dim) f32, and each
+    /// micro-batch is a row range of it (a sharded dataset's batches).
+    pub fn step_on_device(&mut self, x: &Tensor, y: &[u32]) -> Result<()> {
+        self.step_from(Input::Device(x), y)
+    }
+
+    fn step_from(&mut self, x: Input, y: &[u32]) -> Result<()> {
         let n = y.len();
         let dim = self.model.layers[0].in_features;
-        if n == 0 || x.len() != n * dim {
+        let rows_ok = match x {
+            Input::Host(x) => x.len() == n * dim,
+            Input::Device(t) => t.dims() == [n, dim] && t.dtype() == DType::F32,
+        };
+        if n == 0 || !rows_ok {
             return Err(Error::Shape {
                 op: "Trainer::step",
-                lhs: vec![x.len()],
+                lhs: match x {
+                    Input::Host(x) => vec![x.len()],
+                    Input::Device(t) => t.dims().to_vec(),
+                },
                 rhs: vec![n, dim],
                 reason: format!("need {n} rows of {dim} features and at least one sample"),
             });
@@ -284,7 +301,7 @@ impl Trainer {
         }
     }
 
-    fn try_step(&mut self, x: &[f32], y: &[u32]) -> Result<()> {
+    fn try_step(&mut self, x: Input, y: &[u32]) -> Result<()> {
         let n = y.len();
         let dim = self.model.layers[0].in_features;
         let dtype = self.config.precision.compute_dtype();
@@ -295,11 +312,15 @@ impl Trainer {
             let mut start = 0;
             while start < n {
                 let end = (start + mb).min(n);
-                let xt = Tensor::from_slice(
-                    &self.device,
-                    &x[start * dim..end * dim],
-                    &[end - start, dim],
-                )?;
+                let xt = match x {
+                    Input::Host(x) => Tensor::from_slice(
+                        &self.device,
+                        &x[start * dim..end * dim],
+                        &[end - start, dim],
+                    )?,
+                    Input::Device(t) if start == 0 && end == n => t.clone(),
+                    Input::Device(t) => t.rows(start, end)?,
+                };
                 let logits = self.model.forward_in(&xt, dtype)?;
                 drop(xt); // the graph keeps what backward needs
                 let mut loss = nn::cross_entropy(&logits, &y[start..end])?;
@@ -410,6 +431,44 @@ impl Trainer {
         Ok(state.epoch)
     }
 
+    /// Steps over one epoch of a sharded dataset: shards stream through the device (at most two
+    /// there at once), each split into effective batches that are row ranges of the shard.
+    pub fn train_epoch_sharded(
+        &mut self,
+        data: &super::shard::ShardedDataset,
+        seed: u64,
+        epoch: u64,
+        mut on_step: impl FnMut(&mut Trainer, usize, usize) -> Result<()>,
+    ) -> Result<()> {
+        let eff = self.effective_batch();
+        let total: usize = (0..data.num_shards())
+            .map(|k| {
+                let rows = data.shard_size.min(data.len - k * data.shard_size);
+                rows.div_ceil(eff)
+            })
+            .sum();
+        let device = self.device.clone();
+        let mut done = 0;
+        for shard in data.epoch(&device, seed, epoch) {
+            let (x, y) = shard?;
+            let rows = y.len();
+            let mut start = 0;
+            while start < rows {
+                let end = (start + eff).min(rows);
+                if start == 0 && end == rows {
+                    self.step_on_device(&x, &y)?;
+                } else {
+                    let xb = x.rows(start, end)?;
+                    self.step_on_device(&xb, &y[start..end])?;
+                }
+                done += 1;
+                on_step(self, done, total)?;
+                start = end;
+            }
+        }
+        Ok(())
+    }
+
     /// The mean step loss since the last call (one readback), or NaN when no step ran.
     pub fn take_loss(&mut self) -> Result<f32> {
         if self.loss_steps == 0 {
@@ -462,4 +521,11 @@ impl Trainer {
 /// covers what the training-step benchmark measures (1.12x).
 pub fn reserved_estimate(plan: &Plan) -> u64 {
     plan.peak + plan.peak / 100 * 15 + crate::memory::SMALL_SEGMENT
+}
+
+/// Where a step's inputs come from.
+#[derive(Clone, Copy)]
+enum Input<'a> {
+    Host(&'a [f32]),
+    Device(&'a Tensor),
 }
