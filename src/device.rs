@@ -87,11 +87,22 @@ pub struct AdapterSummary {
     pub device_type: String,
     pub driver: String,
     pub driver_info: String,
+    /// Device-local memory in bytes where the backend reports it (Vulkan memory heaps); `None`
+    /// elsewhere (wgpu has no portable query).
+    pub memory: Option<u64>,
 }
 
 impl AdapterSummary {
+    fn from_adapter(adapter: &wgpu::Adapter) -> Self {
+        AdapterSummary {
+            memory: adapter_memory(adapter),
+            ..AdapterSummary::from_info(&adapter.get_info())
+        }
+    }
+
     fn from_info(info: &wgpu::AdapterInfo) -> Self {
         AdapterSummary {
+            memory: None,
             name: info.name.clone(),
             vendor: info.vendor,
             vendor_name: vendor_name(info.vendor),
@@ -110,6 +121,9 @@ impl fmt::Display for AdapterSummary {
             "{} ({}, {}, {}",
             self.name, self.vendor_name, self.backend, self.device_type
         )?;
+        if let Some(m) = self.memory {
+            write!(f, ", {} device memory", crate::error::Bytes(m))?;
+        }
         if !self.driver.is_empty() {
             write!(f, ", {} {}", self.driver, self.driver_info)?;
         }
@@ -132,14 +146,58 @@ fn vendor_name(id: u32) -> &'static str {
 }
 
 /// Lower is better: discrete, integrated, virtual, then software.
-fn type_rank(t: wgpu::DeviceType) -> u32 {
-    match t {
-        wgpu::DeviceType::DiscreteGpu => 0,
-        wgpu::DeviceType::IntegratedGpu => 1,
-        wgpu::DeviceType::VirtualGpu => 2,
-        wgpu::DeviceType::Cpu => 3,
-        wgpu::DeviceType::Other => 4,
+/// Device-local memory of a Vulkan adapter: the sum of its DEVICE_LOCAL heaps, read through
+/// wgpu-hal. Other backends report nothing wgpu can reach.
+fn adapter_memory(adapter: &wgpu::Adapter) -> Option<u64> {
+    #[cfg(any(target_os = "linux", target_os = "windows", target_os = "android"))]
+    {
+        if adapter.get_info().backend != wgpu::Backend::Vulkan {
+            return None;
+        }
+        // SAFETY: only reads properties of the physical device; nothing is created or destroyed.
+        let hal = unsafe { adapter.as_hal::<wgpu::hal::api::Vulkan>() }?;
+        let instance = hal.shared_instance().raw_instance();
+        let props =
+            unsafe { instance.get_physical_device_memory_properties(hal.raw_physical_device()) };
+        let heaps = &props.memory_heaps[..props.memory_heap_count as usize];
+        let local: u64 = heaps
+            .iter()
+            .filter(|h| h.flags.contains(ash::vk::MemoryHeapFlags::DEVICE_LOCAL))
+            .map(|h| h.size)
+            .sum();
+        Some(local)
     }
+    #[cfg(not(any(target_os = "linux", target_os = "windows", target_os = "android")))]
+    {
+        let _ = adapter;
+        None
+    }
+}
+
+/// The order adapters are preferred in: GPUs before CPU adapters (discrete, then integrated and
+/// virtual), within a class the most device memory first (unreported memory last), then native
+/// APIs before GL.
+fn adapter_key(a: &wgpu::Adapter, memory: Option<u64>) -> (u32, std::cmp::Reverse<u64>, u32) {
+    let i = a.get_info();
+    rank(i.device_type, i.backend, memory)
+}
+
+fn rank(
+    device_type: wgpu::DeviceType,
+    backend: wgpu::Backend,
+    memory: Option<u64>,
+) -> (u32, std::cmp::Reverse<u64>, u32) {
+    let class = match device_type {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu | wgpu::DeviceType::VirtualGpu => 1,
+        wgpu::DeviceType::Other => 2,
+        wgpu::DeviceType::Cpu => 3,
+    };
+    (
+        class,
+        std::cmp::Reverse(memory.unwrap_or(0)),
+        backend_rank(backend),
+    )
 }
 
 /// Native APIs before GL, whose compute support is the most limited.
@@ -288,10 +346,7 @@ impl Device {
                         .contains(&want.to_lowercase())
                 })
             })
-            .min_by_key(|a| {
-                let i = a.get_info();
-                (type_rank(i.device_type), backend_rank(i.backend))
-            })
+            .min_by_key(|a| adapter_key(a, adapter_memory(a)))
             .ok_or_else(|| Error::NoAdapter {
                 wanted,
                 reason: if seen.is_empty() {
@@ -322,7 +377,7 @@ impl Device {
             adapter: info.name.clone(),
             reason: e.to_string(),
         })?;
-        Device::build(device, queue, info, options)
+        Device::build(device, queue, info, adapter_memory(adapter), options)
     }
 
     /// Runs fitgrad on a device and queue that the application already owns. fitgrad records
@@ -334,13 +389,14 @@ impl Device {
         options: DeviceOptions,
     ) -> Result<Device> {
         let info = device.adapter_info();
-        Device::build(device, queue, info, &options)
+        Device::build(device, queue, info, None, &options)
     }
 
     fn build(
         device: wgpu::Device,
         queue: wgpu::Queue,
         adapter: wgpu::AdapterInfo,
+        memory: Option<u64>,
         options: &DeviceOptions,
     ) -> Result<Device> {
         let l = device.limits();
@@ -355,7 +411,10 @@ impl Device {
             min_uniform_buffer_offset_alignment: l.min_uniform_buffer_offset_alignment,
         };
         let info = DeviceInfo {
-            adapter: AdapterSummary::from_info(&adapter),
+            adapter: AdapterSummary {
+                memory,
+                ..AdapterSummary::from_info(&adapter)
+            },
             f16_native: device.features().contains(wgpu::Features::SHADER_F16)
                 && !options.force_packed_f16,
             limits,
@@ -409,13 +468,16 @@ impl Device {
     /// Every adapter wgpu finds on this machine, best first.
     pub fn adapters() -> Vec<AdapterSummary> {
         let all = wgpu::Backends::all();
-        let mut list: Vec<wgpu::AdapterInfo> =
+        let mut list: Vec<(wgpu::Adapter, AdapterSummary)> =
             pollster::block_on(instance(all).enumerate_adapters(all))
-                .iter()
-                .map(|a| a.get_info())
+                .into_iter()
+                .map(|a| {
+                    let s = AdapterSummary::from_adapter(&a);
+                    (a, s)
+                })
                 .collect();
-        list.sort_by_key(|i| (type_rank(i.device_type), backend_rank(i.backend)));
-        list.iter().map(AdapterSummary::from_info).collect()
+        list.sort_by_key(|(a, s)| adapter_key(a, s.memory));
+        list.into_iter().map(|(_, s)| s).collect()
     }
 
     pub fn info(&self) -> &DeviceInfo {
@@ -803,6 +865,44 @@ pub(crate) fn grid(groups: u32) -> (u32, u32) {
 
 #[cfg(test)]
 mod tests {
+    use wgpu::{Backend, DeviceType};
+
+    /// GPUs before CPU adapters; the most memory first within a class; unreported memory last;
+    /// native APIs before GL on the same adapter.
+    #[test]
+    fn adapters_rank_by_class_then_memory() {
+        const GIB: u64 = 1 << 30;
+        let mut v = [
+            (
+                "cpu",
+                rank(DeviceType::Cpu, Backend::Vulkan, Some(64 * GIB)),
+            ),
+            (
+                "small",
+                rank(DeviceType::DiscreteGpu, Backend::Vulkan, Some(8 * GIB)),
+            ),
+            (
+                "big",
+                rank(DeviceType::DiscreteGpu, Backend::Vulkan, Some(80 * GIB)),
+            ),
+            (
+                "unknown",
+                rank(DeviceType::DiscreteGpu, Backend::Dx12, None),
+            ),
+            (
+                "igpu",
+                rank(DeviceType::IntegratedGpu, Backend::Vulkan, Some(16 * GIB)),
+            ),
+            (
+                "big-gl",
+                rank(DeviceType::DiscreteGpu, Backend::Gl, Some(80 * GIB)),
+            ),
+        ];
+        v.sort_by_key(|e| e.1);
+        let order: Vec<&str> = v.iter().map(|e| e.0).collect();
+        assert_eq!(order, ["big", "big-gl", "small", "unknown", "igpu", "cpu"]);
+    }
+
     use super::*;
 
     #[test]
