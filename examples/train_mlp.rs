@@ -245,7 +245,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
             samples = (done * eff).min(train.len());
             bar.set_position(done as u64);
             // A readback every 10 steps keeps the GPU busy between them.
-            if done % 10 == 0 || done == total {
+            if done.is_multiple_of(10) || done == total {
                 let loss = t.take_loss()?;
                 if !loss.is_nan() {
                     final_loss = loss;
