@@ -271,13 +271,20 @@ fn run(args: Args) -> fitgrad::Result<()> {
     let train_secs = started.elapsed().as_secs_f64();
     let epochs_run = args.epochs.saturating_sub(first_epoch);
     let samples_per_s = (train.len() as u64 * epochs_run) as f64 / train_secs.max(1e-9);
-    let (test_loss, test_accuracy) = trainer.evaluate(&test, 1024)?;
+    // Training's memory, before evaluation's larger batches count.
+    let summary = trainer.memory_summary();
+    // Evaluation keeps no graph, so the training micro-batch always fits the budget.
+    let eval_batch = if budget.is_some() {
+        trainer.micro_batch()
+    } else {
+        1024
+    };
+    let (test_loss, test_accuracy) = trainer.evaluate(&test, eval_batch)?;
     println!(
         "test: loss {test_loss:.4}, accuracy {:.2}% ({:.1} s training, {samples_per_s:.0} samples/s)",
         100.0 * test_accuracy,
         train_secs
     );
-    let summary = trainer.memory_summary();
     println!("\n{summary}");
     println!("{}", device.memory_report());
 
