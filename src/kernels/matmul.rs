@@ -94,10 +94,12 @@ pub fn supported(dev: &Device, v: Variant, dtype: DType) -> bool {
 pub fn default_variant(dev: &Device, pb: &Problem, dtype: DType) -> Variant {
     let rows = pb.m.next_power_of_two().clamp(1, 32) as u32;
     if is_cpu(dev) {
-        let tn = if pb.n >= 16 { 16 } else { 4 };
+        // 8 x 8: lavapipe compiles it in about 2 s, while 16 x 16 takes 25 s and 32 x 16 two
+        // minutes (measured cold on the 2-core machine), and for training-sized problems it runs
+        // as fast as they do. Bigger blocks are left to the autotuner, for big problems only.
         let v = Variant::Reg {
-            tm: rows,
-            tn,
+            tm: rows.min(8),
+            tn: if pb.n >= 8 { 8 } else { 4 },
             wg_x: 16,
             wg_y: 1,
         };
@@ -128,21 +130,33 @@ pub fn default_variant(dev: &Device, pb: &Problem, dtype: DType) -> Variant {
     }
 }
 
+/// Problems below this many flops (2·M·N·K) tune only register blocks of at most 128 outputs on
+/// CPU adapters, which compile in seconds.
+const BIG_BLOCK_MIN_FLOPS: usize = 1 << 30;
+
 /// The kernels worth timing for this problem on this adapter.
 pub fn candidates(dev: &Device, pb: &Problem, dtype: DType) -> Vec<Variant> {
     let m_cap = pb.m.next_power_of_two().max(1) as u32;
     let n_cap = pb.n.next_power_of_two().max(4) as u32;
     let mut v: Vec<Variant> = if is_cpu(dev) {
         // Barrier-free register blocks: CPU adapters pay per load instruction and per barrier.
-        [(1, 16), (8, 4), (8, 8), (16, 16), (32, 16), (64, 16)]
-            .iter()
-            .map(|&(tm, tn)| Variant::Reg {
-                tm,
-                tn,
-                wg_x: 16,
-                wg_y: 1,
-            })
-            .collect()
+        [
+            (1, 16),
+            (8, 4),
+            (8, 8),
+            (8, 16),
+            (16, 16),
+            (32, 16),
+            (64, 16),
+        ]
+        .iter()
+        .map(|&(tm, tn)| Variant::Reg {
+            tm,
+            tn,
+            wg_x: 16,
+            wg_y: 1,
+        })
+        .collect()
     } else {
         vec![
             Variant::Tiled {
@@ -180,9 +194,15 @@ pub fn candidates(dev: &Device, pb: &Problem, dtype: DType) -> Vec<Variant> {
             },
         ]
     };
-    // Transposed operands are read with scalar loads, which lavapipe unrolls into far more code:
-    // keep their register blocks at 32 x 16 (64 x 16 did not compile in minutes).
-    let max_block = if pb.trans_a || pb.trans_b {
+    // Compile time on a CPU adapter grows faster than the block: 0.3 s for 4 x 4, 2 s for
+    // 8 x 8, 7 s for 8 x 16, 25 s for 16 x 16, about two minutes for 32 x 16 (lavapipe, cold
+    // cache). Only problems big enough to repay that (a 1024-cube matmul) get the big blocks;
+    // transposed operands, read with scalar loads that unroll into far more code, stop at 32 x 16
+    // (64 x 16 did not compile in minutes).
+    let flops = 2 * pb.batch * pb.m * pb.n * pb.k;
+    let max_block = if flops < BIG_BLOCK_MIN_FLOPS {
+        128
+    } else if pb.trans_a || pb.trans_b {
         512
     } else {
         u32::MAX
