@@ -40,6 +40,7 @@ impl Drop for NoGradGuard {
 /// like `with torch.no_grad():`.
 ///
 /// ```no_run
+/// use fitgrad::nn::Module;
 /// # fn f(model: &fitgrad::nn::Mlp, x: &fitgrad::Tensor) -> fitgrad::Result<()> {
 /// let _g = fitgrad::no_grad();
 /// let logits = model.forward(x)?; // no graph, no saved activations

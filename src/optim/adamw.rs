@@ -142,12 +142,6 @@ impl Optimizer for AdamW {
         Ok(())
     }
 
-    fn zero_grad(&mut self) {
-        for p in &self.params {
-            p.zero_grad();
-        }
-    }
-
     fn lr(&self) -> f32 {
         self.lr
     }

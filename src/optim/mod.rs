@@ -48,7 +48,11 @@ pub trait Optimizer {
     /// Updates every parameter that has a gradient, from its gradient and state.
     fn step(&mut self) -> Result<()>;
     /// Drops every parameter's gradient (torch's `zero_grad(set_to_none=True)`).
-    fn zero_grad(&mut self);
+    fn zero_grad(&mut self) {
+        for p in self.params() {
+            p.zero_grad();
+        }
+    }
     fn lr(&self) -> f32;
     /// Sets the learning rate for the next steps (checked by `step`).
     fn set_lr(&mut self, lr: f32);

@@ -169,12 +169,6 @@ impl Optimizer for Sgd {
         Ok(())
     }
 
-    fn zero_grad(&mut self) {
-        for p in &self.params {
-            p.zero_grad();
-        }
-    }
-
     fn lr(&self) -> f32 {
         self.lr
     }
