@@ -246,14 +246,24 @@ fn bench_adapter(dev: &Device, o: &Opts) -> fitgrad::Result<Vec<Row>> {
         unit: "GB/s",
         vs: vec![],
     });
+    drop((a, b));
     rows.extend(bench_train_step(dev, reps)?);
     Ok(rows)
 }
 
 /// One full training step (forward, backward, AdamW) of an MLP 784-512-512-10 at batch 128,
 /// against the same step's matmuls alone, and the step's peak memory against its real need.
-fn bench_train_step(dev: &Device, reps: usize) -> fitgrad::Result<Vec<Row>> {
+fn bench_train_step(shared: &Device, reps: usize) -> fitgrad::Result<Vec<Row>> {
     use fitgrad::train::bench::{step_fixture, StepMatmuls};
+    // A device of its own on the same adapter: segments cached by the other benchmarks would
+    // otherwise count as the step's reserved memory.
+    let a = &shared.info().adapter;
+    let fresh = Device::with_options(DeviceOptions {
+        backend: Some(a.backend.clone()),
+        adapter: Some(a.name.clone()),
+        ..Default::default()
+    })?;
+    let dev = &fresh;
     const B: usize = 128;
     let widths = [784, 512, 512, 10];
     let (mut trainer, x, y) = step_fixture(dev, &widths, B)?;
