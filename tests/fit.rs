@@ -21,7 +21,7 @@ mod common;
 use common::*;
 use fitgrad::memory::plan::{self, Precision};
 use fitgrad::nn::{self, Act, Mlp, Module};
-use fitgrad::optim::{AdamW, GradScaler, Optimizer, Sgd};
+use fitgrad::optim::GradScaler;
 use fitgrad::train::data::{self, Dataset};
 use fitgrad::train::{reserved_estimate, Trainer, TrainerConfig};
 use fitgrad::{Bytes, DType, Device, DeviceOptions, Error, Tensor};
@@ -49,34 +49,6 @@ fn fresh(budget: Option<u64>) -> Option<Device> {
         memory_budget: budget,
         ..Default::default()
     })
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Opt {
-    Sgd { lr: f32, momentum: f32 },
-    AdamW { lr: f32 },
-}
-
-impl Opt {
-    fn lr(self) -> f32 {
-        match self {
-            Opt::Sgd { lr, .. } | Opt::AdamW { lr } => lr,
-        }
-    }
-
-    fn build(self, params: Vec<Tensor>) -> Box<dyn Optimizer> {
-        match self {
-            Opt::Sgd { lr, momentum } => {
-                let sgd = Sgd::new(params, lr).expect("valid SGD");
-                if momentum > 0.0 {
-                    Box::new(sgd.momentum(momentum).expect("valid momentum"))
-                } else {
-                    Box::new(sgd)
-                }
-            }
-            Opt::AdamW { lr } => Box::new(AdamW::new(params, lr).expect("valid AdamW")),
-        }
-    }
 }
 
 /// What a test trainer is made of.

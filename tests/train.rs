@@ -8,7 +8,6 @@ mod common;
 
 use common::*;
 use fitgrad::nn::{Act, Mlp, Module};
-use fitgrad::optim::{AdamW, Optimizer, Sgd};
 use fitgrad::train::data::{self, Dataset};
 use fitgrad::train::{Trainer, TrainerConfig};
 use fitgrad::{Device, DeviceOptions, Error, MemoryStats, Tensor};
@@ -26,34 +25,6 @@ fn digits() -> &'static (Dataset, Dataset) {
 /// The first device of `common::devices()`, or `None` after its loud SKIPPED.
 fn first_device() -> Option<Device> {
     devices().into_iter().next()
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Opt {
-    /// SGD with this learning rate and momentum.
-    Sgd { lr: f32, momentum: f32 },
-    /// AdamW with this learning rate, torch's defaults otherwise (betas 0.9, 0.999, eps 1e-8,
-    /// weight decay 0.01).
-    AdamW { lr: f32 },
-}
-
-impl Opt {
-    fn lr(self) -> f32 {
-        match self {
-            Opt::Sgd { lr, .. } | Opt::AdamW { lr } => lr,
-        }
-    }
-
-    fn build(self, params: Vec<Tensor>) -> Box<dyn Optimizer> {
-        match self {
-            Opt::Sgd { lr, momentum } => Box::new(
-                Sgd::new(params, lr)
-                    .and_then(|o| o.momentum(momentum))
-                    .expect("valid SGD"),
-            ),
-            Opt::AdamW { lr } => Box::new(AdamW::new(params, lr).expect("valid AdamW")),
-        }
-    }
 }
 
 /// Batching of a trainer; `trainer()` sets the learning rate from the optimizer.

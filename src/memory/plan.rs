@@ -164,8 +164,8 @@ pub fn plan(cfg: &PlanConfig) -> Plan {
         .map(|&(i, o)| tensor(i * o, pd) + tensor(o, pd))
         .sum();
     let optimizer_state = parameters * cfg.optimizer.state_tensors();
-    // The trainer's running loss (f32 scalar) lives all along.
-    let loss_sum = tensor(1, DType::F32);
+    // The trainer's running loss and step loss (f32 scalars) live all along.
+    let loss_sum = 2 * tensor(1, DType::F32);
     let mut s = Sim {
         fixed: parameters + optimizer_state + loss_sum,
         live: [0; 3],

@@ -151,12 +151,17 @@ impl Tensor {
             self.device().copy(&src, out.block(), bytes);
         } else {
             // Unaligned f16 rows, or both in one segment (wgpu cannot copy a buffer onto
-            // itself): through the host.
-            let all = self
-                .device()
-                .download(self.block(), bytes_for(&self.shape, self.dtype))?;
-            let part = &all[offset as usize..(offset + bytes) as usize];
-            self.device().upload(out.block(), part)?;
+            // itself): through the host, reading only the 4-byte aligned span of the rows.
+            let lo = offset & !3;
+            let span = Block {
+                offset: self.block().offset + lo,
+                size: offset + bytes - lo,
+                ..self.block().clone()
+            };
+            let read = self.device().download(&span, span.size)?;
+            let skip = (offset - lo) as usize;
+            self.device()
+                .upload(out.block(), &read[skip..skip + bytes as usize])?;
         }
         Ok(autograd::record_nondiff("rows", out, &[self]))
     }

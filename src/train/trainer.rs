@@ -100,6 +100,9 @@ pub struct Trainer {
     /// Sum of step losses since the last `take_loss`, kept on the GPU so a step never waits for
     /// a readback.
     loss_sum: Tensor,
+    /// The current step's loss, added to `loss_sum` only once the step succeeds (kept, so a step
+    /// allocates no accumulator).
+    step_loss: Tensor,
     loss_steps: u64,
     /// Host staging reused by every batch.
     xs: Vec<f32>,
@@ -136,6 +139,7 @@ impl Trainer {
             });
         }
         let loss_sum = Tensor::zeros(&device, &[], DType::F32)?;
+        let step_loss = Tensor::zeros(&device, &[], DType::F32)?;
         let micro = config
             .micro_batch
             .unwrap_or(config.batch_size)
@@ -148,6 +152,7 @@ impl Trainer {
             device,
             step: 0,
             loss_sum,
+            step_loss,
             loss_steps: 0,
             xs: Vec::new(),
             ys: Vec::new(),
@@ -306,8 +311,8 @@ impl Trainer {
         let dim = self.model.layers[0].in_features;
         let dtype = self.config.precision.compute_dtype();
         let mb = self.micro;
-        // The step's loss, added to the running sum only once the step succeeds.
-        let step_loss = Tensor::zeros(&self.device, &[], DType::F32)?;
+        let step_loss = self.step_loss.clone();
+        elementwise::fill(&step_loss, 0.0)?;
         let result = (|| {
             let mut start = 0;
             while start < n {

@@ -762,3 +762,40 @@ pub fn ref_cross_entropy(x: &[f32], b: usize, c: usize, targets: &[u32]) -> (f32
     }
     ((loss / b as f64) as f32, grad)
 }
+
+// ---------------------------------------------------------------------------------------------
+// Training
+// ---------------------------------------------------------------------------------------------
+
+/// An optimizer choice for training tests.
+#[derive(Clone, Copy, Debug)]
+pub enum Opt {
+    /// SGD with this learning rate and momentum (0: none).
+    Sgd { lr: f32, momentum: f32 },
+    /// AdamW with this learning rate, torch's defaults otherwise (betas 0.9, 0.999, eps 1e-8,
+    /// weight decay 0.01).
+    AdamW { lr: f32 },
+}
+
+impl Opt {
+    pub fn lr(self) -> f32 {
+        match self {
+            Opt::Sgd { lr, .. } | Opt::AdamW { lr } => lr,
+        }
+    }
+
+    pub fn build(self, params: Vec<Tensor>) -> Box<dyn fitgrad::optim::Optimizer> {
+        use fitgrad::optim::{AdamW, Sgd};
+        match self {
+            Opt::Sgd { lr, momentum } => {
+                let sgd = Sgd::new(params, lr).expect("valid SGD");
+                if momentum > 0.0 {
+                    Box::new(sgd.momentum(momentum).expect("valid momentum"))
+                } else {
+                    Box::new(sgd)
+                }
+            }
+            Opt::AdamW { lr } => Box::new(AdamW::new(params, lr).expect("valid AdamW")),
+        }
+    }
+}
