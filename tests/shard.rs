@@ -168,3 +168,27 @@ fn dataset_larger_than_the_budget_trains_in_shards() {
     );
     let _ = std::fs::remove_file(&path);
 }
+
+/// `Tensor::rows` against the host: f32 rows (the copy engine) and f16 rows of odd width, whose
+/// byte ranges are not 4-byte aligned (the host path); bad ranges are errors.
+#[test]
+fn rows_match_the_host() {
+    for dev in common::devices() {
+        for (dtype, cols) in [(DType::F32, 3usize), (DType::F16, 3), (DType::F16, 4)] {
+            let host: Vec<f32> = (0..7 * cols).map(|i| i as f32).collect();
+            let t = common::upload(&dev, &host, &[7, cols], dtype);
+            for (a, b) in [(0, 7), (1, 4), (3, 3), (5, 7), (6, 7)] {
+                let r = t.rows(a, b).unwrap();
+                assert_eq!(r.dims(), [b - a, cols]);
+                assert_eq!(
+                    r.to_vec_f32().unwrap(),
+                    host[a * cols..b * cols],
+                    "{} {dtype} cols {cols} rows {a}..{b}",
+                    common::label(&dev)
+                );
+            }
+            assert!(matches!(t.rows(5, 8), Err(Error::Shape { .. })));
+            assert!(matches!(t.rows(4, 3), Err(Error::Shape { .. })));
+        }
+    }
+}
