@@ -1,7 +1,7 @@
 // C = op(A) · op(B) (+ bias) (activation), batched over workgroup_id.z.
 // op(A) is (M, K): A is stored (M, K), or (K, M) with TRANS_A. op(B) is (K, N): B is stored
 // (K, N), or (N, K) with TRANS_B. bias is (N). C is (M, N). All f32 accumulation, k in order.
-// Parameters (binding 0) and the fused epilogue `finish` come from include/matmul_common.wgsl.
+// Parameters (binding 0) and `store4` (the fused epilogue) come from include/matmul_common.wgsl.
 //
 // Register-blocked and barrier-free: each invocation computes a TM x TN block of C straight from
 // memory, four k at a time, with no workgroup memory and no barriers. CPU adapters (lavapipe)
@@ -14,9 +14,8 @@ const WG_X: u32 = 16u;
 const WG_Y: u32 = 4u;
 override TRANS_A: bool = false;
 override TRANS_B: bool = false;
-// B (not transposed) and C rows start on 16-byte boundaries: whole vec4 loads and stores.
+// B (not transposed) rows start on 16-byte boundaries: whole vec4 loads.
 override VEC_B: bool = false;
-override VEC_C: bool = false;
 
 // op(A)[row, k .. k + 4]
 fn a4(base: u32, row: u32, k: u32) -> vec4<f32> {
@@ -105,18 +104,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
             break;
         }
         for (var j = 0u; j < TN4; j++) {
-            let n = n0 + 4u * j;
-            let v = acc[r * TN4 + j];
-            let o = c_base + m * p.n + n;
-            if (VEC_C && n + 3u < p.n) {
-                st4_c(o, vec4<f32>(finish(v.x, n), finish(v.y, n + 1u), finish(v.z, n + 2u), finish(v.w, n + 3u)));
-            } else {
-                for (var q = 0u; q < 4u; q++) {
-                    if (n + q < p.n) {
-                        st_c(o + q, finish(v[q], n + q));
-                    }
-                }
-            }
+            store4(c_base, m, n0 + 4u * j, acc[r * TN4 + j]);
         }
     }
 }

@@ -11,7 +11,6 @@ const BK: u32 = 16u;  // k per stage
 const THREADS: u32 = 256u; // (BN / 4) * (BM / 4)
 override TRANS_A: bool = false;
 override TRANS_B: bool = false;
-override VEC_C: bool = false;
 
 // As[kk * BM / 4 + i] holds rows 4i .. 4i + 4 of the A tile at k = kk; Bs likewise for columns.
 var<workgroup> As: array<vec4<f32>, BK * BM / 4>;
@@ -87,16 +86,6 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         if (m >= p.m || n >= p.n) {
             continue;
         }
-        let v = acc[i];
-        let o = c_base + m * p.n + n;
-        if (VEC_C && n + 3u < p.n) {
-            st4_c(o, vec4<f32>(finish(v.x, n), finish(v.y, n + 1u), finish(v.z, n + 2u), finish(v.w, n + 3u)));
-        } else {
-            for (var q = 0u; q < 4u; q++) {
-                if (n + q < p.n) {
-                    st_c(o + q, finish(v[q], n + q));
-                }
-            }
-        }
+        store4(c_base, m, n, acc[i]);
     }
 }

@@ -17,17 +17,8 @@
 // per workgroup. The order is fixed, so results are bitwise reproducible. Quads in registers are
 // written without reading x again; streamed ones are read a second time.
 // mode 1, short rows: one invocation per row, three passes over the row.
-//
-// x and out may be vec4 bindings (C a multiple of 4); loads and stores go through ld4_ / st4_
-// either way, with per-element guards for a row's last, partial quad.
-
-struct Params {
-    rows: u32,
-    c: u32,          // row length
-    quads: u32,      // ceil(c / 4)
-    lane_shift: u32, // log2 of the invocations per row (mode 0)
-}
-@group(0) @binding(0) var<uniform> p: Params;
+// Where the adapter has subgroups of a fixed size, softmax_sg.wgsl replaces mode 0.
+// Parameters and row access: include/softmax_rows.wgsl.
 
 const WG: u32 = 256u;
 // Quads per invocation held in registers; rows up to 4 * lanes * CHUNKS elements are read once.
@@ -46,47 +37,6 @@ var<workgroup> wm: array<f32, WG>;
 var<workgroup> ws: array<f32, WG>;
 var<workgroup> pm: array<f32, WG / MIN_LANES * PARTS>;
 var<workgroup> ps: array<f32, WG / MIN_LANES * PARTS>;
-
-// -inf and NaN, built at run time: WGSL has no literal for them and naga rejects constant ones.
-fn neg_inf() -> f32 {
-    return bitcast<f32>(0xff800000u | (p.c & 0u));
-}
-
-fn nan() -> f32 {
-    return bitcast<f32>(0x7fc00000u | (p.c & 0u));
-}
-
-fn max4(v: vec4<f32>) -> f32 {
-    return max(max(v.x, v.y), max(v.z, v.w));
-}
-
-fn sum4(v: vec4<f32>) -> f32 {
-    return (v.x + v.y) + (v.z + v.w);
-}
-
-// Elements 4q..4q+4 of the row at `base`; past the row end -inf (exp gives 0).
-fn load4(base: u32, q: u32) -> vec4<f32> {
-    let i = 4u * q;
-    if (i + 4u <= p.c) {
-        return ld4_x(base + i);
-    }
-    var v = vec4<f32>(neg_inf());
-    for (var k = 0u; i + k < p.c; k++) {
-        v[k] = ld_x(base + i + k);
-    }
-    return v;
-}
-
-fn store4(base: u32, q: u32, y: vec4<f32>) {
-    let i = 4u * q;
-    if (i + 4u <= p.c) {
-        st4_out(base + i, y);
-        return;
-    }
-    for (var k = 0u; i + k < p.c; k++) {
-        st_out(base + i + k, y[k]);
-    }
-}
 
 // Merges two (max, sum of exp(x - max)) pairs. A pair with max -inf is empty (sum 0), and two
 // empty pairs stay empty rather than giving exp(-inf + inf) = NaN.

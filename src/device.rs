@@ -228,6 +228,9 @@ pub struct DeviceInfo {
     pub limits: DeviceLimits,
     /// f16 math runs in f16 (SHADER_F16); otherwise f16 is stored packed and computed in f32.
     pub f16_native: bool,
+    /// The subgroup size, where the device has subgroup operations (SUBGROUP) and every
+    /// subgroup has the same size (kernels built for that size are then correct).
+    pub subgroup_size: Option<u32>,
 }
 
 impl fmt::Display for DeviceInfo {
@@ -242,7 +245,7 @@ impl fmt::Display for DeviceInfo {
             crate::error::Bytes(l.max_compute_workgroup_storage_size as u64),
             l.max_compute_invocations_per_workgroup
         )?;
-        write!(
+        writeln!(
             f,
             "f16: {}",
             if self.f16_native {
@@ -250,7 +253,11 @@ impl fmt::Display for DeviceInfo {
             } else {
                 "packed in u32, computed in f32"
             }
-        )
+        )?;
+        match self.subgroup_size {
+            Some(n) => write!(f, "subgroups: {n} lanes"),
+            None => write!(f, "subgroups: none of fixed size"),
+        }
     }
 }
 
@@ -365,6 +372,10 @@ impl Device {
         if adapter.features().contains(wgpu::Features::SHADER_F16) {
             features |= wgpu::Features::SHADER_F16;
         }
+        // Subgroup operations, for the subgroup matmul variant.
+        if adapter.features().contains(wgpu::Features::SUBGROUP) {
+            features |= wgpu::Features::SUBGROUP;
+        }
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("fitgrad"),
             required_features: features,
@@ -417,6 +428,9 @@ impl Device {
             },
             f16_native: device.features().contains(wgpu::Features::SHADER_F16)
                 && !options.force_packed_f16,
+            subgroup_size: (device.features().contains(wgpu::Features::SUBGROUP)
+                && adapter.subgroup_min_size == adapter.subgroup_max_size)
+                .then_some(adapter.subgroup_min_size),
             limits,
         };
         let uncaptured = Arc::new(Mutex::new(None::<String>));

@@ -8,9 +8,9 @@ use fitgrad::kernels::matmul::{self, Variant};
 use fitgrad::{Activation, DType, Device, Error, MatmulOptions, Tensor};
 use proptest::prelude::*;
 
-/// The variants under test: the reference, register blocks (skinny TM = 1 included) and
-/// workgroup tiles.
-const VARIANTS: [Variant; 6] = [
+/// The variants under test: the reference, register blocks (skinny TM = 1 included), workgroup
+/// tiles and subgroup blocks (where the device has 8-lane subgroups, as lavapipe does).
+const VARIANTS: [Variant; 8] = [
     Variant::Naive,
     Variant::Reg {
         tm: 1,
@@ -24,8 +24,9 @@ const VARIANTS: [Variant; 6] = [
         wg_x: 16,
         wg_y: 4,
     },
+    // 32 x 16 would cover more, but lavapipe needs minutes to compile it cold.
     Variant::Reg {
-        tm: 32,
+        tm: 8,
         tn: 16,
         wg_x: 16,
         wg_y: 1,
@@ -39,6 +40,18 @@ const VARIANTS: [Variant; 6] = [
         bm: 32,
         bn: 32,
         bk: 16,
+    },
+    Variant::Subgroup {
+        sg: 8,
+        tm: 16,
+        tn: 8,
+        wgs: 1,
+    },
+    Variant::Subgroup {
+        sg: 8,
+        tm: 8,
+        tn: 4,
+        wgs: 2,
     },
 ];
 
@@ -213,7 +226,7 @@ fn case() -> impl Strategy<Value = Case> {
 
 /// One of each kernel family; compiling a pipeline costs lavapipe ~0.2 s, so random cases use
 /// these and the fixed cases below run all of VARIANTS.
-const SAMPLED: [Variant; 3] = [VARIANTS[1], VARIANTS[3], VARIANTS[5]];
+const SAMPLED: [Variant; 4] = [VARIANTS[1], VARIANTS[3], VARIANTS[5], VARIANTS[6]];
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(8))]

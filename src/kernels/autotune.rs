@@ -94,6 +94,7 @@ impl Variant {
             Variant::Naive => "naive".into(),
             Variant::Reg { tm, tn, wg_x, wg_y } => format!("reg-{tm}x{tn}-{wg_x}x{wg_y}"),
             Variant::Tiled { bm, bn, bk } => format!("tiled-{bm}x{bn}x{bk}"),
+            Variant::Subgroup { sg, tm, tn, wgs } => format!("sg{sg}-{tm}x{tn}-{wgs}"),
         }
     }
 
@@ -106,6 +107,11 @@ impl Variant {
         if let Some(rest) = s.strip_prefix("reg-") {
             if let [tm, tn, wg_x, wg_y] = nums(rest)?[..] {
                 return Some(Variant::Reg { tm, tn, wg_x, wg_y });
+            }
+        }
+        if let Some(rest) = s.strip_prefix("sg") {
+            if let [sg, tm, tn, wgs] = nums(rest)?[..] {
+                return Some(Variant::Subgroup { sg, tm, tn, wgs });
             }
         }
         if let Some(rest) = s.strip_prefix("tiled-") {
@@ -135,6 +141,12 @@ mod tests {
                 bm: 64,
                 bn: 64,
                 bk: 16,
+            },
+            Variant::Subgroup {
+                sg: 8,
+                tm: 64,
+                tn: 8,
+                wgs: 1,
             },
         ] {
             assert_eq!(Variant::parse(&v.name()), Some(v));

@@ -6,6 +6,11 @@
 //!   caches tile and barriers are expensive. TM = 1 or 2 is the skinny path for small M.
 //! - `Tiled`: workgroup-memory tiles with barriers (shaders/matmul_tiled.wgsl), each
 //!   invocation a 4 x 4 block: the classic GPU kernel.
+//! - `Subgroup`: a subgroup computes a TM x (SG * TN) block, each lane TN columns, loading
+//!   each row of A once per subgroup and handing it to every lane with subgroupBroadcast
+//!   (shaders/matmul_sg.wgsl). Needs SUBGROUP with a fixed subgroup size. The fastest kernel on
+//!   lavapipe by 3x: there a per-lane buffer load is a scalar loop and a broadcast a shuffle.
+//!   Its body is unrolled here (`expand_subgroup`) so the accumulators stay in registers.
 //! - `Naive`: one invocation per output (shaders/matmul_naive.wgsl): the reference the
 //!   benchmark reports ratios against.
 
@@ -58,9 +63,173 @@ pub enum Variant {
         bn: u32,
         bk: u32,
     },
+    /// Subgroup broadcast: TM rows x (SG * TN) columns per subgroup of SG lanes, WGS subgroups
+    /// per workgroup.
+    Subgroup {
+        sg: u32,
+        tm: u32,
+        tn: u32,
+        wgs: u32,
+    },
 }
 
-use super::{MATMUL_NAIVE, MATMUL_REG, MATMUL_TILED};
+use super::{MATMUL_NAIVE, MATMUL_REG, MATMUL_SG, MATMUL_TILED};
+
+const XYZW: [&str; 4] = ["x", "y", "z", "w"];
+
+/// Expands the `//@` lines of shaders/matmul_sg.wgsl (already specialized to SG, TM and TN)
+/// into straight-line code for a TM x TN block: one statement per row, column quad and k,
+/// accumulators in variables `c{row}_{quad}`.
+pub fn expand_subgroup(
+    body: &str,
+    sg: u32,
+    tm: u32,
+    tn: u32,
+    trans_a: bool,
+    trans_b: bool,
+) -> String {
+    let (loads, quads, row_quads) = (tm / sg, tn / 4, tm / 4);
+    let mut out = String::with_capacity(body.len() + (tm * quads * 200) as usize);
+    for line in body.lines() {
+        let t = line.trim_start();
+        let Some(what) = t.strip_prefix("//@ ") else {
+            out += line;
+            out.push('\n');
+            continue;
+        };
+        let pad = &line[..line.len() - t.len()];
+        let mut emit = |stmt: String| {
+            out += pad;
+            out += &stmt;
+            out.push('\n');
+        };
+        match what.split(':').next().unwrap_or("") {
+            "decl" => {
+                for i in 0..loads {
+                    if trans_a {
+                        // Load i of lane l is pair p = SG i + l of (k offset, row quad), with
+                        // p = kk * TM / 4 + quad.
+                        emit(format!("let ak{i} = ({}u + lane) / {row_quads}u;", sg * i));
+                        emit(format!(
+                            "let am{i} = m0 + 4u * (({}u + lane) % {row_quads}u);",
+                            sg * i
+                        ));
+                    }
+                    emit(format!(
+                        "let ra{i} = min(m0 + {}u + lane, p.m - 1u);",
+                        sg * i
+                    ));
+                }
+                for r in 0..tm {
+                    for j in 0..quads {
+                        emit(format!("var c{r}_{j} = vec4<f32>(0.0);"));
+                    }
+                }
+            }
+            "quad" => {
+                for i in 0..loads {
+                    emit(if trans_a {
+                        format!("let qa{i} = at4(a_base, k + ak{i}, am{i});")
+                    } else {
+                        format!("let qa{i} = a4(a_base, ra{i}, k);")
+                    });
+                }
+                // b{kk}_{j} = op(B)[k + kk, n0 + 4j .. n0 + 4j + 4]
+                for j in 0..quads {
+                    if trans_b {
+                        for c in 0..4 {
+                            emit(format!(
+                                "let bc{c}_{j} = bt4(b_base, n0 + {}u, k);",
+                                4 * j + c
+                            ));
+                        }
+                        for (kk, x) in XYZW.iter().enumerate() {
+                            emit(format!(
+                                "let b{kk}_{j} = vec4<f32>(bc0_{j}.{x}, bc1_{j}.{x}, bc2_{j}.{x}, bc3_{j}.{x});"
+                            ));
+                        }
+                    } else {
+                        for kk in 0..4 {
+                            emit(format!(
+                                "let b{kk}_{j} = b4(b_base, k + {kk}u, n0 + {}u);",
+                                4 * j
+                            ));
+                        }
+                    }
+                }
+                if trans_a {
+                    // y = op(A)[4q .. 4q + 4, k + kk], from lane p % SG's load p / SG.
+                    for q in 0..row_quads {
+                        for kk in 0..4 {
+                            let p = kk * row_quads + q;
+                            emit(format!(
+                                "let y{q}_{kk} = subgroupBroadcast(qa{}, {}u);",
+                                p / sg,
+                                p % sg
+                            ));
+                        }
+                        for (rr, x) in XYZW.iter().enumerate() {
+                            let r = 4 * q + rr as u32;
+                            for j in 0..quads {
+                                for kk in 0..4 {
+                                    emit(format!(
+                                        "c{r}_{j} = fma(vec4<f32>(y{q}_{kk}.{x}), b{kk}_{j}, c{r}_{j});"
+                                    ));
+                                }
+                            }
+                        }
+                    }
+                } else {
+                    // x = op(A)[r, k .. k + 4], from lane r % SG's load r / SG.
+                    for r in 0..tm {
+                        emit(format!(
+                            "let x{r} = subgroupBroadcast(qa{}, {}u);",
+                            r / sg,
+                            r % sg
+                        ));
+                        for j in 0..quads {
+                            for (kk, x) in XYZW.iter().enumerate() {
+                                emit(format!(
+                                    "c{r}_{j} = fma(vec4<f32>(x{r}.{x}), b{kk}_{j}, c{r}_{j});"
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+            "single" => {
+                for i in 0..loads {
+                    emit(format!("let sa{i} = a1(a_base, ra{i}, k);"));
+                }
+                for j in 0..quads {
+                    emit(format!("let b0_{j} = b4(b_base, k, n0 + {}u);", 4 * j));
+                }
+                for r in 0..tm {
+                    emit(format!(
+                        "let x{r} = vec4<f32>(subgroupBroadcast(sa{}, {}u));",
+                        r / sg,
+                        r % sg
+                    ));
+                    for j in 0..quads {
+                        emit(format!("c{r}_{j} = fma(x{r}, b0_{j}, c{r}_{j});"));
+                    }
+                }
+            }
+            "store" => {
+                for r in 0..tm {
+                    for j in 0..quads {
+                        emit(format!(
+                            "store4(c_base, m0 + {r}u, n0 + {}u, c{r}_{j});",
+                            4 * j
+                        ));
+                    }
+                }
+            }
+            _ => emit(t.to_string()),
+        }
+    }
+    out
+}
 
 /// Problems below this many flops are not worth timing: the built-in choice runs.
 const TUNE_MIN_FLOPS: usize = 1 << 22;
@@ -83,6 +252,13 @@ pub fn supported(dev: &Device, v: Variant, dtype: DType) -> bool {
         Variant::Tiled { bm, bn, bk } => {
             bm * bn / 16 <= l.max_compute_invocations_per_workgroup
                 && bk * (bm + bn) * 4 <= l.max_compute_workgroup_storage_size
+        }
+        Variant::Subgroup { sg, tm, tn, wgs } => {
+            dev.info().subgroup_size == Some(sg)
+                && tm % sg == 0
+                && tn % 4 == 0
+                && sg * wgs <= l.max_compute_invocations_per_workgroup
+                && (!small_only || tm * tn <= 128)
         }
         Variant::Naive => true,
     }
@@ -140,23 +316,31 @@ pub fn candidates(dev: &Device, pb: &Problem, dtype: DType) -> Vec<Variant> {
     let n_cap = pb.n.next_power_of_two().max(4) as u32;
     let mut v: Vec<Variant> = if is_cpu(dev) {
         // Barrier-free register blocks: CPU adapters pay per load instruction and per barrier.
-        [
-            (1, 16),
-            (8, 4),
-            (8, 8),
-            (8, 16),
-            (16, 16),
-            (32, 16),
-            (64, 16),
-        ]
-        .iter()
-        .map(|&(tm, tn)| Variant::Reg {
-            tm,
-            tn,
-            wg_x: 16,
-            wg_y: 1,
-        })
-        .collect()
+        // With subgroups the subgroup kernel wins every shape with M >= 16 by 2-4x, so the big
+        // register blocks (minutes to compile) are only tried without it; the small ones stay
+        // for skinny shapes.
+        let blocks: &[(u32, u32)] = if dev.info().subgroup_size.is_some() {
+            &[(1, 16), (8, 4), (8, 8), (8, 16)]
+        } else {
+            &[
+                (1, 16),
+                (8, 4),
+                (8, 8),
+                (8, 16),
+                (16, 16),
+                (32, 16),
+                (64, 16),
+            ]
+        };
+        blocks
+            .iter()
+            .map(|&(tm, tn)| Variant::Reg {
+                tm,
+                tn,
+                wg_x: 16,
+                wg_y: 1,
+            })
+            .collect()
     } else {
         vec![
             Variant::Tiled {
@@ -194,6 +378,28 @@ pub fn candidates(dev: &Device, pb: &Problem, dtype: DType) -> Vec<Variant> {
             },
         ]
     };
+    if let Some(sg) = dev.info().subgroup_size {
+        // Rows per subgroup are multiples of the subgroup size. CPU adapters (8 lanes) take tall
+        // blocks: A is shared through broadcasts, B loaded per lane. On a GPU a lane holds
+        // TM x TN accumulators, so one block of SG x 4 (128 registers at 32 lanes), two
+        // subgroups per workgroup, where subgroups are at most 32 wide.
+        if is_cpu(dev) {
+            let blocks = [(16, 4), (32, 4), (64, 4), (32, 8), (64, 8)];
+            v.extend(blocks.iter().map(|&(tm, tn)| Variant::Subgroup {
+                sg,
+                tm,
+                tn,
+                wgs: 1,
+            }));
+        } else if sg <= 32 {
+            v.push(Variant::Subgroup {
+                sg,
+                tm: sg,
+                tn: 4,
+                wgs: 2,
+            });
+        }
+    }
     // Compile time on a CPU adapter grows faster than the block: 0.3 s for 4 x 4, 2 s for
     // 8 x 8, 7 s for 8 x 16, 25 s for 16 x 16, about two minutes for 32 x 16 (lavapipe, cold
     // cache). Only problems big enough to repay that (a 1024-cube matmul) get the big blocks;
@@ -207,9 +413,12 @@ pub fn candidates(dev: &Device, pb: &Problem, dtype: DType) -> Vec<Variant> {
     } else {
         u32::MAX
     };
+    // The subgroup kernel compiles about 5x faster than a register block of the same size
+    // (1.4 s for 64 x 8 on lavapipe), so its blocks are allowed 4x larger.
     v.retain(|&c| {
         supported(dev, c, dtype)
             && !matches!(c, Variant::Reg { tm, tn, .. } if tm > m_cap || tn > n_cap || tm * tn > max_block)
+            && !matches!(c, Variant::Subgroup { tm, tn, .. } if tm > m_cap.max(8) || tn > n_cap || tm * tn > max_block.saturating_mul(4))
     });
     let d = default_variant(dev, pb, dtype);
     if !v.contains(&d) {
@@ -382,6 +591,21 @@ pub(crate) fn run(
                 pb.m.div_ceil((tm * wg_y) as usize),
             ],
         ),
+        Variant::Subgroup { sg, tm, tn, wgs } => (
+            &MATMUL_SG,
+            // Transposed operands are read in quads along their contiguous dimension too.
+            [
+                vec_a || (pb.trans_a && pb.m.is_multiple_of(4) && pb.a_batch.is_multiple_of(4)),
+                vec_b || (pb.trans_b && pb.k.is_multiple_of(4) && pb.b_batch.is_multiple_of(4)),
+                false,
+                vec_c,
+            ],
+            vec![("SG", sg), ("TM", tm), ("TN", tn), ("WGS", wgs)],
+            [
+                pb.n.div_ceil((sg * tn) as usize),
+                pb.m.div_ceil((tm * wgs) as usize),
+            ],
+        ),
         Variant::Tiled { bm, bn, bk } => (
             &MATMUL_TILED,
             [false, false, false, vec_c],
@@ -401,24 +625,40 @@ pub(crate) fn run(
         binding("c", out, true, bind[3]),
     ];
     let key = format!(
-        "{}_{consts:?}_{:?}_{:?}_{}{}",
+        "{}_{consts:?}_{:?}_{:?}_{}{}{}",
         file.name,
         bind.map(|b| b.storage),
         bind.map(|b| b.vec4),
         pb.trans_a,
-        pb.trans_b
+        pb.trans_b,
+        match variant {
+            Variant::Subgroup { .. } => format!("_e{epilogue}"),
+            _ => String::new(),
+        }
     );
     let mut overrides = vec![("TRANS_A", flag(pb.trans_a)), ("TRANS_B", flag(pb.trans_b))];
     if variant != Variant::Naive {
         overrides.push(("VEC_C", flag(vec_c)));
     }
-    if matches!(variant, Variant::Reg { .. }) {
+    if matches!(variant, Variant::Reg { .. } | Variant::Subgroup { .. }) {
         overrides.push(("VEC_B", flag(vec_b)));
     }
-    // The register and tiled kernels clamp or guard every index (tests cover the edges).
+    if matches!(variant, Variant::Subgroup { .. }) {
+        overrides.push(("EPILOGUE", epilogue as f64));
+        overrides.push(("VEC_A", flag(bind[0].vec4)));
+    }
+    // The register, subgroup and tiled kernels clamp or guard every index (tests cover the
+    // edges).
     let proven = variant != Variant::Naive;
     let k = dev.kernel(&key, &overrides, proven, || {
-        super::assemble(&super::specialize(file.body, &consts), &bind)
+        let body = super::specialize(file.body, &consts);
+        let body = match variant {
+            Variant::Subgroup { sg, tm, tn, .. } => {
+                expand_subgroup(&body, sg, tm, tn, pb.trans_a, pb.trans_b)
+            }
+            _ => body,
+        };
+        super::assemble(&body, &bind)
     })?;
     let groups = [groups[0] as u32, groups[1] as u32, pb.batch as u32];
     dev.dispatch3(

@@ -233,7 +233,18 @@ pub const REDUCE_MAX: ShaderFile = ShaderFile {
 };
 pub const SOFTMAX: ShaderFile = ShaderFile {
     name: "softmax",
-    body: include_str!("../../shaders/softmax.wgsl"),
+    body: concat!(
+        include_str!("../../shaders/include/softmax_rows.wgsl"),
+        include_str!("../../shaders/softmax.wgsl")
+    ),
+    bindings: &[("x", false), ("out", true)],
+};
+pub const SOFTMAX_SG: ShaderFile = ShaderFile {
+    name: "softmax_sg",
+    body: concat!(
+        include_str!("../../shaders/include/softmax_rows.wgsl"),
+        include_str!("../../shaders/softmax_sg.wgsl")
+    ),
     bindings: &[("x", false), ("out", true)],
 };
 pub const CROSS_ENTROPY: ShaderFile = ShaderFile {
@@ -269,6 +280,14 @@ pub const MATMUL_TILED: ShaderFile = ShaderFile {
     ),
     bindings: &[("a", false), ("b", false), ("bias", false), ("c", true)],
 };
+pub const MATMUL_SG: ShaderFile = ShaderFile {
+    name: "matmul_sg",
+    body: concat!(
+        include_str!("../../shaders/include/matmul_common.wgsl"),
+        include_str!("../../shaders/matmul_sg.wgsl")
+    ),
+    bindings: &[("a", false), ("b", false), ("bias", false), ("c", true)],
+};
 pub const MATMUL_NAIVE: ShaderFile = ShaderFile {
     name: "matmul_naive",
     body: concat!(
@@ -287,9 +306,11 @@ pub const SHADERS: &[ShaderFile] = &[
     TRANSPOSE,
     MATMUL_REG,
     MATMUL_TILED,
+    MATMUL_SG,
     MATMUL_NAIVE,
     REDUCE_MAX,
     SOFTMAX,
+    SOFTMAX_SG,
     CROSS_ENTROPY,
     NONFINITE,
     OPTIM,
@@ -381,7 +402,7 @@ fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
             .map(|&s| vec![s, F32])
             .collect(),
         // Packed f16 rows of odd length are written to f32 first.
-        "softmax" => vec![
+        "softmax" | "softmax_sg" => vec![
             vec![F32, F32],
             vec![F16, F16],
             vec![F16Packed, F16Packed],
@@ -398,13 +419,16 @@ fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
 }
 
 /// Parses and validates `src` with naga, with the capabilities fitgrad's shaders rely on
-/// (f16 where the adapter offers it, and pack/unpack of f16 pairs in f32 everywhere).
+/// (f16 and subgroup operations where the adapter offers them, and pack/unpack of f16 pairs in
+/// f32 everywhere).
 pub fn validate_wgsl(src: &str) -> std::result::Result<(), String> {
     use naga::valid::{Capabilities, ValidationFlags, Validator};
     let module = naga::front::wgsl::parse_str(src).map_err(|e| e.emit_to_string(src))?;
     Validator::new(
         ValidationFlags::all(),
-        Capabilities::SHADER_FLOAT16 | Capabilities::SHADER_FLOAT16_IN_FLOAT32,
+        Capabilities::SHADER_FLOAT16
+            | Capabilities::SHADER_FLOAT16_IN_FLOAT32
+            | Capabilities::SUBGROUP,
     )
     .validate(&module)
     .map_err(|e| format!("{e:?}"))?;
@@ -416,8 +440,23 @@ pub fn validate_wgsl(src: &str) -> std::result::Result<(), String> {
 pub fn validate_all() -> Vec<(String, std::result::Result<(), String>)> {
     let mut out = Vec::new();
     for file in SHADERS {
-        for bindings in variants(file) {
-            let src = assemble(file.body, &bindings);
+        // The subgroup matmul is validated as written and expanded (a 16 x 8 block, in its
+        // plain and transposed forms).
+        let mut bodies = vec![(String::new(), file.body.to_string())];
+        if file.name == "matmul_sg" {
+            let body = specialize(file.body, &[("SG", 8), ("TM", 16), ("TN", 8)]);
+            for (ta, tb) in [(false, false), (true, true)] {
+                bodies.push((
+                    format!(" expanded 16x8 ta{ta} tb{tb}"),
+                    matmul::expand_subgroup(&body, 8, 16, 8, ta, tb),
+                ));
+            }
+        }
+        for (bindings, (form, body)) in variants(file)
+            .into_iter()
+            .flat_map(|b| bodies.iter().map(move |x| (b.clone(), x)))
+        {
+            let src = assemble(body, &bindings);
             let desc: Vec<String> = bindings
                 .iter()
                 .map(|b| {
@@ -430,7 +469,7 @@ pub fn validate_all() -> Vec<(String, std::result::Result<(), String>)> {
                 })
                 .collect();
             out.push((
-                format!("{} {}", file.name, desc.join(" ")),
+                format!("{}{form} {}", file.name, desc.join(" ")),
                 validate_wgsl(&src),
             ));
         }

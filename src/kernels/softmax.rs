@@ -2,7 +2,9 @@
 //! softmax cross-entropy (loss and gradient in one pass per row).
 
 use super::elementwise::{self, UnaryOp};
-use super::{assemble, specialize, Binding, ShaderFile, Storage, CROSS_ENTROPY, SOFTMAX, WG};
+use super::{
+    assemble, specialize, Binding, ShaderFile, Storage, CROSS_ENTROPY, SOFTMAX, SOFTMAX_SG, WG,
+};
 use crate::device::Kernel;
 use crate::{DType, Device, Result, Tensor};
 use std::sync::Arc;
@@ -21,18 +23,39 @@ const CHUNKS: usize = 8;
 /// Fewest invocations per row (a row of 64 elements has 16 quads); MIN_LANES in the shaders.
 const MIN_LANES: usize = 16;
 
+/// Quads per lane held in registers by the subgroup kernel at most (CHUNKS in softmax_sg.wgsl):
+/// with lavapipe's 8 lanes, rows up to 1024 elements are read once.
+const SG_CHUNKS: usize = 32;
+
 /// How a (rows, c) problem is launched: mode (0: `lanes` invocations per row, 1: an invocation
-/// per row; a specialization, see shaders/softmax.wgsl), workgroups, and whether the tensors are
-/// vec4 bindings.
+/// per row; a specialization, see shaders/softmax.wgsl; 2: a subgroup of `lanes` per row,
+/// shaders/softmax_sg.wgsl, holding `chunks` quads per lane), workgroups, and whether the tensors
+/// are vec4 bindings.
 struct Launch {
     mode: u32,
     groups: u32,
     lanes: u32,
+    chunks: u32,
     vec4: bool,
 }
 
-fn launch(rows: usize, c: usize) -> Launch {
+/// The launch of a (rows, c) softmax; `subgroup` is the device's fixed subgroup size, if any.
+fn launch(rows: usize, c: usize, subgroup: Option<u32>) -> Launch {
     let wg = WG as usize;
+    if let (Some(sg), true) = (subgroup, c >= ROW_PER_WORKGROUP) {
+        let sg = sg as usize;
+        return Launch {
+            mode: 2,
+            groups: rows.div_ceil(wg / sg) as u32,
+            lanes: sg as u32,
+            chunks: c
+                .div_ceil(4)
+                .div_ceil(sg)
+                .next_power_of_two()
+                .min(SG_CHUNKS) as u32,
+            vec4: c.is_multiple_of(4),
+        };
+    }
     if c >= ROW_PER_WORKGROUP {
         let quads = c.div_ceil(4);
         let lanes = quads
@@ -43,6 +66,7 @@ fn launch(rows: usize, c: usize) -> Launch {
             mode: 0,
             groups: rows.div_ceil(wg / lanes) as u32,
             lanes: lanes as u32,
+            chunks: CHUNKS as u32,
             // Every row starts on a 16-byte boundary (and a whole packed word pair).
             vec4: c.is_multiple_of(4),
         }
@@ -51,6 +75,7 @@ fn launch(rows: usize, c: usize) -> Launch {
             mode: 1,
             groups: rows.div_ceil(wg) as u32,
             lanes: 1,
+            chunks: CHUNKS as u32,
             vec4: false,
         }
     }
@@ -102,18 +127,21 @@ pub(crate) fn softmax(x: &Tensor, rows: usize, c: usize, log: bool, out: &Tensor
         softmax(x, rows, c, log, &tmp)?;
         return elementwise::unary(UnaryOp::Identity, &tmp, 0.0, out);
     }
-    let l = launch(rows, c);
-    let bind = bindings(
-        &SOFTMAX,
-        &[Storage::of(dev, x.dtype()), Storage::of(dev, out.dtype())],
-        &[l.vec4, l.vec4],
-    );
-    let k = kernel(
-        dev,
-        &SOFTMAX,
-        &bind,
-        &[("MODE", l.mode), ("LOG", u32::from(log))],
-    )?;
+    let l = launch(rows, c, dev.info().subgroup_size);
+    let storage = [Storage::of(dev, x.dtype()), Storage::of(dev, out.dtype())];
+    let k = if l.mode == 2 {
+        let bind = bindings(&SOFTMAX_SG, &storage, &[l.vec4, l.vec4]);
+        let consts = [
+            ("SG", l.lanes),
+            ("CHUNKS", l.chunks),
+            ("LOG", u32::from(log)),
+        ];
+        kernel(dev, &SOFTMAX_SG, &bind, &consts)?
+    } else {
+        let bind = bindings(&SOFTMAX, &storage, &[l.vec4, l.vec4]);
+        let consts = [("MODE", l.mode), ("LOG", u32::from(log))];
+        kernel(dev, &SOFTMAX, &bind, &consts)?
+    };
     let params = [
         rows as u32,
         c as u32,
@@ -146,7 +174,8 @@ pub(crate) fn cross_entropy(
             return elementwise::unary(UnaryOp::Identity, &tmp, 0.0, g);
         }
     }
-    let l = launch(rows, c);
+    // Cross-entropy keeps the workgroup kernel (modes 0 and 1) on every adapter.
+    let l = launch(rows, c, None);
     // Without a gradient, x stands in for the grad binding (the kernel does not touch it).
     let g = grad.unwrap_or(x);
     let bind = bindings(
@@ -192,7 +221,7 @@ mod tests {
     /// parse and validate.
     #[test]
     fn vec4_and_specialized_variants_validate() {
-        for file in [&SOFTMAX, &CROSS_ENTROPY] {
+        for file in [&SOFTMAX, &SOFTMAX_SG, &CROSS_ENTROPY] {
             for plain in variants(file) {
                 for vec4 in [false, true] {
                     let bind: Vec<Binding> = plain
@@ -204,7 +233,12 @@ mod tests {
                         .collect();
                     for mode in [0, 1] {
                         for flag in [0, 1] {
-                            let consts = [("MODE", mode), ("LOG", flag), ("GRAD", flag)];
+                            let consts = [
+                                ("MODE", mode),
+                                ("LOG", flag),
+                                ("GRAD", flag),
+                                ("CHUNKS", 1 << (5 * mode)),
+                            ];
                             let src = assemble(&specialize(file.body, &consts), &bind);
                             if let Err(e) = validate_wgsl(&src) {
                                 panic!("{} {bind:?} {consts:?}: {e}", file.name);
@@ -218,19 +252,29 @@ mod tests {
 
     #[test]
     fn launch_shapes() {
-        let l = launch(5, 10);
+        let l = launch(5, 10, None);
         assert_eq!((l.mode, l.groups, l.vec4), (1, 1, false));
         // 256 quads: 32 invocations of 8 quads, 8 rows per workgroup.
-        let l = launch(4096, 1024);
+        let l = launch(4096, 1024, None);
         assert_eq!((l.mode, l.groups, l.lanes), (0, 512, 32));
         assert!(l.vec4);
-        let l = launch(9, 64);
+        let l = launch(9, 64, None);
         assert_eq!((l.mode, l.groups, l.lanes), (0, 1, 16));
         // Past 8192 elements the rest of a row is streamed.
-        let l = launch(3, 8193);
+        let l = launch(3, 8193, None);
         assert_eq!((l.mode, l.groups, l.lanes), (0, 3, 256));
         assert!(!l.vec4);
-        let l = launch(3, 1000);
+        let l = launch(3, 1000, None);
         assert_eq!(l.lanes, 32);
+        // With 8-lane subgroups: a row per subgroup, 32 rows per workgroup, 32 quads per lane
+        // for 1024 elements; short rows keep one invocation per row.
+        let l = launch(4096, 1024, Some(8));
+        assert_eq!((l.mode, l.groups, l.lanes, l.chunks), (2, 128, 8, 32));
+        let l = launch(33, 100, Some(8));
+        assert_eq!((l.mode, l.groups, l.chunks), (2, 2, 4));
+        assert!(l.vec4);
+        let l = launch(3, 5000, Some(32));
+        assert_eq!((l.mode, l.groups, l.chunks), (2, 1, 32));
+        assert_eq!(launch(5, 10, Some(8)).mode, 1);
     }
 }
