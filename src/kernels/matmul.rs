@@ -385,12 +385,11 @@ pub fn candidates(dev: &Device, pb: &Problem, dtype: DType) -> Vec<Variant> {
         // subgroups per workgroup, where subgroups are at most 32 wide.
         if is_cpu(dev) {
             let blocks = [(16, 4), (32, 4), (64, 4), (32, 8), (64, 8)];
-            v.extend(blocks.iter().map(|&(tm, tn)| Variant::Subgroup {
-                sg,
-                tm,
-                tn,
-                wgs: 1,
-            }));
+            v.extend(
+                blocks
+                    .iter()
+                    .map(|&(tm, tn)| Variant::Subgroup { sg, tm, tn, wgs: 1 }),
+            );
         } else if sg <= 32 {
             v.push(Variant::Subgroup {
                 sg,
