@@ -1,6 +1,6 @@
 // Broadcasted binary elementwise op: out = a (op) b, out has shape `shape` (rank 4, left-padded
 // with 1). `sa` / `sb` are the strides of a and b in elements, 0 along broadcast dims.
-// Two outputs per invocation (see kernels/mod.rs).
+// Two outputs per invocation (see kernels/mod.rs), or four with VEC.
 //
 // Ops 0-3 (arithmetic) share one pipeline and switch on p.op. The others, the backward rules of
 // activations, get a pipeline each with OP specialized (lavapipe runs every case of a switch):
@@ -23,6 +23,9 @@ struct Params {
 
 const WG: u32 = 256u;
 const OP: u32 = 0xffffffffu;
+// 1: no broadcast (a, b and out have one shape), all vec4 bindings, n % 4 == 0: four elements
+// per invocation in whole quads, no index arithmetic. Specialized.
+const VEC: u32 = 0u;
 
 // Offset of out's linear index `i` in a tensor with strides `s`.
 fn offset(i: u32, s: vec4<u32>) -> u32 {
@@ -59,6 +62,15 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
     let w = (wg.y * nwg.x + wg.x) * WG + lid;
+    if (VEC == 1u) {
+        let q = 4u * w;
+        if (q < p.n) {
+            let x = ld4_a(q);
+            let y = ld4_b(q);
+            st4_out(q, vec4<f32>(apply(x.x, y.x), apply(x.y, y.y), apply(x.z, y.z), apply(x.w, y.w)));
+        }
+        return;
+    }
     let i = 2u * w;
     if (i >= p.n) {
         return;

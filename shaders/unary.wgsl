@@ -1,6 +1,6 @@
 // Unary elementwise op with up to two scalars `s`, `s2`; with op 0 it is a copy or a cast (x and
-// out may have different storage). Two outputs per invocation (see kernels/mod.rs). Every op
-// computes in f32 whatever the storage.
+// out may have different storage). Two outputs per invocation (see kernels/mod.rs), or four with
+// VEC. Every op computes in f32 whatever the storage.
 //
 // NaN in, NaN out, as in torch, for every op but pow with exponent 0 (which gives 1). Ops that
 // must keep NaN through a comparison test the bits: GL drivers turn `x < a ? a : x` into
@@ -20,6 +20,9 @@ const WG: u32 = 256u;
 // every case of a switch for every element (masked SIMD), so one shader holding every op made a
 // copy pay for gelu, pow and the rest: 4x the time on lavapipe.
 const OP: u32 = 0xffffffffu;
+// 1: x and out are vec4 bindings and n % 4 == 0, four elements per invocation in whole quads.
+// Specialized. lavapipe loads a storage value one lane at a time, so quads halve the loop trips.
+const VEC: u32 = 0u;
 
 fn is_nan(x: f32) -> bool {
     return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
@@ -113,6 +116,14 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
     let w = (wg.y * nwg.x + wg.x) * WG + lid;
+    if (VEC == 1u) {
+        let q = 4u * w;
+        if (q < p.n) {
+            let v = ld4_x(q);
+            st4_out(q, vec4<f32>(apply(v.x), apply(v.y), apply(v.z), apply(v.w)));
+        }
+        return;
+    }
     let i = 2u * w;
     if (i >= p.n) {
         return;

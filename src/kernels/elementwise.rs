@@ -1,7 +1,11 @@
 //! Dispatch for binary (broadcast), unary / scalar / cast, and fill kernels.
 
-use super::{assemble, pair_groups, specialize, Storage, BINARY, FILL, UNARY};
-use crate::{Result, Tensor};
+use super::{
+    assemble, pair_groups, specialize, Binding, ShaderFile, Storage, BINARY, FILL, UNARY, WG,
+};
+use crate::device::Kernel;
+use crate::{Device, Result, Tensor};
+use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum BinaryOp {
@@ -65,6 +69,48 @@ impl UnaryOp {
     }
 }
 
+/// The pipeline of an elementwise shader file: `op` specialized into OP (ops with a pipeline of
+/// their own) or switched on at run time (None), and with `vec` four elements per invocation
+/// through vec4 bindings (VEC).
+fn kernel(
+    dev: &Device,
+    file: &ShaderFile,
+    op: Option<u32>,
+    storage: &[Storage],
+    vec: bool,
+) -> Result<Arc<Kernel>> {
+    let mut key = file.name.to_string();
+    let mut consts = vec![("VEC", u32::from(vec))];
+    if let Some(op) = op {
+        key += &format!("_op{op}");
+        consts.push(("OP", op));
+    }
+    for s in storage {
+        key += "_";
+        key += s.tag();
+    }
+    if vec {
+        key += "_x4";
+    }
+    dev.kernel(&key, &[], false, || {
+        let bind: Vec<Binding> = file
+            .with_storage(storage)
+            .into_iter()
+            .map(|b| Binding { vec4: vec, ..b })
+            .collect();
+        assemble(&specialize(file.body, &consts), &bind)
+    })
+}
+
+/// Workgroups for `n` elements, four per invocation with `vec`, else two.
+fn groups(n: usize, vec: bool) -> u32 {
+    if vec {
+        (n.div_ceil(4) as u32).div_ceil(WG)
+    } else {
+        pair_groups(n)
+    }
+}
+
 /// out = a (op) b with out's shape the broadcast of both; all three share a dtype.
 pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
     let n = out.numel();
@@ -73,15 +119,10 @@ pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor) -> Resu
     }
     let dev = out.device();
     let s = Storage::of(dev, out.dtype());
-    let k = if op.has_own_pipeline() {
-        let key = format!("binary_op{}_{}", op as u32, s.tag());
-        dev.kernel(&key, &[], false, || {
-            let body = specialize(BINARY.body, &[("OP", op as u32)]);
-            assemble(&body, &BINARY.with_storage(&[s, s, s]))
-        })?
-    } else {
-        BINARY.kernel(dev, &[s, s, s])?
-    };
+    // Without broadcasting, whole quads: a row of four elements needs no index arithmetic.
+    let vec = n.is_multiple_of(4) && a.shape() == out.shape() && b.shape() == out.shape();
+    let own = op.has_own_pipeline().then_some(op as u32);
+    let k = kernel(dev, &BINARY, own, &[s, s, s], vec)?;
     let shape = out.shape();
     let mut params = vec![n as u32, op as u32, 0, 0];
     params.extend(shape.dims4());
@@ -91,7 +132,7 @@ pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor) -> Resu
         &k,
         &params,
         &[a.block(), b.block(), out.block()],
-        pair_groups(n),
+        groups(n, vec),
     )
 }
 
@@ -108,23 +149,12 @@ pub(crate) fn unary2(op: UnaryOp, x: &Tensor, s: f32, s2: f32, out: &Tensor) -> 
     }
     let dev = out.device();
     let storage = [Storage::of(dev, x.dtype()), Storage::of(dev, out.dtype())];
-    let k = if op.has_own_pipeline() {
-        // Ops past the arithmetic ones get a pipeline each (see shaders/unary.wgsl).
-        let key = format!(
-            "unary_op{}_{}_{}",
-            op as u32,
-            storage[0].tag(),
-            storage[1].tag()
-        );
-        dev.kernel(&key, &[], false, || {
-            let body = specialize(UNARY.body, &[("OP", op as u32)]);
-            assemble(&body, &UNARY.with_storage(&storage))
-        })?
-    } else {
-        UNARY.kernel(dev, &storage)?
-    };
+    let vec = n.is_multiple_of(4);
+    // Ops past the arithmetic ones get a pipeline each (see shaders/unary.wgsl).
+    let own = op.has_own_pipeline().then_some(op as u32);
+    let k = kernel(dev, &UNARY, own, &storage, vec)?;
     let params = [n as u32, op as u32, s.to_bits(), s2.to_bits()];
-    dev.dispatch(&k, &params, &[x.block(), out.block()], pair_groups(n))
+    dev.dispatch(&k, &params, &[x.block(), out.block()], groups(n, vec))
 }
 
 pub(crate) fn fill(out: &Tensor, value: f32) -> Result<()> {
@@ -180,6 +210,21 @@ mod tests {
                 let src = assemble(&specialize(BINARY.body, &[("OP", op as u32)]), &bind);
                 if let Err(e) = validate_wgsl(&src) {
                     panic!("{op:?} {bind:?}: {e}");
+                }
+            }
+        }
+        // Four elements per invocation, every storage (vec4 bindings), switched and specialized.
+        for file in [&UNARY, &BINARY] {
+            for op in [0xffffffff, 5, 12] {
+                for bind in variants(file) {
+                    let bind: Vec<Binding> = bind
+                        .into_iter()
+                        .map(|b| Binding { vec4: true, ..b })
+                        .collect();
+                    let body = specialize(file.body, &[("OP", op), ("VEC", 1)]);
+                    if let Err(e) = validate_wgsl(&assemble(&body, &bind)) {
+                        panic!("{} VEC op {op} {bind:?}: {e}", file.name);
+                    }
                 }
             }
         }

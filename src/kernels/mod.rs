@@ -80,7 +80,8 @@ fn wgsl_array_type(b: &Binding) -> &'static str {
 /// Accessors of one binding; indices are always element indices.
 /// - `ld_N(i) -> f32`, `ld4_N(i) -> vec4<f32>` (elements i..i+4; i a multiple of 4 for a vec4
 ///   binding);
-/// - if written: `st_N(i, v)`, `st2_N(w, v0, v1, n)` (elements 2w and 2w+1 if < n),
+/// - if written: `st_N(i, v)`, `st2_N(w, v0, v1, n)` (elements 2w and 2w+1 if < n; a packed
+///   vec4 binding writes the word whole, so n is even there),
 ///   `st4_N(i, v)` (elements i..i+4; i a multiple of 4, and even for packed f16).
 ///
 /// On packed f16 a 32-bit word holds two elements, so `st_N` is a read-modify-write of the word:
@@ -123,11 +124,16 @@ fn accessors(b: &Binding) -> String {
     s += &match (b.vec4, b.storage) {
         (true, Storage::F16Packed) => format!(
             "fn st4_{n}(i: u32, v: vec4<f32>) {{ {n}[i >> 2u] = vec2<u32>(pack2x16float(v.xy), pack2x16float(v.zw)); }}\n\
-             fn st_{n}(i: u32, v: f32) {{\n  var w = ld4_{n}(i & ~3u);\n  w[i & 3u] = v;\n  st4_{n}(i & ~3u, w);\n}}\n"
+             fn st_{n}(i: u32, v: f32) {{\n  var w = ld4_{n}(i & ~3u);\n  w[i & 3u] = v;\n  st4_{n}(i & ~3u, w);\n}}\n\
+             fn st2_{n}(w: u32, v0: f32, v1: f32, n: u32) {{ {n}[w >> 1u][w & 1u] = pack2x16float(vec2<f32>(v0, v1)); }}\n"
         ),
         (true, _) => format!(
             "fn st4_{n}(i: u32, v: vec4<f32>) {{ {n}[i >> 2u] = vec4<{t}>(v); }}\n\
-             fn st_{n}(i: u32, v: f32) {{ {n}[i >> 2u][i & 3u] = {t}(v); }}\n"
+             fn st_{n}(i: u32, v: f32) {{ {n}[i >> 2u][i & 3u] = {t}(v); }}\n\
+             fn st2_{n}(w: u32, v0: f32, v1: f32, n: u32) {{\n  \
+               let i = 2u * w;\n  \
+               if (i < n) {{ st_{n}(i, v0); }}\n  \
+               if (i + 1u < n) {{ st_{n}(i + 1u, v1); }}\n}}\n"
         ),
         (false, Storage::F16Packed) => format!(
             "fn st2_{n}(w: u32, v0: f32, v1: f32, n: u32) {{ {n}[w] = pack2x16float(vec2<f32>(v0, v1)); }}\n\
