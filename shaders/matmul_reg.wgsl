@@ -1,7 +1,8 @@
 // C = op(A) · op(B) (+ bias) (activation), batched over workgroup_id.z.
 // op(A) is (M, K): A is stored (M, K), or (K, M) with TRANS_A. op(B) is (K, N): B is stored
 // (K, N), or (N, K) with TRANS_B. bias is (N). C is (M, N). All f32 accumulation, k in order.
-// Parameters (binding 0) and `store4` (the fused epilogue) come from include/matmul_common.wgsl.
+// Parameters (binding 0) and `store4` (the fused epilogue) come from include/matmul_common.wgsl,
+// TRANS_A / TRANS_B / VEC_B and the loads a4, a1, b4 from include/matmul_loads.wgsl.
 //
 // Register-blocked and barrier-free: each invocation computes a TM x TN block of C straight from
 // memory, four k at a time, with no workgroup memory and no barriers. CPU adapters (lavapipe)
@@ -12,44 +13,6 @@ const TN: u32 = 4u;   // columns of C per invocation, a multiple of 4
 const TN4: u32 = 1u;  // TN / 4
 const WG_X: u32 = 16u;
 const WG_Y: u32 = 4u;
-override TRANS_A: bool = false;
-override TRANS_B: bool = false;
-// B (not transposed) rows start on 16-byte boundaries: whole vec4 loads.
-override VEC_B: bool = false;
-
-// op(A)[row, k .. k + 4]
-fn a4(base: u32, row: u32, k: u32) -> vec4<f32> {
-    if (TRANS_A) {
-        return vec4<f32>(ld_a(base + k * p.m + row), ld_a(base + (k + 1u) * p.m + row),
-                         ld_a(base + (k + 2u) * p.m + row), ld_a(base + (k + 3u) * p.m + row));
-    }
-    return ld4_a(base + row * p.k + k);
-}
-
-fn a1(base: u32, row: u32, k: u32) -> f32 {
-    if (TRANS_A) {
-        return ld_a(base + k * p.m + row);
-    }
-    return ld_a(base + row * p.k + k);
-}
-
-// op(B)[k, cols of group j], cols clamped into range.
-fn b4(base: u32, k: u32, n: u32) -> vec4<f32> {
-    if (TRANS_B) {
-        let c0 = min(n, p.n - 1u) * p.k;
-        let c1 = min(n + 1u, p.n - 1u) * p.k;
-        let c2 = min(n + 2u, p.n - 1u) * p.k;
-        let c3 = min(n + 3u, p.n - 1u) * p.k;
-        return vec4<f32>(ld_b(base + c0 + k), ld_b(base + c1 + k), ld_b(base + c2 + k), ld_b(base + c3 + k));
-    }
-    if (VEC_B) {
-        return ld4_b(base + k * p.n + min(n, p.n - 4u));
-    }
-    let r = base + k * p.n;
-    return vec4<f32>(ld_b(r + min(n, p.n - 1u)), ld_b(r + min(n + 1u, p.n - 1u)),
-                     ld_b(r + min(n + 2u, p.n - 1u)), ld_b(r + min(n + 3u, p.n - 1u)));
-}
-
 @compute @workgroup_size(WG_X, WG_Y, 1)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
     // With WG_Y = 1 the rows depend on the workgroup only, so a CPU adapter proves A's loads

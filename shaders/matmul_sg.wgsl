@@ -1,7 +1,8 @@
 // C = op(A) · op(B) (+ bias) (activation), batched over workgroup_id.z, with subgroup broadcasts.
 // op(A) is (M, K): A is stored (M, K), or (K, M) with TRANS_A. op(B) is (K, N): B is stored
 // (K, N), or (N, K) with TRANS_B. bias is (N). C is (M, N). f32 accumulation, k in order.
-// Parameters (binding 0) and `store4` (the fused epilogue) come from include/matmul_common.wgsl.
+// Parameters (binding 0) and `store4` (the fused epilogue) come from include/matmul_common.wgsl,
+// TRANS_A / TRANS_B / VEC_B and the loads a4, a1, b4 from include/matmul_loads.wgsl.
 //
 // A subgroup of SG lanes computes a TM x (SG * TN) block of C: every lane owns TN adjacent
 // columns and all TM rows. Each step of four k, lane l loads rows l, l + SG, ... of op(A)
@@ -23,28 +24,8 @@ const SG: u32 = 8u;  // lanes per subgroup: the adapter's fixed subgroup size
 const TM: u32 = 8u;  // rows per subgroup, a multiple of SG
 const TN: u32 = 4u;  // columns per lane, a multiple of 4
 const WGS: u32 = 1u; // subgroups per workgroup, stacked along M
-override TRANS_A: bool = false;
-override TRANS_B: bool = false;
-// B (not transposed) rows start on 16-byte boundaries: whole vec4 loads.
-override VEC_B: bool = false;
 // A is bound as vec4 (TRANS_A: M % 4 == 0, else K % 4 == 0; batches aligned likewise).
 override VEC_A: bool = false;
-
-// op(A)[row, k .. k + 4]
-fn a4(base: u32, row: u32, k: u32) -> vec4<f32> {
-    if (TRANS_A) {
-        return vec4<f32>(ld_a(base + k * p.m + row), ld_a(base + (k + 1u) * p.m + row),
-                         ld_a(base + (k + 2u) * p.m + row), ld_a(base + (k + 3u) * p.m + row));
-    }
-    return ld4_a(base + row * p.k + k);
-}
-
-fn a1(base: u32, row: u32, k: u32) -> f32 {
-    if (TRANS_A) {
-        return ld_a(base + k * p.m + row);
-    }
-    return ld_a(base + row * p.k + k);
-}
 
 // op(A)[m .. m + 4, k] with TRANS_A: four rows at one k, contiguous in memory. Rows past M are
 // clamped (their results are never stored).
@@ -60,22 +41,6 @@ fn at4(base: u32, k: u32, m: u32) -> vec4<f32> {
 // op(B)[k .. k + 4, n] with TRANS_B: one column at four k, contiguous in memory (k + 3 < K).
 fn bt4(base: u32, n: u32, k: u32) -> vec4<f32> {
     return ld4_b(base + min(n, p.n - 1u) * p.k + k);
-}
-
-// op(B)[k, n .. n + 4], columns clamped into range (their results are never stored).
-fn b4(base: u32, k: u32, n: u32) -> vec4<f32> {
-    if (TRANS_B) {
-        return vec4<f32>(ld_b(base + min(n, p.n - 1u) * p.k + k),
-                         ld_b(base + min(n + 1u, p.n - 1u) * p.k + k),
-                         ld_b(base + min(n + 2u, p.n - 1u) * p.k + k),
-                         ld_b(base + min(n + 3u, p.n - 1u) * p.k + k));
-    }
-    if (VEC_B) {
-        return ld4_b(base + k * p.n + min(n, p.n - 4u));
-    }
-    let r = base + k * p.n;
-    return vec4<f32>(ld_b(r + min(n, p.n - 1u)), ld_b(r + min(n + 1u, p.n - 1u)),
-                     ld_b(r + min(n + 2u, p.n - 1u)), ld_b(r + min(n + 3u, p.n - 1u)));
 }
 
 @compute @workgroup_size(SG * WGS, 1, 1)

@@ -274,6 +274,7 @@ pub const MATMUL_REG: ShaderFile = ShaderFile {
     name: "matmul_reg",
     body: concat!(
         include_str!("../../shaders/include/matmul_common.wgsl"),
+        include_str!("../../shaders/include/matmul_loads.wgsl"),
         include_str!("../../shaders/matmul_reg.wgsl")
     ),
     bindings: &[("a", false), ("b", false), ("bias", false), ("c", true)],
@@ -290,6 +291,7 @@ pub const MATMUL_SG: ShaderFile = ShaderFile {
     name: "matmul_sg",
     body: concat!(
         include_str!("../../shaders/include/matmul_common.wgsl"),
+        include_str!("../../shaders/include/matmul_loads.wgsl"),
         include_str!("../../shaders/matmul_sg.wgsl")
     ),
     bindings: &[("a", false), ("b", false), ("bias", false), ("c", true)],
