@@ -372,7 +372,7 @@ impl Device {
         if adapter.features().contains(wgpu::Features::SHADER_F16) {
             features |= wgpu::Features::SHADER_F16;
         }
-        // Subgroup operations, for the subgroup matmul variant.
+        // Subgroup operations, for the subgroup matmul and softmax kernels.
         if adapter.features().contains(wgpu::Features::SUBGROUP) {
             features |= wgpu::Features::SUBGROUP;
         }
