@@ -10,8 +10,9 @@ use common::*;
 use fitgrad::optim::{AdamW, Optimizer, OptimizerState, Sgd};
 use fitgrad::{DType, DeviceOptions, Error, Tensor};
 
-/// Parameter shapes of every case: one element, odd, 1000+, 2-D, empty.
-const SHAPES: [&[usize]; 5] = [&[1], &[7], &[1025], &[3, 5], &[0]];
+/// Parameter shapes of every case: one element, odd, 1000+, 2-D, empty, and multiples of 4
+/// (updated four elements per invocation).
+const SHAPES: [&[usize]; 7] = [&[1], &[7], &[1025], &[3, 5], &[0], &[4], &[12, 20]];
 const STEPS: u64 = 4;
 /// The parameter that gets no gradient on odd steps.
 const SOMETIMES: usize = 1;

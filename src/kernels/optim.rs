@@ -1,7 +1,7 @@
 //! Dispatch for the fused optimizer updates (shaders/optim.wgsl): one kernel per parameter per
 //! step, updating the parameter and its state in place. Nothing is allocated here.
 
-use super::{assemble, pair_groups, specialize, Storage, OPTIM};
+use super::{assemble, pair_groups, specialize, Binding, Storage, OPTIM, WG};
 use crate::{Result, Tensor};
 
 /// One SGD update (torch.optim.SGD).
@@ -144,23 +144,39 @@ fn dispatch(
     }
     let dev = p.device();
     let storage = [p, g, m, v].map(|t| Storage::of(dev, t.dtype()));
+    // Whole quads where the element count allows (every block starts 256-byte aligned).
+    let vec = n.is_multiple_of(4);
     let key = format!(
-        "optim_k{}_{}_{}_{}_{}",
+        "optim_k{}_{}_{}_{}_{}{}",
         kind as u32,
         storage[0].tag(),
         storage[1].tag(),
         storage[2].tag(),
-        storage[3].tag()
+        storage[3].tag(),
+        if vec { "_x4" } else { "" }
     );
     let k = dev.kernel(&key, &[], false, || {
-        let body = specialize(OPTIM.body, &[("KIND", kind as u32)]);
-        assemble(&body, &OPTIM.with_storage(&storage))
+        let body = specialize(
+            OPTIM.body,
+            &[("KIND", kind as u32), ("VEC", u32::from(vec))],
+        );
+        let bind: Vec<Binding> = OPTIM
+            .with_storage(&storage)
+            .into_iter()
+            .map(|b| Binding { vec4: vec, ..b })
+            .collect();
+        assemble(&body, &bind)
     })?;
+    let groups = if vec {
+        (n.div_ceil(4) as u32).div_ceil(WG)
+    } else {
+        pair_groups(n)
+    };
     dev.dispatch(
         &k,
         &params.words(n),
         &[p.block(), g.block(), m.block(), v.block()],
-        pair_groups(n),
+        groups,
     )
 }
 
@@ -178,11 +194,21 @@ mod tests {
         combos.push([F32, F16, F32, F32]);
         combos.push([F32, F16Packed, F32, F32]);
         for kind in [Kind::Sgd, Kind::AdamW, Kind::SgdMomentum] {
-            let body = specialize(OPTIM.body, &[("KIND", kind as u32)]);
-            assert!(body.contains(&format!("const KIND: u32 = {}u;", kind as u32)));
-            for st in &combos {
-                if let Err(e) = validate_wgsl(&assemble(&body, &OPTIM.with_storage(st))) {
-                    panic!("{kind:?} {st:?}: {e}");
+            for vec in [0, 1] {
+                let body = specialize(OPTIM.body, &[("KIND", kind as u32), ("VEC", vec)]);
+                assert!(body.contains(&format!("const KIND: u32 = {}u;", kind as u32)));
+                for st in &combos {
+                    let bind: Vec<Binding> = OPTIM
+                        .with_storage(st)
+                        .into_iter()
+                        .map(|b| Binding {
+                            vec4: vec == 1,
+                            ..b
+                        })
+                        .collect();
+                    if let Err(e) = validate_wgsl(&assemble(&body, &bind)) {
+                        panic!("{kind:?} {st:?} VEC {vec}: {e}");
+                    }
                 }
             }
         }
