@@ -494,6 +494,13 @@ impl Device {
         list.into_iter().map(|(_, s)| s).collect()
     }
 
+    /// Whether this device is in planning mode (see `Device::planning`): allocations are
+    /// counted but nothing runs, and readbacks return zeros. Code with host-side state that a
+    /// step advances (a dropout call counter) leaves it alone while planning.
+    pub fn is_planning(&self) -> bool {
+        false
+    }
+
     pub fn info(&self) -> &DeviceInfo {
         &self.inner.info
     }

@@ -26,6 +26,10 @@ pub trait Module {
             .collect()
     }
 
+    /// Switches training behaviour (dropout) on or off, like torch's `train()` / `eval()`.
+    /// Containers pass it to every child; layers without such behaviour ignore it.
+    fn set_training(&self, _training: bool) {}
+
     /// Drops every parameter's gradient.
     fn zero_grad(&self) {
         for p in self.parameters() {

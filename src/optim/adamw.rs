@@ -101,6 +101,17 @@ fn in_unit(b: f32) -> bool {
 }
 
 impl Optimizer for AdamW {
+    fn fresh(&self) -> Box<dyn Optimizer> {
+        let n = self.params.len();
+        Box::new(Self {
+            params: self.params.clone(),
+            moments: (0..n).map(|_| None).collect(),
+            param_steps: vec![0; n],
+            steps: 0,
+            ..*self
+        })
+    }
+
     fn name(&self) -> &'static str {
         "adamw"
     }

@@ -36,8 +36,9 @@ pub use sgd::Sgd;
 
 use crate::{Error, Result, Tensor};
 
-/// An optimizer over a fixed list of parameters.
-pub trait Optimizer {
+/// An optimizer over a fixed list of parameters. `Send`, so an application can train on a
+/// worker thread.
+pub trait Optimizer: Send {
     /// "sgd" or "adamw" (reports, the memory planner).
     fn name(&self) -> &'static str;
     /// Whether the optimizer keeps a state tensor per parameter beyond AdamW's two moments
@@ -74,6 +75,9 @@ pub trait Optimizer {
     /// Restores a state taken from an optimizer over parameters of the same shapes. The tensors
     /// are adopted, not copied: later steps update them in place.
     fn load_state(&mut self, state: OptimizerState) -> Result<()>;
+    /// The same optimizer (parameters, hyperparameters, learning rate) without any state and
+    /// at step 0: the planner runs a step with it, so the real state is left alone.
+    fn fresh(&self) -> Box<dyn Optimizer>;
 }
 
 /// What a checkpoint saves of an optimizer besides its hyperparameters.

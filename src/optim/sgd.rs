@@ -117,6 +117,17 @@ impl Sgd {
 }
 
 impl Optimizer for Sgd {
+    fn fresh(&self) -> Box<dyn Optimizer> {
+        let n = self.params.len();
+        Box::new(Self {
+            params: self.params.clone(),
+            bufs: (0..n).map(|_| None).collect(),
+            param_steps: vec![0; n],
+            steps: 0,
+            ..*self
+        })
+    }
+
     fn name(&self) -> &'static str {
         "sgd"
     }
