@@ -5,11 +5,10 @@
 //! the device memory went. `--help` lists the flags; `--json` ends stdout with one JSON object.
 
 use clap::Parser;
-use fitgrad::memory::plan::Precision;
 use fitgrad::nn::{Act, Mlp, Module};
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
 use fitgrad::train::data;
-use fitgrad::train::{reserved_estimate, Trainer, TrainerConfig};
+use fitgrad::train::{Precision, Trainer, TrainerConfig};
 use fitgrad::{Bytes, DType, Device, DeviceOptions};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::process::ExitCode;
@@ -165,7 +164,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
     };
     let mut trainer = Trainer::new(model, optimizer, config)?;
     if let Some(b) = budget {
-        let micro = trainer.fit_to_budget(b)?;
+        let micro = trainer.fit_to_budget(&train, b)?;
         println!(
             "memory budget {}: micro-batch {micro} of {} ({} accumulated micro-batches per step)",
             Bytes(b),
@@ -173,18 +172,19 @@ fn run(args: Args) -> fitgrad::Result<()> {
             args.batch_size.div_ceil(micro) * args.accum_steps
         );
     }
-    let plan = trainer.plan();
+    let planning = Instant::now();
+    let plan = trainer.plan(&train)?;
     if args.plan {
         print!("{plan}");
         println!(
-            "  reserved estimate {:>12}  (with the arena's rounding and reuse holes)",
-            Bytes(reserved_estimate(&plan))
+            "  (planned by running the step on the device's planning mode in {:.0} ms)",
+            planning.elapsed().as_secs_f64() * 1e3
         );
         return Ok(());
     }
     if args.prealloc {
-        device.reserve(reserved_estimate(&plan))?;
-        println!("reserved {} up front", Bytes(reserved_estimate(&plan)));
+        let reserved = trainer.prealloc(&train)?;
+        println!("reserved {} up front", Bytes(reserved));
     }
     println!(
         "model: MLP {widths:?} ({} parameters), {}, {}, batch {} x {} accumulation steps{}",
@@ -241,7 +241,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
         let epoch_start = Instant::now();
         let mut samples = 0usize;
         let eff = args.batch_size * args.accum_steps;
-        let on_step = |t: &mut Trainer, done: usize, total: usize| {
+        let on_step = |t: &mut Trainer<Mlp>, done: usize, total: usize| {
             samples = (done * eff).min(train.len());
             bar.set_position(done as u64);
             // A readback every 10 steps keeps the GPU busy between them.
@@ -279,13 +279,19 @@ fn run(args: Args) -> fitgrad::Result<()> {
     } else {
         1024
     };
-    let (test_loss, test_accuracy) = trainer.evaluate(&test, eval_batch)?;
+    let eval = trainer.evaluate(&test, eval_batch)?;
+    let (test_loss, test_accuracy) = (eval.loss, eval.accuracy.unwrap_or(f32::NAN));
     println!(
         "test: loss {test_loss:.4}, accuracy {:.2}% ({:.1} s training, {samples_per_s:.0} samples/s)",
         100.0 * test_accuracy,
         train_secs
     );
     println!("\n{summary}");
+    println!(
+        "planned peak in use {} / measured {}",
+        Bytes(plan.peak),
+        Bytes(summary.stats.peak_bytes_in_use)
+    );
     println!("{}", device.memory_report());
 
     if args.json {
@@ -305,6 +311,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
             "checkpoint_activations": args.checkpoint_activations,
             "memory_budget": budget,
             "planned_peak_bytes": plan.peak,
+            "planned_peak_reserved": plan.peak_reserved,
             "skipped_steps": trainer.scaler().map_or(0, |s| s.skipped_steps()),
             "seed": args.seed,
             "final_loss": final_loss,

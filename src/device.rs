@@ -8,10 +8,11 @@
 //! vector is written with one `write_buffer` just before the submit, so a batch of a few hundred
 //! ops costs one upload and one submit.
 
-use crate::memory::{Arena, Block, MemoryStats};
+use crate::memory::{Arena, Block, Category, MemoryStats};
 use crate::{Error, Result};
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Dispatches recorded before the pending encoder is submitted on its own. Large enough that
@@ -270,9 +271,10 @@ struct Pending {
 }
 
 /// A compiled kernel and the layout of its bind group (binding 0 = parameters, then tensors).
+/// While planning, kernels that were never compiled are stand-ins with only a name.
 pub(crate) struct Kernel {
-    pub pipeline: wgpu::ComputePipeline,
-    pub layout: wgpu::BindGroupLayout,
+    pub name: String,
+    pub compiled: Option<(wgpu::ComputePipeline, wgpu::BindGroupLayout)>,
 }
 
 pub(crate) struct DeviceInner {
@@ -280,6 +282,11 @@ pub(crate) struct DeviceInner {
     pub queue: wgpu::Queue,
     info: DeviceInfo,
     pub arena: Mutex<Arena>,
+    /// The planning arena while a [`PlanScope`] is open: every allocation goes there.
+    plan: Mutex<Option<Arena>>,
+    planning: AtomicBool,
+    /// Plans opened so far (a planning arena's blocks carry its number).
+    plans: AtomicU32,
     pending: Mutex<Pending>,
     kernels: Mutex<HashMap<String, Arc<Kernel>>>,
     /// Matmul autotuner winners for this adapter.
@@ -464,6 +471,9 @@ impl Device {
                 queue,
                 info,
                 arena: Mutex::new(arena),
+                plan: Mutex::new(None),
+                planning: AtomicBool::new(false),
+                plans: AtomicU32::new(0),
                 pending: Mutex::new(Pending {
                     encoder: None,
                     dispatches: 0,
@@ -498,7 +508,67 @@ impl Device {
     /// counted but nothing runs, and readbacks return zeros. Code with host-side state that a
     /// step advances (a dropout call counter) leaves it alone while planning.
     pub fn is_planning(&self) -> bool {
-        false
+        self.inner.planning.load(Ordering::Acquire)
+    }
+
+    /// Opens planning mode: until the scope drops, every allocation goes through a copy of the
+    /// arena (same segments, free ranges, rounding, reuse and budget) that creates no buffer;
+    /// no kernel is compiled or recorded, nothing is uploaded, readbacks return zeros, and
+    /// matmuls are not autotuned. Running a step inside it gives that step's exact peak. The
+    /// device is the planner's alone meanwhile: work from other threads is not run either.
+    pub fn planning(&self) -> Result<PlanScope> {
+        self.flush()?;
+        let mut plan = lock(&self.inner.plan);
+        if plan.is_some() {
+            return Err(Error::InvalidArgument {
+                op: "Device::planning",
+                reason: "this device is already planning".into(),
+            });
+        }
+        let id = self.inner.plans.fetch_add(1, Ordering::AcqRel) + 1;
+        *plan = Some(lock(&self.inner.arena).planning_copy(id));
+        self.inner.planning.store(true, Ordering::Release);
+        Ok(PlanScope {
+            device: self.clone(),
+        })
+    }
+
+    /// Runs `f` on the arena allocations go to now: the planning one inside a plan.
+    fn with_arena<R>(&self, f: impl FnOnce(&mut Arena) -> R) -> R {
+        if self.is_planning() {
+            if let Some(a) = lock(&self.inner.plan).as_mut() {
+                return f(a);
+            }
+        }
+        f(&mut lock(&self.inner.arena))
+    }
+
+    /// Sets what new allocations count as ([`MemoryStats::in_use_by_category`]) until the
+    /// guard drops.
+    pub fn category_scope(&self, cat: Category) -> CategoryScope {
+        let prev = self.with_arena(|a| a.set_category(cat));
+        CategoryScope {
+            device: self.clone(),
+            prev,
+        }
+    }
+
+    /// Counts `tensor`'s memory as `cat` from now on.
+    pub fn retag(&self, tensor: &crate::Tensor, cat: Category) {
+        let block = tensor.block();
+        lock(&self.inner.arena).retag(block, cat);
+        if let Some(a) = lock(&self.inner.plan).as_mut() {
+            a.retag(block, cat);
+        }
+    }
+
+    /// Names the phase of a step (`"forward"`, `"backward"`, ...) that the peak's op is
+    /// reported with, until the guard drops.
+    pub fn phase_scope(&self, phase: &'static str) -> PhaseScope {
+        self.with_arena(|a| a.set_phase(Some(phase)));
+        PhaseScope {
+            device: self.clone(),
+        }
     }
 
     pub fn info(&self) -> &DeviceInfo {
@@ -526,6 +596,7 @@ impl Device {
 
     // ---- memory ----
 
+    /// The arena's statistics (the real arena's, even while planning).
     pub fn memory_stats(&self) -> MemoryStats {
         lock(&self.inner.arena).stats()
     }
@@ -565,7 +636,8 @@ impl Device {
 
     /// Preallocates `bytes` so allocations up to that total create no buffers.
     pub fn reserve(&self, bytes: u64) -> Result<()> {
-        lock(&self.inner.arena).reserve(&self.inner.device, bytes)
+        let dev = &self.inner.device;
+        self.with_arena(|a| a.reserve(dev, bytes))
     }
 
     /// Sets or clears the hard memory budget. Lowering it below what is reserved frees cached
@@ -575,11 +647,29 @@ impl Device {
     }
 
     pub(crate) fn alloc(&self, bytes: u64) -> Result<Block> {
-        lock(&self.inner.arena).alloc(&self.inner.device, bytes)
+        let dev = &self.inner.device;
+        self.with_arena(|a| a.alloc(dev, bytes))
     }
 
     pub(crate) fn free(&self, block: &Block) {
-        lock(&self.inner.arena).free(block);
+        // A real block freed while planning leaves both arenas; a planned one only its own.
+        if block.plan_id == 0 {
+            lock(&self.inner.arena).free(block);
+        }
+        if let Some(a) = lock(&self.inner.plan).as_mut() {
+            a.free(block);
+        }
+    }
+
+    /// While planning: the op now being recorded names a pending peak, and nothing runs.
+    fn planned_op(&self, name: &str) -> bool {
+        if !self.is_planning() {
+            return false;
+        }
+        if let Some(a) = lock(&self.inner.plan).as_mut() {
+            a.name_peak(name);
+        }
+        true
     }
 
     // ---- kernels ----
@@ -597,6 +687,13 @@ impl Device {
     ) -> Result<Arc<Kernel>> {
         if let Some(k) = lock(&self.inner.kernels).get(key) {
             return Ok(k.clone());
+        }
+        if self.is_planning() {
+            // A stand-in, not cached: the real run compiles it.
+            return Ok(Arc::new(Kernel {
+                name: key.to_string(),
+                compiled: None,
+            }));
         }
         let dev = &self.inner.device;
         let scope = dev.push_error_scope(wgpu::ErrorFilter::Validation);
@@ -630,7 +727,10 @@ impl Device {
             return Err(Error::Gpu(format!("kernel {key}: {e}")));
         }
         let layout = pipeline.get_bind_group_layout(0);
-        let k = Arc::new(Kernel { pipeline, layout });
+        let k = Arc::new(Kernel {
+            name: key.to_string(),
+            compiled: Some((pipeline, layout)),
+        });
         lock(&self.inner.kernels).insert(key.to_string(), k.clone());
         Ok(k)
     }
@@ -665,9 +765,18 @@ impl Device {
         tensors: &[&Block],
         groups: [u32; 3],
     ) -> Result<()> {
-        if groups.contains(&0) {
+        if groups.contains(&0) || self.planned_op(&kernel.name) {
             return Ok(());
         }
+        let (Some((pipeline, layout)), Some(buffers)) = (
+            kernel.compiled.as_ref(),
+            tensors
+                .iter()
+                .map(|b| b.buffer.as_ref())
+                .collect::<Option<Vec<_>>>(),
+        ) else {
+            return Err(planned_outside_plan());
+        };
         if let Some(&g) = groups.iter().find(|&&g| g > MAX_GROUPS_PER_DIM) {
             return Err(Error::Limit {
                 op: "dispatch",
@@ -699,11 +808,11 @@ impl Device {
                 size: wgpu::BufferSize::new(binding_size),
             }),
         }];
-        for (i, b) in tensors.iter().enumerate() {
+        for (i, (b, buffer)) in tensors.iter().zip(&buffers).enumerate() {
             entries.push(wgpu::BindGroupEntry {
                 binding: i as u32 + 1,
                 resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-                    buffer: &b.buffer,
+                    buffer,
                     offset: b.offset,
                     size: wgpu::BufferSize::new(b.size),
                 }),
@@ -711,7 +820,7 @@ impl Device {
         }
         let bind_group = inner.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: None,
-            layout: &kernel.layout,
+            layout,
             entries: &entries,
         });
         let encoder = pending.encoder.get_or_insert_with(|| {
@@ -726,7 +835,7 @@ impl Device {
                 label: None,
                 timestamp_writes: None,
             });
-            pass.set_pipeline(&kernel.pipeline);
+            pass.set_pipeline(pipeline);
             pass.set_bind_group(0, &bind_group, &[]);
             pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
         }
@@ -738,7 +847,13 @@ impl Device {
     }
 
     /// Records a copy of `bytes` bytes (a multiple of 4) between blocks.
-    pub(crate) fn copy(&self, src: &Block, dst: &Block, bytes: u64) {
+    pub(crate) fn copy(&self, src: &Block, dst: &Block, bytes: u64) -> Result<()> {
+        if self.planned_op("copy") {
+            return Ok(());
+        }
+        let (Some(sb), Some(db)) = (&src.buffer, &dst.buffer) else {
+            return Err(planned_outside_plan());
+        };
         let mut pending = lock(&self.inner.pending);
         let dev = &self.inner.device;
         pending
@@ -748,11 +863,18 @@ impl Device {
                     label: Some("fitgrad ops"),
                 })
             })
-            .copy_buffer_to_buffer(&src.buffer, src.offset, &dst.buffer, dst.offset, bytes);
+            .copy_buffer_to_buffer(sb, src.offset, db, dst.offset, bytes);
+        Ok(())
     }
 
     /// Records a zero fill of a block.
-    pub(crate) fn clear(&self, block: &Block) {
+    pub(crate) fn clear(&self, block: &Block) -> Result<()> {
+        if self.planned_op("clear") {
+            return Ok(());
+        }
+        let Some(buffer) = &block.buffer else {
+            return Err(planned_outside_plan());
+        };
         let mut pending = lock(&self.inner.pending);
         let dev = &self.inner.device;
         pending
@@ -762,7 +884,8 @@ impl Device {
                     label: Some("fitgrad ops"),
                 })
             })
-            .clear_buffer(&block.buffer, block.offset, Some(block.size));
+            .clear_buffer(buffer, block.offset, Some(block.size));
+        Ok(())
     }
 
     /// Submits everything recorded so far (without waiting).
@@ -797,6 +920,12 @@ impl Device {
 
     /// Writes host bytes into a block.
     pub(crate) fn upload(&self, block: &Block, data: &[u8]) -> Result<()> {
+        if self.planned_op("upload") {
+            return Ok(());
+        }
+        let Some(buffer) = &block.buffer else {
+            return Err(planned_outside_plan());
+        };
         // `write_buffer` lands before the *next* submit. Pending work recorded earlier may read
         // the previous owner of this block, so that work must be submitted first.
         self.flush()?;
@@ -804,7 +933,7 @@ impl Device {
         if len > 0 {
             self.inner
                 .queue
-                .write_buffer(&block.buffer, block.offset, &data[..len]);
+                .write_buffer(buffer, block.offset, &data[..len]);
         }
         if len < data.len() {
             // wgpu writes whole 4-byte words; pad the tail (an odd count of f16).
@@ -812,7 +941,7 @@ impl Device {
             tail[..data.len() - len].copy_from_slice(&data[len..]);
             self.inner
                 .queue
-                .write_buffer(&block.buffer, block.offset + len as u64, &tail);
+                .write_buffer(buffer, block.offset + len as u64, &tail);
         }
         Ok(())
     }
@@ -822,6 +951,12 @@ impl Device {
         if bytes == 0 {
             return Ok(Vec::new());
         }
+        if self.planned_op("readback") {
+            return Ok(vec![0; bytes as usize]);
+        }
+        let Some(buffer) = &block.buffer else {
+            return Err(planned_outside_plan());
+        };
         let size = bytes.div_ceil(4) * 4;
         let inner = &*self.inner;
         let mut staging = lock(&inner.staging);
@@ -844,7 +979,7 @@ impl Device {
                         label: Some("fitgrad ops"),
                     })
                 })
-                .copy_buffer_to_buffer(&block.buffer, block.offset, staging, 0, size);
+                .copy_buffer_to_buffer(buffer, block.offset, staging, 0, size);
             self.submit(&mut pending)?;
         }
         let (tx, rx) = std::sync::mpsc::channel();
@@ -871,6 +1006,86 @@ impl Device {
 
     pub(crate) fn f16_native(&self) -> bool {
         self.inner.info.f16_native
+    }
+}
+
+/// The error for a tensor made while planning that is used for real after the plan ended.
+fn planned_outside_plan() -> Error {
+    Error::InvalidArgument {
+        op: "device",
+        reason: "a tensor created while planning has no device memory and cannot be used after the plan"
+            .into(),
+    }
+}
+
+/// Planning mode of a [`Device`] (see [`Device::planning`]); it ends when this drops.
+pub struct PlanScope {
+    device: Device,
+}
+
+impl PlanScope {
+    /// The planning arena's statistics: peaks since the plan began (in use, reserved, by
+    /// category, the peak's op), allocations, the segments it would have created.
+    pub fn stats(&self) -> MemoryStats {
+        lock(&self.device.inner.plan)
+            .as_ref()
+            .map(Arena::stats)
+            .unwrap_or_default()
+    }
+
+    /// Makes the plan's peaks start from what is in use now.
+    pub fn reset_peak(&self) {
+        if let Some(a) = lock(&self.device.inner.plan).as_mut() {
+            a.reset_peak();
+            a.set_phase(None);
+        }
+    }
+
+    /// Leaves `tensor` out of the plan: the planning arena frees its block (the real tensor
+    /// lives on). The planner sets the optimizer's real state aside this way.
+    pub fn forget(&self, tensor: &crate::Tensor) {
+        if let Some(a) = lock(&self.device.inner.plan).as_mut() {
+            a.free(tensor.block());
+        }
+    }
+
+    /// Sets the budget the planning arena enforces (it starts with the device's).
+    pub fn set_budget(&self, budget: Option<u64>) {
+        if let Some(a) = lock(&self.device.inner.plan).as_mut() {
+            a.set_budget(budget);
+        }
+    }
+}
+
+impl Drop for PlanScope {
+    fn drop(&mut self) {
+        self.device.inner.planning.store(false, Ordering::Release);
+        *lock(&self.device.inner.plan) = None;
+    }
+}
+
+/// Restores the previous allocation category when dropped (see [`Device::category_scope`]).
+#[must_use = "the category applies only while the guard lives"]
+pub struct CategoryScope {
+    device: Device,
+    prev: Category,
+}
+
+impl Drop for CategoryScope {
+    fn drop(&mut self) {
+        self.device.with_arena(|a| a.set_category(self.prev));
+    }
+}
+
+/// Clears the phase when dropped (see [`Device::phase_scope`]).
+#[must_use = "the phase applies only while the guard lives"]
+pub struct PhaseScope {
+    device: Device,
+}
+
+impl Drop for PhaseScope {
+    fn drop(&mut self) {
+        self.device.with_arena(|a| a.set_phase(None));
     }
 }
 

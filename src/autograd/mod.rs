@@ -193,7 +193,10 @@ impl Node {
             None => {
                 let d = g.detach();
                 drop(g);
-                *slot = Some(if d.storage_is_unique() { d } else { d.copy()? });
+                let kept = if d.storage_is_unique() { d } else { d.copy()? };
+                kept.device()
+                    .retag(&kept, crate::memory::Category::Gradients);
+                *slot = Some(kept);
             }
         }
         Ok(())

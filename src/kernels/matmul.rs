@@ -474,6 +474,15 @@ pub(crate) fn select(
     if pb.batch * pb.m * pb.n * pb.k * 2 < TUNE_MIN_FLOPS || !autotune::enabled() {
         return Ok(fallback);
     }
+    if dev.is_planning() {
+        // No timing while planning: a cached winner or the built-in choice.
+        let class = class_key(dev, pb, a);
+        let path = autotune::cache_path(dev.info());
+        if let Some(v) = lock(&dev.inner.tune).get(path.as_ref(), &class) {
+            return Ok(v);
+        }
+        return Ok(fallback);
+    }
     let class = class_key(dev, pb, a);
     let path = autotune::cache_path(dev.info());
     if let Some(v) = lock(&dev.inner.tune).get(path.as_ref(), &class) {

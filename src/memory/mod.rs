@@ -15,13 +15,12 @@
 //! The optional budget is checked *before* the driver is asked: when a new segment would pass it,
 //! the arena first drops its fully free segments, then returns [`Error::OutOfMemory`].
 
-pub mod plan;
 mod report;
 
-pub use report::MemoryStats;
+pub use report::{ByCategory, Category, MemoryStats};
 
 use crate::{Error, Result};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 /// Offsets and sizes of blocks are multiples of this (wgpu's maximum storage offset alignment).
@@ -36,14 +35,27 @@ pub const LARGE_ROUND: u64 = 64 << 10;
 /// A range of a segment owned by one tensor.
 #[derive(Debug, Clone)]
 pub(crate) struct Block {
-    pub buffer: Arc<wgpu::Buffer>,
+    /// The segment's buffer; `None` for a block handed out while planning (no buffer exists).
+    pub buffer: Option<Arc<wgpu::Buffer>>,
     pub segment: usize,
     pub offset: u64,
     pub size: u64,
+    /// 0 for a real block; else the number of the plan whose arena made it (freed there,
+    /// never bound to a kernel).
+    pub plan_id: u32,
 }
 
+impl Block {
+    /// Whether both blocks are ranges of one segment (wgpu cannot copy a buffer onto itself).
+    pub fn same_segment(&self, other: &Block) -> bool {
+        self.plan_id == other.plan_id && self.segment == other.segment
+    }
+}
+
+#[derive(Clone)]
 struct Segment {
-    buffer: Arc<wgpu::Buffer>,
+    /// `None` in a planning arena's own segments.
+    buffer: Option<Arc<wgpu::Buffer>>,
     size: u64,
     /// Free ranges: offset -> length, never adjacent (merged on free).
     free: BTreeMap<u64, u64>,
@@ -92,8 +104,20 @@ impl Segment {
     }
 }
 
+#[derive(Clone)]
 pub(crate) struct Arena {
     segments: Vec<Option<Segment>>,
+    /// Nonzero in a planning arena, which creates no buffers: its segments are bookkeeping
+    /// only, and its blocks carry this number.
+    plan_id: u32,
+    /// The phase of the step being recorded, for naming the peak.
+    phase: Option<&'static str>,
+    /// Category of every live block, by (segment, offset).
+    live: HashMap<(usize, u64), Category>,
+    /// What new blocks count as (set by the trainer and the planner around each phase).
+    category: Category,
+    /// Set when a new in-use peak is reached; the next recorded op names it.
+    peak_unnamed: bool,
     budget: Option<u64>,
     /// Largest single buffer the adapter can create.
     max_buffer_size: u64,
@@ -113,6 +137,11 @@ impl Arena {
     pub fn new(max_buffer_size: u64, max_binding_size: u64, budget: Option<u64>) -> Self {
         Arena {
             segments: Vec::new(),
+            plan_id: 0,
+            phase: None,
+            live: HashMap::new(),
+            category: Category::default(),
+            peak_unnamed: false,
             budget,
             max_buffer_size,
             max_binding_size: max_binding_size.min(max_buffer_size),
@@ -122,6 +151,61 @@ impl Arena {
             },
             fail_after: None,
         }
+    }
+
+    /// A planning copy of this arena: the same segments, free ranges, live blocks, budget and
+    /// statistics, but new segments get no buffer. Blocks it hands out carry `plan_id`.
+    pub fn planning_copy(&self, plan_id: u32) -> Arena {
+        let mut a = self.clone();
+        a.plan_id = plan_id;
+        a.fail_after = None;
+        a.reset_peak();
+        a.stats.peak_op = None;
+        a
+    }
+
+    /// Sets the category of blocks allocated from now on; returns the previous one.
+    pub fn set_category(&mut self, cat: Category) -> Category {
+        std::mem::replace(&mut self.category, cat)
+    }
+
+    /// Counts a live block as `cat` from now on (a gradient that a leaf adopts, a model's
+    /// parameters). Blocks this arena does not hold are ignored.
+    pub fn retag(&mut self, block: &Block, cat: Category) {
+        if let Some(old) = self.live.get_mut(&(block.segment, block.offset)) {
+            let sizes = &mut self.stats.in_use_by_category;
+            sizes.sub(*old, block.size);
+            sizes.add(cat, block.size);
+            *old = cat;
+        }
+    }
+
+    /// Names the current in-use peak after `op` if no op has named it yet (the op being
+    /// recorded when the peak's last block was allocated).
+    pub fn name_peak(&mut self, op: &str) {
+        if self.peak_unnamed {
+            self.peak_unnamed = false;
+            self.stats.peak_op = Some(match self.phase {
+                Some(p) => format!("{op} ({p})"),
+                None => op.to_string(),
+            });
+        }
+    }
+
+    /// Sets the phase named with the peak (`"forward"`, `"backward"`, `"optimizer step"`).
+    pub fn set_phase(&mut self, phase: Option<&'static str>) {
+        self.phase = phase;
+    }
+
+    /// Whether this is a planning arena.
+    pub fn is_planning(&self) -> bool {
+        self.plan_id != 0
+    }
+
+    /// Whether this arena handed out `block` (a real arena: real blocks; a planning arena: its
+    /// own, and the real ones it was copied with).
+    pub fn owns(&self, block: &Block) -> bool {
+        block.plan_id == 0 || block.plan_id == self.plan_id
     }
 
     /// Makes the allocation after `n` more fail with `OutOfMemory`, once.
@@ -150,6 +234,7 @@ impl Arena {
     pub fn reset_peak(&mut self) {
         self.stats.peak_bytes_in_use = self.stats.bytes_in_use;
         self.stats.peak_bytes_reserved = self.stats.bytes_reserved;
+        self.stats.peak_by_category = self.stats.in_use_by_category;
     }
 
     /// Bytes a request of `bytes` really takes from a segment.
@@ -234,6 +319,15 @@ impl Arena {
     }
 
     pub fn free(&mut self, block: &Block) {
+        if !self.owns(block) {
+            return;
+        }
+        let Some(cat) = self.live.remove(&(block.segment, block.offset)) else {
+            // A block this arena never handed out: a planned block dropped after its plan
+            // ended, or a real block the planning copy already freed.
+            return;
+        };
+        self.stats.in_use_by_category.sub(cat, block.size);
         let seg = self.segments[block.segment]
             .as_mut()
             .expect("a block outlived its segment");
@@ -307,13 +401,21 @@ impl Arena {
             seg.free.insert(off + size, len - size);
         }
         seg.used += size;
+        let buffer = seg.buffer.clone();
+        self.live.insert((seg_idx, off), self.category);
+        self.stats.in_use_by_category.add(self.category, size);
         self.stats.bytes_in_use += size;
-        self.stats.peak_bytes_in_use = self.stats.peak_bytes_in_use.max(self.stats.bytes_in_use);
+        if self.stats.bytes_in_use > self.stats.peak_bytes_in_use {
+            self.stats.peak_bytes_in_use = self.stats.bytes_in_use;
+            self.stats.peak_by_category = self.stats.in_use_by_category;
+            self.peak_unnamed = true;
+        }
         Block {
-            buffer: seg.buffer.clone(),
+            buffer,
             segment: seg_idx,
             offset: off,
             size,
+            plan_id: self.plan_id,
         }
     }
 
@@ -328,21 +430,26 @@ impl Arena {
 
     /// Creates a segment, turning a driver out-of-memory into [`Error::OutOfMemory`].
     fn create_segment(&mut self, device: &wgpu::Device, size: u64, pool: Pool) -> Result<usize> {
-        let scope = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
-        let buffer = device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("fitgrad arena segment"),
-            size,
-            usage: wgpu::BufferUsages::STORAGE
-                | wgpu::BufferUsages::COPY_SRC
-                | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        if pollster::block_on(scope.pop()).is_some() {
-            self.stats.oom_errors += 1;
-            return Err(self.oom(size));
-        }
+        let buffer = if self.is_planning() {
+            None
+        } else {
+            let scope = device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+            let buffer = device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("fitgrad arena segment"),
+                size,
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_SRC
+                    | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            if pollster::block_on(scope.pop()).is_some() {
+                self.stats.oom_errors += 1;
+                return Err(self.oom(size));
+            }
+            Some(Arc::new(buffer))
+        };
         let seg = Segment {
-            buffer: Arc::new(buffer),
+            buffer,
             size,
             free: BTreeMap::from([(0, size)]),
             used: 0,

@@ -28,6 +28,77 @@ pub struct MemoryStats {
     /// The largest free range in any segment (what one more tensor could get without a new buffer).
     pub largest_free_block: u64,
     pub budget: Option<u64>,
+    /// Bytes in use now, by what they hold.
+    pub in_use_by_category: ByCategory,
+    /// What the bytes in use held at the in-use peak.
+    pub peak_by_category: ByCategory,
+    /// The kernel (or copy) being recorded when the in-use peak was reached, with the phase
+    /// of the step where one was set (`"matmul_reg_f32_f32_f32_f32 (backward)"`).
+    pub peak_op: Option<String>,
+}
+
+/// What a block of device memory holds. The trainer and the planner set it around each phase
+/// of a step; a gradient is counted as one once a parameter adopts it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Category {
+    /// A model's parameters.
+    Parameters,
+    /// Parameters' accumulated gradients.
+    Gradients,
+    /// Optimizer state (momentum buffers, moments).
+    OptimizerState,
+    /// What a forward and backward pass allocates: activations, saved tensors, their
+    /// gradients.
+    Activations,
+    /// Everything else: input batches, targets, scalars, tensors made outside a step.
+    #[default]
+    Workspace,
+}
+
+impl Category {
+    /// Every category, in report order.
+    pub const ALL: [Category; 5] = [
+        Category::Parameters,
+        Category::Gradients,
+        Category::OptimizerState,
+        Category::Activations,
+        Category::Workspace,
+    ];
+
+    /// The name used in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Category::Parameters => "parameters",
+            Category::Gradients => "gradients",
+            Category::OptimizerState => "optimizer state",
+            Category::Activations => "activations",
+            Category::Workspace => "workspace",
+        }
+    }
+}
+
+/// Bytes per [`Category`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ByCategory(pub [u64; 5]);
+
+impl ByCategory {
+    /// The bytes counted as `cat`.
+    pub fn get(&self, cat: Category) -> u64 {
+        self.0[cat as usize]
+    }
+
+    /// The sum over all categories.
+    pub fn total(&self) -> u64 {
+        self.0.iter().sum()
+    }
+
+    pub(crate) fn add(&mut self, cat: Category, bytes: u64) {
+        self.0[cat as usize] += bytes;
+    }
+
+    pub(crate) fn sub(&mut self, cat: Category, bytes: u64) {
+        self.0[cat as usize] -= bytes;
+    }
 }
 
 impl MemoryStats {

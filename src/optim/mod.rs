@@ -115,7 +115,7 @@ fn check_params(op: &'static str, params: &[Tensor]) -> Result<()> {
             return Err(Error::DeviceMismatch { op });
         }
         let b = p.block();
-        if p.numel() > 0 && !seen.insert((std::sync::Arc::as_ptr(&b.buffer), b.offset)) {
+        if p.numel() > 0 && !seen.insert((b.plan_id, b.segment, b.offset)) {
             return invalid(format!(
                 "parameter {i} shares its memory with an earlier parameter"
             ));

@@ -90,7 +90,7 @@ impl Tensor {
 
     pub fn zeros(device: &Device, dims: &[usize], dtype: DType) -> Result<Tensor> {
         let t = Tensor::uninit(device, Shape::new(dims)?, dtype)?;
-        device.clear(t.block());
+        device.clear(t.block())?;
         Ok(t)
     }
 
@@ -111,10 +111,10 @@ impl Tensor {
     pub fn copy(&self) -> Result<Tensor> {
         let out = Tensor::uninit(self.device(), self.shape.clone(), self.dtype)?;
         let bytes = bytes_for(&self.shape, self.dtype).div_ceil(4) * 4;
-        if Arc::ptr_eq(&self.block().buffer, &out.block().buffer) {
+        if self.block().same_segment(out.block()) {
             elementwise::unary(elementwise::UnaryOp::Identity, self, 0.0, &out)?;
         } else if bytes > 0 {
-            self.device().copy(self.block(), out.block(), bytes);
+            self.device().copy(self.block(), out.block(), bytes)?;
         }
         Ok(autograd::record("copy", out, &[self], || {
             Box::new(|g, _| Ok(vec![Some(g.clone())]))
@@ -141,14 +141,14 @@ impl Tensor {
         if bytes == 0 {
             return Ok(out);
         }
-        let same_buffer = Arc::ptr_eq(&self.block().buffer, &out.block().buffer);
+        let same_buffer = self.block().same_segment(out.block());
         if offset % 4 == 0 && bytes % 4 == 0 && !same_buffer {
             let src = Block {
                 offset: self.block().offset + offset,
                 size: bytes,
                 ..self.block().clone()
             };
-            self.device().copy(&src, out.block(), bytes);
+            self.device().copy(&src, out.block(), bytes)?;
         } else {
             // Unaligned f16 rows, or both in one segment (wgpu cannot copy a buffer onto
             // itself): through the host, reading only the 4-byte aligned span of the rows.

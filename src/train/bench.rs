@@ -13,7 +13,7 @@ pub fn step_fixture(
     dev: &Device,
     widths: &[usize],
     batch: usize,
-) -> Result<(Trainer, Vec<f32>, Vec<u32>)> {
+) -> Result<(Trainer<Mlp>, Vec<f32>, Vec<u32>)> {
     let model = Mlp::new(dev, widths, Act::Relu, 0)?;
     let opt = AdamW::new(model.parameters(), 1e-3)?;
     let config = TrainerConfig {

@@ -171,10 +171,7 @@ impl Dataset {
 
     /// The row order for one epoch: a permutation of 0..len that depends only on (seed, epoch).
     pub fn shuffled_order(&self, seed: u64, epoch: u64) -> Vec<usize> {
-        // Hash the epoch before mixing it in: SplitMix64 streams whose seeds differ by a
-        // multiple of its increment are shifted copies of each other.
-        let mut rng = Rng::new(seed ^ Rng::new(epoch ^ 0xA076_1D64_78BD_642F).next_u64());
-        permutation(self.len(), &mut rng)
+        super::model::epoch_permutation(self.len(), seed, epoch)
     }
 
     /// Copies the rows `indices` into `features_out` ((indices.len(), dim)) and `labels_out`,
@@ -247,7 +244,7 @@ pub fn load(spec: &str, seed: u64) -> Result<(Dataset, Dataset)> {
 }
 
 /// Fisher–Yates over 0..n.
-fn permutation(n: usize, rng: &mut Rng) -> Vec<usize> {
+pub(crate) fn permutation(n: usize, rng: &mut Rng) -> Vec<usize> {
     let mut order: Vec<usize> = (0..n).collect();
     for i in (1..n).rev() {
         // Multiply-shift maps 64 random bits to 0..=i; the bias is below 2^-32 for any real n.

@@ -1,10 +1,65 @@
-//! Training: datasets and the [`Trainer`] loop (micro-batches, gradient accumulation, learning
-//! rate schedule, evaluation, the memory summary).
+//! Training: the generic [`Trainer`] (micro-batches, gradient accumulation, mixed precision,
+//! budgets, out-of-memory retry, checkpoints), the traits a model and its data implement
+//! ([`TrainModel`], [`BatchSource`]), the planner ([`Plan`]), datasets and shards.
 
 #[doc(hidden)]
 pub mod bench;
 pub mod data;
+mod model;
+mod plan;
 pub mod shard;
 mod trainer;
 
-pub use trainer::{reserved_estimate, MemorySummary, Trainer, TrainerConfig};
+pub use model::{
+    epoch_permutation, Batch, BatchSource, ClassBatch, EvalBatch, Features, StepContext,
+    TensorBatch, TensorDataset, TrainModel,
+};
+pub use plan::Plan;
+pub use trainer::{Evaluation, HostRows, MemorySummary, Trainer, TrainerConfig};
+
+use crate::DType;
+
+/// Numeric precision of training.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// Everything in f32.
+    #[default]
+    F32,
+    /// Parameters, activations and optimizer state in f16.
+    F16,
+    /// f32 parameters and optimizer state; f16 activations and matmuls; loss scaling.
+    Mixed,
+}
+
+impl Precision {
+    /// The dtype the matmuls and activations use.
+    pub fn compute_dtype(self) -> DType {
+        match self {
+            Precision::F32 => DType::F32,
+            Precision::F16 | Precision::Mixed => DType::F16,
+        }
+    }
+
+    /// The dtype of parameters and gradients.
+    pub fn param_dtype(self) -> DType {
+        match self {
+            Precision::F16 => DType::F16,
+            Precision::F32 | Precision::Mixed => DType::F32,
+        }
+    }
+}
+
+impl std::str::FromStr for Precision {
+    type Err = crate::Error;
+    fn from_str(s: &str) -> crate::Result<Precision> {
+        match s {
+            "f32" => Ok(Precision::F32),
+            "f16" => Ok(Precision::F16),
+            "mixed" => Ok(Precision::Mixed),
+            _ => Err(crate::Error::InvalidArgument {
+                op: "precision",
+                reason: format!("unknown precision '{s}' (f32, f16, mixed)"),
+            }),
+        }
+    }
+}

@@ -3,11 +3,15 @@
 //! gradients add up in place. Each micro-batch's mean loss is weighted by its share of the
 //! effective batch, so the update is the same however the batch is split (up to float rounding):
 //! `--batch-size 64` gives the same weights as `--batch-size 16 --accum-steps 4`.
+//!
+//! The trainer is generic: any [`TrainModel`] on any [`BatchSource`]. The planner
+//! (train/plan.rs) runs this same step code on the device's planning mode.
 
-use super::data::Dataset;
+use super::model::{Batch, BatchSource, ClassBatch, Features, StepContext, TrainModel};
+use super::Precision;
 use crate::kernels::elementwise::{self, BinaryOp};
-use crate::memory::plan::{self, OptimizerKind, Plan, PlanConfig, Precision};
-use crate::nn::{self, Mlp, Module};
+use crate::memory::Category;
+use crate::nn::Module;
 use crate::optim::{GradScaler, LrSchedule, Optimizer};
 use crate::{DType, Device, Error, MemoryStats, Result, Tensor};
 
@@ -22,6 +26,7 @@ pub struct TrainerConfig {
     pub micro_batch: Option<usize>,
     /// The learning rate the schedule scales.
     pub lr: f32,
+    /// How the learning rate moves with the step.
     pub schedule: LrSchedule,
     /// f32, f16 (the model must be f16), or mixed (f32 parameters, f16 compute, loss scaling).
     pub precision: Precision,
@@ -40,15 +45,31 @@ impl Default for TrainerConfig {
     }
 }
 
+impl TrainerConfig {
+    /// A configuration with this batch and accumulation, the rest default.
+    pub fn new(batch_size: usize, accum_steps: usize, lr: f32) -> TrainerConfig {
+        TrainerConfig {
+            batch_size,
+            accum_steps,
+            lr,
+            ..Default::default()
+        }
+    }
+}
+
 /// Where the device memory of training went, from the arena's statistics.
 #[derive(Clone, Debug)]
 pub struct MemorySummary {
+    /// The model's parameters.
     pub parameter_bytes: u64,
+    /// Their gradients.
     pub gradient_bytes: u64,
+    /// Optimizer state.
     pub optimizer_state_bytes: u64,
     /// Peak live bytes minus parameters, gradients and optimizer state: activations, saved
     /// tensors and temporaries alive at the worst point of a step.
     pub activation_bytes: u64,
+    /// The arena's statistics.
     pub stats: MemoryStats,
 }
 
@@ -90,53 +111,77 @@ impl std::fmt::Display for MemorySummary {
     }
 }
 
-pub struct Trainer {
-    pub model: Mlp,
-    pub optimizer: Box<dyn Optimizer>,
-    config: TrainerConfig,
-    device: Device,
-    /// Optimizer steps taken.
-    step: u64,
-    /// Sum of step losses since the last `take_loss`, kept on the GPU so a step never waits for
-    /// a readback.
-    loss_sum: Tensor,
-    /// The current step's loss, added to `loss_sum` only once the step succeeds (kept, so a step
-    /// allocates no accumulator).
-    step_loss: Tensor,
-    loss_steps: u64,
-    /// Host staging reused by every batch.
-    xs: Vec<f32>,
-    ys: Vec<u32>,
-    /// Samples per forward/backward now (halved after an out-of-memory).
-    micro: usize,
-    scaler: Option<GradScaler>,
-    /// What the trainer changed on its own (micro-batch halvings, skipped steps), for the log.
-    events: Vec<String>,
+/// Mean loss and, for classifiers, accuracy over a data set.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Evaluation {
+    /// Mean loss per sample.
+    pub loss: f32,
+    /// Fraction predicted right, where the model reports it.
+    pub accuracy: Option<f32>,
 }
 
-impl Trainer {
-    pub fn new(
-        model: Mlp,
-        optimizer: Box<dyn Optimizer>,
-        config: TrainerConfig,
-    ) -> Result<Trainer> {
-        if config.batch_size == 0 || config.accum_steps == 0 || config.micro_batch == Some(0) {
-            return Err(Error::InvalidArgument {
+/// Trains `model` with `optimizer`: micro-batches under a budget, accumulation, mixed precision
+/// with loss scaling, out-of-memory retry, checkpoints. `Send` when the model is.
+pub struct Trainer<M> {
+    /// The model being trained.
+    pub model: M,
+    /// The optimizer over the model's parameters.
+    pub optimizer: Box<dyn Optimizer>,
+    pub(super) config: TrainerConfig,
+    pub(super) device: Device,
+    /// Optimizer steps taken.
+    pub(super) step: u64,
+    /// Sum of step losses since the last `take_loss`, kept on the GPU so a step never waits for
+    /// a readback.
+    pub(super) loss_sum: Tensor,
+    /// The current step's loss, added to `loss_sum` only once the step succeeds (kept, so a step
+    /// allocates no accumulator).
+    pub(super) step_loss: Tensor,
+    pub(super) loss_steps: u64,
+    /// Samples per forward/backward now (halved after an out-of-memory).
+    pub(super) micro: usize,
+    pub(super) scaler: Option<GradScaler>,
+    /// What the trainer changed on its own (micro-batch halvings, skipped steps), for the log.
+    pub(super) events: Vec<String>,
+}
+
+impl<M: Module> Trainer<M> {
+    /// A trainer for `model`, whose parameters `optimizer` updates. The parameters' dtype must
+    /// be the precision's (f16 for [`Precision::F16`], else f32).
+    pub fn new(model: M, optimizer: Box<dyn Optimizer>, config: TrainerConfig) -> Result<Self> {
+        let invalid = |reason: String| {
+            Err(Error::InvalidArgument {
                 op: "Trainer::new",
-                reason: format!(
-                    "batch_size, accum_steps and micro_batch must be positive, got {}, {}, {:?}",
-                    config.batch_size, config.accum_steps, config.micro_batch
-                ),
-            });
+                reason,
+            })
+        };
+        if config.batch_size == 0 || config.accum_steps == 0 || config.micro_batch == Some(0) {
+            return invalid(format!(
+                "batch_size, accum_steps and micro_batch must be positive, got {}, {}, {:?}",
+                config.batch_size, config.accum_steps, config.micro_batch
+            ));
         }
-        let device = model.layers[0].weight.device().clone();
+        if config.batch_size.checked_mul(config.accum_steps).is_none() {
+            return invalid(format!(
+                "batch_size {} x accum_steps {} overflows",
+                config.batch_size, config.accum_steps
+            ));
+        }
+        let params = model.parameters();
+        let Some(first) = params.first() else {
+            return invalid("the model has no parameters".into());
+        };
+        let device = first.device().clone();
         let want = config.precision.param_dtype();
-        if let Some(p) = model.parameters().iter().find(|p| p.dtype() != want) {
+        if let Some(p) = params.iter().find(|p| p.dtype() != want) {
             return Err(Error::DType {
                 op: "Trainer::new (parameters for this precision)",
                 expected: want,
                 got: p.dtype(),
             });
+        }
+        for p in &params {
+            device.retag(p, Category::Parameters);
         }
         let loss_sum = Tensor::zeros(&device, &[], DType::F32)?;
         let step_loss = Tensor::zeros(&device, &[], DType::F32)?;
@@ -154,81 +199,29 @@ impl Trainer {
             loss_sum,
             step_loss,
             loss_steps: 0,
-            xs: Vec::new(),
-            ys: Vec::new(),
             micro,
             scaler,
             events: Vec::new(),
         })
     }
 
-    /// The planner's configuration for this trainer at micro-batch `micro`.
-    pub fn plan_config(&self, micro: usize) -> PlanConfig {
-        let kind = if self.optimizer.name() == "adamw" {
-            OptimizerKind::AdamW
-        } else {
-            OptimizerKind::Sgd {
-                momentum: self.optimizer.has_momentum(),
-            }
-        };
-        PlanConfig {
-            widths: self.model.widths(),
-            act: self.model.act,
-            micro_batch: micro,
-            micro_steps: self.config.batch_size.div_ceil(micro) * self.config.accum_steps,
-            precision: self.config.precision,
-            optimizer: kind,
-            checkpoint_activations: self.model.checkpoint_activations,
-        }
-    }
-
-    /// The planned peak of one step at the current micro-batch.
-    pub fn plan(&self) -> Plan {
-        plan::plan(&self.plan_config(self.micro))
-    }
-
-    /// Chooses the largest micro-batch whose planned peak, with the arena's overhead, fits
-    /// `budget` bytes (the effective batch stays: more micro-batches accumulate). A budget too
-    /// small for one sample is [`Error::BudgetTooSmall`], before any step runs.
-    pub fn fit_to_budget(&mut self, budget: u64) -> Result<usize> {
-        let fits =
-            |micro: usize| reserved_estimate(&plan::plan(&self.plan_config(micro))) <= budget;
-        if !fits(1) {
-            return Err(Error::BudgetTooSmall {
-                budget,
-                minimum: reserved_estimate(&plan::plan(&self.plan_config(1))),
-                what: format!("MLP {:?}", self.model.widths()),
-            });
-        }
-        // The planned peak grows with the micro-batch: binary search the largest that fits.
-        let (mut lo, mut hi) = (1, self.config.batch_size);
-        while lo < hi {
-            let mid = (lo + hi).div_ceil(2);
-            if fits(mid) {
-                lo = mid;
-            } else {
-                hi = mid - 1;
-            }
-        }
-        self.micro = lo;
-        self.config.micro_batch = Some(lo);
-        Ok(lo)
-    }
-
-    /// What the trainer decided on its own since the last call (micro-batch halvings after an
+    /// What the trainer decided on its own since the last call (micro-batch changes after an
     /// out-of-memory, steps skipped by the loss scaler).
     pub fn take_events(&mut self) -> Vec<String> {
         std::mem::take(&mut self.events)
     }
 
+    /// The loss scaler (mixed precision only).
     pub fn scaler(&self) -> Option<&GradScaler> {
         self.scaler.as_ref()
     }
 
+    /// The loss scaler, to change its settings.
     pub fn scaler_mut(&mut self) -> Option<&mut GradScaler> {
         self.scaler.as_mut()
     }
 
+    /// The configuration (with the micro-batch a budget chose).
     pub fn config(&self) -> &TrainerConfig {
         &self.config
     }
@@ -244,166 +237,67 @@ impl Trainer {
         self.micro
     }
 
+    /// Sets the samples per forward/backward (at most the batch size).
+    pub fn set_micro_batch(&mut self, micro: usize) -> Result<()> {
+        if micro == 0 {
+            return Err(Error::InvalidArgument {
+                op: "Trainer::set_micro_batch",
+                reason: "the micro-batch must hold at least one sample".into(),
+            });
+        }
+        self.micro = micro.min(self.config.batch_size);
+        self.config.micro_batch = Some(self.micro);
+        Ok(())
+    }
+
+    /// Optimizer steps taken.
     pub fn steps(&self) -> u64 {
         self.step
     }
 
+    /// The device training runs on.
     pub fn device(&self) -> &Device {
         &self.device
     }
 
-    /// One optimizer step over `x` (n, dim) row-major and labels `y` (n): forward and backward
-    /// per micro-batch, gradients accumulated, then the update and `zero_grad`.
-    ///
-    /// If the device runs out of memory mid-step (the budget, fragmentation, the driver), the
-    /// step's gradients and activations are dropped, the micro-batch halves (so the number of
-    /// accumulated micro-batches doubles) and the step starts over: no sample is lost or counted
-    /// twice, and the weights are those an unconstrained run would reach.
-    pub fn step(&mut self, x: &[f32], y: &[u32]) -> Result<()> {
-        self.step_from(Input::Host(x), y)
-    }
-
-    /// [`Trainer::step`] with the inputs already on the device: `x` is (n, dim) f32, and each
-    /// micro-batch is a row range of it (a sharded dataset's batches).
-    pub fn step_on_device(&mut self, x: &Tensor, y: &[u32]) -> Result<()> {
-        self.step_from(Input::Device(x), y)
-    }
-
-    fn step_from(&mut self, x: Input, y: &[u32]) -> Result<()> {
-        let n = y.len();
-        let dim = self.model.layers[0].in_features;
-        let rows_ok = match x {
-            Input::Host(x) => x.len() == n * dim,
-            Input::Device(t) => t.dims() == [n, dim] && t.dtype() == DType::F32,
-        };
-        if n == 0 || !rows_ok {
-            return Err(Error::Shape {
-                op: "Trainer::step",
-                lhs: match x {
-                    Input::Host(x) => vec![x.len()],
-                    Input::Device(t) => t.dims().to_vec(),
-                },
-                rhs: vec![n, dim],
-                reason: format!("need {n} rows of {dim} features and at least one sample"),
-            });
+    /// The mean step loss since the last call (one readback), or NaN when no step ran.
+    pub fn take_loss(&mut self) -> Result<f32> {
+        if self.loss_steps == 0 {
+            return Ok(f32::NAN);
         }
-        loop {
-            match self.try_step(x, y) {
-                Err(Error::OutOfMemory { requested, .. }) if self.micro > 1 => {
-                    // try_step left no gradient behind; the weights are untouched.
-                    self.optimizer.zero_grad();
-                    let old = self.micro;
-                    self.micro = old.div_ceil(2);
-                    self.events.push(format!(
-                        "step {}: out of memory (asked for {}); micro-batch {old} -> {}, redoing the step",
-                        self.step,
-                        crate::error::Bytes(requested),
-                        self.micro
-                    ));
-                }
-                other => return other,
-            }
+        let v = self.loss_sum.item()? / self.loss_steps as f32;
+        elementwise::fill(&self.loss_sum, 0.0)?;
+        self.loss_steps = 0;
+        Ok(v)
+    }
+
+    /// Parameters, gradients, optimizer state and activations at the peak, from the arena.
+    pub fn memory_summary(&self) -> MemorySummary {
+        let stats = self.device.memory_stats();
+        let parameter_bytes = self.model.parameter_bytes();
+        let gradient_bytes = parameter_bytes;
+        let optimizer_state_bytes = self.optimizer.state_bytes();
+        let fixed = parameter_bytes + gradient_bytes + optimizer_state_bytes;
+        MemorySummary {
+            parameter_bytes,
+            gradient_bytes,
+            optimizer_state_bytes,
+            activation_bytes: stats.peak_bytes_in_use.saturating_sub(fixed),
+            stats,
         }
     }
 
-    fn try_step(&mut self, x: Input, y: &[u32]) -> Result<()> {
-        let n = y.len();
-        let dim = self.model.layers[0].in_features;
-        let dtype = self.config.precision.compute_dtype();
-        let mb = self.micro;
-        let step_loss = self.step_loss.clone();
-        elementwise::fill(&step_loss, 0.0)?;
-        let result = (|| {
-            let mut start = 0;
-            while start < n {
-                let end = (start + mb).min(n);
-                let xt = match x {
-                    Input::Host(x) => Tensor::from_slice(
-                        &self.device,
-                        &x[start * dim..end * dim],
-                        &[end - start, dim],
-                    )?,
-                    Input::Device(t) if start == 0 && end == n => t.clone(),
-                    Input::Device(t) => t.rows(start, end)?,
-                };
-                let logits = self.model.forward_in(&xt, dtype)?;
-                drop(xt); // the graph keeps what backward needs
-                let mut loss = nn::cross_entropy(&logits, &y[start..end])?;
-                drop(logits);
-                if end - start != n {
-                    // This micro-batch's share of the effective batch's mean.
-                    loss = loss.mul_scalar((end - start) as f32 / n as f32)?;
-                }
-                match &self.scaler {
-                    Some(sc) => sc.scale_loss(&loss)?.backward()?,
-                    None => loss.backward()?,
-                }
-                elementwise::binary(BinaryOp::Add, &step_loss, &loss.detach(), &step_loss)?;
-                start = end;
-            }
-            Ok(())
-        })();
-        if let Err(e) = result {
-            self.optimizer.zero_grad();
-            return Err(e);
+    pub(super) fn context(&self, training: bool) -> StepContext {
+        StepContext {
+            device: self.device.clone(),
+            dtype: self.config.precision.compute_dtype(),
+            training,
         }
-        if let Some(sc) = &self.scaler {
-            let params = self.model.parameters();
-            let nonfinite = sc.unscale(&self.device, &params)?;
-            let sc = self.scaler.as_mut().expect("checked above");
-            sc.update(nonfinite);
-            if nonfinite {
-                self.optimizer.zero_grad();
-                self.events.push(format!(
-                    "step {}: gradients overflowed; step skipped, loss scale now {}",
-                    self.step,
-                    sc.scale()
-                ));
-                return Ok(());
-            }
-        }
-        let lr = self.config.schedule.lr_at(self.config.lr, self.step);
-        self.optimizer.set_lr(lr);
-        if let Err(e) = self.optimizer.step() {
-            self.optimizer.zero_grad();
-            return Err(e);
-        }
-        self.optimizer.zero_grad();
-        elementwise::binary(BinaryOp::Add, &self.loss_sum, &step_loss, &self.loss_sum)?;
-        self.step += 1;
-        self.loss_steps += 1;
-        Ok(())
     }
 
-    /// Steps over one epoch of `data` in a seeded order; `on_step(done, total)` after each.
-    pub fn train_epoch(
-        &mut self,
-        data: &Dataset,
-        seed: u64,
-        epoch: u64,
-        mut on_step: impl FnMut(&mut Trainer, usize, usize) -> Result<()>,
-    ) -> Result<()> {
-        let order = data.shuffled_order(seed, epoch);
-        let eff = self.effective_batch();
-        let total = order.len().div_ceil(eff);
-        let (mut xs, mut ys) = (std::mem::take(&mut self.xs), std::mem::take(&mut self.ys));
-        let mut result = Ok(());
-        for (i, idx) in order.chunks(eff).enumerate() {
-            data.gather(idx, &mut xs, &mut ys);
-            result = self
-                .step(&xs, &ys)
-                .and_then(|_| on_step(self, i + 1, total));
-            if result.is_err() {
-                break;
-            }
-        }
-        (self.xs, self.ys) = (xs, ys);
-        result
-    }
-
-    /// Saves the model, the optimizer state, the loss scaler and the position in training
-    /// (`epochs_done` full epochs) to a safetensors file, atomically: a crash mid-save leaves the
-    /// previous file intact.
+    /// Saves the model (and its configuration, where it has one), the optimizer state, the
+    /// loss scaler and the position in training (`epochs_done` full epochs) to a safetensors
+    /// file, atomically: a crash mid-save leaves the previous file intact.
     pub fn save_checkpoint(&self, path: &std::path::Path, epochs_done: u64) -> Result<()> {
         let state = crate::checkpoint::TrainingState {
             step: self.step,
@@ -435,6 +329,203 @@ impl Trainer {
         }
         Ok(state.epoch)
     }
+}
+
+impl<M: Module> Trainer<M> {
+    /// One optimizer step over the samples `indices` of `data`: forward and backward per
+    /// micro-batch, gradients accumulated, then the update and `zero_grad`.
+    ///
+    /// If the device runs out of memory mid-step (the budget, fragmentation, the driver), the
+    /// step's gradients and activations are dropped, the micro-batch shrinks (to the largest
+    /// the planner finds fitting under a budget, else half) and the step starts over: no sample
+    /// is lost or counted twice, and the weights are those an unconstrained run would reach.
+    pub fn step<D>(&mut self, data: &D, indices: &[usize]) -> Result<()>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        if indices.is_empty() {
+            return Err(Error::InvalidArgument {
+                op: "Trainer::step",
+                reason: "a step needs at least one sample".into(),
+            });
+        }
+        loop {
+            match self.try_step(data, indices, false) {
+                Err(Error::OutOfMemory { requested, .. }) if self.micro > 1 => {
+                    // try_step left no gradient behind; the weights are untouched.
+                    self.optimizer.zero_grad();
+                    let old = self.micro;
+                    let budget = self.device.memory_stats().budget;
+                    let planned = budget.and_then(|b| {
+                        self.largest_fitting(data, indices, b, old - 1)
+                            .ok()
+                            .flatten()
+                    });
+                    self.micro = planned.unwrap_or(old.div_ceil(2)).min(old - 1).max(1);
+                    self.events.push(format!(
+                        "step {}: out of memory (asked for {}); micro-batch {old} -> {}{}, redoing the step",
+                        self.step,
+                        crate::error::Bytes(requested),
+                        self.micro,
+                        if planned.is_some() { " (planned)" } else { "" }
+                    ));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// One step. With `planning`, only the micro-batches that can set the peak run (the
+    /// first, the second — the first with gradients to add to — and a smaller last one), so a
+    /// plan costs the same for any batch or accumulation count.
+    pub(super) fn try_step<D>(&mut self, data: &D, indices: &[usize], planning: bool) -> Result<()>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let n = indices.len();
+        let mb = self.micro.max(1);
+        let step_loss = self.step_loss.clone();
+        elementwise::fill(&step_loss, 0.0)?;
+        let ctx = self.context(true);
+        let dev = self.device.clone();
+        let chunks: Vec<&[usize]> = indices.chunks(mb).collect();
+        let last = chunks.len() - 1;
+        let result = (|| {
+            for (i, chunk) in chunks.iter().enumerate() {
+                if planning && i > 1 && i != last {
+                    continue;
+                }
+                let batch = data.batch(chunk)?;
+                if batch.len() != chunk.len() {
+                    return Err(Error::InvalidArgument {
+                        op: "Trainer::step",
+                        reason: format!(
+                            "the data source made a batch of {} samples for {} indices",
+                            batch.len(),
+                            chunk.len()
+                        ),
+                    });
+                }
+                let _c = dev.category_scope(Category::Activations);
+                let mut loss = {
+                    let _p = dev.phase_scope("forward");
+                    self.model.forward_loss(&batch, &ctx)?
+                };
+                if loss.numel() != 1 {
+                    return Err(Error::Shape {
+                        op: "TrainModel::forward_loss",
+                        lhs: loss.dims().to_vec(),
+                        rhs: vec![],
+                        reason: "the loss must be a one-element tensor".into(),
+                    });
+                }
+                let _p = dev.phase_scope("backward");
+                if loss.dtype() != DType::F32 {
+                    loss = loss.to_dtype(DType::F32)?;
+                }
+                if chunk.len() != n {
+                    // This micro-batch's share of the effective batch's mean.
+                    loss = loss.mul_scalar(chunk.len() as f32 / n as f32)?;
+                }
+                match &self.scaler {
+                    Some(sc) => sc.scale_loss(&loss)?.backward()?,
+                    None => loss.backward()?,
+                }
+                elementwise::binary(BinaryOp::Add, &step_loss, &loss.detach(), &step_loss)?;
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            self.optimizer.zero_grad();
+            return Err(e);
+        }
+        if let Some(sc) = &self.scaler {
+            let _p = dev.phase_scope("unscale");
+            let params = self.model.parameters();
+            let nonfinite = sc.unscale(&self.device, &params)?;
+            let sc = self.scaler.as_mut().expect("checked above");
+            sc.update(nonfinite);
+            if nonfinite {
+                self.optimizer.zero_grad();
+                self.events.push(format!(
+                    "step {}: gradients overflowed; step skipped, loss scale now {}",
+                    self.step,
+                    sc.scale()
+                ));
+                return Ok(());
+            }
+        }
+        let lr = self.config.schedule.lr_at(self.config.lr, self.step);
+        self.optimizer.set_lr(lr);
+        let stepped = {
+            let _c = dev.category_scope(Category::OptimizerState);
+            let _p = dev.phase_scope("optimizer step");
+            self.optimizer.step()
+        };
+        self.optimizer.zero_grad();
+        stepped?;
+        elementwise::binary(BinaryOp::Add, &self.loss_sum, &step_loss, &self.loss_sum)?;
+        self.step += 1;
+        self.loss_steps += 1;
+        Ok(())
+    }
+
+    /// Steps over one epoch of `data` in its seeded order; `on_step(trainer, done, total)`
+    /// after each step (progress, logging, evaluation callbacks).
+    pub fn train_epoch<D>(
+        &mut self,
+        data: &D,
+        seed: u64,
+        epoch: u64,
+        mut on_step: impl FnMut(&mut Self, usize, usize) -> Result<()>,
+    ) -> Result<()>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let order = data.epoch_order(seed, epoch);
+        let eff = self.effective_batch();
+        let total = order.len().div_ceil(eff);
+        for (i, idx) in order.chunks(eff).enumerate() {
+            self.step(data, idx)?;
+            on_step(self, i + 1, total)?;
+        }
+        Ok(())
+    }
+
+    /// Mean loss (and accuracy, where the model reports it) over `data`, in batches of
+    /// `batch` without recording, with the model in eval mode.
+    pub fn evaluate<D>(&self, data: &D, batch: usize) -> Result<Evaluation>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let _g = crate::no_grad();
+        self.model.set_training(false);
+        let ctx = self.context(false);
+        let idx: Vec<usize> = (0..data.len()).collect();
+        let result = (|| {
+            let (mut loss, mut correct, mut counted) = (0.0f64, 0usize, true);
+            for chunk in idx.chunks(batch.max(1)) {
+                let b = data.batch(chunk)?;
+                let e = self.model.evaluate_batch(&b, &ctx)?;
+                loss += e.loss as f64 * chunk.len() as f64;
+                match e.correct {
+                    Some(c) => correct += c,
+                    None => counted = false,
+                }
+            }
+            let n = data.len().max(1) as f64;
+            Ok(Evaluation {
+                loss: (loss / n) as f32,
+                accuracy: counted.then_some((correct as f64 / n) as f32),
+            })
+        })();
+        self.model.set_training(true);
+        result
+    }
 
     /// Steps over one epoch of a sharded dataset: shards stream through the device (at most two
     /// there at once), each split into effective batches that are row ranges of the shard.
@@ -443,8 +534,11 @@ impl Trainer {
         data: &super::shard::ShardedDataset,
         seed: u64,
         epoch: u64,
-        mut on_step: impl FnMut(&mut Trainer, usize, usize) -> Result<()>,
-    ) -> Result<()> {
+        mut on_step: impl FnMut(&mut Self, usize, usize) -> Result<()>,
+    ) -> Result<()>
+    where
+        M: TrainModel<ClassBatch>,
+    {
         let eff = self.effective_batch();
         let total: usize = (0..data.num_shards())
             .map(|k| {
@@ -456,81 +550,134 @@ impl Trainer {
         let mut done = 0;
         for shard in data.epoch(&device, seed, epoch) {
             let (x, y) = shard?;
-            let rows = y.len();
-            let mut start = 0;
-            while start < rows {
-                let end = (start + eff).min(rows);
-                if start == 0 && end == rows {
-                    self.step_on_device(&x, &y)?;
-                } else {
-                    let xb = x.rows(start, end)?;
-                    self.step_on_device(&xb, &y[start..end])?;
-                }
+            let rows = DeviceRows { x: &x, y: &y };
+            let all: Vec<usize> = (0..y.len()).collect();
+            for idx in all.chunks(eff) {
+                self.step(&rows, idx)?;
                 done += 1;
                 on_step(self, done, total)?;
-                start = end;
             }
         }
         Ok(())
     }
 
-    /// The mean step loss since the last call (one readback), or NaN when no step ran.
-    pub fn take_loss(&mut self) -> Result<f32> {
-        if self.loss_steps == 0 {
-            return Ok(f32::NAN);
-        }
-        let v = self.loss_sum.item()? / self.loss_steps as f32;
-        crate::kernels::elementwise::fill(&self.loss_sum, 0.0)?;
-        self.loss_steps = 0;
-        Ok(v)
+    /// [`Trainer::step`] on host rows: `x` is (n, dim) row-major, one label per row in `y`.
+    pub fn step_rows(&mut self, x: &[f32], y: &[u32]) -> Result<()>
+    where
+        M: TrainModel<ClassBatch>,
+    {
+        let rows = HostRows::new(x, y)?;
+        let all: Vec<usize> = (0..y.len()).collect();
+        self.step(&rows, &all)
     }
 
-    /// Mean loss and accuracy over `data`, in batches of `batch` without recording.
-    pub fn evaluate(&self, data: &Dataset, batch: usize) -> Result<(f32, f32)> {
-        let _g = crate::no_grad();
-        let (mut xs, mut ys) = (Vec::new(), Vec::new());
-        let idx: Vec<usize> = (0..data.len()).collect();
-        let (mut loss, mut correct) = (0.0f64, 0usize);
-        for chunk in idx.chunks(batch.max(1)) {
-            data.gather(chunk, &mut xs, &mut ys);
-            let xt = Tensor::from_slice(&self.device, &xs, &[ys.len(), data.dim])?;
-            let logits = self
-                .model
-                .forward_in(&xt, self.config.precision.compute_dtype())?;
-            loss += nn::cross_entropy(&logits, &ys)?.item()? as f64 * ys.len() as f64;
-            correct += nn::correct(&logits, &ys)?;
+    /// [`Trainer::step`] with the inputs already on the device: `x` is (n, ...) f32 and each
+    /// micro-batch is a row range of it (a sharded dataset's batches).
+    pub fn step_on_device(&mut self, x: &Tensor, y: &[u32]) -> Result<()>
+    where
+        M: TrainModel<ClassBatch>,
+    {
+        if x.dims().first() != Some(&y.len()) || x.dtype() != DType::F32 {
+            return Err(Error::Shape {
+                op: "Trainer::step_on_device",
+                lhs: x.dims().to_vec(),
+                rhs: vec![y.len()],
+                reason: "need f32 inputs with one row per label".into(),
+            });
         }
-        let n = data.len().max(1) as f64;
-        Ok(((loss / n) as f32, (correct as f64 / n) as f32))
-    }
-
-    /// Parameters, gradients, optimizer state and activations at the peak, from the arena.
-    pub fn memory_summary(&self) -> MemorySummary {
-        let stats = self.device.memory_stats();
-        let parameter_bytes = self.model.parameter_bytes();
-        let gradient_bytes = parameter_bytes;
-        let optimizer_state_bytes = self.optimizer.state_bytes();
-        let fixed = parameter_bytes + gradient_bytes + optimizer_state_bytes;
-        MemorySummary {
-            parameter_bytes,
-            gradient_bytes,
-            optimizer_state_bytes,
-            activation_bytes: stats.peak_bytes_in_use.saturating_sub(fixed),
-            stats,
-        }
+        let all: Vec<usize> = (0..y.len()).collect();
+        self.step(&DeviceRows { x, y }, &all)
     }
 }
 
-/// The reserved bytes a planned peak needs: the arena rounds large blocks to 64 KiB segments and
-/// keeps small ones in 2 MiB segments, and reuse leaves some holes. 15% plus one small segment
-/// covers what the training-step benchmark measures (1.12x).
-pub fn reserved_estimate(plan: &Plan) -> u64 {
-    plan.peak + plan.peak / 100 * 15 + crate::memory::SMALL_SEGMENT
+/// Host rows and labels borrowed as a data source.
+pub struct HostRows<'a> {
+    x: &'a [f32],
+    y: &'a [u32],
+    dim: usize,
 }
 
-/// Where a step's inputs come from.
-#[derive(Clone, Copy)]
-enum Input<'a> {
-    Host(&'a [f32]),
-    Device(&'a Tensor),
+impl<'a> HostRows<'a> {
+    /// `x` is (y.len(), dim) row-major; at least one row.
+    pub fn new(x: &'a [f32], y: &'a [u32]) -> Result<HostRows<'a>> {
+        let n = y.len();
+        if n == 0 || !x.len().is_multiple_of(n) || x.is_empty() {
+            return Err(Error::Shape {
+                op: "Trainer::step",
+                lhs: vec![x.len()],
+                rhs: vec![n],
+                reason: format!(
+                    "need {n} rows of features and at least one sample, got {} values",
+                    x.len()
+                ),
+            });
+        }
+        Ok(HostRows {
+            x,
+            y,
+            dim: x.len() / n,
+        })
+    }
+}
+
+impl BatchSource for HostRows<'_> {
+    type Batch = ClassBatch;
+    fn len(&self) -> usize {
+        self.y.len()
+    }
+    fn batch(&self, indices: &[usize]) -> Result<ClassBatch> {
+        let (lo, hi) = contiguous("HostRows::batch", indices, self.y.len())?;
+        Ok(ClassBatch {
+            x: Features::Host {
+                data: self.x[lo * self.dim..hi * self.dim].to_vec(),
+                dims: vec![hi - lo, self.dim],
+            },
+            y: self.y[lo..hi].to_vec(),
+        })
+    }
+    fn epoch_order(&self, _seed: u64, _epoch: u64) -> Vec<usize> {
+        (0..self.y.len()).collect()
+    }
+}
+
+/// Rows of a device tensor (a shard) and their labels as a data source; batches are row
+/// ranges copied by the copy engine.
+struct DeviceRows<'a> {
+    x: &'a Tensor,
+    y: &'a [u32],
+}
+
+impl BatchSource for DeviceRows<'_> {
+    type Batch = ClassBatch;
+    fn len(&self) -> usize {
+        self.y.len()
+    }
+    fn batch(&self, indices: &[usize]) -> Result<ClassBatch> {
+        let (lo, hi) = contiguous("DeviceRows::batch", indices, self.y.len())?;
+        let x = if lo == 0 && hi == self.y.len() {
+            self.x.clone()
+        } else {
+            self.x.rows(lo, hi)?
+        };
+        Ok(ClassBatch {
+            x: Features::Device(x),
+            y: self.y[lo..hi].to_vec(),
+        })
+    }
+    fn epoch_order(&self, _seed: u64, _epoch: u64) -> Vec<usize> {
+        (0..self.y.len()).collect()
+    }
+}
+
+/// The range `indices` covers, which must be ascending and contiguous within `len`.
+fn contiguous(op: &'static str, indices: &[usize], len: usize) -> Result<(usize, usize)> {
+    let lo = indices.first().copied().unwrap_or(0);
+    let hi = lo + indices.len();
+    if hi > len || indices.iter().enumerate().any(|(k, &i)| i != lo + k) {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!("rows must be a contiguous range within 0..{len}"),
+        });
+    }
+    Ok((lo, hi))
 }

@@ -1,0 +1,289 @@
+//! The planner: a step's peak memory, known before the step runs, for any model.
+//!
+//! It does not model anything. It runs the trainer's own step code — forward, backward, loss
+//! scaling, the optimizer step, twice so lazily created optimizer state counts — on the
+//! device's planning mode ([`Device::planning`]), where every allocation goes through a copy of
+//! the real arena (same segments, rounding, reuse and budget) but no buffer is created and
+//! nothing runs. The peak it reports is the peak that step reaches, by construction; when an
+//! op changes what it allocates, the plan changes with it.
+//!
+//! Budget fitting ([`Trainer::fit_to_budget`]), preallocation ([`Trainer::prealloc`]) and the
+//! micro-batch chosen after an out-of-memory all ask it.
+//!
+//! [`Device::planning`]: crate::Device::planning
+
+use super::model::{BatchSource, TrainModel};
+use super::Trainer;
+use crate::error::Bytes;
+use crate::memory::Category;
+use crate::nn::Module;
+use crate::{Error, Result, Tensor};
+use std::fmt;
+
+/// The planned peak of a training step and what it is made of.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// Parameters alive at the peak.
+    pub parameters: u64,
+    /// Gradients alive at the peak.
+    pub gradients: u64,
+    /// Optimizer state alive at the peak.
+    pub optimizer_state: u64,
+    /// What forward and backward had allocated at the peak: activations, saved tensors, their
+    /// gradients, the input batch.
+    pub activations: u64,
+    /// Everything else alive at the peak (scalars, tensors made outside the step).
+    pub workspace: u64,
+    /// Peak bytes in use: the sum of the above at the worst point of the step.
+    pub peak: u64,
+    /// Peak bytes the arena holds from the driver (segments, with rounding and free ranges).
+    pub peak_reserved: u64,
+    /// Segments (wgpu buffers) the step would create.
+    pub new_buffers: u64,
+    /// The op being recorded at the peak, with the phase of the step.
+    pub peak_op: Option<String>,
+    /// Samples per forward/backward.
+    pub micro_batch: usize,
+    /// Micro-batches per optimizer step.
+    pub micro_batches: usize,
+}
+
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "planned peak of a training step (micro-batch {}, {} per step):",
+            self.micro_batch, self.micro_batches
+        )?;
+        writeln!(f, "  parameters        {:>12}", Bytes(self.parameters))?;
+        writeln!(f, "  gradients         {:>12}", Bytes(self.gradients))?;
+        writeln!(f, "  optimizer state   {:>12}", Bytes(self.optimizer_state))?;
+        writeln!(f, "  activations       {:>12}", Bytes(self.activations))?;
+        writeln!(f, "  workspace         {:>12}", Bytes(self.workspace))?;
+        writeln!(f, "  = peak in use     {:>12}", Bytes(self.peak))?;
+        writeln!(f, "  peak reserved     {:>12}", Bytes(self.peak_reserved))?;
+        if let Some(op) = &self.peak_op {
+            writeln!(f, "  peak reached at   {op}")?;
+        }
+        Ok(())
+    }
+}
+
+impl<M: Module> Trainer<M> {
+    /// The samples a plan runs: the first effective batch of `data` (or all of it, if
+    /// smaller).
+    fn plan_indices<D: BatchSource>(&self, data: &D) -> Result<Vec<usize>> {
+        let n = self.effective_batch().min(data.len());
+        if n == 0 {
+            return Err(Error::InvalidArgument {
+                op: "Trainer::plan",
+                reason: "the data source holds no sample".into(),
+            });
+        }
+        Ok((0..n).collect())
+    }
+
+    /// The planned peak of one step on `data` at the current micro-batch.
+    pub fn plan<D>(&mut self, data: &D) -> Result<Plan>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let idx = self.plan_indices(data)?;
+        self.plan_at(data, &idx, self.micro, None, 0)
+    }
+
+    /// The planned peak of one step over `indices` at micro-batch `micro`, with the planning
+    /// arena under `budget` (an [`Error::OutOfMemory`] means the step does not fit) and
+    /// `reserve` bytes preallocated first.
+    pub fn plan_at<D>(
+        &mut self,
+        data: &D,
+        indices: &[usize],
+        micro: usize,
+        budget: Option<u64>,
+        reserve: u64,
+    ) -> Result<Plan>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        if indices.is_empty() || micro == 0 {
+            return Err(Error::InvalidArgument {
+                op: "Trainer::plan",
+                reason: "a plan needs at least one sample and a micro-batch of at least one"
+                    .into(),
+            });
+        }
+        let dev = self.device.clone();
+        let scope = dev.planning()?;
+        scope.set_budget(budget);
+        // The plan steps a stateless copy of the optimizer: the real state does not count
+        // (the copy makes its own), and gradients held now are set aside.
+        for (_, t) in self.optimizer.state_tensors() {
+            scope.forget(&t);
+        }
+        let params = self.model.parameters();
+        let held: Vec<Option<Tensor>> = params.iter().map(Tensor::grad).collect();
+        for (p, g) in params.iter().zip(&held) {
+            if let Some(g) = g {
+                scope.forget(g);
+                p.zero_grad();
+            }
+        }
+        let reserved = if reserve > 0 {
+            dev.reserve(reserve)
+        } else {
+            Ok(())
+        };
+        scope.reset_peak();
+        let before = scope.stats();
+        let fresh = self.optimizer.fresh();
+        let real_optimizer = std::mem::replace(&mut self.optimizer, fresh);
+        let saved = (
+            self.scaler.clone(),
+            self.step,
+            self.loss_steps,
+            self.events.len(),
+            self.micro,
+        );
+        self.micro = micro.min(self.config.batch_size);
+        let result = reserved.and_then(|_| {
+            (0..2).try_for_each(|_| self.try_step(data, indices, true))
+        });
+        self.optimizer.zero_grad();
+        let planned_optimizer = std::mem::replace(&mut self.optimizer, real_optimizer);
+        let micro_used = self.micro;
+        (self.scaler, self.step, self.loss_steps) = (saved.0, saved.1, saved.2);
+        self.events.truncate(saved.3);
+        self.micro = saved.4;
+        let stats = scope.stats();
+        drop(planned_optimizer);
+        drop(scope);
+        for (p, g) in params.iter().zip(held) {
+            if g.is_some() {
+                p.set_grad(g)?;
+            }
+        }
+        result?;
+        let at = |c| stats.peak_by_category.get(c);
+        Ok(Plan {
+            parameters: at(Category::Parameters),
+            gradients: at(Category::Gradients),
+            optimizer_state: at(Category::OptimizerState),
+            activations: at(Category::Activations),
+            workspace: at(Category::Workspace),
+            peak: stats.peak_bytes_in_use,
+            peak_reserved: stats.peak_bytes_reserved,
+            new_buffers: stats.buffers_created - before.buffers_created,
+            peak_op: stats.peak_op,
+            micro_batch: micro_used,
+            micro_batches: indices.len().div_ceil(micro_used),
+        })
+    }
+
+    /// Chooses the largest micro-batch whose planned step fits `budget` bytes (the effective
+    /// batch stays: more micro-batches accumulate) and returns it. A budget too small for one
+    /// sample is [`Error::BudgetTooSmall`] naming the smallest budget that works, before any
+    /// step runs.
+    pub fn fit_to_budget<D>(&mut self, data: &D, budget: u64) -> Result<usize>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let idx = self.plan_indices(data)?;
+        match self.largest_fitting(data, &idx, budget, self.config.batch_size)? {
+            Some(m) => {
+                self.set_micro_batch(m)?;
+                Ok(m)
+            }
+            None => {
+                let minimum = self.plan_at(data, &idx, 1, None, 0)?.peak_reserved;
+                Err(Error::BudgetTooSmall {
+                    budget,
+                    minimum,
+                    what: format!(
+                        "a training step of {} parameters with micro-batches of one sample",
+                        self.model.num_parameters()
+                    ),
+                })
+            }
+        }
+    }
+
+    /// The largest micro-batch up to `max` whose step over `indices` fits `budget` in the
+    /// arena as it is now; `None` when not even one sample fits.
+    pub(super) fn largest_fitting<D>(
+        &mut self,
+        data: &D,
+        indices: &[usize],
+        budget: u64,
+        max: usize,
+    ) -> Result<Option<usize>>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let fits = |t: &mut Self, micro: usize| match t.plan_at(data, indices, micro, Some(budget), 0)
+        {
+            Ok(_) => Ok(true),
+            Err(Error::OutOfMemory { .. }) => Ok(false),
+            Err(e) => Err(e),
+        };
+        let max = max.min(indices.len()).max(1);
+        if fits(self, max)? {
+            return Ok(Some(max));
+        }
+        if !fits(self, 1)? {
+            return Ok(None);
+        }
+        // The planned peak grows with the micro-batch: binary search the largest that fits.
+        let (mut lo, mut hi) = (1, max - 1);
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if fits(self, mid)? {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        Ok(Some(lo))
+    }
+
+    /// Reserves, up front, the device memory a step on `data` will need, so training creates
+    /// no buffer afterwards; returns the bytes reserved. The amount is planned: the step is
+    /// planned on top of the reservation until it needs no new segment.
+    pub fn prealloc<D>(&mut self, data: &D) -> Result<u64>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let idx = self.plan_indices(data)?;
+        let budget = self.device.memory_stats().budget;
+        let mut reserve = {
+            let p = self.plan_at(data, &idx, self.micro, budget, 0)?;
+            p.peak_reserved
+                .saturating_sub(self.device.memory_stats().bytes_reserved)
+        };
+        for _ in 0..8 {
+            if reserve == 0 {
+                return Ok(0);
+            }
+            let p = self.plan_at(data, &idx, self.micro, budget, reserve)?;
+            if p.new_buffers == 0 {
+                self.device.reserve(reserve)?;
+                return Ok(reserve);
+            }
+            // Fragmentation in the reserved segment: add what the step still created.
+            let held = self.device.memory_stats().bytes_reserved + reserve;
+            reserve += p.peak_reserved.saturating_sub(held).max(crate::memory::LARGE_ROUND);
+        }
+        Err(Error::InvalidArgument {
+            op: "Trainer::prealloc",
+            reason: format!(
+                "no reservation up to {} lets a step run without new buffers",
+                Bytes(reserve)
+            ),
+        })
+    }
+}
