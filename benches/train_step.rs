@@ -18,7 +18,7 @@ fn bench(c: &mut Criterion) {
     const B: usize = 128;
     let widths = [784, 512, 512, 10];
     let (mut trainer, x, y) = step_fixture(&dev, &widths, B).unwrap();
-    trainer.step(&x, &y).unwrap();
+    trainer.step_rows(&x, &y).unwrap();
     let mats = StepMatmuls::new(&dev, &widths, B).unwrap();
     let mut g = c.benchmark_group("train_step_mlp_784_512_512_10");
     g.sample_size(20);
@@ -26,7 +26,7 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::Elements(B as u64));
     g.bench_function("step_adamw_b128", |b| {
         b.iter(|| {
-            trainer.step(&x, &y).unwrap();
+            trainer.step_rows(&x, &y).unwrap();
             dev.sync().unwrap();
         })
     });

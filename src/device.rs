@@ -284,7 +284,9 @@ pub(crate) struct DeviceInner {
     pub arena: Mutex<Arena>,
     /// The planning arena while a [`PlanScope`] is open: every allocation goes there.
     plan: Mutex<Option<Arena>>,
+    /// Whether a plan is open, and on which thread (only that thread's work is planned).
     planning: AtomicBool,
+    plan_thread: Mutex<Option<std::thread::ThreadId>>,
     /// Plans opened so far (a planning arena's blocks carry its number).
     plans: AtomicU32,
     pending: Mutex<Pending>,
@@ -473,6 +475,7 @@ impl Device {
                 arena: Mutex::new(arena),
                 plan: Mutex::new(None),
                 planning: AtomicBool::new(false),
+                plan_thread: Mutex::new(None),
                 plans: AtomicU32::new(0),
                 pending: Mutex::new(Pending {
                     encoder: None,
@@ -509,13 +512,15 @@ impl Device {
     /// step advances (a dropout call counter) leaves it alone while planning.
     pub fn is_planning(&self) -> bool {
         self.inner.planning.load(Ordering::Acquire)
+            && *lock(&self.inner.plan_thread) == Some(std::thread::current().id())
     }
 
     /// Opens planning mode: until the scope drops, every allocation goes through a copy of the
     /// arena (same segments, free ranges, rounding, reuse and budget) that creates no buffer;
     /// no kernel is compiled or recorded, nothing is uploaded, readbacks return zeros, and
-    /// matmuls are not autotuned. Running a step inside it gives that step's exact peak. The
-    /// device is the planner's alone meanwhile: work from other threads is not run either.
+    /// matmuls are not autotuned. Running a step inside it gives that step's exact peak.
+    /// Planning applies to the calling thread only: other threads' work runs as usual (their
+    /// frees reach the plan too; their allocations do not).
     pub fn planning(&self) -> Result<PlanScope> {
         self.flush()?;
         let mut plan = lock(&self.inner.plan);
@@ -527,6 +532,7 @@ impl Device {
         }
         let id = self.inner.plans.fetch_add(1, Ordering::AcqRel) + 1;
         *plan = Some(lock(&self.inner.arena).planning_copy(id));
+        *lock(&self.inner.plan_thread) = Some(std::thread::current().id());
         self.inner.planning.store(true, Ordering::Release);
         Ok(PlanScope {
             device: self.clone(),
@@ -1060,6 +1066,7 @@ impl PlanScope {
 impl Drop for PlanScope {
     fn drop(&mut self) {
         self.device.inner.planning.store(false, Ordering::Release);
+        *lock(&self.device.inner.plan_thread) = None;
         *lock(&self.device.inner.plan) = None;
     }
 }

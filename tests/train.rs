@@ -39,7 +39,7 @@ fn config(batch_size: usize, accum_steps: usize, micro_batch: Option<usize>) -> 
 
 /// A relu MLP of `widths` seeded with `SEED`, its optimizer, and a trainer with `cfg` (whose
 /// learning rate is the optimizer's).
-fn trainer(dev: &Device, widths: &[usize], opt: Opt, cfg: TrainerConfig) -> Trainer {
+fn trainer(dev: &Device, widths: &[usize], opt: Opt, cfg: TrainerConfig) -> Trainer<Mlp> {
     let model = Mlp::new(dev, widths, Act::Relu, SEED).expect("model");
     let optimizer = opt.build(model.parameters());
     Trainer::new(
@@ -54,7 +54,7 @@ fn trainer(dev: &Device, widths: &[usize], opt: Opt, cfg: TrainerConfig) -> Trai
 }
 
 /// Every parameter by name, read back.
-fn weights(t: &Trainer) -> Vec<(String, Vec<f32>)> {
+fn weights(t: &Trainer<Mlp>) -> Vec<(String, Vec<f32>)> {
     t.model
         .named_parameters()
         .into_iter()
@@ -81,7 +81,7 @@ fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
 
 /// Asserts every parameter of `b` is within `rel` of `a`'s (relative to each tensor's largest
 /// magnitude); returns the worst relative difference.
-fn assert_weights_close(what: &str, a: &Trainer, b: &Trainer, rel: f64) -> f64 {
+fn assert_weights_close(what: &str, a: &Trainer<Mlp>, b: &Trainer<Mlp>, rel: f64) -> f64 {
     let (wa, wb) = (weights(a), weights(b));
     let mut worst = 0.0f64;
     for ((na, va), (nb, vb)) in wa.iter().zip(&wb) {
@@ -101,7 +101,7 @@ fn assert_weights_close(what: &str, a: &Trainer, b: &Trainer, rel: f64) -> f64 {
 }
 
 /// The f32 bits of every parameter.
-fn weight_bits(t: &Trainer) -> Vec<(String, Vec<u32>)> {
+fn weight_bits(t: &Trainer<Mlp>) -> Vec<(String, Vec<u32>)> {
     weights(t)
         .into_iter()
         .map(|(n, v)| (n, v.iter().map(|x| x.to_bits()).collect()))
@@ -252,9 +252,9 @@ fn steady_state_creates_no_buffers() {
             };
             let what = format!("{name}, {opt:?} on {}", label(&dev));
             let mut t = trainer(&dev, widths, opt, cfg.clone());
-            let step = |t: &mut Trainer, i: usize| {
+            let step = |t: &mut Trainer<Mlp>, i: usize| {
                 let (x, y) = batches.get(i);
-                t.step(x, y)
+                t.step_rows(x, y)
                     .unwrap_or_else(|e| panic!("{what}: step {i}: {e}"));
             };
             step(&mut t, 0);
@@ -602,7 +602,7 @@ fn one_step_matches_cpu_reference() {
             let mut ref_loss = 0.0f64;
             for s in 0..STEPS {
                 let (x, y) = batches.get(s);
-                t.step(x, y)
+                t.step_rows(x, y)
                     .unwrap_or_else(|e| panic!("{what}: step {s}: {e}"));
                 let (loss, grads) = ref_loss_and_grads(&runs[0].0, x, y);
                 ref_loss += loss / STEPS as f64;
@@ -692,7 +692,8 @@ fn train_mlp_digits_learns() {
         Opt::AdamW { lr: 3e-3 },
         config(64, 1, None),
     );
-    let (loss0, acc0) = t.evaluate(test, 256).expect("evaluate");
+    let e0 = t.evaluate(test, 256).expect("evaluate");
+    let (loss0, acc0) = (e0.loss, e0.accuracy.expect("accuracy"));
     let mut losses = Vec::new();
     for epoch in 0..5 {
         t.train_epoch(train, SEED, epoch, |_, _, _| Ok(()))
@@ -700,7 +701,8 @@ fn train_mlp_digits_learns() {
         losses.push(t.take_loss().expect("loss"));
     }
     let before = settled_stats(&dev);
-    let (loss, acc) = t.evaluate(test, 100).expect("evaluate");
+    let e = t.evaluate(test, 100).expect("evaluate");
+    let (loss, acc) = (e.loss, e.accuracy.expect("accuracy"));
     let after = settled_stats(&dev);
     eprintln!(
         "digits on {}: test loss {loss0:.4} -> {loss:.4}, accuracy {acc0:.3} -> {acc:.3}, \
@@ -733,7 +735,7 @@ fn train_mlp_digits_learns() {
     }
     assert!(t.model.forward(&x).unwrap().requires_grad());
     // Evaluating again gives the same numbers.
-    assert_eq!(t.evaluate(test, 100).unwrap(), (loss, acc));
+    assert_eq!(t.evaluate(test, 100).unwrap(), e);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -781,7 +783,7 @@ fn trainer_rejects_bad_config() {
         ("x without labels", x, &[]),
     ];
     for (what, bx, by) in bad {
-        match t.step(bx, by) {
+        match t.step_rows(bx, by) {
             Err(Error::Shape { .. }) => {}
             Err(e) => panic!("{what}: expected Error::Shape, got {e}"),
             Ok(()) => panic!("{what}: accepted"),
@@ -797,7 +799,7 @@ fn trainer_rejects_bad_config() {
         "a failed step changed the weights"
     );
     // The trainer still works.
-    t.step(x, y).expect("a good step after the errors");
+    t.step_rows(x, y).expect("a good step after the errors");
     assert_eq!(t.steps(), 1);
     let loss = t.take_loss().unwrap();
     assert!(loss.is_finite() && loss > 0.0, "loss {loss}");
@@ -825,7 +827,7 @@ fn failed_step_leaves_no_partial_gradient() {
     bad_y[40] = train.classes as u32;
 
     let mut a = trainer(&dev, &widths, opt, config(32, 2, None));
-    match a.step(x2, &bad_y) {
+    match a.step_rows(x2, &bad_y) {
         Err(Error::InvalidArgument { .. }) => {}
         Err(e) => panic!("label out of range: expected InvalidArgument, got {e}"),
         Ok(()) => panic!("label out of range accepted"),
@@ -843,9 +845,9 @@ fn failed_step_leaves_no_partial_gradient() {
             "{left} parameters still hold a gradient after the failed step"
         ));
     }
-    a.step(x, y).unwrap();
+    a.step_rows(x, y).unwrap();
     let mut b = trainer(&dev, &widths, opt, config(32, 2, None));
-    b.step(x, y).unwrap();
+    b.step_rows(x, y).unwrap();
     let (la, lb) = (a.take_loss().unwrap(), b.take_loss().unwrap());
     if la.to_bits() != lb.to_bits() {
         problems.push(format!(

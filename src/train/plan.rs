@@ -83,14 +83,16 @@ impl<M: Module> Trainer<M> {
         Ok((0..n).collect())
     }
 
-    /// The planned peak of one step on `data` at the current micro-batch.
+    /// The planned peak of one step on `data` at the current micro-batch, under the device's
+    /// budget.
     pub fn plan<D>(&mut self, data: &D) -> Result<Plan>
     where
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
         let idx = self.plan_indices(data)?;
-        self.plan_at(data, &idx, self.micro, None, 0)
+        let budget = self.device.memory_stats().budget;
+        self.plan_at(data, &idx, self.micro, budget, 0)
     }
 
     /// The planned peak of one step over `indices` at micro-batch `micro`, with the planning
@@ -226,7 +228,9 @@ impl<M: Module> Trainer<M> {
     {
         let fits = |t: &mut Self, micro: usize| match t.plan_at(data, indices, micro, Some(budget), 0)
         {
-            Ok(_) => Ok(true),
+            // The arena checks the budget only when it creates a segment: what it already
+            // holds may be over it.
+            Ok(p) => Ok(p.peak_reserved <= budget),
             Err(Error::OutOfMemory { .. }) => Ok(false),
             Err(e) => Err(e),
         };

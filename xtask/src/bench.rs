@@ -268,12 +268,12 @@ fn bench_train_step(shared: &Device, reps: usize) -> fitgrad::Result<Vec<Row>> {
     let widths = [784, 512, 512, 10];
     let (mut trainer, x, y) = step_fixture(dev, &widths, B)?;
     // Two steps create the optimizer state and tune the matmuls; then peaks count one step.
-    trainer.step(&x, &y)?;
-    trainer.step(&x, &y)?;
+    trainer.step_rows(&x, &y)?;
+    trainer.step_rows(&x, &y)?;
     dev.sync()?;
     dev.reset_peak();
     let step = median_secs(reps, || {
-        trainer.step(&x, &y)?;
+        trainer.step_rows(&x, &y)?;
         dev.sync()
     })?;
     let mem = trainer.memory_summary();
