@@ -55,6 +55,8 @@ pub const MODEL_PREFIX: &str = "model.";
 /// Prefix of the optimizer's tensors and metadata.
 pub const OPTIM_PREFIX: &str = "optim.";
 const EXTRA_PREFIX: &str = "extra.";
+/// Metadata keys of the model's configuration ([`Module::config`]).
+pub const CONFIG_PREFIX: &str = "model.config.";
 /// safetensors' own limit on the JSON header.
 const MAX_HEADER: u64 = 100_000_000;
 /// The largest shape or offset a header may hold: far past any real file (256 TiB), and far
@@ -224,6 +226,9 @@ impl Checkpoint {
             put(format!("{MODEL_PREFIX}{name}"), &t)?;
         }
         let m = &mut c.metadata;
+        for (k, v) in model.config() {
+            m.insert(format!("{CONFIG_PREFIX}{k}"), v);
+        }
         if let Some(opt) = optimizer {
             let s = opt.state();
             for (name, t) in &s.tensors {
@@ -397,11 +402,40 @@ impl Checkpoint {
         }
     }
 
+    /// The model configuration stored with the file ([`Module::config`]): empty when the
+    /// model had none.
+    pub fn model_config(&self) -> std::collections::BTreeMap<String, String> {
+        self.metadata
+            .iter()
+            .filter_map(|(k, v)| Some((k.strip_prefix(CONFIG_PREFIX)?.to_string(), v.clone())))
+            .collect()
+    }
+
+    /// A stored configuration must be the model's: a different activation or width with the
+    /// same tensor shapes would load and compute something else.
+    fn check_config(&self, model: &dyn Module) -> Result<()> {
+        let stored = self.model_config();
+        if stored.is_empty() {
+            return Ok(());
+        }
+        for (k, v) in model.config() {
+            if let Some(s) = stored.get(&k) {
+                if *s != v {
+                    return Err(self.err(format!(
+                        "the file's model has {k} = {s}, this model has {k} = {v}"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Copies the saved parameters into `model`'s own tensors, in place: optimizers and other
     /// holders of those tensors see the new values. Every parameter must be in the file with
     /// the same shape and dtype, and the file must hold no other model tensor; nothing is
     /// written unless all of them fit.
     pub fn apply_model(&self, model: &dyn Module) -> Result<()> {
+        self.check_config(model)?;
         let prefix = self.model_prefix();
         let params = model.named_parameters();
         let mut missing = Vec::new();

@@ -1019,8 +1019,9 @@ impl Device {
 fn planned_outside_plan() -> Error {
     Error::InvalidArgument {
         op: "device",
-        reason: "a tensor created while planning has no device memory and cannot be used after the plan"
-            .into(),
+        reason:
+            "a tensor created while planning has no device memory and cannot be used after the plan"
+                .into(),
     }
 }
 

@@ -647,7 +647,9 @@ fn budget_half_of_f32_peak() {
     let mut fit = setup.build(&dev);
     let (x0, y0) = b.get(0);
     let rows = HostRows::new(x0, y0).unwrap();
-    let micro = fit.fit_to_budget(&rows, budget).expect("half the peak fits");
+    let micro = fit
+        .fit_to_budget(&rows, budget)
+        .expect("half the peak fits");
     assert!(
         micro < BATCH,
         "fit_to_budget kept the whole batch ({micro})"
@@ -805,7 +807,9 @@ fn budget_too_small_is_a_clear_error() {
     let b = host_batches(5, 1, 64, 64, 10);
     let (x, y) = b.get(0);
     let rows = HostRows::new(x, y).unwrap();
-    let err = t.fit_to_budget(&rows, 1024).expect_err("1 KiB is too small");
+    let err = t
+        .fit_to_budget(&rows, 1024)
+        .expect_err("1 KiB is too small");
     let msg = err.to_string();
     let Error::BudgetTooSmall {
         budget, minimum, ..
@@ -839,7 +843,8 @@ fn budget_too_small_is_a_clear_error() {
     // A run under exactly that budget succeeds and stays within it.
     dev.set_memory_budget(Some(minimum));
     t.step_rows(x, y).expect("a step under the minimum budget");
-    t.step_rows(x, y).expect("a second step under the minimum budget");
+    t.step_rows(x, y)
+        .expect("a second step under the minimum budget");
     assert!(dev.memory_stats().peak_bytes_reserved <= minimum);
     assert!(t.take_events().is_empty(), "{:?}", t.take_events());
 }

@@ -172,6 +172,9 @@ impl Arena {
     /// Counts a live block as `cat` from now on (a gradient that a leaf adopts, a model's
     /// parameters). Blocks this arena does not hold are ignored.
     pub fn retag(&mut self, block: &Block, cat: Category) {
+        if !self.owns(block) {
+            return;
+        }
         if let Some(old) = self.live.get_mut(&(block.segment, block.offset)) {
             let sizes = &mut self.stats.in_use_by_category;
             sizes.sub(*old, block.size);

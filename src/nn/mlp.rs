@@ -15,6 +15,18 @@ pub enum Act {
     Sigmoid,
 }
 
+impl Act {
+    /// The name `FromStr` reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            Act::Relu => "relu",
+            Act::Gelu => "gelu",
+            Act::Tanh => "tanh",
+            Act::Sigmoid => "sigmoid",
+        }
+    }
+}
+
 impl FromStr for Act {
     type Err = Error;
     fn from_str(s: &str) -> Result<Act> {
@@ -107,6 +119,46 @@ impl Mlp {
         }
     }
 
+    /// Rebuilds the model a checkpoint was saved from (its configuration and weights), on
+    /// `device`: no flags needed.
+    pub fn from_checkpoint(device: &Device, ckpt: &crate::checkpoint::Checkpoint) -> Result<Mlp> {
+        let cfg = ckpt.model_config();
+        let bad = |reason: String| Error::Data {
+            path: ckpt.source.clone(),
+            reason,
+        };
+        let get = |k: &str| {
+            cfg.get(k).ok_or_else(|| {
+                bad(format!(
+                    "no model configuration '{k}' (not an Mlp checkpoint)"
+                ))
+            })
+        };
+        if get("kind")? != "mlp" {
+            return Err(bad(format!(
+                "the file holds a '{}' model, not an mlp",
+                get("kind")?
+            )));
+        }
+        let widths = get("widths")?
+            .split(',')
+            .map(|w| {
+                w.parse::<usize>()
+                    .map_err(|_| bad(format!("bad width '{w}'")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let act: Act = get("activation")?.parse()?;
+        let dtype = match get("dtype")?.as_str() {
+            "f32" => DType::F32,
+            "f16" => DType::F16,
+            d => return Err(bad(format!("bad dtype '{d}'"))),
+        };
+        let mut m = Mlp::with_dtype(device, &widths, act, dtype, 0)?;
+        m.checkpoint_activations = get("checkpoint_activations")? == "true";
+        ckpt.apply_model(&m)?;
+        Ok(m)
+    }
+
     /// The widths the model was built from.
     pub fn widths(&self) -> Vec<usize> {
         let mut w = vec![self.layers[0].in_features];
@@ -135,6 +187,20 @@ impl Module for Mlp {
         } else {
             logits.to_dtype(dtype)
         }
+    }
+
+    fn config(&self) -> Vec<(String, String)> {
+        let widths: Vec<String> = self.widths().iter().map(usize::to_string).collect();
+        vec![
+            ("kind".into(), "mlp".into()),
+            ("widths".into(), widths.join(",")),
+            ("activation".into(), self.act.name().into()),
+            ("dtype".into(), self.layers[0].weight.dtype().to_string()),
+            (
+                "checkpoint_activations".into(),
+                self.checkpoint_activations.to_string(),
+            ),
+        ]
     }
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {

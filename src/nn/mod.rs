@@ -4,10 +4,12 @@
 mod linear;
 mod loss;
 mod mlp;
+mod sequential;
 
 pub use linear::Linear;
 pub use loss::{accuracy, correct, cross_entropy, mse_loss};
 pub use mlp::{Act, Mlp};
+pub use sequential::Sequential;
 
 use crate::{Result, Tensor};
 
@@ -24,6 +26,13 @@ pub trait Module {
             .into_iter()
             .map(|(_, t)| t)
             .collect()
+    }
+
+    /// The model's configuration as key-value pairs, where it has one: checkpoints store it
+    /// (`model.config.KEY` in the file's metadata) so the model can be rebuilt from the file
+    /// alone (see [`Mlp::from_checkpoint`]). Empty by default.
+    fn config(&self) -> Vec<(String, String)> {
+        Vec::new()
     }
 
     /// Switches training behaviour (dropout) on or off, like torch's `train()` / `eval()`.

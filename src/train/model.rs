@@ -251,7 +251,9 @@ impl TensorDataset {
                 reason,
             })
         };
-        if sample_dims.len() >= crate::tensor::MAX_RANK || target_dims.len() >= crate::tensor::MAX_RANK {
+        if sample_dims.len() >= crate::tensor::MAX_RANK
+            || target_dims.len() >= crate::tensor::MAX_RANK
+        {
             return bad(format!(
                 "sample shape {sample_dims:?} or target shape {target_dims:?} has too many dims (at most {})",
                 crate::tensor::MAX_RANK - 1

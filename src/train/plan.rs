@@ -113,8 +113,7 @@ impl<M: Module> Trainer<M> {
         if indices.is_empty() || micro == 0 {
             return Err(Error::InvalidArgument {
                 op: "Trainer::plan",
-                reason: "a plan needs at least one sample and a micro-batch of at least one"
-                    .into(),
+                reason: "a plan needs at least one sample and a micro-batch of at least one".into(),
             });
         }
         let dev = self.device.clone();
@@ -150,9 +149,8 @@ impl<M: Module> Trainer<M> {
             self.micro,
         );
         self.micro = micro.min(self.config.batch_size);
-        let result = reserved.and_then(|_| {
-            (0..2).try_for_each(|_| self.try_step(data, indices, true))
-        });
+        let result =
+            reserved.and_then(|_| (0..2).try_for_each(|_| self.try_step(data, indices, true)));
         self.optimizer.zero_grad();
         let planned_optimizer = std::mem::replace(&mut self.optimizer, real_optimizer);
         let micro_used = self.micro;
@@ -226,14 +224,14 @@ impl<M: Module> Trainer<M> {
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
-        let fits = |t: &mut Self, micro: usize| match t.plan_at(data, indices, micro, Some(budget), 0)
-        {
-            // The arena checks the budget only when it creates a segment: what it already
-            // holds may be over it.
-            Ok(p) => Ok(p.peak_reserved <= budget),
-            Err(Error::OutOfMemory { .. }) => Ok(false),
-            Err(e) => Err(e),
-        };
+        let fits =
+            |t: &mut Self, micro: usize| match t.plan_at(data, indices, micro, Some(budget), 0) {
+                // The arena checks the budget only when it creates a segment: what it already
+                // holds may be over it.
+                Ok(p) => Ok(p.peak_reserved <= budget),
+                Err(Error::OutOfMemory { .. }) => Ok(false),
+                Err(e) => Err(e),
+            };
         let max = max.min(indices.len()).max(1);
         if fits(self, max)? {
             return Ok(Some(max));
@@ -280,7 +278,10 @@ impl<M: Module> Trainer<M> {
             }
             // Fragmentation in the reserved segment: add what the step still created.
             let held = self.device.memory_stats().bytes_reserved + reserve;
-            reserve += p.peak_reserved.saturating_sub(held).max(crate::memory::LARGE_ROUND);
+            reserve += p
+                .peak_reserved
+                .saturating_sub(held)
+                .max(crate::memory::LARGE_ROUND);
         }
         Err(Error::InvalidArgument {
             op: "Trainer::prealloc",
