@@ -1,13 +1,19 @@
 //! Layers and losses: [`Linear`], [`Mlp`], cross-entropy, mse, accuracy. Parameters are leaf
 //! tensors that require grad; a [`Module`] lists them for optimizers and checkpoints.
 
+mod dropout;
+mod embedding;
 mod linear;
 mod loss;
 mod mlp;
+mod norm;
 
+pub use dropout::Dropout;
+pub use embedding::Embedding;
 pub use linear::Linear;
 pub use loss::{accuracy, correct, cross_entropy, mse_loss};
 pub use mlp::{Act, Mlp};
+pub use norm::{LayerNorm, LAYER_NORM_EPS};
 
 use crate::{Result, Tensor};
 
