@@ -48,7 +48,10 @@ fn ref_dropout(x: &[f32], p: f32, seed: u64, dtype: DType) -> Vec<f32> {
 /// Forward and backward of one case: the zeros must sit exactly where the reference mask drops
 /// (inputs are never 0), the kept values must be the scaled inputs.
 fn check(dev: &Device, dtype: DType, dims: &[usize], p: f32, seed: u64) -> Result<(), String> {
-    let what = format!("dropout {dims:?} p {p} seed {seed:#x} {dtype} on {}", label(dev));
+    let what = format!(
+        "dropout {dims:?} p {p} seed {seed:#x} {dtype} on {}",
+        label(dev)
+    );
     let n = numel(dims);
     let host = as_dtype(&host_data_away_from_zero(seed, n, 0.5, 4.0), dtype);
     let x = upload(dev, &host, dims, dtype).with_requires_grad();
@@ -56,7 +59,10 @@ fn check(dev: &Device, dtype: DType, dims: &[usize], p: f32, seed: u64) -> Resul
     let got = download(&y, dims, dtype).map_err(|e| format!("{what}: {e}"))?;
     let want = ref_dropout(&host, p, seed, dtype);
     if let Some(i) = (0..n).find(|&i| (got[i] == 0.0) != (want[i] == 0.0)) {
-        return Err(format!("{what}: the mask differs at {i}: got {}, expected {}", got[i], want[i]));
+        return Err(format!(
+            "{what}: the mask differs at {i}: got {}, expected {}",
+            got[i], want[i]
+        ));
     }
     check_close(&what, &got, &want, Tol::elementwise(dtype))?;
     let g_host = as_dtype(&host_data_away_from_zero(seed ^ 5, n, 0.5, 2.0), dtype);
@@ -91,7 +97,17 @@ proptest! {
 /// Rank 0, one element, empty, odd counts and counts around the workgroup's 512 elements.
 #[test]
 fn dropout_fixed_shapes() {
-    let shapes: &[&[usize]] = &[&[], &[1], &[0], &[3, 0], &[7], &[511], &[512], &[513], &[3, 5, 7]];
+    let shapes: &[&[usize]] = &[
+        &[],
+        &[1],
+        &[0],
+        &[3, 0],
+        &[7],
+        &[511],
+        &[512],
+        &[513],
+        &[3, 5, 7],
+    ];
     for dev in devices() {
         for dtype in DTYPES {
             for (k, dims) in shapes.iter().enumerate() {
@@ -119,7 +135,13 @@ fn dropout_gradient_matches_finite_differences() {
             &|x| {
                 let scale = 1.0 / (1.0 - p as f64);
                 (0..n)
-                    .map(|i| if keeps(p, seed, i) { x[0][i] * scale } else { 0.0 })
+                    .map(|i| {
+                        if keeps(p, seed, i) {
+                            x[0][i] * scale
+                        } else {
+                            0.0
+                        }
+                    })
                     .collect()
             },
         )
@@ -142,7 +164,10 @@ fn dropout_keeps_about_one_minus_p() {
             let kept = half.iter().filter(|&&v| v != 0.0).count() as f64 / half.len() as f64;
             // 5 standard deviations of a binomial fraction over 10,000 draws.
             let sd = ((p * (1.0 - p)) as f64 / half.len() as f64).sqrt();
-            assert!((kept - (1.0 - p as f64)).abs() < 5.0 * sd, "p {p} seed {seed}: kept {kept}");
+            assert!(
+                (kept - (1.0 - p as f64)).abs() < 5.0 * sd,
+                "p {p} seed {seed}: kept {kept}"
+            );
         }
     }
 }
@@ -155,9 +180,20 @@ fn dropout_seeds_and_p_zero() {
         for dtype in DTYPES {
             let host = host_data(8, 1001, -2.0, 2.0);
             let x = upload(&dev, &host, &[7, 143], dtype);
-            let bits = |t: Tensor| t.to_vec_f32().unwrap().into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            let bits = |t: Tensor| {
+                t.to_vec_f32()
+                    .unwrap()
+                    .into_iter()
+                    .map(f32::to_bits)
+                    .collect::<Vec<_>>()
+            };
             let a = bits(x.dropout(0.5, 42).unwrap());
-            assert_eq!(a, bits(x.dropout(0.5, 42).unwrap()), "{dtype} on {}", label(&dev));
+            assert_eq!(
+                a,
+                bits(x.dropout(0.5, 42).unwrap()),
+                "{dtype} on {}",
+                label(&dev)
+            );
             assert_ne!(a, bits(x.dropout(0.5, 43).unwrap()));
             assert_ne!(a, bits(x.dropout(0.5, 42 | 1 << 40).unwrap()));
             assert_eq!(bits(x.dropout(0.0, 42).unwrap()), bits(x.clone()));
@@ -174,8 +210,14 @@ fn dropout_errors_come_before_device_work() {
     let x = Tensor::zeros(&dev, &[4], DType::F32).unwrap();
     let before = dev.memory_stats().allocations;
     for p in [-0.1f32, 1.0, 1.5, f32::NAN, f32::INFINITY] {
-        assert!(matches!(x.dropout(p, 0), Err(Error::InvalidArgument { .. })), "p {p}");
-        assert!(matches!(Dropout::new(p, 0), Err(Error::InvalidArgument { .. })), "p {p}");
+        assert!(
+            matches!(x.dropout(p, 0), Err(Error::InvalidArgument { .. })),
+            "p {p}"
+        );
+        assert!(
+            matches!(Dropout::new(p, 0), Err(Error::InvalidArgument { .. })),
+            "p {p}"
+        );
     }
     assert_eq!(dev.memory_stats().allocations, before);
 }
@@ -228,6 +270,9 @@ fn dropout_layer() {
         let seed = d.peek_seed();
         d.forward(&xg).unwrap().sum().unwrap().backward().unwrap();
         let ones = vec![1.0f32; 600];
-        assert_eq!(read(xg.grad().unwrap()), ref_dropout(&ones, 0.4, seed, DType::F32));
+        assert_eq!(
+            read(xg.grad().unwrap()),
+            ref_dropout(&ones, 0.4, seed, DType::F32)
+        );
     }
 }

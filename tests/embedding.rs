@@ -39,11 +39,17 @@ fn ref_scatter(g: &[f32], v: usize, d: usize, ids: &[u32], dtype: DType) -> Vec<
 
 /// Forward and backward of `table.index_select(ids)` on one device, compared exactly.
 fn check(dev: &Device, dtype: DType, dims: &[usize], ids: &[u32], seed: u64) -> Result<(), String> {
-    let what = format!("index_select {dims:?} of {} ids {dtype} on {}", ids.len(), label(dev));
+    let what = format!(
+        "index_select {dims:?} of {} ids {dtype} on {}",
+        ids.len(),
+        label(dev)
+    );
     let (v, d) = (dims[0], dims[1..].iter().product::<usize>());
     let host = as_dtype(&host_data(seed, numel(dims), -4.0, 4.0), dtype);
     let table = upload(dev, &host, dims, dtype).with_requires_grad();
-    let out = table.index_select(ids).map_err(|e| format!("{what}: {e}"))?;
+    let out = table
+        .index_select(ids)
+        .map_err(|e| format!("{what}: {e}"))?;
     let mut out_dims = dims.to_vec();
     out_dims[0] = ids.len();
     let got = download(&out, &out_dims, dtype).map_err(|e| format!("{what}: {e}"))?;
@@ -51,7 +57,8 @@ fn check(dev: &Device, dtype: DType, dims: &[usize], ids: &[u32], seed: u64) -> 
 
     let g_host = as_dtype(&host_data(seed ^ 1, ids.len() * d, -1.0, 1.0), dtype);
     let g = upload(dev, &g_host, &out_dims, dtype);
-    out.backward_with(g).map_err(|e| format!("{what}: backward: {e}"))?;
+    out.backward_with(g)
+        .map_err(|e| format!("{what}: backward: {e}"))?;
     let grad = table.grad().ok_or(format!("{what}: no gradient"))?;
     let got = download(&grad, dims, dtype).map_err(|e| format!("{what}: grad: {e}"))?;
     let want = ref_scatter(&g_host, v, d, ids, dtype);
@@ -99,7 +106,10 @@ fn index_select_fixed_shapes() {
         (&[5, 3], &[]),
         (&[0, 4], &[]),
         (&[4, 0], &[1, 3, 3]),
-        (&[3, 7], &[2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2]),
+        (
+            &[3, 7],
+            &[2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2],
+        ),
         (&[6, 3, 3], &[5, 0, 4, 0, 1]),
         (&[2, 2, 3, 1], &[1, 0, 1]),
     ];
@@ -181,22 +191,46 @@ fn index_select_errors_come_before_device_work() {
     match table.index_select(&[0, 3, 4, 1]) {
         Err(Error::InvalidArgument { op, reason }) => {
             assert_eq!(op, "index_select");
-            assert!(reason.contains("id 4") && reason.contains("4 rows"), "{reason}");
+            assert!(
+                reason.contains("id 4") && reason.contains("4 rows"),
+                "{reason}"
+            );
             assert!(reason.contains("position 2"), "{reason}");
         }
         other => panic!("expected InvalidArgument, got {other:?}"),
     }
-    assert!(matches!(table.index_select(&[u32::MAX]), Err(Error::InvalidArgument { .. })));
-    assert!(matches!(scalar.index_select(&[0]), Err(Error::Shape { .. })));
+    assert!(matches!(
+        table.index_select(&[u32::MAX]),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        scalar.index_select(&[0]),
+        Err(Error::Shape { .. })
+    ));
     assert_eq!(dev.memory_stats().allocations, before);
     let emb = Embedding::new(&dev, 4, 3, 0).unwrap();
     let before_emb = dev.memory_stats().allocations;
-    assert!(matches!(emb.forward_ids(&[1, 2, 3], &[2, 2]), Err(Error::Shape { .. })));
-    assert!(matches!(emb.forward_ids(&[1; 16], &[2, 2, 2, 2]), Err(Error::Shape { .. })));
-    assert!(matches!(emb.forward_ids(&[9], &[1]), Err(Error::InvalidArgument { .. })));
-    assert!(matches!(emb.forward(&table), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(
+        emb.forward_ids(&[1, 2, 3], &[2, 2]),
+        Err(Error::Shape { .. })
+    ));
+    assert!(matches!(
+        emb.forward_ids(&[1; 16], &[2, 2, 2, 2]),
+        Err(Error::Shape { .. })
+    ));
+    assert!(matches!(
+        emb.forward_ids(&[9], &[1]),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        emb.forward(&table),
+        Err(Error::InvalidArgument { .. })
+    ));
     assert_eq!(dev.memory_stats().allocations, before_emb);
-    assert!(matches!(Embedding::new(&dev, 0, 3, 0), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(
+        Embedding::new(&dev, 0, 3, 0),
+        Err(Error::InvalidArgument { .. })
+    ));
 }
 
 /// `nn::Embedding`: N(0, 1) init from its seed, (dims.., D) outputs, gradients that add up for
@@ -222,7 +256,12 @@ fn embedding_layer() {
         let want: Vec<f32> = counts.iter().flat_map(|&c| [c; 5]).collect();
         assert_eq!(emb.weight.grad().unwrap().to_vec_f32().unwrap(), want);
         // A second backward adds to the gradient.
-        emb.forward_ids(&[2, 1], &[2]).unwrap().sum().unwrap().backward().unwrap();
+        emb.forward_ids(&[2, 1], &[2])
+            .unwrap()
+            .sum()
+            .unwrap()
+            .backward()
+            .unwrap();
         let mut want2 = want.clone();
         for j in 0..d {
             want2[2 * d + j] += 1.0;

@@ -113,9 +113,15 @@ fn check(
     offset: f32,
     seed: u64,
 ) -> Result<(), String> {
-    let what = format!("layer_norm {dims:?} affine {affine} offset {offset} {dtype} on {}", label(dev));
+    let what = format!(
+        "layer_norm {dims:?} affine {affine} offset {offset} {dtype} on {}",
+        label(dev)
+    );
     let c = *dims.last().unwrap();
-    let x_host = as_dtype(&host_data(seed, numel(dims), offset - 3.0, offset + 3.0), dtype);
+    let x_host = as_dtype(
+        &host_data(seed, numel(dims), offset - 3.0, offset + 3.0),
+        dtype,
+    );
     let w_host = as_dtype(&host_data(seed ^ 2, c, -2.0, 2.0), dtype);
     let b_host = as_dtype(&host_data(seed ^ 3, c, -1.0, 1.0), dtype);
     let g_host = as_dtype(&host_data(seed ^ 4, numel(dims), -1.0, 1.0), dtype);
@@ -138,12 +144,20 @@ fn check(
     let want = expect_in(want, dtype);
     let got = download(&y, dims, dtype).map_err(|e| format!("{what}: {e}"))?;
     // (x - mean) * rstd is within a few f32 ulps of |xhat| <= sqrt(c); times |w| <= 2.
-    check_close_by(&what, &got, &want, |i| tol(dtype, want[i], 4e-6 * (1.0 + want[i].abs() as f64)))?;
+    check_close_by(&what, &got, &want, |i| {
+        tol(dtype, want[i], 4e-6 * (1.0 + want[i].abs() as f64))
+    })?;
 
     y.backward_with(upload(dev, &g_host, dims, dtype))
         .map_err(|e| format!("{what}: backward: {e}"))?;
     let ones = vec![1.0; c];
-    let r = ref_backward(&x64, &f64s(&g_host), c, if w.is_some() { &w64 } else { &ones }, EPS as f64);
+    let r = ref_backward(
+        &x64,
+        &f64s(&g_host),
+        c,
+        if w.is_some() { &w64 } else { &ones },
+        EPS as f64,
+    );
     let grad = |t: &Tensor, d: &[usize]| -> Result<Vec<f32>, String> {
         let g = t.grad().ok_or(format!("{what}: no gradient"))?;
         download(&g, d, dtype).map_err(|e| format!("{what}: {e}"))
@@ -231,7 +245,12 @@ fn constant_rows_give_the_bias() {
                 let w = Tensor::full(&dev, &[c], 3.0, dtype).unwrap();
                 let b = upload(&dev, &b_host, &[c], dtype);
                 let y = x.layer_norm(Some(&w), Some(&b), EPS).unwrap();
-                assert_eq!(y.to_vec_f32().unwrap(), b_host.repeat(3), "c {c} {dtype} on {}", label(&dev));
+                assert_eq!(
+                    y.to_vec_f32().unwrap(),
+                    b_host.repeat(3),
+                    "c {c} {dtype} on {}",
+                    label(&dev)
+                );
             }
         }
     }
@@ -291,12 +310,22 @@ fn layer_norm_is_bitwise_repeatable() {
             let g_host = host_data(2, numel(&dims), -1.0, 1.0);
             let run = || {
                 let x = upload(&dev, &x_host, &dims, dtype).with_requires_grad();
-                let w = Tensor::full(&dev, &[301], 1.5, dtype).unwrap().with_requires_grad();
-                let b = Tensor::zeros(&dev, &[301], dtype).unwrap().with_requires_grad();
+                let w = Tensor::full(&dev, &[301], 1.5, dtype)
+                    .unwrap()
+                    .with_requires_grad();
+                let b = Tensor::zeros(&dev, &[301], dtype)
+                    .unwrap()
+                    .with_requires_grad();
                 let y = x.layer_norm(Some(&w), Some(&b), EPS).unwrap();
-                y.backward_with(upload(&dev, &g_host, &dims, dtype)).unwrap();
-                [y.to_vec_f32(), x.grad().unwrap().to_vec_f32(), w.grad().unwrap().to_vec_f32(), b.grad().unwrap().to_vec_f32()]
-                    .map(|v| v.unwrap().into_iter().map(f32::to_bits).collect::<Vec<_>>())
+                y.backward_with(upload(&dev, &g_host, &dims, dtype))
+                    .unwrap();
+                [
+                    y.to_vec_f32(),
+                    x.grad().unwrap().to_vec_f32(),
+                    w.grad().unwrap().to_vec_f32(),
+                    b.grad().unwrap().to_vec_f32(),
+                ]
+                .map(|v| v.unwrap().into_iter().map(f32::to_bits).collect::<Vec<_>>())
             };
             assert_eq!(run(), run(), "layer_norm {dtype} on {}", label(&dev));
         }
@@ -316,15 +345,33 @@ fn layer_norm_errors_come_before_device_work() {
     let h = Tensor::ones(&dev, &[3], DType::F16).unwrap();
     let s = Tensor::scalar(&dev, 1.0f32).unwrap();
     let before = dev.memory_stats().allocations;
-    assert!(matches!(s.layer_norm(None, None, EPS), Err(Error::Shape { .. })));
-    assert!(matches!(x.layer_norm(Some(&w4), None, EPS), Err(Error::Shape { .. })));
-    assert!(matches!(x.layer_norm(Some(&w), Some(&w2d), EPS), Err(Error::Shape { .. })));
-    assert!(matches!(x.layer_norm(None, Some(&h), EPS), Err(Error::DType { .. })));
+    assert!(matches!(
+        s.layer_norm(None, None, EPS),
+        Err(Error::Shape { .. })
+    ));
+    assert!(matches!(
+        x.layer_norm(Some(&w4), None, EPS),
+        Err(Error::Shape { .. })
+    ));
+    assert!(matches!(
+        x.layer_norm(Some(&w), Some(&w2d), EPS),
+        Err(Error::Shape { .. })
+    ));
+    assert!(matches!(
+        x.layer_norm(None, Some(&h), EPS),
+        Err(Error::DType { .. })
+    ));
     for eps in [-1e-5, f32::NAN, f32::INFINITY] {
-        assert!(matches!(x.layer_norm(Some(&w), None, eps), Err(Error::InvalidArgument { .. })));
+        assert!(matches!(
+            x.layer_norm(Some(&w), None, eps),
+            Err(Error::InvalidArgument { .. })
+        ));
     }
     assert_eq!(dev.memory_stats().allocations, before);
-    assert!(matches!(LayerNorm::new(&dev, 0), Err(Error::InvalidArgument { .. })));
+    assert!(matches!(
+        LayerNorm::new(&dev, 0),
+        Err(Error::InvalidArgument { .. })
+    ));
     let ln = LayerNorm::new(&dev, 4).unwrap();
     assert!(matches!(ln.forward(&x), Err(Error::Shape { .. })));
 }
@@ -343,7 +390,9 @@ fn layer_norm_layer() {
         let x_host = host_data(5, 4 * 9, -2.0, 2.0);
         let x = upload(&dev, &x_host, &[4, 9], DType::F32);
         let y = ln.forward(&x).unwrap();
-        let f = x.layer_norm(Some(&ln.weight), Some(&ln.bias), 1e-5).unwrap();
+        let f = x
+            .layer_norm(Some(&ln.weight), Some(&ln.bias), 1e-5)
+            .unwrap();
         assert_eq!(y.to_vec_f32().unwrap(), f.to_vec_f32().unwrap());
         y.sum().unwrap().backward().unwrap();
         // d sum(y) / d b = the row count; d / d w = the column sums of xhat (about 0).
@@ -353,7 +402,12 @@ fn layer_norm_layer() {
         let xh = upload(&dev, &x_host, &[4, 9], DType::F16);
         let yh = ln.forward(&xh).unwrap();
         assert_eq!(yh.dtype(), DType::F16);
-        yh.to_dtype(DType::F32).unwrap().sum().unwrap().backward().unwrap();
+        yh.to_dtype(DType::F32)
+            .unwrap()
+            .sum()
+            .unwrap()
+            .backward()
+            .unwrap();
         let gb = ln.bias.grad().unwrap();
         assert_eq!(gb.dtype(), DType::F32);
         assert_eq!(gb.to_vec_f32().unwrap(), vec![8.0; 9]);

@@ -35,7 +35,13 @@ pub(crate) fn gather(ids: &Tensor, table: &Tensor, d: usize, out: &Tensor) -> Re
 
 /// out (v, d) = the scatter-add of `g` (n, d) by the CSR lists in `csr` (raw u32 words: v + 1
 /// offsets, then the positions of each row in increasing order; see the shader).
-pub(crate) fn scatter_add(csr: &Tensor, g: &Tensor, v: usize, d: usize, out: &Tensor) -> Result<()> {
+pub(crate) fn scatter_add(
+    csr: &Tensor,
+    g: &Tensor,
+    v: usize,
+    d: usize,
+    out: &Tensor,
+) -> Result<()> {
     run(Mode::ScatterAdd, csr, g, v, d, out)
 }
 

@@ -19,7 +19,10 @@ fn lane_shift(c: usize) -> u32 {
     if c < ROW_PER_LANES {
         return 0;
     }
-    c.isqrt().next_power_of_two().min(WG as usize).trailing_zeros()
+    c.isqrt()
+        .next_power_of_two()
+        .min(WG as usize)
+        .trailing_zeros()
 }
 
 /// The uniform words and workgroups of a (rows, c) row kernel.
@@ -56,7 +59,14 @@ pub(crate) fn forward(
         return elementwise::unary(UnaryOp::Identity, &tmp, 0.0, y);
     }
     let s = Storage::of(dev, x.dtype());
-    let storage = [s, s, s, Storage::of(dev, y.dtype()), Storage::F32, Storage::F32];
+    let storage = [
+        s,
+        s,
+        s,
+        Storage::of(dev, y.dtype()),
+        Storage::F32,
+        Storage::F32,
+    ];
     let k = LAYER_NORM.kernel(dev, &storage)?;
     let (params, groups) = row_launch(rows, c, eps);
     dev.dispatch(
@@ -97,7 +107,14 @@ pub(crate) fn backward_dx(
         return elementwise::unary(UnaryOp::Identity, &tmp, 0.0, dx);
     }
     let s = Storage::of(dev, x.dtype());
-    let storage = [s, s, s, Storage::F32, Storage::F32, Storage::of(dev, dx.dtype())];
+    let storage = [
+        s,
+        s,
+        s,
+        Storage::F32,
+        Storage::F32,
+        Storage::of(dev, dx.dtype()),
+    ];
     let k = LAYER_NORM_DX.kernel(dev, &storage)?;
     let (params, groups) = row_launch(rows, c, 0.0);
     dev.dispatch(

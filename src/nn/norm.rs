@@ -51,7 +51,11 @@ impl Module for LayerNorm {
                 t.to_dtype(x.dtype())
             }
         };
-        x.layer_norm(Some(&cast(&self.weight)?), Some(&cast(&self.bias)?), self.eps)
+        x.layer_norm(
+            Some(&cast(&self.weight)?),
+            Some(&cast(&self.bias)?),
+            self.eps,
+        )
     }
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {

@@ -112,10 +112,7 @@ mod tests {
     #[test]
     fn row_lists_are_csr_in_increasing_position() {
         // ids 2, 0, 2, 2 over 4 rows: row 0 at position 1; row 2 at 0, 2, 3; rows 1 and 3 unused.
-        assert_eq!(
-            row_lists(&[2, 0, 2, 2], 4),
-            vec![0, 1, 1, 4, 4, 1, 0, 2, 3]
-        );
+        assert_eq!(row_lists(&[2, 0, 2, 2], 4), vec![0, 1, 1, 4, 4, 1, 0, 2, 3]);
         assert_eq!(row_lists(&[], 2), vec![0, 0, 0]);
     }
 }

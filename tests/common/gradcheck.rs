@@ -37,7 +37,11 @@ fn tol(want: f64) -> f64 {
 
 fn compare(what: &str, got: &[f32], want: &[f64]) -> Result<(), String> {
     if got.len() != want.len() {
-        return Err(format!("{what}: got {} values, expected {}", got.len(), want.len()));
+        return Err(format!(
+            "{what}: got {} values, expected {}",
+            got.len(),
+            want.len()
+        ));
     }
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         if !(g.is_finite() && ((g as f64) - w).abs() <= tol(w)) {
@@ -121,7 +125,11 @@ pub fn check_grads(
                 let got = download(&g, &inp.dims, DType::F32)
                     .map_err(|e| format!("{what}: gradient {k}: {e}"))?;
                 let want = finite_diff(reference, &xs, k, &w64);
-                compare(&format!("{what}: d/d input {k} {:?}", inp.dims), &got, &want)?;
+                compare(
+                    &format!("{what}: d/d input {k} {:?}", inp.dims),
+                    &got,
+                    &want,
+                )?;
             }
         }
     }
