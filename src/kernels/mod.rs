@@ -10,7 +10,10 @@
 //! 32-bit words, and two invocations never write halves of the same word.
 
 pub(crate) mod autotune;
+pub(crate) mod dropout;
 pub(crate) mod elementwise;
+pub(crate) mod index_select;
+pub(crate) mod layer_norm;
 pub mod matmul;
 pub(crate) mod nonfinite;
 pub(crate) mod optim;
@@ -35,6 +38,9 @@ pub enum Storage {
     F16,
     /// f16 pairs packed in `array<u32>`, unpacked to f32 (works everywhere).
     F16Packed,
+    /// Raw `array<u32>` words (row indices built on the host), read directly as `NAME[i]`; no
+    /// accessors are generated.
+    U32,
 }
 
 impl Storage {
@@ -51,6 +57,7 @@ impl Storage {
             Storage::F32 => "f32",
             Storage::F16 => "f16",
             Storage::F16Packed => "f16p",
+            Storage::U32 => "u32",
         }
     }
 }
@@ -74,6 +81,7 @@ fn wgsl_array_type(b: &Binding) -> &'static str {
         (Storage::F32, true) => "vec4<f32>",
         (Storage::F16, true) => "vec4<f16>",
         (Storage::F16Packed, true) => "vec2<u32>",
+        (Storage::U32, _) => "u32",
     }
 }
 
@@ -92,6 +100,7 @@ fn accessors(b: &Binding) -> String {
         Storage::F32 => "f32",
         Storage::F16 => "f16",
         Storage::F16Packed => "u32",
+        Storage::U32 => return String::new(),
     };
     let mut s = String::new();
     match (b.vec4, b.storage) {
@@ -304,6 +313,58 @@ pub const MATMUL_NAIVE: ShaderFile = ShaderFile {
     ),
     bindings: &[("a", false), ("b", false), ("bias", false), ("c", true)],
 };
+pub const INDEX_SELECT: ShaderFile = ShaderFile {
+    name: "index_select",
+    body: include_str!("../../shaders/index_select.wgsl"),
+    bindings: &[("idx", false), ("x", false), ("out", true)],
+};
+pub const LAYER_NORM: ShaderFile = ShaderFile {
+    name: "layer_norm",
+    body: concat!(
+        include_str!("../../shaders/include/layer_norm_rows.wgsl"),
+        include_str!("../../shaders/layer_norm.wgsl")
+    ),
+    bindings: &[
+        ("x", false),
+        ("w", false),
+        ("b", false),
+        ("y", true),
+        ("mean", true),
+        ("rstd", true),
+    ],
+};
+pub const LAYER_NORM_DX: ShaderFile = ShaderFile {
+    name: "layer_norm_dx",
+    body: concat!(
+        include_str!("../../shaders/include/layer_norm_rows.wgsl"),
+        include_str!("../../shaders/layer_norm_dx.wgsl")
+    ),
+    bindings: &[
+        ("dy", false),
+        ("x", false),
+        ("w", false),
+        ("mean", false),
+        ("rstd", false),
+        ("dx", true),
+    ],
+};
+pub const LAYER_NORM_DWDB: ShaderFile = ShaderFile {
+    name: "layer_norm_dwdb",
+    body: include_str!("../../shaders/layer_norm_dwdb.wgsl"),
+    bindings: &[
+        ("dy", false),
+        ("x", false),
+        ("mean", false),
+        ("rstd", false),
+        ("dw", true),
+        ("db", true),
+    ],
+};
+pub const DROPOUT: ShaderFile = ShaderFile {
+    name: "dropout",
+    body: include_str!("../../shaders/dropout.wgsl"),
+    bindings: &[("x", false), ("out", true)],
+};
 
 /// Every shader file, for validation without a GPU (unit test and `cargo xtask shaders`).
 pub const SHADERS: &[ShaderFile] = &[
@@ -322,6 +383,11 @@ pub const SHADERS: &[ShaderFile] = &[
     CROSS_ENTROPY,
     NONFINITE,
     OPTIM,
+    INDEX_SELECT,
+    LAYER_NORM,
+    LAYER_NORM_DX,
+    LAYER_NORM_DWDB,
+    DROPOUT,
 ];
 
 impl ShaderFile {
@@ -348,6 +414,27 @@ impl ShaderFile {
         }
         device.kernel(&key, &[], false, || {
             assemble(self.body, &self.with_storage(storage))
+        })
+    }
+
+    /// [`ShaderFile::kernel`] with `const NAME: u32` lines of the body replaced by `consts`
+    /// (see [`specialize`]).
+    pub(crate) fn kernel_with(
+        &self,
+        device: &Device,
+        storage: &[Storage],
+        consts: &[(&str, u32)],
+    ) -> Result<Arc<Kernel>> {
+        let mut key = self.name.to_string();
+        for (name, v) in consts {
+            key += &format!("_{name}{v}");
+        }
+        for s in storage {
+            key.push('_');
+            key.push_str(s.tag());
+        }
+        device.kernel(&key, &[], false, || {
+            assemble(&specialize(self.body, consts), &self.with_storage(storage))
         })
     }
 }
@@ -421,6 +508,27 @@ fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
             .iter()
             .map(|&s| vec![s, F32, s, F32])
             .chain([vec![F16Packed, F32, F32, F32]])
+            .collect(),
+        // Indices are raw u32 words.
+        "index_select" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![U32, s, s])
+            .collect(),
+        // Row statistics are f32; packed f16 rows of odd length are written to f32 first.
+        "layer_norm" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s, s, s, s, F32, F32])
+            .chain([vec![F16Packed, F16Packed, F16Packed, F32, F32, F32]])
+            .collect(),
+        "layer_norm_dx" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s, s, s, F32, F32, s])
+            .chain([vec![F16Packed, F16Packed, F16Packed, F32, F32, F32]])
+            .collect(),
+        // Column partial sums are f32.
+        "layer_norm_dwdb" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s, s, F32, F32, F32, F32])
             .collect(),
         _ => [F32, F16, F16Packed].iter().map(|&s| vec![s; n]).collect(),
     }

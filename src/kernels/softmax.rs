@@ -111,7 +111,7 @@ fn kernel(
 
 /// Packed f16 holds two elements per 32-bit word: with an odd row length a word straddles two
 /// rows, which two workgroups (or invocations) would write at once. Those outputs go through f32.
-fn needs_f32_staging(dev: &Device, out: &Tensor, c: usize) -> bool {
+pub(crate) fn needs_f32_staging(dev: &Device, out: &Tensor, c: usize) -> bool {
     Storage::of(dev, out.dtype()) == Storage::F16Packed && !c.is_multiple_of(2)
 }
 

@@ -1,14 +1,22 @@
-//! Layers and losses: [`Linear`], [`Mlp`], cross-entropy, mse, accuracy. Parameters are leaf
+//! Layers and losses: [`Linear`], [`Mlp`], [`Embedding`], [`LayerNorm`], [`Dropout`],
+//! [`Sequential`] (and the [`module!`](crate::module) macro for custom models), cross-entropy,
+//! mse, accuracy. Parameters are leaf
 //! tensors that require grad; a [`Module`] lists them for optimizers and checkpoints.
 
+mod dropout;
+mod embedding;
 mod linear;
 mod loss;
 mod mlp;
+mod norm;
 mod sequential;
 
+pub use dropout::Dropout;
+pub use embedding::Embedding;
 pub use linear::Linear;
 pub use loss::{accuracy, correct, cross_entropy, mse_loss};
 pub use mlp::{Act, Mlp};
+pub use norm::{LayerNorm, LAYER_NORM_EPS};
 pub use sequential::Sequential;
 
 use crate::{Result, Tensor};

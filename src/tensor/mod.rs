@@ -1,7 +1,10 @@
 //! Tensors: a shape, a dtype, and a block of arena memory on one device. Always contiguous and
 //! row-major; `reshape` shares the block, every op writes a new one.
 
+mod dropout;
 mod dtype;
+mod index_select;
+mod layer_norm;
 mod matmul;
 mod ops;
 mod random;

@@ -1,0 +1,205 @@
+//! Dispatch for layer norm: the fused forward (shaders/layer_norm.wgsl), the input's gradient
+//! (shaders/layer_norm_dx.wgsl) and the weight's and bias's gradients (column sums in chunks,
+//! shaders/layer_norm_dwdb.wgsl, then the reduce kernel over the chunks).
+
+use super::elementwise::{self, UnaryOp};
+use super::softmax::needs_f32_staging;
+use super::{reduce, Storage, LAYER_NORM, LAYER_NORM_DWDB, LAYER_NORM_DX, WG};
+use crate::{DType, Result, Shape, Tensor};
+
+/// Rows at least this long are shared by several invocations; shorter ones get one each.
+const ROW_PER_LANES: usize = 64;
+/// Rows per chunk of the weight and bias gradients' column sums: enough chunks to keep the
+/// GPU busy for tall inputs, few enough that the second pass is small.
+const ROWS_PER_CHUNK: usize = 64;
+
+/// log2 of the invocations per row of length `c`. Each lane adds c / lanes elements and then
+/// the row's `lanes` partial sums, so about sqrt(c) lanes balance the two.
+fn lane_shift(c: usize) -> u32 {
+    if c < ROW_PER_LANES {
+        return 0;
+    }
+    c.isqrt()
+        .next_power_of_two()
+        .min(WG as usize)
+        .trailing_zeros()
+}
+
+/// The uniform words and workgroups of a (rows, c) row kernel.
+fn row_launch(rows: usize, c: usize, eps: f32) -> ([u32; 4], u32) {
+    let shift = lane_shift(c);
+    let per_group = (WG >> shift) as usize;
+    (
+        [rows as u32, c as u32, shift, eps.to_bits()],
+        rows.div_ceil(per_group) as u32,
+    )
+}
+
+/// y (rows, c) = layer norm of x with weight w and bias b (c, x's dtype); mean and rstd
+/// (rows, f32) get each row's statistics. y may have any dtype.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward(
+    x: &Tensor,
+    w: &Tensor,
+    b: &Tensor,
+    rows: usize,
+    c: usize,
+    eps: f32,
+    y: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
+) -> Result<()> {
+    if rows == 0 || c == 0 {
+        return Ok(());
+    }
+    let dev = x.device();
+    if needs_f32_staging(dev, y, c) {
+        let tmp = Tensor::uninit(dev, y.shape().clone(), DType::F32)?;
+        forward(x, w, b, rows, c, eps, &tmp, mean, rstd)?;
+        return elementwise::unary(UnaryOp::Identity, &tmp, 0.0, y);
+    }
+    let s = Storage::of(dev, x.dtype());
+    let storage = [
+        s,
+        s,
+        s,
+        Storage::of(dev, y.dtype()),
+        Storage::F32,
+        Storage::F32,
+    ];
+    let k = LAYER_NORM.kernel(dev, &storage)?;
+    let (params, groups) = row_launch(rows, c, eps);
+    dev.dispatch(
+        &k,
+        &params,
+        &[
+            x.block(),
+            w.block(),
+            b.block(),
+            y.block(),
+            mean.block(),
+            rstd.block(),
+        ],
+        groups,
+    )
+}
+
+/// dx (rows, c, any dtype) = the gradient of layer norm's input, from the output's gradient dy
+/// and x (rows, c), w (c) in x's dtype, and the forward's mean and rstd.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_dx(
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
+    rows: usize,
+    c: usize,
+    dx: &Tensor,
+) -> Result<()> {
+    if rows == 0 || c == 0 {
+        return Ok(());
+    }
+    let dev = x.device();
+    if needs_f32_staging(dev, dx, c) {
+        let tmp = Tensor::uninit(dev, dx.shape().clone(), DType::F32)?;
+        backward_dx(dy, x, w, mean, rstd, rows, c, &tmp)?;
+        return elementwise::unary(UnaryOp::Identity, &tmp, 0.0, dx);
+    }
+    let s = Storage::of(dev, x.dtype());
+    let storage = [
+        s,
+        s,
+        s,
+        Storage::F32,
+        Storage::F32,
+        Storage::of(dev, dx.dtype()),
+    ];
+    let k = LAYER_NORM_DX.kernel(dev, &storage)?;
+    let (params, groups) = row_launch(rows, c, 0.0);
+    dev.dispatch(
+        &k,
+        &params,
+        &[
+            dy.block(),
+            x.block(),
+            w.block(),
+            mean.block(),
+            rstd.block(),
+            dx.block(),
+        ],
+        groups,
+    )
+}
+
+/// dw and db (c, f32): the gradients of layer norm's weight (`sum_rows dy * xhat`) and bias
+/// (`sum_rows dy`), from dy and x (rows, c) and the forward's mean and rstd.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward_dwdb(
+    dy: &Tensor,
+    x: &Tensor,
+    mean: &Tensor,
+    rstd: &Tensor,
+    rows: usize,
+    c: usize,
+    dw: &Tensor,
+    db: &Tensor,
+) -> Result<()> {
+    if c == 0 {
+        return Ok(());
+    }
+    let dev = x.device();
+    let chunks = rows.div_ceil(ROWS_PER_CHUNK).max(1);
+    // With one chunk the partial sums are the result; otherwise they are (chunks, c).
+    let (pw, pb) = if chunks == 1 {
+        (dw.clone(), db.clone())
+    } else {
+        let shape = Shape::new(&[chunks, c])?;
+        (
+            Tensor::uninit(dev, shape.clone(), DType::F32)?,
+            Tensor::uninit(dev, shape, DType::F32)?,
+        )
+    };
+    let s = Storage::of(dev, x.dtype());
+    let f = Storage::F32;
+    let k = LAYER_NORM_DWDB.kernel(dev, &[s, s, f, f, f, f])?;
+    let n = chunks * c;
+    dev.dispatch(
+        &k,
+        &[rows as u32, c as u32, ROWS_PER_CHUNK as u32, n as u32],
+        &[
+            dy.block(),
+            x.block(),
+            mean.block(),
+            rstd.block(),
+            pw.block(),
+            pb.block(),
+        ],
+        (n as u32).div_ceil(WG),
+    )?;
+    if chunks > 1 {
+        reduce::reduce(&pw, 1, chunks, c, 1.0, dw)?;
+        reduce::reduce(&pb, 1, chunks, c, 1.0, db)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lanes_grow_with_the_square_root_of_the_row() {
+        assert_eq!(lane_shift(1), 0);
+        assert_eq!(lane_shift(63), 0);
+        // 64 -> 8 lanes, 1000 -> 32 (31.6 rounded up), 4096 -> 64, long rows 256.
+        assert_eq!(lane_shift(64), 3);
+        assert_eq!(lane_shift(1000), 5);
+        assert_eq!(lane_shift(4096), 6);
+        assert_eq!(lane_shift(1 << 20), 8);
+        let (params, groups) = row_launch(33, 1000, 1e-5);
+        assert_eq!(params[2], 5);
+        // 8 rows per workgroup.
+        assert_eq!(groups, 5);
+    }
+}
