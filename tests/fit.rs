@@ -106,7 +106,14 @@ impl Setup {
     }
 
     fn build(&self, dev: &Device) -> Trainer<Mlp> {
-        let mut model = Mlp::new(dev, &self.widths, self.act, self.seed).expect("model");
+        let mut model = Mlp::with_dtype(
+            dev,
+            &self.widths,
+            self.act,
+            self.precision.param_dtype(),
+            self.seed,
+        )
+        .expect("model");
         model.checkpoint_activations = self.checkpoint;
         let opt = self.opt.build(model.parameters());
         Trainer::new(
@@ -247,8 +254,9 @@ fn planned_and_measured(dev: &Device, s: &Setup, warm: usize) -> (u64, u64) {
 // ---------------------------------------------------------------------------------------------
 
 /// Planned vs measured peak bytes in use of a warm step, within 2%, on configurations that
-/// cover f32 / mixed, checkpointing off / on (gelu, where it changes something; tanh, where it
-/// does not), relu / gelu / tanh, SGD with momentum / AdamW, one and several micro-batches.
+/// cover f32 / f16 / mixed, checkpointing off / on (gelu, where it changes something; tanh, where it
+/// does not), relu / gelu / tanh, SGD without and with momentum / AdamW, one and several
+/// micro-batches.
 /// Then checkpointing a gelu model whose activations dominate lowers both peaks, and leaves the
 /// gradients as they were.
 #[test]
@@ -295,6 +303,18 @@ fn planner_within_2_percent() {
             .act(Act::Gelu)
             .checkpoint(true)
             .opt(adamw),
+        Setup::new(&small, 96)
+            .precision(Precision::F16)
+            .micro(32)
+            .opt(mom),
+        Setup::new(&small, 64)
+            .act(Act::Gelu)
+            .precision(Precision::F16)
+            .opt(adamw),
+        Setup::new(&small, 64).opt(Opt::Sgd {
+            lr: 0.05,
+            momentum: 0.0,
+        }),
     ];
     let mut failures = Vec::new();
     for s in &configs {
