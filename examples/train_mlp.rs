@@ -92,12 +92,59 @@ fn run(args: Args) -> fitgrad::Result<()> {
         }
         return Ok(());
     }
+    // Every argument is checked before any device work.
     let precision: Precision = args.precision.parse()?;
+    let act: Act = args.activation.parse()?;
     let budget = args
         .memory_budget
         .as_deref()
         .map(|b| b.parse::<Bytes>().map(|b| b.0))
         .transpose()?;
+    let invalid = |reason: String| fitgrad::Error::InvalidArgument {
+        op: "train_mlp",
+        reason,
+    };
+    if args.batch_size == 0 || args.accum_steps == 0 {
+        return Err(invalid(format!(
+            "--batch-size and --accum-steps must be at least 1, got {} and {}",
+            args.batch_size, args.accum_steps
+        )));
+    }
+    let eff = args
+        .batch_size
+        .checked_mul(args.accum_steps)
+        .ok_or_else(|| invalid("--batch-size x --accum-steps overflows".into()))?;
+    if budget == Some(0) {
+        return Err(invalid("--memory-budget must be more than 0 bytes".into()));
+    }
+    if let Some(i) = args.hidden.iter().position(|&w| w == 0) {
+        return Err(invalid(format!(
+            "--hidden {:?}: layer {} has width 0 (leave the list empty for no hidden layer)",
+            args.hidden,
+            i + 1
+        )));
+    }
+    if args.shard_size == Some(0) {
+        return Err(invalid("--shard-size must be at least 1".into()));
+    }
+    if !matches!(args.optimizer.as_str(), "adamw" | "sgd") {
+        return Err(invalid(format!(
+            "unknown optimizer '{}' (adamw or sgd)",
+            args.optimizer
+        )));
+    }
+    if let Some(lr) = args.lr {
+        if !(lr.is_finite() && lr >= 0.0) {
+            return Err(invalid(format!("--lr must be a finite number >= 0, got {lr}")));
+        }
+    }
+    let (train, test) = data::load(&args.dataset, args.seed)?;
+    if train.dim != test.dim {
+        return Err(invalid(format!(
+            "the training set has {} features per sample and the test set {}",
+            train.dim, test.dim
+        )));
+    }
     let device = Device::with_options(DeviceOptions {
         adapter: args.adapter.clone(),
         memory_budget: budget,
@@ -105,8 +152,6 @@ fn run(args: Args) -> fitgrad::Result<()> {
     })?;
     let info = device.info();
     println!("adapter: {}", info.adapter);
-
-    let (train, test) = data::load(&args.dataset, args.seed)?;
     println!(
         "dataset: {} ({} train, {} test, {} features, {} classes)",
         train.name,
@@ -117,9 +162,8 @@ fn run(args: Args) -> fitgrad::Result<()> {
     );
 
     let mut widths = vec![train.dim];
-    widths.extend(args.hidden.iter().copied().filter(|&w| w > 0));
+    widths.extend(args.hidden.iter().copied());
     widths.push(train.classes);
-    let act: Act = args.activation.parse()?;
     let param_dtype = match precision {
         Precision::F16 => DType::F16,
         _ => DType::F32,
@@ -143,7 +187,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
             })
         }
     };
-    let steps_per_epoch = train.len().div_ceil(args.batch_size * args.accum_steps) as u64;
+    let steps_per_epoch = train.len().div_ceil(eff) as u64;
     let total_steps = steps_per_epoch * args.epochs;
     let schedule = if args.cosine {
         LrSchedule::WarmupCosine {
@@ -240,7 +284,6 @@ fn run(args: Args) -> fitgrad::Result<()> {
             .with_prefix(format!("{}", epoch + 1));
         let epoch_start = Instant::now();
         let mut samples = 0usize;
-        let eff = args.batch_size * args.accum_steps;
         let on_step = |t: &mut Trainer<Mlp>, done: usize, total: usize| {
             samples = (done * eff).min(train.len());
             bar.set_position(done as u64);

@@ -65,8 +65,16 @@ fn budget_text(budget: &Option<u64>) -> String {
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// No adapter matched the request (or the machine has none).
-    #[error("no GPU adapter found{}: {reason}. Install a driver, or Mesa's software Vulkan driver (apt-get install mesa-vulkan-drivers), or relax FITGRAD_BACKEND / FITGRAD_ADAPTER", if .wanted.is_empty() { String::new() } else { format!(" for {}", .wanted) })]
-    NoAdapter { wanted: String, reason: String },
+    #[error("no GPU adapter found{}: {reason}. {hint}", if .wanted.is_empty() { String::new() } else { format!(" for {}", .wanted) })]
+    NoAdapter {
+        /// What was asked for (backend, adapter name), empty when nothing was.
+        wanted: String,
+        /// What was found instead.
+        reason: String,
+        /// What to do about it: install a driver when there is no adapter at all, pick
+        /// another name when adapters exist but none matches.
+        hint: String,
+    },
 
     /// The adapter refused to create a device.
     #[error("could not open the device on adapter '{adapter}': {reason}")]
