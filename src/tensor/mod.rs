@@ -2,9 +2,11 @@
 //! row-major; `reshape` shares the block, every op writes a new one.
 
 mod dtype;
+mod layout;
 mod matmul;
 mod ops;
 mod random;
+mod select;
 mod shape;
 mod softmax;
 
