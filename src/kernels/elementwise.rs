@@ -2,8 +2,7 @@
 //! kernels.
 
 use super::{
-    assemble, pair_groups, specialize, Binding, ShaderFile, Storage, BINARY, FILL, UNARY, WG,
-    WHERE,
+    assemble, pair_groups, specialize, Binding, ShaderFile, Storage, BINARY, FILL, UNARY, WG, WHERE,
 };
 use crate::device::Kernel;
 use crate::{Device, Result, Tensor};

@@ -103,10 +103,12 @@ impl Tensor {
                     reason: format!("every dim but axis {axis} must agree, and the rank"),
                 });
             }
-            total = total.checked_add(d[axis]).ok_or_else(|| Error::InvalidArgument {
-                op: OP,
-                reason: "the joined axis overflows".into(),
-            })?;
+            total = total
+                .checked_add(d[axis])
+                .ok_or_else(|| Error::InvalidArgument {
+                    op: OP,
+                    reason: "the joined axis overflows".into(),
+                })?;
         }
         let (outer, inner) = around(&dims, axis);
         let mut out_dims = dims.clone();

@@ -50,12 +50,8 @@ impl Tensor {
             Box::new(move |g, need| {
                 let (win_a, win_b) = if min { (&b, &a) } else { (&a, &b) };
                 Ok(vec![
-                    grad_if(need[0], || {
-                        sum_to(&g.mul(&share(win_a, win_b)?)?, a.dims())
-                    })?,
-                    grad_if(need[1], || {
-                        sum_to(&g.mul(&share(win_b, win_a)?)?, b.dims())
-                    })?,
+                    grad_if(need[0], || sum_to(&g.mul(&share(win_a, win_b)?)?, a.dims()))?,
+                    grad_if(need[1], || sum_to(&g.mul(&share(win_b, win_a)?)?, b.dims()))?,
                 ])
             })
         }))

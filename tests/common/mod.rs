@@ -5,6 +5,8 @@
 //! hence the `dead_code` allowance.
 #![allow(dead_code)]
 
+pub mod gradcheck;
+
 use fitgrad::{DType, Device, DeviceOptions, Tensor};
 use half::f16;
 use std::io::Write;
