@@ -15,6 +15,9 @@ use proptest::prelude::*;
 
 const DTYPES: [DType; 2] = [DType::F32, DType::F16];
 
+/// (axis, start, len) of a narrow.
+type NarrowArgs = (usize, usize, usize);
+
 // ---------------------------------------------------------------------------------------------
 // Plain-loop references
 // ---------------------------------------------------------------------------------------------
@@ -87,7 +90,7 @@ fn check_narrow(
     dev: &Device,
     dtype: DType,
     dims: &[usize],
-    (axis, start, len): (usize, usize, usize),
+    (axis, start, len): NarrowArgs,
     seed: u64,
 ) -> Res<()> {
     let what = format!(
@@ -161,7 +164,7 @@ fn check_permute(dev: &Device, dtype: DType, dims: &[usize], perm: &[usize], see
 }
 
 /// (axis, start, len) of a narrow of `dims` (rank >= 1) from random bits.
-fn narrow_args(dims: &[usize], bits: u64) -> (usize, usize, usize) {
+fn narrow_args(dims: &[usize], bits: u64) -> NarrowArgs {
     let axis = (bits % dims.len() as u64) as usize;
     let d = dims[axis] as u64;
     let start = ((bits >> 8) % (d + 1)) as usize;
@@ -242,7 +245,7 @@ proptest! {
 /// ranges, empty ranges and inputs, rank 1, the whole axis, workgroup-sized blocks.
 #[test]
 fn layout_edge_cases() {
-    let narrows: &[(&[usize], (usize, usize, usize))] = &[
+    let narrows: &[(&[usize], NarrowArgs)] = &[
         (&[1], (0, 0, 1)),
         (&[7], (0, 3, 3)),
         (&[7], (0, 1, 0)),

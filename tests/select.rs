@@ -15,6 +15,11 @@ use proptest::prelude::*;
 
 const DTYPES: [DType; 2] = [DType::F32, DType::F16];
 
+/// maximum or minimum, and its f64 reference for the gradient check.
+type BinOp = fn(&Tensor, &Tensor) -> fitgrad::Result<Tensor>;
+type Ref64 = fn(f64, f64) -> f64;
+type Ref32 = fn(f32, f32) -> f32;
+
 // ---------------------------------------------------------------------------------------------
 // Data and references
 // ---------------------------------------------------------------------------------------------
@@ -26,7 +31,7 @@ fn grid_data(seed: u64, n: usize, specials: bool) -> Vec<f32> {
     (0..n)
         .map(|_| {
             let k = r.next_u64();
-            if specials && k % 12 == 0 {
+            if specials && k.is_multiple_of(12) {
                 [f32::NAN, -0.0, f32::INFINITY, f32::NEG_INFINITY][(k >> 8) as usize % 4]
             } else {
                 ((k >> 16) % 17) as f32 * 0.25 - 2.0
@@ -170,8 +175,7 @@ fn check_extrema(dev: &Device, dtype: DType, ad: &[usize], bd: &[usize], seed: u
         upload(dev, &a_host, ad, dtype),
         upload(dev, &b_host, bd, dtype),
     );
-    type Op = fn(&Tensor, &Tensor) -> fitgrad::Result<Tensor>;
-    let ops: [(&str, Op, fn(f32, f32) -> f32); 2] = [
+    let ops: [(&str, BinOp, Ref32); 2] = [
         ("maximum", Tensor::maximum, ref_max),
         ("minimum", Tensor::minimum, ref_min),
     ];
@@ -454,8 +458,7 @@ fn check_selection_grads(
         &|xs| xs[0].iter().map(|v| v.abs()).collect(),
     )?;
     let (ga, gb) = (bits & 1 == 0, bits & 2 == 0 || bits & 1 == 1);
-    type Op = fn(&Tensor, &Tensor) -> fitgrad::Result<Tensor>;
-    let ops: [(&str, Op, fn(f64, f64) -> f64); 2] = [
+    let ops: [(&str, BinOp, Ref64); 2] = [
         ("maximum", Tensor::maximum, f64::max),
         ("minimum", Tensor::minimum, f64::min),
     ];
