@@ -14,6 +14,7 @@ pub(crate) mod dropout;
 pub(crate) mod elementwise;
 pub(crate) mod index_select;
 pub(crate) mod layer_norm;
+pub(crate) mod layout;
 pub mod matmul;
 pub(crate) mod nonfinite;
 pub(crate) mod optim;
@@ -214,6 +215,7 @@ pub const BINARY: ShaderFile = ShaderFile {
     name: "binary",
     body: concat!(
         include_str!("../../shaders/include/activations.wgsl"),
+        include_str!("../../shaders/include/broadcast.wgsl"),
         include_str!("../../shaders/binary.wgsl")
     ),
     bindings: &[("a", false), ("b", false), ("out", true)],
@@ -224,6 +226,27 @@ pub const UNARY: ShaderFile = ShaderFile {
         include_str!("../../shaders/include/activations.wgsl"),
         include_str!("../../shaders/unary.wgsl")
     ),
+    bindings: &[("x", false), ("out", true)],
+};
+pub const WHERE: ShaderFile = ShaderFile {
+    name: "where",
+    body: concat!(
+        include_str!("../../shaders/include/broadcast.wgsl"),
+        include_str!("../../shaders/where.wgsl")
+    ),
+    bindings: &[("c", false), ("a", false), ("b", false), ("out", true)],
+};
+pub const PERMUTE: ShaderFile = ShaderFile {
+    name: "permute",
+    body: concat!(
+        include_str!("../../shaders/include/broadcast.wgsl"),
+        include_str!("../../shaders/permute.wgsl")
+    ),
+    bindings: &[("x", false), ("out", true)],
+};
+pub const STRIDED_COPY: ShaderFile = ShaderFile {
+    name: "strided_copy",
+    body: include_str!("../../shaders/strided_copy.wgsl"),
     bindings: &[("x", false), ("out", true)],
 };
 pub const FILL: ShaderFile = ShaderFile {
@@ -388,6 +411,9 @@ pub const SHADERS: &[ShaderFile] = &[
     LAYER_NORM_DX,
     LAYER_NORM_DWDB,
     DROPOUT,
+    WHERE,
+    PERMUTE,
+    STRIDED_COPY,
 ];
 
 impl ShaderFile {
@@ -487,6 +513,19 @@ fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
             vec![F32, F16Packed],
             vec![F16Packed, F32],
         ],
+        // The condition may have another dtype than the values (an f32 mask on f16 data).
+        "where" => [
+            (F32, F32),
+            (F16, F16),
+            (F16Packed, F16Packed),
+            (F32, F16),
+            (F16, F32),
+            (F32, F16Packed),
+            (F16Packed, F32),
+        ]
+        .iter()
+        .map(|&(c, s)| vec![c, s, s, s])
+        .collect(),
         // Max and argmax are written in f32; nonfinite's flag is f32.
         "reduce_max" => [F32, F16, F16Packed]
             .iter()

@@ -5,9 +5,11 @@ mod dropout;
 mod dtype;
 mod index_select;
 mod layer_norm;
+mod layout;
 mod matmul;
 mod ops;
 mod random;
+mod select;
 mod shape;
 mod softmax;
 
