@@ -135,7 +135,9 @@ fn run(args: Args) -> fitgrad::Result<()> {
     }
     if let Some(lr) = args.lr {
         if !(lr.is_finite() && lr >= 0.0) {
-            return Err(invalid(format!("--lr must be a finite number >= 0, got {lr}")));
+            return Err(invalid(format!(
+                "--lr must be a finite number >= 0, got {lr}"
+            )));
         }
     }
     let (train, test) = data::load(&args.dataset, args.seed)?;
@@ -205,6 +207,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
         lr,
         schedule,
         precision,
+        ..Default::default()
     };
     let mut trainer = Trainer::new(model, optimizer, config)?;
     if let Some(b) = budget {
@@ -252,6 +255,12 @@ fn run(args: Args) -> fitgrad::Result<()> {
             path.display(),
             trainer.steps()
         );
+        if first_epoch >= args.epochs {
+            println!(
+                "nothing left to train: the checkpoint holds {first_epoch} epochs and --epochs is {}; evaluating it as it is",
+                args.epochs
+            );
+        }
     }
     let sharded = match args.shard_size {
         Some(size) => {

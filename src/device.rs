@@ -326,7 +326,8 @@ fn instance(backends: wgpu::Backends) -> wgpu::Instance {
     // devices, and without XDG_RUNTIME_DIR (a headless machine, CI) libwayland prints
     // "XDG_RUNTIME_DIR is invalid" for every instance. fitgrad orders adapters itself, so the
     // layer is turned off there (its own switch, read when the instance is created).
-    if std::env::var_os("XDG_RUNTIME_DIR").is_none() && std::env::var_os("NODEVICE_SELECT").is_none()
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none()
+        && std::env::var_os("NODEVICE_SELECT").is_none()
     {
         std::env::set_var("NODEVICE_SELECT", "1");
     }
@@ -670,7 +671,12 @@ impl Device {
     /// holds it, and it is not by itself over the budget), checked before any host work.
     pub(crate) fn check_tensor_bytes(&self, op: &'static str, bytes: u64) -> Result<()> {
         let size = Arena::block_size(bytes);
-        let limit = self.inner.info.limits.max_storage_buffer_binding_size.min(self.inner.info.limits.max_buffer_size);
+        let limit = self
+            .inner
+            .info
+            .limits
+            .max_storage_buffer_binding_size
+            .min(self.inner.info.limits.max_buffer_size);
         if size > limit {
             return Err(Error::Limit {
                 op,

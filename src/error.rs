@@ -106,6 +106,16 @@ pub enum Error {
         what: String,
     },
 
+    /// Training diverged: a loss or gradient became NaN or infinite (without loss scaling,
+    /// which would skip such a step instead). The weights are those before that step.
+    #[error("training diverged at step {step}: {what} is not finite (NaN or infinity); lower the learning rate, clip gradients, or use --precision mixed, whose loss scaling skips such steps")]
+    NonFinite {
+        /// The optimizer step (0-based) whose loss or gradients were not finite.
+        step: u64,
+        /// What was not finite.
+        what: String,
+    },
+
     /// Shapes that do not fit together for an op.
     #[error("{op}: shapes do not fit: {lhs:?} and {rhs:?}{}", if .reason.is_empty() { String::new() } else { format!(" ({})", .reason) })]
     Shape {

@@ -30,6 +30,11 @@ pub struct TrainerConfig {
     pub schedule: LrSchedule,
     /// f32, f16 (the model must be f16), or mixed (f32 parameters, f16 compute, loss scaling).
     pub precision: Precision,
+    /// Without loss scaling, check the loss and the gradients for NaN or infinity every this
+    /// many steps, before the update (one small readback each time), and stop with
+    /// [`Error::NonFinite`]; 0 turns the check off. Loss scaling checks every step anyway and
+    /// skips overflowing steps.
+    pub check_finite_every: u64,
 }
 
 impl Default for TrainerConfig {
@@ -41,6 +46,7 @@ impl Default for TrainerConfig {
             lr: 1e-3,
             schedule: LrSchedule::Constant,
             precision: Precision::F32,
+            check_finite_every: 1,
         }
     }
 }
@@ -287,6 +293,14 @@ impl<M: Module> Trainer<M> {
         }
     }
 
+    fn precision_name(&self) -> &'static str {
+        match self.config.precision {
+            Precision::F32 => "f32",
+            Precision::F16 => "f16",
+            Precision::Mixed => "mixed",
+        }
+    }
+
     pub(super) fn context(&self, training: bool) -> StepContext {
         StepContext {
             device: self.device.clone(),
@@ -299,6 +313,17 @@ impl<M: Module> Trainer<M> {
     /// loss scaler and the position in training (`epochs_done` full epochs) to a safetensors
     /// file, atomically: a crash mid-save leaves the previous file intact.
     pub fn save_checkpoint(&self, path: &std::path::Path, epochs_done: u64) -> Result<()> {
+        // A diverged model must not replace a good file.
+        let params = self.model.parameters();
+        if self.device.nonfinite(&params.iter().collect::<Vec<_>>())? {
+            return Err(Error::NonFinite {
+                step: self.step,
+                what: format!(
+                    "a parameter (the checkpoint was not written; {} keeps what it held)",
+                    path.display()
+                ),
+            });
+        }
         let state = crate::checkpoint::TrainingState {
             step: self.step,
             epoch: epochs_done,
@@ -310,7 +335,7 @@ impl<M: Module> Trainer<M> {
                     scale: s.scale(),
                     growth_tracker: s.growth_tracker(),
                 }),
-            extra: Default::default(),
+            extra: [("precision".to_string(), self.precision_name().to_string())].into(),
         };
         crate::checkpoint::save(path, &self.model, Some(self.optimizer.as_ref()), &state)
     }
@@ -321,6 +346,17 @@ impl<M: Module> Trainer<M> {
     pub fn resume_from(&mut self, path: &std::path::Path) -> Result<u64> {
         let ckpt = crate::checkpoint::load(path)?;
         let state = ckpt.training_state()?;
+        if let Some(p) = state.extra.get("precision") {
+            if p != self.precision_name() {
+                return Err(Error::Data {
+                    path: path.display().to_string(),
+                    reason: format!(
+                        "the checkpoint was trained with precision {p}, this run uses {}",
+                        self.precision_name()
+                    ),
+                });
+            }
+        }
         ckpt.apply_model(&self.model)?;
         ckpt.apply_optimizer(self.optimizer.as_mut())?;
         self.step = state.step;
@@ -455,6 +491,31 @@ impl<M: Module> Trainer<M> {
                     sc.scale()
                 ));
                 return Ok(());
+            }
+        }
+        let every = self.config.check_finite_every;
+        if self.scaler.is_none() && every > 0 && self.step.is_multiple_of(every) {
+            let _p = dev.phase_scope("finite check");
+            let grads: Vec<Tensor> = self
+                .model
+                .parameters()
+                .iter()
+                .filter_map(Tensor::grad)
+                .collect();
+            let mut all: Vec<&Tensor> = vec![&step_loss];
+            all.extend(grads.iter());
+            if dev.nonfinite(&all)? {
+                drop(grads);
+                self.optimizer.zero_grad();
+                let what = if dev.nonfinite(&[&step_loss])? {
+                    "the loss"
+                } else {
+                    "a gradient"
+                };
+                return Err(Error::NonFinite {
+                    step: self.step,
+                    what: what.into(),
+                });
             }
         }
         let lr = self.config.schedule.lr_at(self.config.lr, self.step);
