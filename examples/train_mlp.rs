@@ -291,6 +291,12 @@ fn run(args: Args) -> fitgrad::Result<()> {
         let bar = ProgressBar::new(steps_per_epoch)
             .with_style(style.clone())
             .with_prefix(format!("{}", epoch + 1));
+        if epoch == first_epoch {
+            // On a new machine the first steps compile every kernel (lavapipe: tens of
+            // seconds); the driver caches them on disk for the next run.
+            bar.set_message("compiling GPU kernels (first run on this machine only)...");
+            bar.tick();
+        }
         let epoch_start = Instant::now();
         let mut samples = 0usize;
         let on_step = |t: &mut Trainer<Mlp>, done: usize, total: usize| {
