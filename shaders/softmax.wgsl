@@ -18,7 +18,9 @@
 // written without reading x again; streamed ones are read a second time.
 // mode 1, short rows: one invocation per row, three passes over the row.
 // Where the adapter has subgroups of a fixed size, softmax_sg.wgsl replaces mode 0.
-// Parameters and row access: include/softmax_rows.wgsl.
+// Parameters and row access: include/softmax_rows.wgsl; the fused scale and masks of
+// softmax_masked (MASKED, a specialization, which also turns an all -inf row into zeros):
+// include/softmax_mask.wgsl.
 
 const WG: u32 = 256u;
 // Quads per invocation held in registers; rows up to 4 * lanes * CHUNKS elements are read once.
@@ -63,14 +65,14 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         let row = group * (WG >> p.lane_shift) + slot;
         let live = row < p.rows;
         let quads = select(0u, p.quads, live);
-        let base = row * p.c;
+        let r = row_of(row);
         // Quads in registers: their max, then exp(x - max) (kept for softmax) and its sum.
         var v: array<vec4<f32>, CHUNKS>;
         var mc = ninf;
         for (var c = 0u; c < CHUNKS; c++) {
             let q = lane + c * lanes;
             if (q < quads) {
-                v[c] = load4(base, q);
+                v[c] = row_in(r, q);
             } else {
                 v[c] = vec4<f32>(ninf);
             }
@@ -90,7 +92,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         var mt = ninf;
         var st = 0.0;
         for (var q = lane + CHUNKS * lanes; q < quads; q += lanes) {
-            let x = load4(base, q);
+            let x = row_in(r, q);
             let mn = max(mt, max4(x));
             if (mn != ninf) {
                 st = st * exp(mt - mn) + sum4(exp(x - mn));
@@ -131,6 +133,13 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         for (var j = 0u; j < PARTS; j++) {
             big_s += ps[p0 + j] * exp(pm[p0 + j] - big_m);
         }
+        if (MASKED != 0u && big_m == ninf) {
+            // softmax_masked of a row masked entirely: zeros.
+            for (var q = lane; q < quads; q += lanes) {
+                store4(r.base, q, vec4<f32>(0.0));
+            }
+            return;
+        }
         // An all -inf row: big_m = -inf and every output NaN (the expressions below give it).
         if (LOG == 0u) {
             // exp(mc - M) is 0 for a lane of -inf (M finite) and NaN for an all -inf row.
@@ -139,22 +148,22 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
             for (var c = 0u; c < CHUNKS; c++) {
                 let q = lane + c * lanes;
                 if (q < quads) {
-                    store4(base, q, v[c] * factor);
+                    store4(r.base, q, v[c] * factor);
                 }
             }
             for (var q = lane + CHUNKS * lanes; q < quads; q += lanes) {
-                store4(base, q, exp(load4(base, q) - big_m) * inv);
+                store4(r.base, q, exp(row_in(r, q) - big_m) * inv);
             }
         } else {
             let ls = select(log(big_s), nan(), big_m == ninf);
             for (var c = 0u; c < CHUNKS; c++) {
                 let q = lane + c * lanes;
                 if (q < quads) {
-                    store4(base, q, (v[c] - big_m) - ls);
+                    store4(r.base, q, (v[c] - big_m) - ls);
                 }
             }
             for (var q = lane + CHUNKS * lanes; q < quads; q += lanes) {
-                store4(base, q, (load4(base, q) - big_m) - ls);
+                store4(r.base, q, (row_in(r, q) - big_m) - ls);
             }
         }
         return;
@@ -164,25 +173,32 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     if (row >= p.rows) {
         return;
     }
-    let base = row * p.c;
+    let r = row_of(row);
+    let base = r.base;
     var m = ninf;
     for (var i = 0u; i < p.c; i++) {
-        m = max(m, ld_x(base + i));
+        m = max(m, row_at(r, i));
+    }
+    if (MASKED != 0u && m == ninf) {
+        for (var i = 0u; i < p.c; i++) {
+            st_out(base + i, 0.0);
+        }
+        return;
     }
     var s = 0.0;
     for (var i = 0u; i < p.c; i++) {
-        s += exp(ld_x(base + i) - m);
+        s += exp(row_at(r, i) - m);
     }
     // All -inf: m = -inf, x - m = NaN, s NaN, every output NaN.
     if (LOG == 0u) {
         let inv = 1.0 / s;
         for (var i = 0u; i < p.c; i++) {
-            st_out(base + i, exp(ld_x(base + i) - m) * inv);
+            st_out(base + i, exp(row_at(r, i) - m) * inv);
         }
     } else {
         let ls = log(s);
         for (var i = 0u; i < p.c; i++) {
-            st_out(base + i, (ld_x(base + i) - m) - ls);
+            st_out(base + i, (row_at(r, i) - m) - ls);
         }
     }
 }

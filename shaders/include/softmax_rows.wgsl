@@ -5,9 +5,19 @@
 
 struct Params {
     rows: u32,
-    c: u32,          // row length
+    c: u32,          // row length (T_k)
     quads: u32,      // ceil(c / 4)
     lane_shift: u32, // log2 of the invocations per row (mode 0)
+    // The rest is read only by the fused mask (include/softmax_mask.wgsl); the plain kernels
+    // leave it zero.
+    scale: f32,      // y = softmax(scale * x + mask)
+    tq: u32,         // rows of each (T_q, T_k) matrix: a row's query index is row % tq
+    diag: i32,       // T_k - T_q + 1: causal query i sees columns k < i + diag
+    d1: u32,         // the input's second dim of four (leading dims padded with 1)
+    ms0: u32,        // the mask's strides along the input's first three of four dims, 0 where
+    ms1: u32,        // the mask is broadcast
+    msq: u32,
+    _pad: u32,
 }
 @group(0) @binding(0) var<uniform> p: Params;
 
@@ -51,4 +61,3 @@ fn store4(base: u32, q: u32, y: vec4<f32>) {
         st_out(base + i + k, y[k]);
     }
 }
-

@@ -241,17 +241,21 @@ pub const SOFTMAX: ShaderFile = ShaderFile {
     name: "softmax",
     body: concat!(
         include_str!("../../shaders/include/softmax_rows.wgsl"),
+        include_str!("../../shaders/include/softmax_mask.wgsl"),
         include_str!("../../shaders/softmax.wgsl")
     ),
-    bindings: &[("x", false), ("out", true)],
+    // Without a mask, x is bound as `mask` too (never read).
+    bindings: &[("x", false), ("out", true), ("mask", false)],
 };
 pub const SOFTMAX_SG: ShaderFile = ShaderFile {
     name: "softmax_sg",
     body: concat!(
         include_str!("../../shaders/include/softmax_rows.wgsl"),
+        include_str!("../../shaders/include/softmax_mask.wgsl"),
         include_str!("../../shaders/softmax_sg.wgsl")
     ),
-    bindings: &[("x", false), ("out", true)],
+    // Without a mask, x is bound as `mask` too (never read).
+    bindings: &[("x", false), ("out", true), ("mask", false)],
 };
 pub const CROSS_ENTROPY: ShaderFile = ShaderFile {
     name: "cross_entropy",
@@ -409,12 +413,12 @@ fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
             .iter()
             .map(|&s| vec![s, F32])
             .collect(),
-        // Packed f16 rows of odd length are written to f32 first.
+        // Packed f16 rows of odd length are written to f32 first; the mask has x's dtype.
         "softmax" | "softmax_sg" => vec![
-            vec![F32, F32],
-            vec![F16, F16],
-            vec![F16Packed, F16Packed],
-            vec![F16Packed, F32],
+            vec![F32, F32, F32],
+            vec![F16, F16, F16],
+            vec![F16Packed, F16Packed, F16Packed],
+            vec![F16Packed, F32, F16Packed],
         ],
         // Targets and row losses are f32.
         "cross_entropy" => [F32, F16, F16Packed]
