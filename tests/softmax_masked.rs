@@ -185,7 +185,11 @@ fn check_case(
     let want = expect_in(want, dtype);
     check_close_by(&what, &got, &want, |i| tol(dtype, want[i]))?;
     let again = run()?;
-    if got.iter().map(|v| v.to_bits()).ne(again.iter().map(|v| v.to_bits())) {
+    if got
+        .iter()
+        .map(|v| v.to_bits())
+        .ne(again.iter().map(|v| v.to_bits()))
+    {
         return Err(format!("{what}: a second run differs"));
     }
     Ok(())
@@ -369,12 +373,19 @@ fn softmax_masked_errors() {
     let opts = SoftmaxOptions::new;
     for scale in [0.0f32, -1.0, f32::NAN, f32::INFINITY] {
         let e = x.softmax_masked(opts().scale(scale)).unwrap_err();
-        assert!(matches!(e, Error::InvalidArgument { .. }), "scale {scale}: {e}");
+        assert!(
+            matches!(e, Error::InvalidArgument { .. }),
+            "scale {scale}: {e}"
+        );
     }
     for dims in [&[4usize][..], &[]] {
         let t = Tensor::zeros(&dev, dims, DType::F32).unwrap();
         let e = t.softmax_masked(opts().causal(true)).unwrap_err();
-        assert!(matches!(e, Error::Shape { .. }), "causal rank {}: {e}", dims.len());
+        assert!(
+            matches!(e, Error::Shape { .. }),
+            "causal rank {}: {e}",
+            dims.len()
+        );
     }
     for md in [&[3usize, 5][..], &[2, 3], &[1, 2, 3, 4], &[3, 2, 4]] {
         let m = Tensor::zeros(&dev, md, DType::F32).unwrap();

@@ -11,6 +11,7 @@
 
 pub(crate) mod autotune;
 pub(crate) mod elementwise;
+pub(crate) mod grad_norm;
 pub mod matmul;
 pub(crate) mod nonfinite;
 pub(crate) mod optim;
@@ -268,6 +269,12 @@ pub const NONFINITE: ShaderFile = ShaderFile {
     bindings: &[("x", false), ("flag", true)],
 };
 
+pub const GRAD_NORM: ShaderFile = ShaderFile {
+    name: "grad_norm",
+    body: include_str!("../../shaders/grad_norm.wgsl"),
+    bindings: &[("g", true), ("acc", true), ("norm", true)],
+};
+
 pub const OPTIM: ShaderFile = ShaderFile {
     name: "optim",
     body: include_str!("../../shaders/optim.wgsl"),
@@ -326,6 +333,7 @@ pub const SHADERS: &[ShaderFile] = &[
     CROSS_ENTROPY,
     NONFINITE,
     OPTIM,
+    GRAD_NORM,
 ];
 
 impl ShaderFile {
@@ -412,6 +420,11 @@ fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
         "nonfinite" => [F32, F16, F16Packed]
             .iter()
             .map(|&s| vec![s, F32])
+            .collect(),
+        // The slots and the norm are f32.
+        "grad_norm" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s, F32, F32])
             .collect(),
         // Packed f16 rows of odd length are written to f32 first; the mask has x's dtype.
         "softmax" | "softmax_sg" => vec![

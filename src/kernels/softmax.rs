@@ -172,7 +172,12 @@ pub(crate) fn softmax(
         kernel(dev, &SOFTMAX, &bind, &consts)?
     };
     let params = params(rows, c, l.lanes, fused);
-    dev.dispatch(&k, &params, &[x.block(), out.block(), mask.block()], l.groups)
+    dev.dispatch(
+        &k,
+        &params,
+        &[x.block(), out.block(), mask.block()],
+        l.groups,
+    )
 }
 
 /// The uniform words of include/softmax_rows.wgsl's `Params`.

@@ -25,11 +25,13 @@
 //! ```
 
 mod adamw;
+mod clip;
 mod scaler;
 pub mod schedule;
 mod sgd;
 
 pub use adamw::AdamW;
+pub use clip::{clip_grad_norm, clip_grad_norm_tensor};
 pub use scaler::GradScaler;
 pub use schedule::LrSchedule;
 pub use sgd::Sgd;
