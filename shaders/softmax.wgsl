@@ -12,10 +12,10 @@
 // overhead and the barriers are then shared by enough elements. Each invocation takes the vec4
 // quads q = lane + lanes * c of its row and keeps the first CHUNKS of them in registers: it finds
 // their max m and sum s of exp(x - m) (the row is read once), then streams any further quads
-// with an online (m, s) update. The (m, s) pairs of a row merge in two stages (PARTS invocations
-// merge lanes / PARTS pairs each, then every invocation merges the PARTS results): two barriers
-// per workgroup. The order is fixed, so results are bitwise reproducible. Quads in registers are
-// written without reading x again; streamed ones are read a second time.
+// with an online (m, s) update. The (m, s) pairs of a row merge in two stages (`row_stats` in
+// include/softmax_rows.wgsl: two barriers per workgroup). The order is fixed, so results are
+// bitwise reproducible. Quads in registers are written without reading x again; streamed ones
+// are read a second time.
 // mode 1, short rows: one invocation per row, three passes over the row.
 // Where the adapter has subgroups of a fixed size, softmax_sg.wgsl replaces mode 0.
 // Parameters and row access: include/softmax_rows.wgsl; the fused scale and masks of
@@ -30,25 +30,6 @@ const LOG: u32 = 0u;
 // 0: 2^lane_shift invocations per row, 1: one invocation per row. Specialized, not a uniform:
 // lavapipe recompiles a shader at every dispatch when inlining a uniform would remove half of it.
 const MODE: u32 = 0u;
-// Invocations per row in the first merge stage.
-const PARTS: u32 = 4u;
-// Rows per workgroup are at most WG / MIN_LANES.
-const MIN_LANES: u32 = 16u;
-
-var<workgroup> wm: array<f32, WG>;
-var<workgroup> ws: array<f32, WG>;
-var<workgroup> pm: array<f32, WG / MIN_LANES * PARTS>;
-var<workgroup> ps: array<f32, WG / MIN_LANES * PARTS>;
-
-// Merges two (max, sum of exp(x - max)) pairs. A pair with max -inf is empty (sum 0), and two
-// empty pairs stay empty rather than giving exp(-inf + inf) = NaN.
-fn merge(a: vec2<f32>, b: vec2<f32>) -> vec2<f32> {
-    let m = max(a.x, b.x);
-    if (m == neg_inf()) {
-        return vec2<f32>(m, 0.0);
-    }
-    return vec2<f32>(m, a.y * exp(a.x - m) + b.y * exp(b.x - m));
-}
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wg: vec3<u32>,
@@ -99,40 +80,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
                 mt = mn;
             }
         }
-        let mine = merge(vec2<f32>(mc, sc), vec2<f32>(mt, st));
-        wm[lid] = mine.x;
-        ws[lid] = mine.y;
-        workgroupBarrier();
-        if (lane < PARTS) {
-            // Max first, then one exp per pair.
-            let per_part = lanes / PARTS;
-            let j0 = slot * lanes + lane * per_part;
-            var m = wm[j0];
-            for (var j = 1u; j < per_part; j++) {
-                m = max(m, wm[j0 + j]);
-            }
-            var s = 0.0;
-            if (m != ninf) {
-                for (var j = 0u; j < per_part; j++) {
-                    s += ws[j0 + j] * exp(wm[j0 + j] - m);
-                }
-            }
-            pm[slot * PARTS + lane] = m;
-            ps[slot * PARTS + lane] = s;
-        }
-        workgroupBarrier();
+        let stats = row_stats(lid, merge(vec2<f32>(mc, sc), vec2<f32>(mt, st)));
         if (!live) {
             return;
         }
-        let p0 = slot * PARTS;
-        var big_m = pm[p0];
-        for (var j = 1u; j < PARTS; j++) {
-            big_m = max(big_m, pm[p0 + j]);
-        }
-        var big_s = 0.0;
-        for (var j = 0u; j < PARTS; j++) {
-            big_s += ps[p0 + j] * exp(pm[p0 + j] - big_m);
-        }
+        let big_m = stats.x;
+        let big_s = stats.y;
         if (MASKED != 0u && big_m == ninf) {
             // softmax_masked of a row masked entirely: zeros.
             for (var q = lane; q < quads; q += lanes) {

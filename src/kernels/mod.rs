@@ -260,8 +260,12 @@ pub const SOFTMAX_SG: ShaderFile = ShaderFile {
 };
 pub const CROSS_ENTROPY: ShaderFile = ShaderFile {
     name: "cross_entropy",
-    body: include_str!("../../shaders/cross_entropy.wgsl"),
-    bindings: &[("x", false), ("t", false), ("grad", true), ("loss", true)],
+    body: concat!(
+        include_str!("../../shaders/include/softmax_rows.wgsl"),
+        include_str!("../../shaders/cross_entropy.wgsl")
+    ),
+    // out is the gradient.
+    bindings: &[("x", false), ("t", false), ("out", true), ("loss", true)],
 };
 pub const NONFINITE: ShaderFile = ShaderFile {
     name: "nonfinite",

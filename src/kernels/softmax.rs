@@ -229,7 +229,7 @@ pub(crate) fn cross_entropy(
     }
     // Cross-entropy keeps the workgroup kernel (modes 0 and 1) on every adapter.
     let l = launch(rows, c, None);
-    // Without a gradient, x stands in for the grad binding (the kernel does not touch it).
+    // Without a gradient, x stands in for the grad binding (`out`; the kernel does not touch it).
     let g = grad.unwrap_or(x);
     let bind = bindings(
         &CROSS_ENTROPY,
@@ -247,16 +247,9 @@ pub(crate) fn cross_entropy(
         &bind,
         &[("MODE", l.mode), ("GRAD", u32::from(grad.is_some()))],
     )?;
-    let params = [
-        rows as u32,
-        c as u32,
-        c.div_ceil(4) as u32,
-        l.lanes.trailing_zeros(),
-        inv_b.to_bits(),
-        0,
-        0,
-        0,
-    ];
+    // The softmax parameters, with 1 / B as the scale.
+    let mut params = params(rows, c, l.lanes, None);
+    params[4] = inv_b.to_bits();
     dev.dispatch(
         &k,
         &params,
