@@ -57,7 +57,7 @@ fn mask_data(seed: u64, dims: &[usize], dead_row: bool) -> Vec<f32> {
     let mut r = HostRng::new(seed);
     let mut m: Vec<f32> = (0..n)
         .map(|_| {
-            if r.next_u64() % 8 == 0 {
+            if r.next_u64().is_multiple_of(8) {
                 f32::NEG_INFINITY
             } else {
                 r.uniform(-2.0, 2.0)

@@ -23,9 +23,9 @@ const OP: &str = "clip_grad_norm";
 /// [`clip_grad_norm_tensor`] to avoid even that). A NaN or infinite norm is returned as it is and
 /// leaves the gradients unchanged (a [`GradScaler`](super::GradScaler) skips such a step anyway).
 ///
-/// Errors, before any device work: [`Error::InvalidArgument`] when `max_norm` is not finite and
-/// > 0 or a gradient is listed twice, [`Error::DeviceMismatch`] for gradients on several devices,
-/// [`Error::Shape`] for a gradient whose shape differs from its parameter's.
+/// Errors, before any device work: [`Error::InvalidArgument`] when `max_norm` is not a finite
+/// positive number or a gradient is listed twice, [`Error::DeviceMismatch`] for gradients on
+/// several devices, [`Error::Shape`] for a gradient whose shape differs from its parameter's.
 ///
 /// ```no_run
 /// # fn f(model: &impl fitgrad::nn::Module, opt: &mut impl fitgrad::optim::Optimizer) -> fitgrad::Result<()> {
