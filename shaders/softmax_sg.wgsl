@@ -1,8 +1,8 @@
 // Softmax or log-softmax along the last dim with subgroup operations: one row per subgroup, no
 // workgroup memory and no barriers. Same results and special values as softmax.wgsl (a row of
-// all -inf, or holding NaN or +inf, gives NaN everywhere); parameters and row access come from
-// include/softmax_rows.wgsl, the fused scale and masks of softmax_masked from
-// include/softmax_mask.wgsl.
+// all -inf, or holding NaN or +inf, gives NaN everywhere; an all -inf row gives zeros under
+// MASKED); parameters and row access come from include/softmax_rows.wgsl, the fused scale and
+// masks of softmax_masked from include/softmax_mask.wgsl.
 //
 // Lane l of the row's subgroup takes the quads q = l + SG * c. The first CHUNKS of them stay in
 // registers, so rows up to 4 * SG * CHUNKS elements are read once and written once; the rest of
