@@ -1,4 +1,5 @@
-//! Optimizers ([`Sgd`], [`AdamW`], with torch's semantics) and learning-rate schedules.
+//! Optimizers ([`Sgd`], [`AdamW`], with torch's semantics and [parameter groups](ParamGroup)),
+//! gradient clipping ([`clip_grad_norm`]) and learning-rate schedules.
 //!
 //! Each update is one fused kernel per parameter (shaders/optim.wgsl), in place: it reads the
 //! parameter, its gradient and its state once and writes the parameter and the state once. The
@@ -25,11 +26,15 @@
 //! ```
 
 mod adamw;
+mod clip;
+mod groups;
 mod scaler;
 pub mod schedule;
 mod sgd;
 
 pub use adamw::AdamW;
+pub use clip::{clip_grad_norm, clip_grad_norm_tensor};
+pub use groups::{decay_groups, ParamGroup};
 pub use scaler::GradScaler;
 pub use schedule::LrSchedule;
 pub use sgd::Sgd;
