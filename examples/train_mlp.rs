@@ -44,6 +44,9 @@ struct Args {
     /// Cosine decay with 5% linear warm-up instead of a constant learning rate.
     #[arg(long)]
     cosine: bool,
+    /// Clip the gradients' total L2 norm to this before each update.
+    #[arg(long)]
+    clip_grad_norm: Option<f32>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Substring of the adapter name to use (see --list-adapters).
@@ -207,6 +210,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
         lr,
         schedule,
         precision,
+        clip_grad_norm: args.clip_grad_norm,
         ..Default::default()
     };
     let mut trainer = Trainer::new(model, optimizer, config)?;

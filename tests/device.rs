@@ -161,7 +161,11 @@ fn runs_on_an_application_wgpu_device() {
             });
             dev.wgpu_queue().write_buffer(&buf, 0, &[0u8; 16]);
             dev.sync().unwrap();
-            assert_eq!(app_errors.load(std::sync::atomic::Ordering::SeqCst), 0, "{what}");
+            assert_eq!(
+                app_errors.load(std::sync::atomic::Ordering::SeqCst),
+                0,
+                "{what}"
+            );
             // MAP_READ with MAP_WRITE is invalid: the application's handler hears of it.
             let _bad = dev.wgpu_device().create_buffer(&wgpu::BufferDescriptor {
                 label: None,

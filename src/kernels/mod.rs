@@ -12,10 +12,10 @@
 pub(crate) mod autotune;
 pub(crate) mod dropout;
 pub(crate) mod elementwise;
+pub(crate) mod grad_norm;
 pub(crate) mod index_select;
 pub(crate) mod layer_norm;
 pub(crate) mod layout;
-pub(crate) mod grad_norm;
 pub mod matmul;
 pub(crate) mod nonfinite;
 pub(crate) mod optim;

@@ -35,6 +35,9 @@ pub struct TrainerConfig {
     /// [`Error::NonFinite`]; 0 turns the check off. Loss scaling checks every step anyway and
     /// skips overflowing steps.
     pub check_finite_every: u64,
+    /// Clip the gradients' total L2 norm to this before each update (torch's
+    /// `clip_grad_norm_`, after loss scaling is undone), on the GPU without a readback.
+    pub clip_grad_norm: Option<f32>,
 }
 
 impl Default for TrainerConfig {
@@ -47,6 +50,7 @@ impl Default for TrainerConfig {
             schedule: LrSchedule::Constant,
             precision: Precision::F32,
             check_finite_every: 1,
+            clip_grad_norm: None,
         }
     }
 }
@@ -172,6 +176,11 @@ impl<M: Module> Trainer<M> {
                 "batch_size {} x accum_steps {} overflows",
                 config.batch_size, config.accum_steps
             ));
+        }
+        if let Some(c) = config.clip_grad_norm {
+            if !(c.is_finite() && c > 0.0) {
+                return invalid(format!("clip_grad_norm must be a positive number, got {c}"));
+            }
         }
         let params = model.parameters();
         let Some(first) = params.first() else {
@@ -491,6 +500,18 @@ impl<M: Module> Trainer<M> {
                     sc.scale()
                 ));
                 return Ok(());
+            }
+        }
+        if let Some(max_norm) = self.config.clip_grad_norm {
+            let _p = dev.phase_scope("gradient clipping");
+            let with_grad: Vec<Tensor> = self
+                .model
+                .parameters()
+                .into_iter()
+                .filter(|p| p.grad().is_some())
+                .collect();
+            if !with_grad.is_empty() {
+                crate::optim::clip_grad_norm_tensor(&with_grad, max_norm)?;
             }
         }
         let every = self.config.check_finite_every;

@@ -390,8 +390,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     }
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench");
     let dir = std::path::Path::new(dir);
-    let report =
-        json!({ "quick": o.quick, "profile": PROFILE, "seconds": started.elapsed().as_secs_f64(), "results": records });
+    let report = json!({ "quick": o.quick, "profile": PROFILE, "seconds": started.elapsed().as_secs_f64(), "results": records });
     fitgrad::fsutil::write_atomic(&dir.join("report.md"), md.as_bytes())
         .map_err(|e| e.to_string())?;
     let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
