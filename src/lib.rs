@@ -14,12 +14,14 @@
 pub mod autograd;
 pub mod checkpoint;
 pub mod device;
+mod dtype;
 pub mod error;
 pub mod fsutil;
 pub mod kernels;
 pub mod memory;
 pub mod nn;
 pub mod optim;
+mod shape;
 pub mod tensor;
 pub mod train;
 

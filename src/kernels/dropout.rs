@@ -1,8 +1,9 @@
 //! Dispatch for shaders/dropout.wgsl: `out = x * mask(seed, i) / (1 - p)`, the mask computed in
 //! the shader from the seed and the element index (forward and backward alike).
 
+use super::Operand;
 use super::{pair_groups, Storage, DROPOUT};
-use crate::{Result, Tensor};
+use crate::Result;
 
 /// The mask's parameters: elements whose 32-bit hash is below `threshold` are dropped, the
 /// others scaled by `scale`.
@@ -26,7 +27,7 @@ impl Mask {
 }
 
 /// out = x * mask (same shape and dtype).
-pub(crate) fn apply(x: &Tensor, mask: Mask, out: &Tensor) -> Result<()> {
+pub(crate) fn apply<T: Operand>(x: &T, mask: Mask, out: &T) -> Result<()> {
     let n = out.numel();
     if n == 0 {
         return Ok(());

@@ -1,11 +1,12 @@
 //! Dispatch for binary (broadcast), unary / scalar / cast, three-input select (where), and fill
 //! kernels.
 
+use super::Operand;
 use super::{
     assemble, pair_groups, specialize, Binding, ShaderFile, Storage, BINARY, FILL, UNARY, WG, WHERE,
 };
 use crate::device::Kernel;
-use crate::{Device, Result, Tensor};
+use crate::{Device, Result};
 use std::sync::Arc;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,7 +125,7 @@ fn groups(n: usize, vec: bool) -> u32 {
 }
 
 /// out = a (op) b with out's shape the broadcast of both; all three share a dtype.
-pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
+pub(crate) fn binary<T: Operand>(op: BinaryOp, a: &T, b: &T, out: &T) -> Result<()> {
     let n = out.numel();
     if n == 0 {
         return Ok(());
@@ -149,12 +150,12 @@ pub(crate) fn binary(op: BinaryOp, a: &Tensor, b: &Tensor, out: &Tensor) -> Resu
 }
 
 /// out = op(x, s); `out` may have another dtype than `x` (a cast).
-pub(crate) fn unary(op: UnaryOp, x: &Tensor, s: f32, out: &Tensor) -> Result<()> {
+pub(crate) fn unary<T: Operand>(op: UnaryOp, x: &T, s: f32, out: &T) -> Result<()> {
     unary2(op, x, s, 0.0, out)
 }
 
 /// out = op(x, s, s2), for ops with two scalars (clamp).
-pub(crate) fn unary2(op: UnaryOp, x: &Tensor, s: f32, s2: f32, out: &Tensor) -> Result<()> {
+pub(crate) fn unary2<T: Operand>(op: UnaryOp, x: &T, s: f32, s2: f32, out: &T) -> Result<()> {
     let n = out.numel();
     if n == 0 {
         return Ok(());
@@ -171,7 +172,7 @@ pub(crate) fn unary2(op: UnaryOp, x: &Tensor, s: f32, s2: f32, out: &Tensor) -> 
 
 /// out = a where c is nonzero, else b, all three broadcast to out's shape; a, b and out share a
 /// dtype, c may have another.
-pub(crate) fn select(c: &Tensor, a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
+pub(crate) fn select<T: Operand>(c: &T, a: &T, b: &T, out: &T) -> Result<()> {
     let n = out.numel();
     if n == 0 {
         return Ok(());
@@ -193,7 +194,7 @@ pub(crate) fn select(c: &Tensor, a: &Tensor, b: &Tensor, out: &Tensor) -> Result
     )
 }
 
-pub(crate) fn fill(out: &Tensor, value: f32) -> Result<()> {
+pub(crate) fn fill<T: Operand>(out: &T, value: f32) -> Result<()> {
     let n = out.numel();
     if n == 0 {
         return Ok(());

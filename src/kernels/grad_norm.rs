@@ -3,9 +3,10 @@
 //! norm, and per gradient an in-place scale that reads the norm on the GPU. No atomics, no
 //! readback.
 
+use super::Operand;
 use super::{assemble, specialize, Binding, Storage, GRAD_NORM, WG};
 use crate::device::Kernel;
-use crate::{Device, Result, Tensor};
+use crate::{Device, Result};
 use std::sync::Arc;
 
 /// Quads each invocation of a sum-of-squares dispatch takes before another workgroup (slot) is
@@ -59,7 +60,7 @@ fn kernel(dev: &Device, kind: Kind, storage: [Storage; 3], vec: bool) -> Result<
 }
 
 /// Writes the sum of the squares of `g` (any dtype, f32 sums) to `acc[slot..slot + parts(n)]`.
-pub(crate) fn sum_squares(g: &Tensor, acc: &Tensor, slot: usize) -> Result<()> {
+pub(crate) fn sum_squares<T: Operand>(g: &T, acc: &T, slot: usize) -> Result<()> {
     let n = g.numel();
     let groups = parts(n);
     if groups == 0 {
@@ -82,7 +83,7 @@ pub(crate) fn sum_squares(g: &Tensor, acc: &Tensor, slot: usize) -> Result<()> {
 }
 
 /// norm (one f32) = sqrt of the sum of `acc[0..slots]`.
-pub(crate) fn norm(acc: &Tensor, slots: usize, norm: &Tensor) -> Result<()> {
+pub(crate) fn norm<T: Operand>(acc: &T, slots: usize, norm: &T) -> Result<()> {
     let dev = acc.device();
     let k = kernel(dev, Kind::Norm, [Storage::F32; 3], false)?;
     // The unused g binding aliases acc.
@@ -96,7 +97,7 @@ pub(crate) fn norm(acc: &Tensor, slots: usize, norm: &Tensor) -> Result<()> {
 
 /// g *= max_norm / (norm + 1e-6) in place where that factor is below 1 and the norm (one f32,
 /// on the GPU) is finite.
-pub(crate) fn scale(g: &Tensor, norm: &Tensor, max_norm: f32) -> Result<()> {
+pub(crate) fn scale<T: Operand>(g: &T, norm: &T, max_norm: f32) -> Result<()> {
     let n = g.numel();
     if n == 0 {
         return Ok(());

@@ -1,8 +1,9 @@
 //! Dispatch for shaders/index_select.wgsl: the row gather of an embedding lookup and the
 //! deterministic scatter-add of its gradient.
 
+use super::Operand;
 use super::{pair_groups, Storage, INDEX_SELECT};
-use crate::{Result, Tensor};
+use crate::Result;
 
 /// Which half of shaders/index_select.wgsl runs (its MODE).
 #[derive(Clone, Copy)]
@@ -11,7 +12,7 @@ enum Mode {
     ScatterAdd = 1,
 }
 
-fn run(mode: Mode, idx: &Tensor, x: &Tensor, rows: usize, d: usize, out: &Tensor) -> Result<()> {
+fn run<T: Operand>(mode: Mode, idx: &T, x: &T, rows: usize, d: usize, out: &T) -> Result<()> {
     let n = out.numel();
     if n == 0 {
         return Ok(());
@@ -29,19 +30,13 @@ fn run(mode: Mode, idx: &Tensor, x: &Tensor, rows: usize, d: usize, out: &Tensor
 
 /// out (n, d) = rows `ids` of `table` (V, d); `ids` holds n raw u32 words, each < V (checked by
 /// the caller).
-pub(crate) fn gather(ids: &Tensor, table: &Tensor, d: usize, out: &Tensor) -> Result<()> {
+pub(crate) fn gather<T: Operand>(ids: &T, table: &T, d: usize, out: &T) -> Result<()> {
     run(Mode::Gather, ids, table, 0, d, out)
 }
 
 /// out (v, d) = the scatter-add of `g` (n, d) by the CSR lists in `csr` (raw u32 words: v + 1
 /// offsets, then the positions of each row in increasing order; see the shader).
-pub(crate) fn scatter_add(
-    csr: &Tensor,
-    g: &Tensor,
-    v: usize,
-    d: usize,
-    out: &Tensor,
-) -> Result<()> {
+pub(crate) fn scatter_add<T: Operand>(csr: &T, g: &T, v: usize, d: usize, out: &T) -> Result<()> {
     run(Mode::ScatterAdd, csr, g, v, d, out)
 }
 

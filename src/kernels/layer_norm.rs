@@ -2,10 +2,10 @@
 //! (shaders/layer_norm_dx.wgsl) and the weight's and bias's gradients (column sums in chunks,
 //! shaders/layer_norm_dwdb.wgsl, then the reduce kernel over the chunks).
 
-use super::elementwise::{self, UnaryOp};
 use super::softmax::needs_f32_staging;
+use super::Operand;
 use super::{reduce, Storage, LAYER_NORM, LAYER_NORM_DWDB, LAYER_NORM_DX, WG};
-use crate::{DType, Result, Shape, Tensor};
+use crate::Result;
 
 /// Rows at least this long are shared by several invocations; shorter ones get one each.
 const ROW_PER_LANES: usize = 64;
@@ -36,28 +36,25 @@ fn row_launch(rows: usize, c: usize, eps: f32) -> ([u32; 4], u32) {
 }
 
 /// y (rows, c) = layer norm of x with weight w and bias b (c, x's dtype); mean and rstd
-/// (rows, f32) get each row's statistics. y may have any dtype.
+/// (rows, f32) get each row's statistics. y may have any dtype that needs no f32 staging (see
+/// [`needs_f32_staging`]).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn forward(
-    x: &Tensor,
-    w: &Tensor,
-    b: &Tensor,
+pub(crate) fn forward<T: Operand>(
+    x: &T,
+    w: &T,
+    b: &T,
     rows: usize,
     c: usize,
     eps: f32,
-    y: &Tensor,
-    mean: &Tensor,
-    rstd: &Tensor,
+    y: &T,
+    mean: &T,
+    rstd: &T,
 ) -> Result<()> {
     if rows == 0 || c == 0 {
         return Ok(());
     }
     let dev = x.device();
-    if needs_f32_staging(dev, y, c) {
-        let tmp = Tensor::uninit(dev, y.shape().clone(), DType::F32)?;
-        forward(x, w, b, rows, c, eps, &tmp, mean, rstd)?;
-        return elementwise::unary(UnaryOp::Identity, &tmp, 0.0, y);
-    }
+    debug_assert!(!needs_f32_staging(dev, y.dtype(), c), "stage packed rows");
     let s = Storage::of(dev, x.dtype());
     let storage = [
         s,
@@ -85,27 +82,24 @@ pub(crate) fn forward(
 }
 
 /// dx (rows, c, any dtype) = the gradient of layer norm's input, from the output's gradient dy
-/// and x (rows, c), w (c) in x's dtype, and the forward's mean and rstd.
+/// and x (rows, c), w (c) in x's dtype, and the forward's mean and rstd. Like y, dx needs no f32
+/// staging.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn backward_dx(
-    dy: &Tensor,
-    x: &Tensor,
-    w: &Tensor,
-    mean: &Tensor,
-    rstd: &Tensor,
+pub(crate) fn backward_dx<T: Operand>(
+    dy: &T,
+    x: &T,
+    w: &T,
+    mean: &T,
+    rstd: &T,
     rows: usize,
     c: usize,
-    dx: &Tensor,
+    dx: &T,
 ) -> Result<()> {
     if rows == 0 || c == 0 {
         return Ok(());
     }
     let dev = x.device();
-    if needs_f32_staging(dev, dx, c) {
-        let tmp = Tensor::uninit(dev, dx.shape().clone(), DType::F32)?;
-        backward_dx(dy, x, w, mean, rstd, rows, c, &tmp)?;
-        return elementwise::unary(UnaryOp::Identity, &tmp, 0.0, dx);
-    }
+    debug_assert!(!needs_f32_staging(dev, dx.dtype(), c), "stage packed rows");
     let s = Storage::of(dev, x.dtype());
     let storage = [
         s,
@@ -132,33 +126,43 @@ pub(crate) fn backward_dx(
     )
 }
 
+/// The dims of the f32 partial column sums [`backward_dwdb`] needs for (rows, c): (chunks, c)
+/// with several chunks of rows; `None` when one chunk (or an empty row) writes the gradients
+/// directly.
+pub(crate) fn dwdb_partials(rows: usize, c: usize) -> Option<[usize; 2]> {
+    let chunks = rows.div_ceil(ROWS_PER_CHUNK).max(1);
+    (c > 0 && chunks > 1).then_some([chunks, c])
+}
+
 /// dw and db (c, f32): the gradients of layer norm's weight (`sum_rows dy * xhat`) and bias
-/// (`sum_rows dy`), from dy and x (rows, c) and the forward's mean and rstd.
+/// (`sum_rows dy`), from dy and x (rows, c) and the forward's mean and rstd. `partials` are the
+/// weight's and bias's partial sums, f32 of the dims [`dwdb_partials`] gives (where it gives
+/// any).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn backward_dwdb(
-    dy: &Tensor,
-    x: &Tensor,
-    mean: &Tensor,
-    rstd: &Tensor,
+pub(crate) fn backward_dwdb<T: Operand>(
+    dy: &T,
+    x: &T,
+    mean: &T,
+    rstd: &T,
     rows: usize,
     c: usize,
-    dw: &Tensor,
-    db: &Tensor,
+    partials: Option<&[T; 2]>,
+    dw: &T,
+    db: &T,
 ) -> Result<()> {
     if c == 0 {
         return Ok(());
     }
     let dev = x.device();
     let chunks = rows.div_ceil(ROWS_PER_CHUNK).max(1);
+    debug_assert_eq!(
+        partials.map(|[p, _]| p.dims()),
+        dwdb_partials(rows, c).as_ref().map(|d| &d[..])
+    );
     // With one chunk the partial sums are the result; otherwise they are (chunks, c).
-    let (pw, pb) = if chunks == 1 {
-        (dw.clone(), db.clone())
-    } else {
-        let shape = Shape::new(&[chunks, c])?;
-        (
-            Tensor::uninit(dev, shape.clone(), DType::F32)?,
-            Tensor::uninit(dev, shape, DType::F32)?,
-        )
+    let (pw, pb) = match partials {
+        Some([pw, pb]) => (pw, pb),
+        None => (dw, db),
     };
     let s = Storage::of(dev, x.dtype());
     let f = Storage::F32;
@@ -177,9 +181,9 @@ pub(crate) fn backward_dwdb(
         ],
         (n as u32).div_ceil(WG),
     )?;
-    if chunks > 1 {
-        reduce::reduce(&pw, 1, chunks, c, 1.0, dw)?;
-        reduce::reduce(&pb, 1, chunks, c, 1.0, db)?;
+    if partials.is_some() {
+        reduce::reduce(pw, 1, chunks, c, 1.0, dw)?;
+        reduce::reduce(pb, 1, chunks, c, 1.0, db)?;
     }
     Ok(())
 }

@@ -1,8 +1,9 @@
 //! Dispatch for the layout kernels: the strided block copy (narrow, cat and narrow's backward) and
 //! the axis permutation.
 
+use super::Operand;
 use super::{pair_groups, Storage, PERMUTE, STRIDED_COPY, WG};
-use crate::{Result, Tensor};
+use crate::Result;
 
 /// Where a block sits along the middle axis of a tensor viewed as (outer, len, inner).
 #[derive(Clone, Copy, Debug)]
@@ -16,10 +17,10 @@ pub(crate) struct Span {
 /// Copies a block of (outer, len, inner) elements from `x` (viewed as (outer, from.axis_len,
 /// inner), block at `from.offset`) into `out` (viewed as (outer, to.axis_len, inner), block at
 /// `to.offset`). Elements of `out` outside the block are kept. Same dtype on both sides.
-pub(crate) fn copy_block(
-    x: &Tensor,
+pub(crate) fn copy_block<T: Operand>(
+    x: &T,
     from: Span,
-    out: &Tensor,
+    out: &T,
     to: Span,
     (outer, len, inner): (usize, usize, usize),
 ) -> Result<()> {
@@ -58,7 +59,7 @@ pub(crate) fn copy_block(
 
 /// out = x with its axes permuted: out's axis j is x's axis `perm[j]` (out's shape is already
 /// permuted; rank <= 4).
-pub(crate) fn permute(x: &Tensor, perm: &[usize], out: &Tensor) -> Result<()> {
+pub(crate) fn permute<T: Operand>(x: &T, perm: &[usize], out: &T) -> Result<()> {
     let n = out.numel();
     if n == 0 {
         return Ok(());

@@ -9,7 +9,6 @@
 //! Elementwise kernels therefore compute two outputs per invocation: packed f16 stores whole
 //! 32-bit words, and two invocations never write halves of the same word.
 
-pub(crate) mod autotune;
 pub(crate) mod dropout;
 pub(crate) mod elementwise;
 pub(crate) mod grad_norm;
@@ -18,11 +17,14 @@ pub(crate) mod layer_norm;
 pub(crate) mod layout;
 pub mod matmul;
 pub(crate) mod nonfinite;
+mod operand;
 pub(crate) mod optim;
 pub(crate) mod reduce;
 pub(crate) mod reduce_max;
 pub(crate) mod softmax;
 pub(crate) mod transpose;
+
+pub(crate) use operand::Operand;
 
 use crate::device::{Device, Kernel};
 use crate::{DType, Result};

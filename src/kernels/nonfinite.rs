@@ -1,11 +1,12 @@
 //! Dispatch for the NaN / inf check that mixed-precision loss scaling runs over gradients.
 
+use super::Operand;
 use super::{Binding, Storage, NONFINITE, WG};
-use crate::{Result, Tensor};
+use crate::Result;
 
 /// Sets `flag` (one f32, zeroed by the caller) to 1 if `x` holds a NaN or an infinity; leaves it
 /// alone otherwise.
-pub(crate) fn nonfinite(x: &Tensor, flag: &Tensor) -> Result<()> {
+pub(crate) fn nonfinite<T: Operand>(x: &T, flag: &T) -> Result<()> {
     let n = x.numel();
     if n == 0 {
         return Ok(());

@@ -1,8 +1,9 @@
 //! Dispatch for the fused optimizer updates (shaders/optim.wgsl): one kernel per parameter per
 //! step, updating the parameter and its state in place. Nothing is allocated here.
 
+use super::Operand;
 use super::{assemble, pair_groups, specialize, Binding, Storage, OPTIM, WG};
-use crate::{Result, Tensor};
+use crate::Result;
 
 /// One SGD update (torch.optim.SGD).
 #[derive(Clone, Copy, Debug)]
@@ -80,7 +81,7 @@ impl Params {
 
 /// p -= lr * (SGD direction of g), with `buf` the momentum buffer (required when momentum != 0;
 /// same element count as `p`). `g` and the state may have any dtype; all math is f32.
-pub(crate) fn sgd_step(p: &Tensor, g: &Tensor, buf: Option<&Tensor>, hp: &SgdHyper) -> Result<()> {
+pub(crate) fn sgd_step<T: Operand>(p: &T, g: &T, buf: Option<&T>, hp: &SgdHyper) -> Result<()> {
     let params = Params {
         flags: hp.nesterov as u32 | (hp.first_step as u32) << 1,
         lr: hp.lr,
@@ -101,13 +102,7 @@ pub(crate) fn sgd_step(p: &Tensor, g: &Tensor, buf: Option<&Tensor>, hp: &SgdHyp
 
 /// One AdamW update of `p` with first and second moments `m`, `v` (same element count as `p`).
 /// The bias corrections are computed here in f64, as torch does on the host.
-pub(crate) fn adamw_step(
-    p: &Tensor,
-    g: &Tensor,
-    m: &Tensor,
-    v: &Tensor,
-    hp: &AdamWHyper,
-) -> Result<()> {
+pub(crate) fn adamw_step<T: Operand>(p: &T, g: &T, m: &T, v: &T, hp: &AdamWHyper) -> Result<()> {
     assert!(hp.step >= 1, "AdamW steps count from 1");
     let (lr, b1, b2) = (hp.lr as f64, hp.beta1 as f64, hp.beta2 as f64);
     let t = hp.step as f64;
@@ -127,14 +122,7 @@ pub(crate) fn adamw_step(
     dispatch(Kind::AdamW, p, g, m, v, &params)
 }
 
-fn dispatch(
-    kind: Kind,
-    p: &Tensor,
-    g: &Tensor,
-    m: &Tensor,
-    v: &Tensor,
-    params: &Params,
-) -> Result<()> {
+fn dispatch<T: Operand>(kind: Kind, p: &T, g: &T, m: &T, v: &T, params: &Params) -> Result<()> {
     let n = p.numel();
     for t in [g, m, v] {
         assert_eq!(t.numel(), n, "optimizer tensors must match the parameter");

@@ -1,7 +1,8 @@
 //! Dispatch for the axis reduction (sum, mean).
 
+use super::Operand;
 use super::{Storage, REDUCE, WG};
-use crate::{Result, Tensor};
+use crate::Result;
 
 /// Rows at least this long get a workgroup each (tree sum); shorter rows are summed by one
 /// invocation each, which wastes no lanes when there are many of them.
@@ -13,13 +14,13 @@ const COLUMNS_PER_INVOCATION: usize = 64;
 
 /// out (f32, outer * inner elements) = sum over the middle dim of x viewed as (outer, len, inner),
 /// divided by `div`.
-pub(crate) fn reduce(
-    x: &Tensor,
+pub(crate) fn reduce<T: Operand>(
+    x: &T,
     outer: usize,
     len: usize,
     inner: usize,
     div: f32,
-    out: &Tensor,
+    out: &T,
 ) -> Result<()> {
     let outputs = outer * inner;
     if outputs == 0 {

@@ -1,7 +1,8 @@
 //! Dispatch for max and argmax along an axis.
 
+use super::Operand;
 use super::{assemble, specialize, Storage, REDUCE_MAX, WG};
-use crate::{Result, Tensor};
+use crate::Result;
 
 /// Rows at least this long are shared by several invocations (mode 0); shorter rows get one
 /// invocation each (mode 1).
@@ -17,13 +18,13 @@ const MIN_LANES: usize = 16;
 
 /// With x viewed as (outer, len, inner), `max` and `idx` (both f32, outer * inner elements) get
 /// the max along the middle dim and the first index where it is found. `len` >= 1.
-pub(crate) fn max_axis(
-    x: &Tensor,
+pub(crate) fn max_axis<T: Operand>(
+    x: &T,
     outer: usize,
     len: usize,
     inner: usize,
-    max: &Tensor,
-    idx: &Tensor,
+    max: &T,
+    idx: &T,
 ) -> Result<()> {
     let outputs = outer * inner;
     if outputs == 0 {

@@ -2,12 +2,12 @@
 //! with a scale, a causal mask and an additive mask fused into the row's loads), and the fused
 //! softmax cross-entropy (loss and gradient in one pass per row).
 
-use super::elementwise::{self, UnaryOp};
+use super::Operand;
 use super::{
     assemble, specialize, Binding, ShaderFile, Storage, CROSS_ENTROPY, SOFTMAX, SOFTMAX_SG, WG,
 };
 use crate::device::Kernel;
-use crate::{DType, Device, Result, Tensor};
+use crate::{DType, Device, Result};
 use std::sync::Arc;
 
 /// Rows at least this long are shared by several invocations (mode 0); shorter rows get one
@@ -111,45 +111,42 @@ fn kernel(
 }
 
 /// Packed f16 holds two elements per 32-bit word: with an odd row length a word straddles two
-/// rows, which two workgroups (or invocations) would write at once. Those outputs go through f32.
-pub(crate) fn needs_f32_staging(dev: &Device, out: &Tensor, c: usize) -> bool {
-    Storage::of(dev, out.dtype()) == Storage::F16Packed && !c.is_multiple_of(2)
+/// rows, which two workgroups (or invocations) would write at once. Those outputs go through f32:
+/// the caller runs the kernel into an f32 temporary and casts it.
+pub(crate) fn needs_f32_staging(dev: &Device, out: DType, c: usize) -> bool {
+    Storage::of(dev, out) == Storage::F16Packed && !c.is_multiple_of(2)
 }
 
 /// What softmax_masked fuses into the row loads (include/softmax_mask.wgsl), checked by the
 /// caller: `scale * x + mask` with causal columns at -inf. The input is viewed as
 /// (d0, d1, tq, c).
-pub(crate) struct Fused<'a> {
+pub(crate) struct Fused<'a, T> {
     /// > 0 and finite.
     pub scale: f32,
     pub causal: bool,
     /// The additive mask (x's dtype), contiguous along c, with its strides along d0, d1 and tq
     /// (0 where it is broadcast).
-    pub mask: Option<(&'a Tensor, [u32; 3])>,
+    pub mask: Option<(&'a T, [u32; 3])>,
     pub d1: u32,
     pub tq: u32,
 }
 
 /// out = softmax (or log-softmax) of x along rows of length `c`, or with `fused` the softmax of
 /// `scale * x + mask` (an all -inf row then gives zeros); x and out are (rows, c) contiguous, of
-/// any dtypes (a mask has x's).
-pub(crate) fn softmax(
-    x: &Tensor,
+/// any dtypes (a mask has x's), and `out` needs no f32 staging (see [`needs_f32_staging`]).
+pub(crate) fn softmax<T: Operand>(
+    x: &T,
     rows: usize,
     c: usize,
     log: bool,
-    fused: Option<&Fused>,
-    out: &Tensor,
+    fused: Option<&Fused<T>>,
+    out: &T,
 ) -> Result<()> {
     if rows == 0 || c == 0 {
         return Ok(());
     }
     let dev = out.device();
-    if needs_f32_staging(dev, out, c) {
-        let tmp = Tensor::uninit(dev, out.shape().clone(), DType::F32)?;
-        softmax(x, rows, c, log, fused, &tmp)?;
-        return elementwise::unary(UnaryOp::Identity, &tmp, 0.0, out);
-    }
+    debug_assert!(!needs_f32_staging(dev, out.dtype(), c), "stage packed rows");
     let l = launch(rows, c, dev.info().subgroup_size);
     // Without a mask, x stands in for the mask binding (MASK = 0 never reads it).
     let mask = fused.and_then(|f| f.mask.map(|(m, _)| m)).unwrap_or(x);
@@ -181,7 +178,7 @@ pub(crate) fn softmax(
 }
 
 /// The uniform words of include/softmax_rows.wgsl's `Params`.
-fn params(rows: usize, c: usize, lanes: u32, fused: Option<&Fused>) -> [u32; 12] {
+fn params<T>(rows: usize, c: usize, lanes: u32, fused: Option<&Fused<T>>) -> [u32; 12] {
     let (scale, tq, d1, ms) = match fused {
         Some(f) => (f.scale, f.tq, f.d1, f.mask.map_or([0; 3], |(_, s)| s)),
         None => (1.0, 1, 1, [0; 3]),
@@ -206,27 +203,25 @@ fn params(rows: usize, c: usize, lanes: u32, fused: Option<&Fused>) -> [u32; 12]
 
 /// Cross-entropy of logits x (rows, c) against `targets` (rows, f32 class indices, checked by
 /// the caller to be < c): `loss` (rows, f32) gets each row's loss and, if given, `grad` (rows, c)
-/// gets (softmax - onehot) * inv_b.
-pub(crate) fn cross_entropy(
-    x: &Tensor,
-    targets: &Tensor,
+/// gets (softmax - onehot) * inv_b (a gradient that needs no f32 staging, see
+/// [`needs_f32_staging`]).
+pub(crate) fn cross_entropy<T: Operand>(
+    x: &T,
+    targets: &T,
     rows: usize,
     c: usize,
     inv_b: f32,
-    grad: Option<&Tensor>,
-    loss: &Tensor,
+    grad: Option<&T>,
+    loss: &T,
 ) -> Result<()> {
     if rows == 0 {
         return Ok(());
     }
     let dev = x.device();
-    if let Some(g) = grad {
-        if needs_f32_staging(dev, g, c) {
-            let tmp = Tensor::uninit(dev, g.shape().clone(), DType::F32)?;
-            cross_entropy(x, targets, rows, c, inv_b, Some(&tmp), loss)?;
-            return elementwise::unary(UnaryOp::Identity, &tmp, 0.0, g);
-        }
-    }
+    debug_assert!(
+        grad.is_none_or(|g| !needs_f32_staging(dev, g.dtype(), c)),
+        "stage packed rows"
+    );
     // Cross-entropy keeps the workgroup kernel (modes 0 and 1) on every adapter.
     let l = launch(rows, c, None);
     // Without a gradient, x stands in for the grad binding (`out`; the kernel does not touch it).
@@ -248,7 +243,7 @@ pub(crate) fn cross_entropy(
         &[("MODE", l.mode), ("GRAD", u32::from(grad.is_some()))],
     )?;
     // The softmax parameters, with 1 / B as the scale.
-    let mut params = params(rows, c, l.lanes, None);
+    let mut params = params::<T>(rows, c, l.lanes, None);
     params[4] = inv_b.to_bits();
     dev.dispatch(
         &k,

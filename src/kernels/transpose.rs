@@ -1,10 +1,11 @@
 //! Dispatch for the last-two-dims transpose.
 
+use super::Operand;
 use super::{pair_groups, Storage, TRANSPOSE};
-use crate::{Result, Tensor};
+use crate::Result;
 
 /// out (B, C, R) = x (B, R, C) with the last two dims swapped.
-pub(crate) fn transpose(x: &Tensor, r: usize, c: usize, out: &Tensor) -> Result<()> {
+pub(crate) fn transpose<T: Operand>(x: &T, r: usize, c: usize, out: &T) -> Result<()> {
     let n = out.numel();
     if n == 0 {
         return Ok(());

@@ -1,9 +1,11 @@
 //! Layer norm over the last dim: validation and autograd here, fused kernels in
 //! src/kernels/layer_norm.rs.
 
+use super::operand::staged_f32;
 use super::{DType, Shape, Tensor};
 use crate::autograd::{self, record};
 use crate::kernels::layer_norm;
+use crate::kernels::softmax::needs_f32_staging;
 use crate::{Error, Result};
 
 impl Tensor {
@@ -68,7 +70,10 @@ impl Tensor {
         let mean = Tensor::uninit(dev, Shape::new(&[rows])?, DType::F32)?;
         let rstd = Tensor::uninit(dev, Shape::new(&[rows])?, DType::F32)?;
         if self.numel() > 0 {
-            layer_norm::forward(self, &w, &b, rows, c, eps, &y, &mean, &rstd)?;
+            let staged = needs_f32_staging(dev, dtype, c);
+            staged_f32(&y, staged, |y| {
+                layer_norm::forward(self, &w, &b, rows, c, eps, y, &mean, &rstd)
+            })?;
         }
         drop(b);
         let mut inputs = vec![self];
@@ -81,7 +86,10 @@ impl Tensor {
                 let mut grads = vec![None];
                 if need[0] {
                     let dx = Tensor::uninit(x.device(), x.shape().clone(), dtype)?;
-                    layer_norm::backward_dx(g, &x, &w, &mean, &rstd, rows, c, &dx)?;
+                    let staged = needs_f32_staging(x.device(), dtype, c);
+                    staged_f32(&dx, staged, |dx| {
+                        layer_norm::backward_dx(g, &x, &w, &mean, &rstd, rows, c, dx)
+                    })?;
                     grads[0] = Some(dx);
                 }
                 let need_w = has_w && need[1];
@@ -90,7 +98,27 @@ impl Tensor {
                     let shape = Shape::new(&[c])?;
                     let dw = Tensor::uninit(x.device(), shape.clone(), DType::F32)?;
                     let db = Tensor::uninit(x.device(), shape, DType::F32)?;
-                    layer_norm::backward_dwdb(g, &x, &mean, &rstd, rows, c, &dw, &db)?;
+                    // Partial column sums per chunk of rows, (chunks, C) f32, freed at once.
+                    let partials = match layer_norm::dwdb_partials(rows, c) {
+                        Some(dims) => {
+                            let s = Shape::new(&dims)?;
+                            let f32_tensor = |s| Tensor::uninit(x.device(), s, DType::F32);
+                            Some([f32_tensor(s.clone())?, f32_tensor(s)?])
+                        }
+                        None => None,
+                    };
+                    layer_norm::backward_dwdb(
+                        g,
+                        &x,
+                        &mean,
+                        &rstd,
+                        rows,
+                        c,
+                        partials.as_ref(),
+                        &dw,
+                        &db,
+                    )?;
+                    drop(partials);
                     // Computed in f32; the parameters' gradients take their dtype.
                     let cast = |t: Tensor| -> Result<Tensor> {
                         let _g = autograd::no_grad();

@@ -128,7 +128,7 @@ impl Tensor {
                 axis_len: total,
                 offset,
             };
-            layout::copy_block(t, from, &out, to, (outer, len, inner))?;
+            layout::copy_block(*t, from, &out, to, (outer, len, inner))?;
             ranges.push((offset, len));
             offset += len;
         }

@@ -2,21 +2,20 @@
 //! row-major; `reshape` shares the block, every op writes a new one.
 
 mod dropout;
-mod dtype;
 mod index_select;
 mod layer_norm;
 mod layout;
 mod matmul;
+mod operand;
 mod ops;
 mod random;
 mod select;
-mod shape;
 mod softmax;
 
-pub use dtype::{DType, Element};
+pub use crate::dtype::{DType, Element};
+pub use crate::shape::{Shape, MAX_RANK};
 pub use matmul::MatmulOptions;
 pub use random::Rng;
-pub use shape::{Shape, MAX_RANK};
 pub use softmax::SoftmaxOptions;
 
 use crate::autograd::{self, Node};

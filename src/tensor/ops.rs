@@ -452,7 +452,7 @@ impl Device {
         }
         let flag = Tensor::zeros(self, &[1], DType::F32)?;
         for t in tensors {
-            nonfinite::nonfinite(t, &flag)?;
+            nonfinite::nonfinite(*t, &flag)?;
         }
         Ok(flag.item()? != 0.0)
     }

@@ -1,6 +1,7 @@
 //! Softmax, log-softmax, softmax with a fused scale and causal / additive mask, and the fused
 //! softmax cross-entropy: validation here, kernels in src/kernels/softmax.rs.
 
+use super::operand::staged_f32;
 use super::{DType, Shape, Tensor};
 use crate::autograd::{self, expand, record};
 use crate::kernels::softmax::{self, Fused};
@@ -29,7 +30,10 @@ impl Tensor {
         let c = self.dims().last().copied().unwrap_or(1);
         let rows = self.numel().checked_div(c).unwrap_or(0);
         let out = Tensor::uninit(self.device(), self.shape().clone(), self.dtype())?;
-        softmax::softmax(self, rows, c, log, None, &out)?;
+        let staged = softmax::needs_f32_staging(self.device(), out.dtype(), c);
+        staged_f32(&out, staged, |out| {
+            softmax::softmax(self, rows, c, log, None, out)
+        })?;
         let y = out.detach();
         Ok(record(op, out, &[self], || {
             Box::new(move |g, _| Ok(vec![Some(softmax_backward(g, &y, log)?)]))
@@ -99,7 +103,10 @@ impl Tensor {
             d1: d4[1] as u32,
             tq: d4[2] as u32,
         };
-        softmax::softmax(self, rows, c, false, Some(&fused), &out)?;
+        let staged = softmax::needs_f32_staging(self.device(), out.dtype(), c);
+        staged_f32(&out, staged, |out| {
+            softmax::softmax(self, rows, c, false, Some(&fused), out)
+        })?;
         let y = out.detach();
         Ok(record(OP, out, &[self], || {
             Box::new(move |g, _| {
@@ -198,7 +205,16 @@ impl Tensor {
         if b > 0 {
             let t: Vec<f32> = targets.iter().map(|&t| t as f32).collect();
             let t = Tensor::from_slice(dev, &t, &[b])?;
-            softmax::cross_entropy(self, &t, b, c, 1.0 / b as f32, grad.as_ref(), &rows)?;
+            let inv_b = 1.0 / b as f32;
+            match &grad {
+                Some(g) => {
+                    let staged = softmax::needs_f32_staging(dev, g.dtype(), c);
+                    staged_f32(g, staged, |g| {
+                        softmax::cross_entropy(self, &t, b, c, inv_b, Some(g), &rows)
+                    })?
+                }
+                None => softmax::cross_entropy(self, &t, b, c, inv_b, None, &rows)?,
+            }
         }
         let _g = autograd::no_grad();
         let loss = rows.mean()?;

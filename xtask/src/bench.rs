@@ -161,7 +161,7 @@ fn bench_adapter(dev: &Device, o: &Opts) -> fitgrad::Result<Vec<Row>> {
                 a.matmul_with(&b, &opts)?;
                 dev.sync()
             })?;
-            let variant = fitgrad::kernels::matmul::chosen(dev, &a, &b, &opts)?;
+            let variant = a.matmul_chosen(&b, &opts)?;
             // The naive kernel is slow: one timed run is enough for its ratio at large sizes.
             let naive_reps = if flops > 5e8 { 1 } else { reps };
             let naive = median_secs(naive_reps, || {

@@ -1,0 +1,547 @@
+//! The GPU: a [`Device`] and what it holds (limits and features, the arena, planning mode,
+//! per-device state of the layers above), opened on an adapter or on an application's wgpu
+//! device.
+//!
+//! The rest of the device's work is split by job: `adapter` chooses and lists adapters,
+//! `queue` records ops into the pending encoder and submits them, `transfer` uploads and reads
+//! back, `pipelines` compiles and caches kernels.
+
+mod adapter;
+mod pipelines;
+mod queue;
+mod transfer;
+
+pub use adapter::{AdapterSummary, DeviceOptions};
+pub(crate) use pipelines::Kernel;
+pub use queue::{FLUSH_EVERY, MAX_GROUPS_PER_DIM};
+
+use crate::memory::{Arena, Block, Category, MemoryStats};
+use crate::{Error, Result};
+use adapter::adapter_memory;
+use queue::Pending;
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// The limits that decide what fitgrad can run.
+#[derive(Clone, Debug)]
+pub struct DeviceLimits {
+    pub max_storage_buffer_binding_size: u64,
+    pub max_buffer_size: u64,
+    pub max_compute_workgroup_storage_size: u32,
+    pub max_compute_invocations_per_workgroup: u32,
+    pub max_compute_workgroups_per_dimension: u32,
+    pub max_storage_buffers_per_shader_stage: u32,
+    pub min_storage_buffer_offset_alignment: u32,
+    pub min_uniform_buffer_offset_alignment: u32,
+}
+
+/// What [`Device::info`] reports.
+#[derive(Clone, Debug)]
+pub struct DeviceInfo {
+    pub adapter: AdapterSummary,
+    pub limits: DeviceLimits,
+    /// f16 math runs in f16 (SHADER_F16); otherwise f16 is stored packed and computed in f32.
+    pub f16_native: bool,
+    /// The subgroup size, where the device has subgroup operations (SUBGROUP) and every
+    /// subgroup has the same size (kernels built for that size are then correct).
+    pub subgroup_size: Option<u32>,
+}
+
+impl fmt::Display for DeviceInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let l = &self.limits;
+        writeln!(f, "adapter: {}", self.adapter)?;
+        writeln!(
+            f,
+            "limits: storage binding {}, buffer {}, workgroup storage {}, {} invocations per workgroup",
+            crate::error::Bytes(l.max_storage_buffer_binding_size),
+            crate::error::Bytes(l.max_buffer_size),
+            crate::error::Bytes(l.max_compute_workgroup_storage_size as u64),
+            l.max_compute_invocations_per_workgroup
+        )?;
+        writeln!(
+            f,
+            "f16: {}",
+            if self.f16_native {
+                "native (SHADER_F16)"
+            } else {
+                "packed in u32, computed in f32"
+            }
+        )?;
+        match self.subgroup_size {
+            Some(n) => write!(f, "subgroups: {n} lanes"),
+            None => write!(f, "subgroups: none of fixed size"),
+        }
+    }
+}
+
+/// Everything a [`Device`] shares between its clones.
+pub(crate) struct DeviceInner {
+    pub device: wgpu::Device,
+    pub queue: wgpu::Queue,
+    info: DeviceInfo,
+    pub arena: Mutex<Arena>,
+    /// The planning arena while a [`PlanScope`] is open: every allocation goes there.
+    plan: Mutex<Option<Arena>>,
+    /// Whether a plan is open, and on which thread (only that thread's work is planned).
+    planning: AtomicBool,
+    plan_thread: Mutex<Option<std::thread::ThreadId>>,
+    /// Plans opened so far (a planning arena's blocks carry its number).
+    plans: AtomicU32,
+    pending: Mutex<Pending>,
+    kernels: Mutex<HashMap<String, Arc<Kernel>>>,
+    /// State the layers above keep per device, one value per type (see [`Device::with_ext`]).
+    ext: Mutex<HashMap<TypeId, Box<dyn Any + Send>>>,
+    param_ring: wgpu::Buffer,
+    param_align: u64,
+    /// Host-visible buffer for readback, grown to the largest read so far.
+    staging: Mutex<Option<wgpu::Buffer>>,
+    /// First error wgpu reported outside an error scope (its default would panic).
+    uncaptured: Arc<Mutex<Option<String>>>,
+    lost: Arc<Mutex<Option<String>>>,
+}
+
+/// A GPU device. Cloning is cheap and shares everything (arena, caches, pending work).
+#[derive(Clone)]
+pub struct Device {
+    pub(crate) inner: Arc<DeviceInner>,
+}
+
+impl fmt::Debug for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Device({})", self.inner.info.adapter)
+    }
+}
+
+impl PartialEq for Device {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}
+
+/// Locks `m`, taking over a poisoned lock.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks leaves data that is still consistent
+    // (counters and caches), so a poisoned lock is taken over rather than propagated.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Device {
+    /// Opens a device on `adapter`, with its real limits and SHADER_F16 where offered.
+    pub fn from_adapter(adapter: &wgpu::Adapter, options: &DeviceOptions) -> Result<Device> {
+        let info = adapter.get_info();
+        let mut features = wgpu::Features::empty();
+        if adapter.features().contains(wgpu::Features::SHADER_F16) {
+            features |= wgpu::Features::SHADER_F16;
+        }
+        // Subgroup operations, for the subgroup matmul and softmax kernels.
+        if adapter.features().contains(wgpu::Features::SUBGROUP) {
+            features |= wgpu::Features::SUBGROUP;
+        }
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("fitgrad"),
+            required_features: features,
+            required_limits: adapter.limits(),
+            experimental_features: wgpu::ExperimentalFeatures::disabled(),
+            memory_hints: wgpu::MemoryHints::Performance,
+            trace: wgpu::Trace::Off,
+        }))
+        .map_err(|e| Error::RequestDevice {
+            adapter: info.name.clone(),
+            reason: e.to_string(),
+        })?;
+        Device::build(device, queue, info, adapter_memory(adapter), options, true)
+    }
+
+    /// Runs fitgrad on a device and queue that the application already owns. fitgrad records
+    /// into its own encoders and submits on `queue`; the application's own work is ordered with
+    /// ours by the queue. The application's uncaptured-error and device-lost handlers are left
+    /// alone (wgpu has no way to chain them): fitgrad catches its own kernel-compile and
+    /// out-of-memory errors with error scopes, and any other wgpu error reaches the
+    /// application's handler (wgpu's default one panics, so install yours).
+    pub fn from_wgpu(
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        options: DeviceOptions,
+    ) -> Result<Device> {
+        let info = device.adapter_info();
+        Device::build(device, queue, info, None, &options, false)
+    }
+
+    /// The device over an opened wgpu device; `own_handlers` installs fitgrad's error and
+    /// device-lost handlers (not on an application's device).
+    fn build(
+        device: wgpu::Device,
+        queue: wgpu::Queue,
+        adapter: wgpu::AdapterInfo,
+        memory: Option<u64>,
+        options: &DeviceOptions,
+        own_handlers: bool,
+    ) -> Result<Device> {
+        let l = device.limits();
+        let limits = DeviceLimits {
+            max_storage_buffer_binding_size: l.max_storage_buffer_binding_size,
+            max_buffer_size: l.max_buffer_size,
+            max_compute_workgroup_storage_size: l.max_compute_workgroup_storage_size,
+            max_compute_invocations_per_workgroup: l.max_compute_invocations_per_workgroup,
+            max_compute_workgroups_per_dimension: l.max_compute_workgroups_per_dimension,
+            max_storage_buffers_per_shader_stage: l.max_storage_buffers_per_shader_stage,
+            min_storage_buffer_offset_alignment: l.min_storage_buffer_offset_alignment,
+            min_uniform_buffer_offset_alignment: l.min_uniform_buffer_offset_alignment,
+        };
+        let info = DeviceInfo {
+            adapter: AdapterSummary {
+                memory,
+                ..AdapterSummary::from_info(&adapter)
+            },
+            f16_native: device.features().contains(wgpu::Features::SHADER_F16)
+                && !options.force_packed_f16,
+            subgroup_size: (device.features().contains(wgpu::Features::SUBGROUP)
+                && adapter.subgroup_min_size == adapter.subgroup_max_size)
+                .then_some(adapter.subgroup_min_size),
+            limits,
+        };
+        let uncaptured = Arc::new(Mutex::new(None::<String>));
+        let lost = Arc::new(Mutex::new(None::<String>));
+        if own_handlers {
+            // The device is ours: its errors become `Error::Gpu` / `Error::DeviceLost` at the
+            // next submit instead of wgpu's default panic.
+            let sink = uncaptured.clone();
+            device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+                let mut slot = lock(&sink);
+                if slot.is_none() {
+                    *slot = Some(e.to_string());
+                }
+            }));
+            let lost_sink = lost.clone();
+            device.set_device_lost_callback(move |reason, msg| {
+                *lock(&lost_sink) = Some(format!("{reason:?}: {msg}"));
+            });
+        }
+        let param_ring = queue::param_ring(&device);
+        let arena = Arena::new(
+            info.limits.max_buffer_size,
+            info.limits.max_storage_buffer_binding_size,
+            options.memory_budget,
+        );
+        Ok(Device {
+            inner: Arc::new(DeviceInner {
+                param_align: (info.limits.min_uniform_buffer_offset_alignment as u64).max(16),
+                device,
+                queue,
+                info,
+                arena: Mutex::new(arena),
+                plan: Mutex::new(None),
+                planning: AtomicBool::new(false),
+                plan_thread: Mutex::new(None),
+                plans: AtomicU32::new(0),
+                pending: Mutex::new(Pending::new()),
+                kernels: Mutex::new(HashMap::new()),
+                ext: Mutex::new(HashMap::new()),
+                param_ring,
+                staging: Mutex::new(None),
+                uncaptured,
+                lost,
+            }),
+        })
+    }
+
+    /// The limits, features and adapter of this device.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.inner.info
+    }
+
+    /// The wgpu device, for applications that mix their own work with fitgrad's.
+    pub fn wgpu_device(&self) -> &wgpu::Device {
+        &self.inner.device
+    }
+
+    /// The wgpu queue fitgrad submits on.
+    pub fn wgpu_queue(&self) -> &wgpu::Queue {
+        &self.inner.queue
+    }
+
+    pub(crate) fn f16_native(&self) -> bool {
+        self.inner.info.f16_native
+    }
+
+    /// Runs `f` on this device's value of type `T`, made with `T::default()` on first use.
+    /// The layers above keep per-device state here (the matmul autotuner its winners) without
+    /// the device knowing their types. The slots stay locked while `f` runs, so `f` must not
+    /// call `with_ext` again.
+    pub(crate) fn with_ext<T: Any + Send + Default, R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
+        let mut slots = lock(&self.inner.ext);
+        let slot = slots
+            .entry(TypeId::of::<T>())
+            .or_insert_with(|| Box::new(T::default()));
+        f(slot
+            .downcast_mut::<T>()
+            .expect("the slot of a type holds that type"))
+    }
+
+    // ---- planning ----
+
+    /// Whether this device is in planning mode (see `Device::planning`): allocations are
+    /// counted but nothing runs, and readbacks return zeros. Code with host-side state that a
+    /// step advances (a dropout call counter) leaves it alone while planning.
+    pub fn is_planning(&self) -> bool {
+        self.inner.planning.load(Ordering::Acquire)
+            && *lock(&self.inner.plan_thread) == Some(std::thread::current().id())
+    }
+
+    /// Opens planning mode: until the scope drops, every allocation goes through a copy of the
+    /// arena (same segments, free ranges, rounding, reuse and budget) that creates no buffer;
+    /// no kernel is compiled or recorded, nothing is uploaded, readbacks return zeros, and
+    /// matmuls are not autotuned. Running a step inside it gives that step's exact peak.
+    /// Planning applies to the calling thread only: other threads' work runs as usual (their
+    /// frees reach the plan too; their allocations do not).
+    pub fn planning(&self) -> Result<PlanScope> {
+        self.flush()?;
+        let mut plan = lock(&self.inner.plan);
+        if plan.is_some() {
+            return Err(Error::InvalidArgument {
+                op: "Device::planning",
+                reason: "this device is already planning".into(),
+            });
+        }
+        let id = self.inner.plans.fetch_add(1, Ordering::AcqRel) + 1;
+        *plan = Some(lock(&self.inner.arena).planning_copy(id));
+        *lock(&self.inner.plan_thread) = Some(std::thread::current().id());
+        self.inner.planning.store(true, Ordering::Release);
+        Ok(PlanScope {
+            device: self.clone(),
+        })
+    }
+
+    /// Runs `f` on the arena allocations go to now: the planning one inside a plan.
+    fn with_arena<R>(&self, f: impl FnOnce(&mut Arena) -> R) -> R {
+        if self.is_planning() {
+            if let Some(a) = lock(&self.inner.plan).as_mut() {
+                return f(a);
+            }
+        }
+        f(&mut lock(&self.inner.arena))
+    }
+
+    /// Sets what new allocations count as ([`MemoryStats::in_use_by_category`]) until the
+    /// guard drops.
+    pub fn category_scope(&self, cat: Category) -> CategoryScope {
+        let prev = self.with_arena(|a| a.set_category(cat));
+        CategoryScope {
+            device: self.clone(),
+            prev,
+        }
+    }
+
+    /// Counts `block`'s memory as `cat` from now on (see `Device::retag`, which takes the
+    /// tensor).
+    pub(crate) fn retag_block(&self, block: &Block, cat: Category) {
+        lock(&self.inner.arena).retag(block, cat);
+        if let Some(a) = lock(&self.inner.plan).as_mut() {
+            a.retag(block, cat);
+        }
+    }
+
+    /// Names the phase of a step (`"forward"`, `"backward"`, ...) that the peak's op is
+    /// reported with, until the guard drops.
+    pub fn phase_scope(&self, phase: &'static str) -> PhaseScope {
+        self.with_arena(|a| a.set_phase(Some(phase)));
+        PhaseScope {
+            device: self.clone(),
+        }
+    }
+
+    /// While planning: the op now being recorded names a pending peak, and nothing runs.
+    fn planned_op(&self, name: &str) -> bool {
+        if !self.is_planning() {
+            return false;
+        }
+        if let Some(a) = lock(&self.inner.plan).as_mut() {
+            a.name_peak(name);
+        }
+        true
+    }
+
+    // ---- memory ----
+
+    /// The arena's statistics (the real arena's, even while planning).
+    pub fn memory_stats(&self) -> MemoryStats {
+        lock(&self.inner.arena).stats()
+    }
+
+    /// A readable table of the arena's state.
+    pub fn memory_report(&self) -> String {
+        format!(
+            "fitgrad memory on {}\n{}",
+            self.inner.info.adapter.name,
+            self.memory_stats()
+        )
+    }
+
+    /// (size, bytes in use) of each of the arena's segments (wgpu buffers), for reports and
+    /// tests of fragmentation.
+    pub fn memory_segments(&self) -> Vec<(u64, u64)> {
+        lock(&self.inner.arena).segments()
+    }
+
+    /// Fault injection for tests: the allocation after `n` more fails with
+    /// [`Error::OutOfMemory`], once, as if the driver had run out.
+    #[doc(hidden)]
+    pub fn inject_oom_after(&self, n: u64) {
+        lock(&self.inner.arena).inject_oom_after(n);
+    }
+
+    /// Makes the next peaks start from the current usage.
+    pub fn reset_peak(&self) {
+        lock(&self.inner.arena).reset_peak();
+    }
+
+    /// Returns every segment that holds no tensor to the driver. (Recorded commands keep their
+    /// own references, so dropping a segment they name is safe.)
+    pub fn empty_cache(&self) {
+        lock(&self.inner.arena).release_free_segments();
+    }
+
+    /// Preallocates `bytes` so allocations up to that total create no buffers.
+    pub fn reserve(&self, bytes: u64) -> Result<()> {
+        let dev = &self.inner.device;
+        self.with_arena(|a| a.reserve(dev, bytes))
+    }
+
+    /// Sets or clears the hard memory budget. Lowering it below what is reserved frees cached
+    /// segments at the next allocation that needs room.
+    pub fn set_memory_budget(&self, budget: Option<u64>) {
+        lock(&self.inner.arena).set_budget(budget);
+    }
+
+    /// Whether a tensor of `bytes` bytes could exist on this device (one storage binding
+    /// holds it, and it is not by itself over the budget), checked before any host work.
+    pub(crate) fn check_tensor_bytes(&self, op: &'static str, bytes: u64) -> Result<()> {
+        let size = Arena::block_size(bytes);
+        let limit = self
+            .inner
+            .info
+            .limits
+            .max_storage_buffer_binding_size
+            .min(self.inner.info.limits.max_buffer_size);
+        if size > limit {
+            return Err(Error::Limit {
+                op,
+                what: "tensor size in bytes",
+                value: size,
+                limit,
+            });
+        }
+        let budget = self.with_arena(|a| a.stats().budget);
+        match budget {
+            Some(b) if size > b => Err(Error::OutOfMemory {
+                requested: size,
+                in_use: self.memory_stats().bytes_in_use,
+                reserved: self.memory_stats().bytes_reserved,
+                budget,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// A block of at least `bytes` bytes from the arena allocations go to now.
+    pub(crate) fn alloc(&self, bytes: u64) -> Result<Block> {
+        let dev = &self.inner.device;
+        self.with_arena(|a| a.alloc(dev, bytes))
+    }
+
+    /// Returns `block` to its arena.
+    pub(crate) fn free(&self, block: &Block) {
+        // A real block freed while planning leaves both arenas; a planned one only its own.
+        if block.plan_id == 0 {
+            lock(&self.inner.arena).free(block);
+        }
+        if let Some(a) = lock(&self.inner.plan).as_mut() {
+            a.free(block);
+        }
+    }
+}
+
+/// The error for a tensor made while planning that is used for real after the plan ended.
+fn planned_outside_plan() -> Error {
+    Error::InvalidArgument {
+        op: "device",
+        reason:
+            "a tensor created while planning has no device memory and cannot be used after the plan"
+                .into(),
+    }
+}
+
+/// Planning mode of a [`Device`] (see [`Device::planning`]); it ends when this drops.
+pub struct PlanScope {
+    device: Device,
+}
+
+impl PlanScope {
+    /// The planning arena's statistics: peaks since the plan began (in use, reserved, by
+    /// category, the peak's op), allocations, the segments it would have created.
+    pub fn stats(&self) -> MemoryStats {
+        lock(&self.device.inner.plan)
+            .as_ref()
+            .map(Arena::stats)
+            .unwrap_or_default()
+    }
+
+    /// Makes the plan's peaks start from what is in use now.
+    pub fn reset_peak(&self) {
+        if let Some(a) = lock(&self.device.inner.plan).as_mut() {
+            a.reset_peak();
+            a.set_phase(None);
+        }
+    }
+
+    /// Leaves `block` out of the plan (see `PlanScope::forget`, which takes the tensor).
+    pub(crate) fn forget_block(&self, block: &Block) {
+        if let Some(a) = lock(&self.device.inner.plan).as_mut() {
+            a.free(block);
+        }
+    }
+
+    /// Sets the budget the planning arena enforces (it starts with the device's).
+    pub fn set_budget(&self, budget: Option<u64>) {
+        if let Some(a) = lock(&self.device.inner.plan).as_mut() {
+            a.set_budget(budget);
+        }
+    }
+}
+
+impl Drop for PlanScope {
+    fn drop(&mut self) {
+        self.device.inner.planning.store(false, Ordering::Release);
+        *lock(&self.device.inner.plan_thread) = None;
+        *lock(&self.device.inner.plan) = None;
+    }
+}
+
+/// Restores the previous allocation category when dropped (see [`Device::category_scope`]).
+#[must_use = "the category applies only while the guard lives"]
+pub struct CategoryScope {
+    device: Device,
+    prev: Category,
+}
+
+impl Drop for CategoryScope {
+    fn drop(&mut self) {
+        self.device.with_arena(|a| a.set_category(self.prev));
+    }
+}
+
+/// Clears the phase when dropped (see [`Device::phase_scope`]).
+#[must_use = "the phase applies only while the guard lives"]
+pub struct PhaseScope {
+    device: Device,
+}
+
+impl Drop for PhaseScope {
+    fn drop(&mut self) {
+        self.device.with_arena(|a| a.set_phase(None));
+    }
+}

@@ -1,0 +1,212 @@
+//! Matmul dispatch: C = op(A) · op(B) (+ bias) (activation), batched, any M, N, K, f32 or f16.
+//!
+//! Kernel variants, because the best one depends on the adapter:
+//! - `Reg`: register-blocked and barrier-free (shaders/matmul_reg.wgsl); each invocation
+//!   computes a TM x TN block straight from memory. Best on CPU adapters (lavapipe), where the
+//!   caches tile and barriers are expensive. TM = 1 or 2 is the skinny path for small M.
+//! - `Tiled`: workgroup-memory tiles with barriers (shaders/matmul_tiled.wgsl), each
+//!   invocation a 4 x 4 block: the classic GPU kernel.
+//! - `Subgroup`: a subgroup computes a TM x (SG * TN) block, each lane TN columns, loading
+//!   each row of A once per subgroup and handing it to every lane with subgroupBroadcast
+//!   (shaders/matmul_sg.wgsl). Needs SUBGROUP with a fixed subgroup size. The fastest kernel on
+//!   lavapipe by 3x: there a per-lane buffer load is a scalar loop and a broadcast a shuffle.
+//!   Its body is unrolled here (`expand_subgroup`) so the accumulators stay in registers.
+//! - `Naive`: one invocation per output (shaders/matmul_naive.wgsl): the reference the
+//!   benchmark reports ratios against.
+//!
+//! By file: `codegen` (shader source, pipelines, grids), `policy` (which variants an adapter
+//! runs), `tune` (timing the candidates, caching the winners). Kernels see their operands as
+//! [`Operand`]s, and an output that needs an f32 temporary ([`needs_f32_staging`]) gets it from
+//! the caller.
+
+mod codegen;
+mod policy;
+mod tune;
+
+pub use codegen::expand_subgroup;
+pub use policy::{candidates, default_variant, supported};
+pub(crate) use tune::select;
+pub use tune::time_variant;
+
+use super::{Operand, Storage};
+use crate::{DType, Device, Result};
+
+/// An activation fused into the matmul's store.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Activation {
+    #[default]
+    None,
+    Relu,
+    Gelu,
+}
+
+/// The shape of one matmul call, everything a kernel needs besides the data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Problem {
+    pub batch: usize,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    /// A is stored (K, M) instead of (M, K).
+    pub trans_a: bool,
+    /// B is stored (N, K) instead of (K, N).
+    pub trans_b: bool,
+    /// Elements between batches of A and B; 0 when one matrix serves every batch.
+    pub a_batch: usize,
+    pub b_batch: usize,
+    pub bias: bool,
+    pub activation: Activation,
+}
+
+/// A kernel choice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Variant {
+    Naive,
+    /// Register-blocked: TM rows x TN columns per invocation, a WG_X x WG_Y workgroup.
+    Reg {
+        tm: u32,
+        tn: u32,
+        wg_x: u32,
+        wg_y: u32,
+    },
+    /// Workgroup-tiled: a BM x BN block of C per workgroup, BK of k per stage.
+    Tiled {
+        bm: u32,
+        bn: u32,
+        bk: u32,
+    },
+    /// Subgroup broadcast: TM rows x (SG * TN) columns per subgroup of SG lanes, WGS subgroups
+    /// per workgroup.
+    Subgroup {
+        sg: u32,
+        tm: u32,
+        tn: u32,
+        wgs: u32,
+    },
+}
+
+impl Variant {
+    /// A stable text form (cache files, benchmark reports).
+    pub fn name(&self) -> String {
+        match *self {
+            Variant::Naive => "naive".into(),
+            Variant::Reg { tm, tn, wg_x, wg_y } => format!("reg-{tm}x{tn}-{wg_x}x{wg_y}"),
+            Variant::Tiled { bm, bn, bk } => format!("tiled-{bm}x{bn}x{bk}"),
+            Variant::Subgroup { sg, tm, tn, wgs } => format!("sg{sg}-{tm}x{tn}-{wgs}"),
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Variant> {
+        let nums =
+            |t: &str| -> Option<Vec<u32>> { t.split(['x', '-']).map(|n| n.parse().ok()).collect() };
+        if s == "naive" {
+            return Some(Variant::Naive);
+        }
+        if let Some(rest) = s.strip_prefix("reg-") {
+            if let [tm, tn, wg_x, wg_y] = nums(rest)?[..] {
+                return Some(Variant::Reg { tm, tn, wg_x, wg_y });
+            }
+        }
+        if let Some(rest) = s.strip_prefix("sg") {
+            if let [sg, tm, tn, wgs] = nums(rest)?[..] {
+                return Some(Variant::Subgroup { sg, tm, tn, wgs });
+            }
+        }
+        if let Some(rest) = s.strip_prefix("tiled-") {
+            if let [bm, bn, bk] = nums(rest)?[..] {
+                return Some(Variant::Tiled { bm, bn, bk });
+            }
+        }
+        None
+    }
+}
+
+fn act_code(a: Activation) -> u32 {
+    match a {
+        Activation::None => 0,
+        Activation::Relu => 1,
+        Activation::Gelu => 2,
+    }
+}
+
+/// Packed f16 holds two elements per word: outputs written one element at a time would race,
+/// so packed outputs need whole vec4 rows (N % 4 == 0), or go through an f32 temporary that the
+/// caller casts.
+pub(crate) fn needs_f32_staging(dev: &Device, variant: Variant, pb: &Problem, out: DType) -> bool {
+    Storage::of(dev, out) == Storage::F16Packed
+        && (!pb.n.is_multiple_of(4) || variant == Variant::Naive)
+}
+
+/// Runs `variant` on `a`, `b` (and `bias`) into `out` (shape (batch, M, N), contiguous), which
+/// needs no f32 staging (see [`needs_f32_staging`]).
+pub(crate) fn run<T: Operand>(
+    dev: &Device,
+    variant: Variant,
+    pb: &Problem,
+    a: &T,
+    b: &T,
+    bias: Option<&T>,
+    out: &T,
+) -> Result<()> {
+    if pb.batch == 0 || pb.m == 0 || pb.n == 0 {
+        return Ok(());
+    }
+    debug_assert!(
+        !needs_f32_staging(dev, variant, pb, out.dtype()),
+        "stage packed rows"
+    );
+    let epilogue = u32::from(bias.is_some()) | (act_code(pb.activation) << 1);
+    let params = [
+        pb.m as u32,
+        pb.n as u32,
+        pb.k as u32,
+        epilogue,
+        pb.a_batch as u32,
+        pb.b_batch as u32,
+        (pb.m * pb.n) as u32,
+        0,
+    ];
+    // bias is bound even when unused (bindings are fixed); `out` stands in for it.
+    let bias_t = bias.unwrap_or(out);
+    let storage = [a, b, bias_t, out].map(|t| Storage::of(dev, t.dtype()));
+    let (k, groups) = codegen::pipeline(dev, variant, pb, storage, epilogue)?;
+    dev.dispatch3(
+        &k,
+        &params,
+        &[a.block(), b.block(), bias_t.block(), out.block()],
+        groups,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn variant_names_round_trip() {
+        for v in [
+            Variant::Naive,
+            Variant::Reg {
+                tm: 32,
+                tn: 16,
+                wg_x: 16,
+                wg_y: 1,
+            },
+            Variant::Tiled {
+                bm: 64,
+                bn: 64,
+                bk: 16,
+            },
+            Variant::Subgroup {
+                sg: 8,
+                tm: 64,
+                tn: 8,
+                wgs: 1,
+            },
+        ] {
+            assert_eq!(Variant::parse(&v.name()), Some(v));
+        }
+        assert_eq!(Variant::parse("reg-1x2"), None);
+        assert_eq!(Variant::parse("bogus"), None);
+    }
+}

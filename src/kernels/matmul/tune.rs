@@ -1,0 +1,171 @@
+//! The matmul autotuner: times the candidate kernels once per adapter and shape class, and
+//! remembers the winner in memory and on disk.
+//!
+//! The disk cache is one text file per adapter (`<class>\t<variant>` lines) under
+//! `$FITGRAD_CACHE_DIR`, else `$XDG_CACHE_HOME/fitgrad`, else `~/.cache/fitgrad`; its name hashes
+//! the adapter name, backend, driver and the crate version, so a driver or fitgrad upgrade tunes
+//! again. It is rewritten atomically (temporary file, then rename). `FITGRAD_AUTOTUNE=0` turns
+//! tuning off (the built-in choice is used).
+//!
+//! The tuner knows no tensors: the caller hands it a closure that runs a variant on the real
+//! operands, and the winners live in the device's extension slot of type [`TuneCache`].
+
+use super::{candidates, default_variant, Problem, Variant};
+use crate::kernels::Storage;
+use crate::{DType, Device, Result};
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::path::PathBuf;
+
+/// Problems below this many flops are not worth timing: the built-in choice runs.
+const TUNE_MIN_FLOPS: usize = 1 << 22;
+
+/// The autotuner's key: problems in one class share a winner.
+fn class_key(dev: &Device, pb: &Problem, dtype: DType) -> String {
+    let b = |x: usize| x.next_power_of_two();
+    format!(
+        "{:?} ta{} tb{} m{} n{} k{} batched{} n4{} k4{}",
+        Storage::of(dev, dtype),
+        pb.trans_a as u8,
+        pb.trans_b as u8,
+        b(pb.m),
+        b(pb.n),
+        b(pb.k),
+        (pb.batch > 1) as u8,
+        pb.n.is_multiple_of(4) as u8,
+        pb.k.is_multiple_of(4) as u8
+    )
+}
+
+/// The variant for this problem on operands of `dtype`: the cached winner of its class, or (for
+/// a problem big enough to be worth it, with tuning on) the fastest candidate timed now by
+/// `run`, which runs a variant on the very operands into the output (the caller then overwrites
+/// it).
+pub(crate) fn select(
+    dev: &Device,
+    pb: &Problem,
+    dtype: DType,
+    mut run: impl FnMut(Variant) -> Result<()>,
+) -> Result<Variant> {
+    let fallback = default_variant(dev, pb, dtype);
+    if pb.batch * pb.m * pb.n * pb.k * 2 < TUNE_MIN_FLOPS || !enabled() {
+        return Ok(fallback);
+    }
+    let class = class_key(dev, pb, dtype);
+    let path = cache_path(dev.info());
+    if let Some(v) = dev.with_ext(|c: &mut TuneCache| c.get(path.as_ref(), &class)) {
+        return Ok(v);
+    }
+    if dev.is_planning() {
+        // No timing while planning: a cached winner or the built-in choice.
+        return Ok(fallback);
+    }
+    let mut best = (f64::INFINITY, fallback);
+    for cand in candidates(dev, pb, dtype) {
+        if let Ok(t) = time_variant(dev, || run(cand)) {
+            if t < best.0 {
+                best = (t, cand);
+            }
+        }
+    }
+    dev.with_ext(|c: &mut TuneCache| c.put(path.as_ref(), class, best.1));
+    Ok(best.1)
+}
+
+/// Seconds one `run` of a variant takes: a warm-up run (which compiles the kernel), then the
+/// median of 1 or, for quick kernels, 3 timed runs.
+pub fn time_variant(dev: &Device, mut run: impl FnMut() -> Result<()>) -> Result<f64> {
+    run()?;
+    dev.sync()?;
+    let mut times = Vec::new();
+    for _ in 0..3 {
+        let t = std::time::Instant::now();
+        run()?;
+        dev.sync()?;
+        times.push(t.elapsed().as_secs_f64());
+        if times[0] > 0.05 {
+            break;
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+/// The winners of one adapter: a device's extension slot (see `Device::with_ext`), filled
+/// from the disk cache on first use.
+#[derive(Default)]
+struct TuneCache {
+    /// class -> winner; `None` until the disk file was read.
+    entries: Option<HashMap<String, Variant>>,
+}
+
+/// Whether tuning is on (`FITGRAD_AUTOTUNE=0` or `off` turns it off).
+fn enabled() -> bool {
+    !matches!(
+        std::env::var("FITGRAD_AUTOTUNE").as_deref(),
+        Ok("0") | Ok("off") | Ok("false")
+    )
+}
+
+/// The folder of the disk caches, from the environment.
+fn cache_dir() -> Option<PathBuf> {
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    env("FITGRAD_CACHE_DIR")
+        .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("fitgrad")))
+        .or_else(|| env("HOME").map(|d| d.join(".cache").join("fitgrad")))
+}
+
+/// The cache file of one adapter.
+fn cache_path(info: &crate::DeviceInfo) -> Option<PathBuf> {
+    let a = &info.adapter;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (
+        &a.name,
+        &a.backend,
+        &a.driver,
+        &a.driver_info,
+        env!("CARGO_PKG_VERSION"),
+        info.f16_native,
+    )
+        .hash(&mut h);
+    Some(cache_dir()?.join(format!("autotune-{:016x}.txt", h.finish())))
+}
+
+impl TuneCache {
+    fn load(&mut self, path: Option<&PathBuf>) -> &mut HashMap<String, Variant> {
+        self.entries.get_or_insert_with(|| {
+            let text = path
+                .and_then(|p| std::fs::read_to_string(p).ok())
+                .unwrap_or_default();
+            text.lines()
+                .filter_map(|l| {
+                    let (k, v) = l.split_once('\t')?;
+                    Some((k.to_string(), Variant::parse(v)?))
+                })
+                .collect()
+        })
+    }
+
+    /// The winner of `class`, reading the file at `path` first if this cache has not yet.
+    pub fn get(&mut self, path: Option<&PathBuf>, class: &str) -> Option<Variant> {
+        self.load(path).get(class).copied()
+    }
+
+    /// Records a winner and rewrites the file. A cache that cannot be written only costs a
+    /// re-tune next time, so write errors are ignored.
+    pub fn put(&mut self, path: Option<&PathBuf>, class: String, v: Variant) {
+        let map = self.load(path);
+        map.insert(class, v);
+        let Some(path) = path else { return };
+        let mut lines: Vec<String> = map
+            .iter()
+            .map(|(k, v)| format!("{k}\t{}", v.name()))
+            .collect();
+        lines.sort();
+        let _ = crate::fsutil::write_atomic(path, (lines.join("\n") + "\n").as_bytes());
+    }
+}
