@@ -582,6 +582,16 @@ fn kill_child_saver() {
     }
 }
 
+/// The files in `dir` whose names start with `prefix`.
+fn temp_files(dir: &Path, prefix: &str) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with(prefix))
+        .map(|e| e.path())
+        .collect()
+}
+
 fn saves_done(progress: &Path) -> u64 {
     std::fs::read_to_string(progress)
         .ok()
@@ -648,9 +658,9 @@ fn killed_during_save_keeps_the_previous_checkpoint() {
             save_time = t1.elapsed();
             eprintln!("kill test: one save of ~52 MB takes {save_time:?}");
         }
-        // write_atomic's temporary file: it exists from the start of the file write to the
-        // rename.
-        let tmp_file = tmp.join(&format!(".big.safetensors.tmp-{}", child.id()));
+        // write_atomic's temporary file (`.big.safetensors.tmp-PID-RANDOM`): it exists from the
+        // start of the file write to the rename.
+        let tmp_prefix = format!(".big.safetensors.tmp-{}-", child.id());
         if round % 2 == 0 {
             // Anywhere in a save: reading back, serializing, writing, syncing, renaming.
             let wait = save_time.mul_f64((rng.next_u64() % 1000) as f64 / 1000.0);
@@ -658,7 +668,7 @@ fn killed_during_save_keeps_the_previous_checkpoint() {
         } else {
             // Within the file write: once the temporary file is there, up to 5 ms later.
             let t0 = Instant::now();
-            while !tmp_file.exists() && t0.elapsed() < Duration::from_secs(30) {
+            while temp_files(&tmp.0, &tmp_prefix).is_empty() && t0.elapsed() < Duration::from_secs(30) {
                 std::thread::sleep(Duration::from_micros(200));
             }
             std::thread::sleep(Duration::from_micros(rng.next_u64() % 5000));
@@ -666,9 +676,11 @@ fn killed_during_save_keeps_the_previous_checkpoint() {
         child.kill().unwrap(); // SIGKILL on Unix
         child.wait().unwrap();
 
-        if tmp_file.exists() {
+        let left = temp_files(&tmp.0, &tmp_prefix);
+        assert!(left.len() <= 1, "round {round}: {left:?}: one save at a time");
+        if let Some(tmp_file) = left.first() {
             mid_write += 1;
-            std::fs::remove_file(&tmp_file).unwrap();
+            std::fs::remove_file(tmp_file).unwrap();
         }
         let c = checkpoint::load(&path)
             .unwrap_or_else(|e| panic!("round {round}: the checkpoint does not load: {e}"));
@@ -685,7 +697,7 @@ fn killed_during_save_keeps_the_previous_checkpoint() {
     }
     eprintln!(
         "kill test: {KILLS} kills, {mid_write} of them while the temporary file was being written \
-         (left behind as .big.safetensors.tmp-PID, removed here); the checkpoint loaded every time"
+         (left behind as .big.safetensors.tmp-PID-RANDOM, removed here); the checkpoint loaded every time"
     );
     assert!(
         mid_write > 0,

@@ -4,6 +4,7 @@
 
 #[doc(hidden)]
 pub mod bench;
+mod csv_file;
 pub mod data;
 mod model;
 mod plan;
