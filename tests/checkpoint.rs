@@ -249,9 +249,23 @@ fn mismatched_models_and_optimizers_are_data_errors() {
     checkpoint::save(&path, &model, Some(&opt), &TrainingState::default()).unwrap();
     let ckpt = checkpoint::load(&path).unwrap();
 
-    // Another hidden width: the first tensor named with both shapes.
+    // The stored model configuration is checked first.
     let wide = Mlp::new(&dev, &[4, 9, 3], Act::Relu, 1).unwrap();
     let before = host(&wide.layers[0].weight);
+    let reason = data_reason(ckpt.apply_model(&wide), &path, "config");
+    assert!(
+        reason.contains("widths = 4,8,3") && reason.contains("widths = 4,9,3"),
+        "{reason}"
+    );
+    assert_eq!(host(&wide.layers[0].weight), before, "nothing written");
+    // Without it (a file from a model that stores none), the tensors themselves are checked.
+    let mut tensors_only = ckpt.clone();
+    tensors_only
+        .metadata
+        .retain(|k, _| !k.starts_with(checkpoint::CONFIG_PREFIX));
+    let ckpt = tensors_only;
+
+    // Another hidden width: the first tensor named with both shapes.
     let reason = data_reason(ckpt.apply_model(&wide), &path, "shape");
     assert!(
         reason.contains("model.layers.0.weight") && reason.contains("[9, 4]"),
@@ -540,6 +554,112 @@ fn chained_header() -> String {
 fn host_bytes(seed: u64, n: usize) -> Vec<u8> {
     let mut r = HostRng::new(seed);
     (0..n).map(|_| r.next_u64() as u8).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reproducible bytes
+// ---------------------------------------------------------------------------------------------
+
+/// `host_checkpoint` with many metadata keys, inserted in the order `keys` gives.
+fn many_keys(keys: impl Iterator<Item = usize>) -> Checkpoint {
+    let mut c = host_checkpoint();
+    for k in keys {
+        c.metadata
+            .insert(format!("extra.k{k:02}"), format!("v \"{k}\""));
+    }
+    c
+}
+
+#[test]
+fn checkpoint_bytes_are_reproducible_and_read_as_safetensors() {
+    // Forty metadata keys: a HashMap's order would differ between two maps.
+    let forward = many_keys(0..40).to_bytes().unwrap();
+    let backward = many_keys((0..40).rev()).to_bytes().unwrap();
+    assert!(forward == backward, "insertion order leaks into the file");
+    for _ in 0..4 {
+        assert!(many_keys(0..40).to_bytes().unwrap() == forward);
+    }
+    // Load and write again: the same bytes.
+    let loaded = Checkpoint::from_bytes(&forward, "mem").unwrap();
+    assert_eq!(loaded.metadata.len(), 45);
+    assert!(loaded.to_bytes().unwrap() == forward, "load + save changes the bytes");
+
+    // The header: 8-byte aligned, metadata first with sorted keys, then the tensors.
+    let n = u64::from_le_bytes(forward[..8].try_into().unwrap()) as usize;
+    assert_eq!(n % 8, 0);
+    let header = std::str::from_utf8(&forward[8..8 + n]).unwrap();
+    assert!(header.starts_with(r#"{"__metadata__":{"epoch":"0","extra.k00":"v \"0\"","#));
+    let keys: Vec<usize> = loaded
+        .metadata
+        .keys()
+        .map(|k| header.find(&format!("\"{k}\"")).unwrap())
+        .collect();
+    assert!(keys.windows(2).all(|w| w[0] < w[1]), "{header}");
+
+    // What safetensors itself writes, byte for byte, where its HashMap has no order to leak:
+    // no metadata, and a single key.
+    let mut c = host_checkpoint();
+    for meta in [BTreeMap::new(), BTreeMap::from([("format".into(), "fitgrad".into())])] {
+        c.metadata = meta;
+        let theirs = safetensors::serialize(
+            c.tensors.iter(),
+            (!c.metadata.is_empty()).then(|| c.metadata.clone().into_iter().collect()),
+        )
+        .unwrap();
+        assert!(c.to_bytes().unwrap() == theirs, "{} keys", c.metadata.len());
+    }
+
+    // A tensor whose bytes do not fit its shape is refused, not written.
+    let mut bad = host_checkpoint();
+    bad.tensors.get_mut("model.w").unwrap().bytes.pop();
+    let reason = data_reason(bad.to_bytes(), Path::new(""), "short tensor");
+    assert!(reason.contains("'model.w' holds 47 bytes"), "{reason}");
+}
+
+#[test]
+fn trainer_checkpoints_are_byte_for_byte_reproducible() {
+    use fitgrad::train::data::Dataset;
+    use fitgrad::train::{Precision, Trainer, TrainerConfig};
+    let tmp = TempDir::new("bytes");
+    let data = Dataset {
+        name: "rows".into(),
+        features: host_data(7, 2 * BATCH * WIDTHS[0], -1.0, 1.0),
+        labels: (0..2 * BATCH as u32).map(|r| r % WIDTHS[2] as u32).collect(),
+        dim: WIDTHS[0],
+        classes: WIDTHS[2],
+    };
+    let rows: Vec<usize> = (0..data.len()).collect();
+    for dev in devices() {
+        let what = label(&dev);
+        let trainer = |seed| {
+            let model = Mlp::new(&dev, &WIDTHS, Act::Relu, seed).unwrap();
+            let opt = Box::new(adamw(&model));
+            let config = TrainerConfig {
+                precision: Precision::Mixed, // a scaler's state too
+                ..TrainerConfig::new(BATCH, 1, 1e-2)
+            };
+            Trainer::new(model, opt, config).unwrap()
+        };
+        let mut t = trainer(1);
+        for batch in rows.chunks(BATCH) {
+            t.step(&data, batch).unwrap();
+        }
+        let (a, b) = (tmp.join("a.safetensors"), tmp.join("b.safetensors"));
+        t.save_checkpoint(&a, 1).unwrap();
+        t.save_checkpoint(&b, 1).unwrap();
+        let bytes = std::fs::read(&a).unwrap();
+        assert!(bytes == std::fs::read(&b).unwrap(), "{what}: two saves differ");
+
+        // Into a fresh trainer and out again; and through the host checkpoint alone.
+        let mut fresh = trainer(99);
+        assert_eq!(fresh.resume_from(&a).unwrap(), 1);
+        let c = tmp.join("c.safetensors");
+        fresh.save_checkpoint(&c, 1).unwrap();
+        assert!(bytes == std::fs::read(&c).unwrap(), "{what}: resume + save differs");
+        let d = tmp.join("d.safetensors");
+        checkpoint::load(&a).unwrap().save(&d).unwrap();
+        assert!(bytes == std::fs::read(&d).unwrap(), "{what}: load + save differs");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
