@@ -582,7 +582,10 @@ fn checkpoint_bytes_are_reproducible_and_read_as_safetensors() {
     // Load and write again: the same bytes.
     let loaded = Checkpoint::from_bytes(&forward, "mem").unwrap();
     assert_eq!(loaded.metadata.len(), 45);
-    assert!(loaded.to_bytes().unwrap() == forward, "load + save changes the bytes");
+    assert!(
+        loaded.to_bytes().unwrap() == forward,
+        "load + save changes the bytes"
+    );
 
     // The header: 8-byte aligned, metadata first with sorted keys, then the tensors.
     let n = u64::from_le_bytes(forward[..8].try_into().unwrap()) as usize;
@@ -599,7 +602,10 @@ fn checkpoint_bytes_are_reproducible_and_read_as_safetensors() {
     // What safetensors itself writes, byte for byte, where its HashMap has no order to leak:
     // no metadata, and a single key.
     let mut c = host_checkpoint();
-    for meta in [BTreeMap::new(), BTreeMap::from([("format".into(), "fitgrad".into())])] {
+    for meta in [
+        BTreeMap::new(),
+        BTreeMap::from([("format".into(), "fitgrad".into())]),
+    ] {
         c.metadata = meta;
         let theirs = safetensors::serialize(
             c.tensors.iter(),
@@ -624,7 +630,9 @@ fn trainer_checkpoints_are_byte_for_byte_reproducible() {
     let data = Dataset {
         name: "rows".into(),
         features: host_data(7, 2 * BATCH * WIDTHS[0], -1.0, 1.0),
-        labels: (0..2 * BATCH as u32).map(|r| r % WIDTHS[2] as u32).collect(),
+        labels: (0..2 * BATCH as u32)
+            .map(|r| r % WIDTHS[2] as u32)
+            .collect(),
         dim: WIDTHS[0],
         classes: WIDTHS[2],
     };
@@ -648,17 +656,61 @@ fn trainer_checkpoints_are_byte_for_byte_reproducible() {
         t.save_checkpoint(&a, 1).unwrap();
         t.save_checkpoint(&b, 1).unwrap();
         let bytes = std::fs::read(&a).unwrap();
-        assert!(bytes == std::fs::read(&b).unwrap(), "{what}: two saves differ");
+        assert!(
+            bytes == std::fs::read(&b).unwrap(),
+            "{what}: two saves differ"
+        );
 
         // Into a fresh trainer and out again; and through the host checkpoint alone.
         let mut fresh = trainer(99);
         assert_eq!(fresh.resume_from(&a).unwrap(), 1);
         let c = tmp.join("c.safetensors");
         fresh.save_checkpoint(&c, 1).unwrap();
-        assert!(bytes == std::fs::read(&c).unwrap(), "{what}: resume + save differs");
+        assert!(
+            bytes == std::fs::read(&c).unwrap(),
+            "{what}: resume + save differs"
+        );
         let d = tmp.join("d.safetensors");
         checkpoint::load(&a).unwrap().save(&d).unwrap();
-        assert!(bytes == std::fs::read(&d).unwrap(), "{what}: load + save differs");
+        assert!(
+            bytes == std::fs::read(&d).unwrap(),
+            "{what}: load + save differs"
+        );
+    }
+}
+
+#[test]
+fn concurrent_atomic_writes_to_one_path_never_mix() {
+    // Eight threads save to one path at once: each through its own temporary file, so the
+    // result is one whole file of one writer, and no temporary file is left behind.
+    let tmp = TempDir::new("threads");
+    let path = tmp.join("shared.bin");
+    std::thread::scope(|s| {
+        for t in 0..8u8 {
+            let path = &path;
+            s.spawn(move || {
+                for _ in 0..10 {
+                    fitgrad::fsutil::write_atomic(path, &vec![t; 64 << 10]).unwrap();
+                }
+            });
+        }
+    });
+    let bytes = std::fs::read(&path).unwrap();
+    assert_eq!(bytes.len(), 64 << 10);
+    assert!(bytes.iter().all(|&b| b == bytes[0]), "two writers mixed");
+    let names: Vec<String> = std::fs::read_dir(&tmp.0)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["shared.bin"]);
+    #[cfg(unix)]
+    {
+        // The mode a plain File::create gives (0666 less the umask), not tempfile's 0600.
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let plain = tmp.join("plain");
+        std::fs::File::create(&plain).unwrap();
+        assert_eq!(mode(&path), mode(&plain), "{:o}", mode(&path));
     }
 }
 
@@ -788,7 +840,9 @@ fn killed_during_save_keeps_the_previous_checkpoint() {
         } else {
             // Within the file write: once the temporary file is there, up to 5 ms later.
             let t0 = Instant::now();
-            while temp_files(&tmp.0, &tmp_prefix).is_empty() && t0.elapsed() < Duration::from_secs(30) {
+            while temp_files(&tmp.0, &tmp_prefix).is_empty()
+                && t0.elapsed() < Duration::from_secs(30)
+            {
                 std::thread::sleep(Duration::from_micros(200));
             }
             std::thread::sleep(Duration::from_micros(rng.next_u64() % 5000));
@@ -797,7 +851,10 @@ fn killed_during_save_keeps_the_previous_checkpoint() {
         child.wait().unwrap();
 
         let left = temp_files(&tmp.0, &tmp_prefix);
-        assert!(left.len() <= 1, "round {round}: {left:?}: one save at a time");
+        assert!(
+            left.len() <= 1,
+            "round {round}: {left:?}: one save at a time"
+        );
         if let Some(tmp_file) = left.first() {
             mid_write += 1;
             std::fs::remove_file(tmp_file).unwrap();

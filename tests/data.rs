@@ -433,13 +433,14 @@ fn csv_quoted_fields_and_other_delimiters() {
     );
     // A doubled quote inside a quoted field is one quote: the column is found by that name.
     let escaped = Dataset::from_csv(&quoted, Some("b \"two\""));
-    expect_data_err(escaped, &quoted, "line 2: label 2.5 is not a non-negative integer");
+    expect_data_err(
+        escaped,
+        &quoted,
+        "line 2: label 2.5 is not a non-negative integer",
+    );
 
     // Semicolons, and commas inside a quoted text header: `;` is the delimiter.
-    let semi = t.write(
-        "semi.csv",
-        b"x;y;\"label, 0-2\"\n1;2;0\n\n3;4;2\n5;6;1\n",
-    );
+    let semi = t.write("semi.csv", b"x;y;\"label, 0-2\"\n1;2;0\n\n3;4;2\n5;6;1\n");
     let s = Dataset::from_csv(&semi, Some("label, 0-2")).unwrap();
     assert_eq!((s.len(), s.dim, s.classes), (3, 2, 3));
     assert_eq!(s.features, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
@@ -472,7 +473,10 @@ fn csv_quoted_fields_and_other_delimiters() {
     let by_semi = Dataset::from_csv(&mixed, None);
     expect_data_err(by_semi, &mixed, "line 2: expected 2 columns, found 1");
     let by_comma = Dataset::from_csv_delimited(&mixed, None, b',').unwrap();
-    assert_eq!((by_comma.features, by_comma.labels), (vec![1.0, 2.0], vec![0, 1]));
+    assert_eq!(
+        (by_comma.features, by_comma.labels),
+        (vec![1.0, 2.0], vec![0, 1])
+    );
     assert!(matches!(
         Dataset::from_csv_delimited(&mixed, None, b'"'),
         Err(Error::InvalidArgument { .. })
@@ -487,7 +491,10 @@ fn csv_quoted_fields_and_other_delimiters() {
 fn labels_far_outside_the_others_are_errors_naming_the_line() {
     let t = TempDir::new("csv-labels");
     // A column of ids taken as the label: 5 distinct values, the largest ≥ 1000 x 5.
-    let ids = t.write("ids.csv", b"f,id\n0.5,1001\n0.1,1002\n0.2,1003\n0.3,1004\n0.4,5000\n");
+    let ids = t.write(
+        "ids.csv",
+        b"f,id\n0.5,1001\n0.1,1002\n0.2,1003\n0.3,1004\n0.4,5000\n",
+    );
     expect_data_err(
         Dataset::from_csv(&ids, None),
         &ids,
@@ -532,7 +539,11 @@ fn load_refuses_splits_that_would_score_meaninglessly() {
 
     // Two rows: 20% rounds to an empty test split.
     let two = t.write("two.csv", b"1,0\n2,1\n");
-    expect_data_err(load(two.to_str().unwrap(), 0), &two, "the test split is empty");
+    expect_data_err(
+        load(two.to_str().unwrap(), 0),
+        &two,
+        "the test split is empty",
+    );
 
     // IDX training files with a single class are refused just the same.
     t.write("train-images-idx3-ubyte", &idx_images(6, 2, 2));

@@ -100,7 +100,9 @@ impl TuneCache {
             .collect();
         lines.sort();
         if let Err(e) = crate::fsutil::write_atomic(path, (lines.join("\n") + "\n").as_bytes()) {
-            log::warn!("matmul autotune: cannot write the cache (it will tune again next run): {e}");
+            log::warn!(
+                "matmul autotune: cannot write the cache (it will tune again next run): {e}"
+            );
         }
     }
 }

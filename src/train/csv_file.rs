@@ -10,7 +10,7 @@ use crate::Result;
 /// The delimiters `from_csv` recognizes, in the order a tie between their counts is settled:
 /// a tab or a semicolon in a file split by commas is rare, while commas often appear inside
 /// fields of a semicolon file (decimal commas, text).
-pub(super) const DELIMITERS: [u8; 3] = [b'\t', b';', b','];
+const DELIMITERS: [u8; 3] = [b'\t', b';', b','];
 
 /// The delimiter of a CSV: of tab, semicolon and comma, the one that occurs most often outside
 /// double quotes in the first non-blank line; ties go to tab, then semicolon; comma when the

@@ -375,7 +375,10 @@ pub(super) fn check_labels(
             _ => return Ok(()),
         }
     };
-    let row = labels.iter().position(|&l| l == max).expect("max is a label");
+    let row = labels
+        .iter()
+        .position(|&l| l == max)
+        .expect("max is a label");
     Err(data_err(
         path,
         format!(
