@@ -25,7 +25,7 @@ pub enum Precision {
     /// Everything in f32.
     #[default]
     F32,
-    /// Parameters, activations and optimizer state in f16.
+    /// Parameters, gradients and activations in f16; optimizer state in f32.
     F16,
     /// f32 parameters and optimizer state; f16 activations and matmuls; loss scaling.
     Mixed,
