@@ -7,7 +7,9 @@ pub mod bench;
 pub mod data;
 mod model;
 mod plan;
+mod rows;
 pub mod shard;
+mod summary;
 mod trainer;
 
 pub use model::{
@@ -15,7 +17,9 @@ pub use model::{
     TensorBatch, TensorDataset, TrainModel,
 };
 pub use plan::Plan;
-pub use trainer::{Evaluation, HostRows, MemorySummary, Trainer, TrainerConfig};
+pub use rows::HostRows;
+pub use summary::{Evaluation, MemorySummary};
+pub use trainer::{Trainer, TrainerConfig};
 
 use crate::DType;
 
