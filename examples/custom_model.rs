@@ -19,6 +19,11 @@
 //! It prints the adapter, the dataset, the parameter count, a progress bar per epoch, the test
 //! accuracy, where the memory went, and the planned peak of a step beside the measured one.
 //! `--plan` prints the plan and exits; `--json` ends stdout with one JSON object.
+//!
+//! A budget can only cut what grows with the micro-batch (activations): at the default batch of
+//! 64 the parameters, their gradients and AdamW's two moments are most of the peak. With
+//! `--batch-size 1024` activations dominate, and `--memory-budget` at half the printed peak
+//! trains the same model in smaller accumulated micro-batches.
 
 use clap::Parser;
 use fitgrad::nn::{self, Dropout, LayerNorm, Linear, Module};
@@ -50,8 +55,8 @@ struct Args {
     #[arg(long, default_value_t = 2)]
     blocks: usize,
     /// Dropout probability inside each block, in [0, 1).
-    #[arg(long, default_value_t = 0.1)]
-    dropout: f32,
+    #[arg(long, default_value_t = 0.1, allow_negative_numbers = true)]
+    dropout: f64,
     /// Epochs (default: 8 on digits, 2 on larger datasets).
     #[arg(long)]
     epochs: Option<u64>,
@@ -62,8 +67,8 @@ struct Args {
     #[arg(long, default_value_t = 1)]
     accum_steps: usize,
     /// AdamW learning rate.
-    #[arg(long, default_value_t = 1e-3)]
-    lr: f32,
+    #[arg(long, default_value_t = 1e-3, allow_negative_numbers = true)]
+    lr: f64,
     /// Seeds the weights, dropout masks, data split and order.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -272,6 +277,12 @@ fn run(args: Args) -> Result<()> {
             args.width, args.batch_size, args.accum_steps
         )));
     }
+    if !(0.0..1.0).contains(&args.dropout) {
+        return Err(invalid(format!(
+            "--dropout must be in [0, 1), got {}",
+            args.dropout
+        )));
+    }
     if !(args.lr.is_finite() && args.lr > 0.0) {
         return Err(invalid(format!(
             "--lr must be a positive number, got {}",
@@ -319,14 +330,15 @@ fn run(args: Args) -> Result<()> {
         args.width,
         args.blocks,
         train.classes,
-        args.dropout,
+        args.dropout as f32,
         args.seed,
     )?;
-    let optimizer: Box<dyn Optimizer> = Box::new(AdamW::new(model.parameters(), args.lr)?);
+    let lr = args.lr as f32;
+    let optimizer: Box<dyn Optimizer> = Box::new(AdamW::new(model.parameters(), lr)?);
     let config = TrainerConfig {
         batch_size: args.batch_size,
         accum_steps: args.accum_steps,
-        lr: args.lr,
+        lr,
         precision,
         ..Default::default()
     };
