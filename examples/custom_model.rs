@@ -357,7 +357,23 @@ fn run(args: Args) -> Result<()> {
         args.accum_steps
     );
     if let Some(b) = budget {
-        let micro = trainer.fit_to_budget(&train, b)?;
+        let micro = match trainer.fit_to_budget(&train, b) {
+            Err(Error::BudgetTooSmall { .. }) => {
+                // What a one-sample step keeps alive: a floor no micro-batch can go under.
+                let one = trainer.plan_at(&train, &[0], 1, None, 0)?;
+                let fixed = one.parameters + one.gradients + one.optimizer_state;
+                return Err(invalid(format!(
+                    "--memory-budget {}: not even a micro-batch of one sample fits; such a \
+                     step keeps {} in use (the arena rounds up a little more), {} of it the \
+                     parameters, their gradients and AdamW's moments. Raise the budget or make \
+                     the model smaller (--width, --blocks)",
+                    Bytes(b),
+                    Bytes(one.peak),
+                    Bytes(fixed)
+                )));
+            }
+            other => other?,
+        };
         println!(
             "memory budget {}: micro-batch {micro} of {} ({} micro-batches per step)",
             Bytes(b),
