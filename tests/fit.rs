@@ -845,10 +845,12 @@ fn budget_too_small_is_a_clear_error() {
     assert_eq!(budget, 1024);
     assert!(minimum > budget);
     let all: Vec<usize> = (0..64).collect();
-    assert_eq!(
-        minimum,
-        t.plan_at(&rows, &all, 1, None, 0).unwrap().peak_reserved,
-        "the minimum is the planned reserved peak at a micro-batch of one"
+    let one = t.plan_at(&rows, &all, 1, None, 0).unwrap();
+    assert!(
+        one.peak <= minimum && minimum <= one.peak_reserved,
+        "the minimum {minimum} lies between the one-sample step's peak in use {} and reserved {}",
+        one.peak,
+        one.peak_reserved
     );
     assert!(
         msg.contains(&Bytes(minimum).to_string()),
