@@ -44,6 +44,9 @@ struct Args {
     /// Cosine decay with 5% linear warm-up instead of a constant learning rate.
     #[arg(long)]
     cosine: bool,
+    /// Clip the gradients' total L2 norm to this before each update.
+    #[arg(long)]
+    clip_grad_norm: Option<f32>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Substring of the adapter name to use (see --list-adapters).
@@ -92,12 +95,61 @@ fn run(args: Args) -> fitgrad::Result<()> {
         }
         return Ok(());
     }
+    // Every argument is checked before any device work.
     let precision: Precision = args.precision.parse()?;
+    let act: Act = args.activation.parse()?;
     let budget = args
         .memory_budget
         .as_deref()
         .map(|b| b.parse::<Bytes>().map(|b| b.0))
         .transpose()?;
+    let invalid = |reason: String| fitgrad::Error::InvalidArgument {
+        op: "train_mlp",
+        reason,
+    };
+    if args.batch_size == 0 || args.accum_steps == 0 {
+        return Err(invalid(format!(
+            "--batch-size and --accum-steps must be at least 1, got {} and {}",
+            args.batch_size, args.accum_steps
+        )));
+    }
+    let eff = args
+        .batch_size
+        .checked_mul(args.accum_steps)
+        .ok_or_else(|| invalid("--batch-size x --accum-steps overflows".into()))?;
+    if budget == Some(0) {
+        return Err(invalid("--memory-budget must be more than 0 bytes".into()));
+    }
+    if let Some(i) = args.hidden.iter().position(|&w| w == 0) {
+        return Err(invalid(format!(
+            "--hidden {:?}: layer {} has width 0 (leave the list empty for no hidden layer)",
+            args.hidden,
+            i + 1
+        )));
+    }
+    if args.shard_size == Some(0) {
+        return Err(invalid("--shard-size must be at least 1".into()));
+    }
+    if !matches!(args.optimizer.as_str(), "adamw" | "sgd") {
+        return Err(invalid(format!(
+            "unknown optimizer '{}' (adamw or sgd)",
+            args.optimizer
+        )));
+    }
+    if let Some(lr) = args.lr {
+        if !(lr.is_finite() && lr >= 0.0) {
+            return Err(invalid(format!(
+                "--lr must be a finite number >= 0, got {lr}"
+            )));
+        }
+    }
+    let (train, test) = data::load(&args.dataset, args.seed)?;
+    if train.dim != test.dim {
+        return Err(invalid(format!(
+            "the training set has {} features per sample and the test set {}",
+            train.dim, test.dim
+        )));
+    }
     let device = Device::with_options(DeviceOptions {
         adapter: args.adapter.clone(),
         memory_budget: budget,
@@ -105,8 +157,6 @@ fn run(args: Args) -> fitgrad::Result<()> {
     })?;
     let info = device.info();
     println!("adapter: {}", info.adapter);
-
-    let (train, test) = data::load(&args.dataset, args.seed)?;
     println!(
         "dataset: {} ({} train, {} test, {} features, {} classes)",
         train.name,
@@ -117,9 +167,8 @@ fn run(args: Args) -> fitgrad::Result<()> {
     );
 
     let mut widths = vec![train.dim];
-    widths.extend(args.hidden.iter().copied().filter(|&w| w > 0));
+    widths.extend(args.hidden.iter().copied());
     widths.push(train.classes);
-    let act: Act = args.activation.parse()?;
     let param_dtype = match precision {
         Precision::F16 => DType::F16,
         _ => DType::F32,
@@ -143,7 +192,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
             })
         }
     };
-    let steps_per_epoch = train.len().div_ceil(args.batch_size * args.accum_steps) as u64;
+    let steps_per_epoch = train.len().div_ceil(eff) as u64;
     let total_steps = steps_per_epoch * args.epochs;
     let schedule = if args.cosine {
         LrSchedule::WarmupCosine {
@@ -161,6 +210,8 @@ fn run(args: Args) -> fitgrad::Result<()> {
         lr,
         schedule,
         precision,
+        clip_grad_norm: args.clip_grad_norm,
+        ..Default::default()
     };
     let mut trainer = Trainer::new(model, optimizer, config)?;
     if let Some(b) = budget {
@@ -208,6 +259,12 @@ fn run(args: Args) -> fitgrad::Result<()> {
             path.display(),
             trainer.steps()
         );
+        if first_epoch >= args.epochs {
+            println!(
+                "nothing left to train: the checkpoint holds {first_epoch} epochs and --epochs is {}; evaluating it as it is",
+                args.epochs
+            );
+        }
     }
     let sharded = match args.shard_size {
         Some(size) => {
@@ -238,9 +295,14 @@ fn run(args: Args) -> fitgrad::Result<()> {
         let bar = ProgressBar::new(steps_per_epoch)
             .with_style(style.clone())
             .with_prefix(format!("{}", epoch + 1));
+        if epoch == first_epoch {
+            // On a new machine the first steps compile every kernel (lavapipe: tens of
+            // seconds); the driver caches them on disk for the next run.
+            bar.set_message("compiling GPU kernels (first run on this machine only)...");
+            bar.tick();
+        }
         let epoch_start = Instant::now();
         let mut samples = 0usize;
-        let eff = args.batch_size * args.accum_steps;
         let on_step = |t: &mut Trainer<Mlp>, done: usize, total: usize| {
             samples = (done * eff).min(train.len());
             bar.set_position(done as u64);

@@ -9,6 +9,13 @@
 //   6 gelu':   out = a * gelu'(b)            (b = gelu input)
 //   7 tanh':   out = a * (1 - b^2)           (b = tanh output)
 //   8 sigmoid': out = a * b * (1 - b)        (b = sigmoid output)
+//   9 abs':    out = a * sign(b)             (b = abs input; 0 at 0, NaN at NaN)
+//  10 maximum: out = max(a, b), NaN if either is NaN (torch.maximum)
+//  11 minimum: out = min(a, b), NaN if either is NaN (torch.minimum)
+//  12 share:   out = 0 where a < b, 0.5 where a == b, else 1 (NaN included): the share of a
+//              maximum's gradient that goes to a, as torch splits it (minimum: a and b swapped)
+//
+// The strided `offset` comes from include/broadcast.wgsl.
 
 struct Params {
     n: u32,        // elements of out
@@ -27,17 +34,6 @@ const OP: u32 = 0xffffffffu;
 // per invocation in whole quads, no index arithmetic. Specialized.
 const VEC: u32 = 0u;
 
-// Offset of out's linear index `i` in a tensor with strides `s`.
-fn offset(i: u32, s: vec4<u32>) -> u32 {
-    let i3 = i % p.shape.w;
-    var r = i / p.shape.w;
-    let i2 = r % p.shape.z;
-    r = r / p.shape.z;
-    let i1 = r % p.shape.y;
-    let i0 = r / p.shape.y;
-    return i0 * s.x + i1 * s.y + i2 * s.z + i3 * s.w;
-}
-
 fn apply(x: f32, y: f32) -> f32 {
     // Constant conditions: the compiler keeps one of these, or none.
     if (OP == 4u) { return x; }
@@ -45,6 +41,11 @@ fn apply(x: f32, y: f32) -> f32 {
     if (OP == 6u) { return x * gelu_grad(y); }
     if (OP == 7u) { return x * (1.0 - y * y); }
     if (OP == 8u) { return x * y * (1.0 - y); }
+    if (OP == 9u) { return x * select(sign(y), y, is_nan(y)); }
+    // x + y is NaN when either is: WGSL's max and min may return the other operand.
+    if (OP == 10u) { return select(max(x, y), x + y, is_nan(x) || is_nan(y)); }
+    if (OP == 11u) { return select(min(x, y), x + y, is_nan(x) || is_nan(y)); }
+    if (OP == 12u) { return select(select(1.0, 0.5, x == y), 0.0, x < y); }
     switch p.op {
         case 0u: { return x + y; }
         case 1u: { return x - y; }

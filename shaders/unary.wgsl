@@ -15,7 +15,7 @@ struct Params {
 @group(0) @binding(0) var<uniform> p: Params;
 
 const WG: u32 = 256u;
-// Ops 9-16 each get a pipeline of their own, with OP specialized to their code; the arithmetic
+// Ops 9-17 each get a pipeline of their own, with OP specialized to their code; the arithmetic
 // ops 0-8 share one, with OP = 0xffffffff, and switch on p.op. CPU drivers such as lavapipe run
 // every case of a switch for every element (masked SIMD), so one shader holding every op made a
 // copy pay for gelu, pow and the rest: 4x the time on lavapipe.
@@ -23,10 +23,6 @@ const OP: u32 = 0xffffffffu;
 // 1: x and out are vec4 bindings and n % 4 == 0, four elements per invocation in whole quads.
 // Specialized. lavapipe loads a storage value one lane at a time, so quads halve the loop trips.
 const VEC: u32 = 0u;
-
-fn is_nan(x: f32) -> bool {
-    return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
-}
 
 // A NaN built at run time: WGSL has no NaN literal and naga rejects a constant one.
 fn nan_like(x: f32) -> f32 {
@@ -98,6 +94,8 @@ fn apply(x: f32) -> f32 {
     if (OP == 14u) { return sqrt_nan(x); }
     if (OP == 15u) { return pow_scalar(x, p.s); }
     if (OP == 16u) { return clamp_nan(x, p.s, p.s2); }
+    // |x| by clearing the sign bit: NaN stays NaN, -0 becomes 0.
+    if (OP == 17u) { return bitcast<f32>(bitcast<u32>(x) & 0x7fffffffu); }
     switch p.op {
         case 0u: { return x; }
         case 1u: { return relu(x); }

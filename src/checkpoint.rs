@@ -494,7 +494,6 @@ impl Checkpoint {
     /// the same shape and dtype, and the file must hold no other model tensor; nothing is
     /// written unless all of them fit.
     pub fn apply_model(&self, model: &dyn Module) -> Result<()> {
-        self.check_config(model)?;
         let prefix = self.model_prefix();
         let params = model.named_parameters();
         let mut missing = Vec::new();
@@ -542,6 +541,8 @@ impl Checkpoint {
                 list(&extra)
             )));
         }
+        // Same tensors, yet another configuration (an activation) would compute something else.
+        self.check_config(model)?;
         for (p, h) in plan {
             p.device().upload(p.block(), &h.bytes)?;
         }

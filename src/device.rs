@@ -23,9 +23,9 @@ const PARAM_RING_BYTES: u64 = 256 << 10;
 /// Workgroups per dispatch dimension that every adapter accepts.
 pub const MAX_GROUPS_PER_DIM: u32 = 65535;
 
-/// What to ask of [`Device::with_options`]. The environment overrides it: `FITGRAD_BACKEND`
-/// (vulkan, gl, metal, dx12; a comma list is allowed) and `FITGRAD_ADAPTER` (a case-insensitive
-/// substring of the adapter name).
+/// What to ask of [`Device::with_options`]. Where a field is `None`, the environment fills it:
+/// `FITGRAD_BACKEND` (vulkan, gl, metal, dx12; a comma list is allowed) and `FITGRAD_ADAPTER`
+/// (a case-insensitive substring of the adapter name). An explicit option beats the variable.
 #[derive(Clone, Debug, Default)]
 pub struct DeviceOptions {
     /// Backends to consider, as a comma list ("vulkan", "gl", ...); `None` means all.
@@ -41,17 +41,12 @@ pub struct DeviceOptions {
 
 impl DeviceOptions {
     fn with_env(mut self) -> Self {
-        if let Some(b) = std::env::var("FITGRAD_BACKEND")
-            .ok()
-            .filter(|s| !s.is_empty())
-        {
-            self.backend = Some(b);
+        let var = |name| std::env::var(name).ok().filter(|s: &String| !s.is_empty());
+        if self.backend.is_none() {
+            self.backend = var("FITGRAD_BACKEND");
         }
-        if let Some(a) = std::env::var("FITGRAD_ADAPTER")
-            .ok()
-            .filter(|s| !s.is_empty())
-        {
-            self.adapter = Some(a);
+        if self.adapter.is_none() {
+            self.adapter = var("FITGRAD_ADAPTER");
         }
         self
     }
@@ -327,6 +322,15 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 fn instance(backends: wgpu::Backends) -> wgpu::Instance {
+    // Mesa's implicit Vulkan device-select layer connects to a Wayland display to order the
+    // devices, and without XDG_RUNTIME_DIR (a headless machine, CI) libwayland prints
+    // "XDG_RUNTIME_DIR is invalid" for every instance. fitgrad orders adapters itself, so the
+    // layer is turned off there (its own switch, read when the instance is created).
+    if std::env::var_os("XDG_RUNTIME_DIR").is_none()
+        && std::env::var_os("NODEVICE_SELECT").is_none()
+    {
+        std::env::set_var("NODEVICE_SELECT", "1");
+    }
     let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
     desc.backends = backends;
     wgpu::Instance::new(desc)
@@ -363,13 +367,24 @@ impl Device {
                 })
             })
             .min_by_key(|a| adapter_key(a, adapter_memory(a)))
-            .ok_or_else(|| Error::NoAdapter {
-                wanted,
-                reason: if seen.is_empty() {
-                    "wgpu found no adapter".into()
+            .ok_or_else(|| {
+                if seen.is_empty() {
+                    Error::NoAdapter {
+                        wanted,
+                        reason: "wgpu found no adapter at all".into(),
+                        hint: "Install a GPU driver, or Mesa's software Vulkan driver \
+                               (apt-get install mesa-vulkan-drivers); check FITGRAD_BACKEND"
+                            .into(),
+                    }
                 } else {
-                    format!("the adapters found were {seen:?}")
-                },
+                    Error::NoAdapter {
+                        wanted,
+                        reason: format!("the adapters found were {seen:?}"),
+                        hint: "Pick one of these names (a case-insensitive substring), with \
+                               --adapter or FITGRAD_ADAPTER, or leave the name out"
+                            .into(),
+                    }
+                }
             })?;
         Device::from_adapter(&best, &options)
     }
@@ -397,19 +412,22 @@ impl Device {
             adapter: info.name.clone(),
             reason: e.to_string(),
         })?;
-        Device::build(device, queue, info, adapter_memory(adapter), options)
+        Device::build(device, queue, info, adapter_memory(adapter), options, true)
     }
 
     /// Runs fitgrad on a device and queue that the application already owns. fitgrad records
     /// into its own encoders and submits on `queue`; the application's own work is ordered with
-    /// ours by the queue. Installs an uncaptured-error handler on `device`.
+    /// ours by the queue. The application's uncaptured-error and device-lost handlers are left
+    /// alone (wgpu has no way to chain them): fitgrad catches its own kernel-compile and
+    /// out-of-memory errors with error scopes, and any other wgpu error reaches the
+    /// application's handler (wgpu's default one panics, so install yours).
     pub fn from_wgpu(
         device: wgpu::Device,
         queue: wgpu::Queue,
         options: DeviceOptions,
     ) -> Result<Device> {
         let info = device.adapter_info();
-        Device::build(device, queue, info, None, &options)
+        Device::build(device, queue, info, None, &options, false)
     }
 
     fn build(
@@ -418,6 +436,7 @@ impl Device {
         adapter: wgpu::AdapterInfo,
         memory: Option<u64>,
         options: &DeviceOptions,
+        own_handlers: bool,
     ) -> Result<Device> {
         let l = device.limits();
         let limits = DeviceLimits {
@@ -443,18 +462,22 @@ impl Device {
             limits,
         };
         let uncaptured = Arc::new(Mutex::new(None::<String>));
-        let sink = uncaptured.clone();
-        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
-            let mut slot = lock(&sink);
-            if slot.is_none() {
-                *slot = Some(e.to_string());
-            }
-        }));
         let lost = Arc::new(Mutex::new(None::<String>));
-        let lost_sink = lost.clone();
-        device.set_device_lost_callback(move |reason, msg| {
-            *lock(&lost_sink) = Some(format!("{reason:?}: {msg}"));
-        });
+        if own_handlers {
+            // The device is ours: its errors become `Error::Gpu` / `Error::DeviceLost` at the
+            // next submit instead of wgpu's default panic.
+            let sink = uncaptured.clone();
+            device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+                let mut slot = lock(&sink);
+                if slot.is_none() {
+                    *slot = Some(e.to_string());
+                }
+            }));
+            let lost_sink = lost.clone();
+            device.set_device_lost_callback(move |reason, msg| {
+                *lock(&lost_sink) = Some(format!("{reason:?}: {msg}"));
+            });
+        }
         let param_ring = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("fitgrad kernel parameters"),
             size: PARAM_RING_BYTES,
@@ -650,6 +673,36 @@ impl Device {
     /// segments at the next allocation that needs room.
     pub fn set_memory_budget(&self, budget: Option<u64>) {
         lock(&self.inner.arena).set_budget(budget);
+    }
+
+    /// Whether a tensor of `bytes` bytes could exist on this device (one storage binding
+    /// holds it, and it is not by itself over the budget), checked before any host work.
+    pub(crate) fn check_tensor_bytes(&self, op: &'static str, bytes: u64) -> Result<()> {
+        let size = Arena::block_size(bytes);
+        let limit = self
+            .inner
+            .info
+            .limits
+            .max_storage_buffer_binding_size
+            .min(self.inner.info.limits.max_buffer_size);
+        if size > limit {
+            return Err(Error::Limit {
+                op,
+                what: "tensor size in bytes",
+                value: size,
+                limit,
+            });
+        }
+        let budget = self.with_arena(|a| a.stats().budget);
+        match budget {
+            Some(b) if size > b => Err(Error::OutOfMemory {
+                requested: size,
+                in_use: self.memory_stats().bytes_in_use,
+                reserved: self.memory_stats().bytes_reserved,
+                budget,
+            }),
+            _ => Ok(()),
+        }
     }
 
     pub(crate) fn alloc(&self, bytes: u64) -> Result<Block> {

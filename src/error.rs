@@ -65,8 +65,16 @@ fn budget_text(budget: &Option<u64>) -> String {
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// No adapter matched the request (or the machine has none).
-    #[error("no GPU adapter found{}: {reason}. Install a driver, or Mesa's software Vulkan driver (apt-get install mesa-vulkan-drivers), or relax FITGRAD_BACKEND / FITGRAD_ADAPTER", if .wanted.is_empty() { String::new() } else { format!(" for {}", .wanted) })]
-    NoAdapter { wanted: String, reason: String },
+    #[error("no GPU adapter found{}: {reason}. {hint}", if .wanted.is_empty() { String::new() } else { format!(" for {}", .wanted) })]
+    NoAdapter {
+        /// What was asked for (backend, adapter name), empty when nothing was.
+        wanted: String,
+        /// What was found instead.
+        reason: String,
+        /// What to do about it: install a driver when there is no adapter at all, pick
+        /// another name when adapters exist but none matches.
+        hint: String,
+    },
 
     /// The adapter refused to create a device.
     #[error("could not open the device on adapter '{adapter}': {reason}")]
@@ -88,13 +96,23 @@ pub enum Error {
 
     /// A memory budget too small for even the smallest configuration (a micro-batch of one).
     #[error(
-        "the memory budget of {} is too small: {what} needs at least {} (a micro-batch of one sample). \
-         Raise --memory-budget, use --precision mixed, or --checkpoint-activations",
+        "the memory budget of {} is too small: {what} needs at least {}. \
+         Raise the budget, or lower what a step keeps (mixed precision, activation checkpointing, a smaller model)",
         Bytes(*.budget), Bytes(*.minimum)
     )]
     BudgetTooSmall {
         budget: u64,
         minimum: u64,
+        what: String,
+    },
+
+    /// Training diverged: a loss or gradient became NaN or infinite (without loss scaling,
+    /// which would skip such a step instead). The weights are those before that step.
+    #[error("training diverged at step {step}: {what} is not finite (NaN or infinity); lower the learning rate, clip gradients, or use --precision mixed, whose loss scaling skips such steps")]
+    NonFinite {
+        /// The optimizer step (0-based) whose loss or gradients were not finite.
+        step: u64,
+        /// What was not finite.
         what: String,
     },
 

@@ -1,5 +1,10 @@
-// Activations and their derivatives, shared by unary.wgsl (forward) and binary.wgsl (backward);
-// prepended at build time.
+// Activations and their derivatives (and a NaN test), shared by unary.wgsl (forward) and
+// binary.wgsl (backward); prepended at build time.
+
+// Whether x is NaN, on the bits (GL drivers may fold `x != x` to false).
+fn is_nan(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
+}
 
 // max(x, 0) that keeps NaN, as torch.relu does. Compared on the bits: GL drivers turn
 // `x < 0.0 ? 0.0 : x` into max(x, 0.0), which may drop NaN. Negative non-NaN floats are the

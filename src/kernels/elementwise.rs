@@ -1,7 +1,8 @@
-//! Dispatch for binary (broadcast), unary / scalar / cast, and fill kernels.
+//! Dispatch for binary (broadcast), unary / scalar / cast, three-input select (where), and fill
+//! kernels.
 
 use super::{
-    assemble, pair_groups, specialize, Binding, ShaderFile, Storage, BINARY, FILL, UNARY, WG,
+    assemble, pair_groups, specialize, Binding, ShaderFile, Storage, BINARY, FILL, UNARY, WG, WHERE,
 };
 use crate::device::Kernel;
 use crate::{Device, Result, Tensor};
@@ -23,6 +24,15 @@ pub(crate) enum BinaryOp {
     TanhBackward = 7,
     /// out = a * b * (1 - b) (b = sigmoid output).
     SigmoidBackward = 8,
+    /// out = a * sign(b) (b = abs input; 0 at 0).
+    AbsBackward = 9,
+    /// max(a, b), NaN if either is NaN.
+    Maximum = 10,
+    /// min(a, b), NaN if either is NaN.
+    Minimum = 11,
+    /// 0 where a < b, 0.5 where a == b, else 1: the share of maximum(a, b)'s gradient that
+    /// goes to a (torch's split; minimum(a, b) gives a the share of (b, a)).
+    Share = 12,
 }
 
 impl BinaryOp {
@@ -60,6 +70,8 @@ pub(crate) enum UnaryOp {
     PowScalar = 15,
     /// min(max(x, s), s2), NaN kept (s, s2 not NaN).
     Clamp = 16,
+    /// |x|, NaN kept.
+    Abs = 17,
 }
 
 impl UnaryOp {
@@ -157,6 +169,30 @@ pub(crate) fn unary2(op: UnaryOp, x: &Tensor, s: f32, s2: f32, out: &Tensor) -> 
     dev.dispatch(&k, &params, &[x.block(), out.block()], groups(n, vec))
 }
 
+/// out = a where c is nonzero, else b, all three broadcast to out's shape; a, b and out share a
+/// dtype, c may have another.
+pub(crate) fn select(c: &Tensor, a: &Tensor, b: &Tensor, out: &Tensor) -> Result<()> {
+    let n = out.numel();
+    if n == 0 {
+        return Ok(());
+    }
+    let dev = out.device();
+    let s = Storage::of(dev, out.dtype());
+    let k = WHERE.kernel(dev, &[Storage::of(dev, c.dtype()), s, s, s])?;
+    let shape = out.shape();
+    let mut params = vec![n as u32, 0, 0, 0];
+    params.extend(shape.dims4());
+    for t in [c, a, b] {
+        params.extend(t.shape().broadcast_strides4(shape));
+    }
+    dev.dispatch(
+        &k,
+        &params,
+        &[c.block(), a.block(), b.block(), out.block()],
+        pair_groups(n),
+    )
+}
+
 pub(crate) fn fill(out: &Tensor, value: f32) -> Result<()> {
     let n = out.numel();
     if n == 0 {
@@ -189,6 +225,7 @@ mod tests {
             UnaryOp::Sqrt,
             UnaryOp::PowScalar,
             UnaryOp::Clamp,
+            UnaryOp::Abs,
         ] {
             assert!(op.has_own_pipeline());
             for bind in variants(&UNARY) {
@@ -204,6 +241,10 @@ mod tests {
             BinaryOp::GeluBackward,
             BinaryOp::TanhBackward,
             BinaryOp::SigmoidBackward,
+            BinaryOp::AbsBackward,
+            BinaryOp::Maximum,
+            BinaryOp::Minimum,
+            BinaryOp::Share,
         ] {
             assert!(op.has_own_pipeline());
             for bind in variants(&BINARY) {

@@ -12,8 +12,10 @@
 pub(crate) mod autotune;
 pub(crate) mod dropout;
 pub(crate) mod elementwise;
+pub(crate) mod grad_norm;
 pub(crate) mod index_select;
 pub(crate) mod layer_norm;
+pub(crate) mod layout;
 pub mod matmul;
 pub(crate) mod nonfinite;
 pub(crate) mod optim;
@@ -214,6 +216,7 @@ pub const BINARY: ShaderFile = ShaderFile {
     name: "binary",
     body: concat!(
         include_str!("../../shaders/include/activations.wgsl"),
+        include_str!("../../shaders/include/broadcast.wgsl"),
         include_str!("../../shaders/binary.wgsl")
     ),
     bindings: &[("a", false), ("b", false), ("out", true)],
@@ -224,6 +227,27 @@ pub const UNARY: ShaderFile = ShaderFile {
         include_str!("../../shaders/include/activations.wgsl"),
         include_str!("../../shaders/unary.wgsl")
     ),
+    bindings: &[("x", false), ("out", true)],
+};
+pub const WHERE: ShaderFile = ShaderFile {
+    name: "where",
+    body: concat!(
+        include_str!("../../shaders/include/broadcast.wgsl"),
+        include_str!("../../shaders/where.wgsl")
+    ),
+    bindings: &[("c", false), ("a", false), ("b", false), ("out", true)],
+};
+pub const PERMUTE: ShaderFile = ShaderFile {
+    name: "permute",
+    body: concat!(
+        include_str!("../../shaders/include/broadcast.wgsl"),
+        include_str!("../../shaders/permute.wgsl")
+    ),
+    bindings: &[("x", false), ("out", true)],
+};
+pub const STRIDED_COPY: ShaderFile = ShaderFile {
+    name: "strided_copy",
+    body: include_str!("../../shaders/strided_copy.wgsl"),
     bindings: &[("x", false), ("out", true)],
 };
 pub const FILL: ShaderFile = ShaderFile {
@@ -250,27 +274,41 @@ pub const SOFTMAX: ShaderFile = ShaderFile {
     name: "softmax",
     body: concat!(
         include_str!("../../shaders/include/softmax_rows.wgsl"),
+        include_str!("../../shaders/include/softmax_mask.wgsl"),
         include_str!("../../shaders/softmax.wgsl")
     ),
-    bindings: &[("x", false), ("out", true)],
+    // Without a mask, x is bound as `mask` too (never read).
+    bindings: &[("x", false), ("out", true), ("mask", false)],
 };
 pub const SOFTMAX_SG: ShaderFile = ShaderFile {
     name: "softmax_sg",
     body: concat!(
         include_str!("../../shaders/include/softmax_rows.wgsl"),
+        include_str!("../../shaders/include/softmax_mask.wgsl"),
         include_str!("../../shaders/softmax_sg.wgsl")
     ),
-    bindings: &[("x", false), ("out", true)],
+    // Without a mask, x is bound as `mask` too (never read).
+    bindings: &[("x", false), ("out", true), ("mask", false)],
 };
 pub const CROSS_ENTROPY: ShaderFile = ShaderFile {
     name: "cross_entropy",
-    body: include_str!("../../shaders/cross_entropy.wgsl"),
-    bindings: &[("x", false), ("t", false), ("grad", true), ("loss", true)],
+    body: concat!(
+        include_str!("../../shaders/include/softmax_rows.wgsl"),
+        include_str!("../../shaders/cross_entropy.wgsl")
+    ),
+    // out is the gradient.
+    bindings: &[("x", false), ("t", false), ("out", true), ("loss", true)],
 };
 pub const NONFINITE: ShaderFile = ShaderFile {
     name: "nonfinite",
     body: include_str!("../../shaders/nonfinite.wgsl"),
     bindings: &[("x", false), ("flag", true)],
+};
+
+pub const GRAD_NORM: ShaderFile = ShaderFile {
+    name: "grad_norm",
+    body: include_str!("../../shaders/grad_norm.wgsl"),
+    bindings: &[("g", true), ("acc", true), ("norm", true)],
 };
 
 pub const OPTIM: ShaderFile = ShaderFile {
@@ -388,6 +426,10 @@ pub const SHADERS: &[ShaderFile] = &[
     LAYER_NORM_DX,
     LAYER_NORM_DWDB,
     DROPOUT,
+    WHERE,
+    PERMUTE,
+    STRIDED_COPY,
+    GRAD_NORM,
 ];
 
 impl ShaderFile {
@@ -487,6 +529,19 @@ fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
             vec![F32, F16Packed],
             vec![F16Packed, F32],
         ],
+        // The condition may have another dtype than the values (an f32 mask on f16 data).
+        "where" => [
+            (F32, F32),
+            (F16, F16),
+            (F16Packed, F16Packed),
+            (F32, F16),
+            (F16, F32),
+            (F32, F16Packed),
+            (F16Packed, F32),
+        ]
+        .iter()
+        .map(|&(c, s)| vec![c, s, s, s])
+        .collect(),
         // Max and argmax are written in f32; nonfinite's flag is f32.
         "reduce_max" => [F32, F16, F16Packed]
             .iter()
@@ -496,12 +551,17 @@ fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
             .iter()
             .map(|&s| vec![s, F32])
             .collect(),
-        // Packed f16 rows of odd length are written to f32 first.
+        // The slots and the norm are f32.
+        "grad_norm" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s, F32, F32])
+            .collect(),
+        // Packed f16 rows of odd length are written to f32 first; the mask has x's dtype.
         "softmax" | "softmax_sg" => vec![
-            vec![F32, F32],
-            vec![F16, F16],
-            vec![F16Packed, F16Packed],
-            vec![F16Packed, F32],
+            vec![F32, F32, F32],
+            vec![F16, F16, F16],
+            vec![F16Packed, F16Packed, F16Packed],
+            vec![F16Packed, F32, F16Packed],
         ],
         // Targets and row losses are f32.
         "cross_entropy" => [F32, F16, F16Packed]

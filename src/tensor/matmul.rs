@@ -19,8 +19,10 @@ pub struct MatmulOptions<'a> {
 }
 
 impl Tensor {
-    /// (.., M, K) · (.., K, N) -> (.., M, N). Leading (batch) dims must be equal, or one side
-    /// may have none (a matrix shared by every batch).
+    /// (.., M, K) · (.., K, N) -> (.., M, N). Leading (batch) dims must be equal (up to leading
+    /// 1s), or one side may hold a single matrix shared by every batch (no leading dims, or all
+    /// 1s): (B, H, T, D) · (B, H, D, T) -> (B, H, T, T), (B, T, D) · (D, N) -> (B, T, N),
+    /// (1, 1, T, D) · (B, H, D, T) -> (B, H, T, T).
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
         self.matmul_with(other, &MatmulOptions::default())
     }
@@ -109,12 +111,25 @@ impl Tensor {
         if k != kb {
             return Err(err(&format!("inner dims differ: {k} and {kb}")));
         }
+        // Leading (batch) dims: equal once left-padded with 1s, or one side holds a single
+        // matrix (no leading dims, or all 1s) that every batch shares.
         let (a_lead, b_lead) = (&ad[..ad.len() - 2], &bd[..bd.len() - 2]);
-        let lead = match (a_lead.is_empty(), b_lead.is_empty()) {
-            (_, true) => a_lead,
-            (true, false) => b_lead,
-            (false, false) if a_lead == b_lead => a_lead,
-            _ => return Err(err("batch dims must be equal, or one side must have none")),
+        let single = |l: &[usize]| l.iter().product::<usize>() == 1;
+        let rank = a_lead.len().max(b_lead.len());
+        let pad = |l: &[usize]| {
+            let mut p = vec![1; rank - l.len()];
+            p.extend_from_slice(l);
+            p
+        };
+        let (a_pad, b_pad) = (pad(a_lead), pad(b_lead));
+        let lead = if a_pad == b_pad || single(b_lead) {
+            a_pad
+        } else if single(a_lead) {
+            b_pad
+        } else {
+            return Err(err(
+                "batch dims must be equal, or one side must hold a single matrix",
+            ));
         };
         if let Some(bias) = opts.bias {
             self.same_device_and_dtype(OP, bias)?;
@@ -136,8 +151,8 @@ impl Tensor {
             k,
             trans_a: opts.trans_a,
             trans_b: opts.trans_b,
-            a_batch: if a_lead.is_empty() { 0 } else { m * k },
-            b_batch: if b_lead.is_empty() { 0 } else { k * n },
+            a_batch: if single(a_lead) { 0 } else { m * k },
+            b_batch: if single(b_lead) { 0 } else { k * n },
             bias: opts.bias.is_some(),
             activation: opts.activation,
         };
@@ -187,7 +202,7 @@ fn matmul_backward(
         sum_leading(r, a.dims())
     })?;
     let gb = grad_if(need[1], || {
-        let shared_b = b.rank() == 2 && g.rank() > 2;
+        let shared_b = b.dims()[..b.rank() - 2].iter().product::<usize>() == 1 && g.rank() > 2;
         if shared_b && !ta {
             // B is shared by every batch: fold the batch into the rows, one product.
             let k = *a.dims().last().expect("rank >= 2");
@@ -197,7 +212,8 @@ fn matmul_backward(
                 mm(&g2, &a2, true, false) // (N,K) = gᵀ·A
             } else {
                 mm(&a2, &g2, true, false) // (K,N) = Aᵀ·g
-            };
+            }?
+            .reshape(b.dims());
         }
         // dB = op(A)ᵀ · g, or its transpose when B is stored transposed.
         let r = match (ta, tb) {
@@ -217,10 +233,15 @@ fn matmul_backward(
     Ok(out)
 }
 
-/// Sums a batched gradient (.., R, C) over its leading dims when the operand had none.
+/// A batched gradient (.., R, C) in the operand's shape `dims`: summed over the leading dims when
+/// the operand was a single matrix shared by every batch, else only reshaped (its leading dims
+/// may have fewer 1s than the output's).
 fn sum_leading(r: Tensor, dims: &[usize]) -> Result<Tensor> {
     if r.dims() == dims {
         return Ok(r);
+    }
+    if r.numel() == dims.iter().product::<usize>() {
+        return r.reshape(dims);
     }
     let rank = r.rank();
     let (rows, cols) = (r.dims()[rank - 2], r.dims()[rank - 1]);

@@ -5,9 +5,11 @@ mod dropout;
 mod dtype;
 mod index_select;
 mod layer_norm;
+mod layout;
 mod matmul;
 mod ops;
 mod random;
+mod select;
 mod shape;
 mod softmax;
 
@@ -15,6 +17,7 @@ pub use dtype::{DType, Element};
 pub use matmul::MatmulOptions;
 pub use random::Rng;
 pub use shape::{Shape, MAX_RANK};
+pub use softmax::SoftmaxOptions;
 
 use crate::autograd::{self, Node};
 use crate::device::Device;

@@ -24,7 +24,12 @@ impl Tensor {
         Ok(())
     }
 
-    fn binary(&self, op: BinaryOp, name: &'static str, other: &Tensor) -> Result<Tensor> {
+    pub(super) fn binary(
+        &self,
+        op: BinaryOp,
+        name: &'static str,
+        other: &Tensor,
+    ) -> Result<Tensor> {
         self.same_device_and_dtype(name, other)?;
         let shape = Shape::broadcast(name, self.shape(), other.shape())?;
         let out = Tensor::uninit(self.device(), shape, self.dtype())?;
@@ -90,7 +95,7 @@ impl Tensor {
     }
 
     /// An activation's backward as one kernel: `op(g, y)` with y the saved input or output.
-    fn activation_backward(op: BinaryOp, g: &Tensor, y: &Tensor) -> Result<Tensor> {
+    pub(super) fn activation_backward(op: BinaryOp, g: &Tensor, y: &Tensor) -> Result<Tensor> {
         let out = Tensor::uninit(g.device(), g.shape().clone(), g.dtype())?;
         elementwise::binary(op, g, y, &out)?;
         Ok(out)
@@ -117,7 +122,7 @@ impl Tensor {
     }
 
     /// A unary op whose backward needs its input (`save_output` false) or output (true).
-    fn saving_unary(
+    pub(super) fn saving_unary(
         &self,
         name: &'static str,
         op: UnaryOp,

@@ -7,13 +7,15 @@
 //! The trainer is generic: any [`TrainModel`] on any [`BatchSource`]. The planner
 //! (train/plan.rs) runs this same step code on the device's planning mode.
 
-use super::model::{Batch, BatchSource, ClassBatch, Features, StepContext, TrainModel};
+use super::model::{Batch, BatchSource, ClassBatch, StepContext, TrainModel};
+use super::rows::{DeviceRows, HostRows};
+use super::summary::{Evaluation, MemorySummary};
 use super::Precision;
 use crate::kernels::elementwise::{self, BinaryOp};
 use crate::memory::Category;
 use crate::nn::Module;
 use crate::optim::{GradScaler, LrSchedule, Optimizer};
-use crate::{DType, Device, Error, MemoryStats, Result, Tensor};
+use crate::{DType, Device, Error, Result, Tensor};
 
 /// How batches are formed and the learning rate moves.
 #[derive(Clone, Debug)]
@@ -30,6 +32,14 @@ pub struct TrainerConfig {
     pub schedule: LrSchedule,
     /// f32, f16 (the model must be f16), or mixed (f32 parameters, f16 compute, loss scaling).
     pub precision: Precision,
+    /// Without loss scaling, check the loss and the gradients for NaN or infinity every this
+    /// many steps, before the update (one small readback each time), and stop with
+    /// [`Error::NonFinite`]; 0 turns the check off. Loss scaling checks every step anyway and
+    /// skips overflowing steps.
+    pub check_finite_every: u64,
+    /// Clip the gradients' total L2 norm to this before each update (torch's
+    /// `clip_grad_norm_`, after loss scaling is undone), on the GPU without a readback.
+    pub clip_grad_norm: Option<f32>,
 }
 
 impl Default for TrainerConfig {
@@ -41,6 +51,8 @@ impl Default for TrainerConfig {
             lr: 1e-3,
             schedule: LrSchedule::Constant,
             precision: Precision::F32,
+            check_finite_every: 1,
+            clip_grad_norm: None,
         }
     }
 }
@@ -55,69 +67,6 @@ impl TrainerConfig {
             ..Default::default()
         }
     }
-}
-
-/// Where the device memory of training went, from the arena's statistics.
-#[derive(Clone, Debug)]
-pub struct MemorySummary {
-    /// The model's parameters.
-    pub parameter_bytes: u64,
-    /// Their gradients.
-    pub gradient_bytes: u64,
-    /// Optimizer state.
-    pub optimizer_state_bytes: u64,
-    /// Peak live bytes minus parameters, gradients and optimizer state: activations, saved
-    /// tensors and temporaries alive at the worst point of a step.
-    pub activation_bytes: u64,
-    /// The arena's statistics.
-    pub stats: MemoryStats,
-}
-
-impl MemorySummary {
-    /// What a step really needs at its worst point (= peak bytes in use).
-    pub fn needed_bytes(&self) -> u64 {
-        self.stats.peak_bytes_in_use
-    }
-
-    /// Peak bytes the arena held from the driver over what the step needed (1.0 = no waste).
-    pub fn overhead(&self) -> f64 {
-        self.stats.peak_bytes_reserved as f64 / self.needed_bytes().max(1) as f64
-    }
-}
-
-impl std::fmt::Display for MemorySummary {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        use crate::error::Bytes;
-        writeln!(f, "training memory (peak of a step):")?;
-        writeln!(f, "  parameters        {:>12}", Bytes(self.parameter_bytes))?;
-        writeln!(f, "  gradients         {:>12}", Bytes(self.gradient_bytes))?;
-        writeln!(
-            f,
-            "  optimizer state   {:>12}",
-            Bytes(self.optimizer_state_bytes)
-        )?;
-        writeln!(
-            f,
-            "  activations etc.  {:>12}",
-            Bytes(self.activation_bytes)
-        )?;
-        writeln!(f, "  = needed          {:>12}", Bytes(self.needed_bytes()))?;
-        writeln!(
-            f,
-            "  reserved (peak)   {:>12}  ({:.2}x of needed)",
-            Bytes(self.stats.peak_bytes_reserved),
-            self.overhead()
-        )
-    }
-}
-
-/// Mean loss and, for classifiers, accuracy over a data set.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Evaluation {
-    /// Mean loss per sample.
-    pub loss: f32,
-    /// Fraction predicted right, where the model reports it.
-    pub accuracy: Option<f32>,
 }
 
 /// Trains `model` with `optimizer`: micro-batches under a budget, accumulation, mixed precision
@@ -166,6 +115,11 @@ impl<M: Module> Trainer<M> {
                 "batch_size {} x accum_steps {} overflows",
                 config.batch_size, config.accum_steps
             ));
+        }
+        if let Some(c) = config.clip_grad_norm {
+            if !(c.is_finite() && c > 0.0) {
+                return invalid(format!("clip_grad_norm must be a positive number, got {c}"));
+            }
         }
         let params = model.parameters();
         let Some(first) = params.first() else {
@@ -287,6 +241,14 @@ impl<M: Module> Trainer<M> {
         }
     }
 
+    fn precision_name(&self) -> &'static str {
+        match self.config.precision {
+            Precision::F32 => "f32",
+            Precision::F16 => "f16",
+            Precision::Mixed => "mixed",
+        }
+    }
+
     pub(super) fn context(&self, training: bool) -> StepContext {
         StepContext {
             device: self.device.clone(),
@@ -299,6 +261,17 @@ impl<M: Module> Trainer<M> {
     /// loss scaler and the position in training (`epochs_done` full epochs) to a safetensors
     /// file, atomically: a crash mid-save leaves the previous file intact.
     pub fn save_checkpoint(&self, path: &std::path::Path, epochs_done: u64) -> Result<()> {
+        // A diverged model must not replace a good file.
+        let params = self.model.parameters();
+        if self.device.nonfinite(&params.iter().collect::<Vec<_>>())? {
+            return Err(Error::NonFinite {
+                step: self.step,
+                what: format!(
+                    "a parameter (the checkpoint was not written; {} keeps what it held)",
+                    path.display()
+                ),
+            });
+        }
         let state = crate::checkpoint::TrainingState {
             step: self.step,
             epoch: epochs_done,
@@ -310,7 +283,7 @@ impl<M: Module> Trainer<M> {
                     scale: s.scale(),
                     growth_tracker: s.growth_tracker(),
                 }),
-            extra: Default::default(),
+            extra: [("precision".to_string(), self.precision_name().to_string())].into(),
         };
         crate::checkpoint::save(path, &self.model, Some(self.optimizer.as_ref()), &state)
     }
@@ -321,6 +294,17 @@ impl<M: Module> Trainer<M> {
     pub fn resume_from(&mut self, path: &std::path::Path) -> Result<u64> {
         let ckpt = crate::checkpoint::load(path)?;
         let state = ckpt.training_state()?;
+        if let Some(p) = state.extra.get("precision") {
+            if p != self.precision_name() {
+                return Err(Error::Data {
+                    path: path.display().to_string(),
+                    reason: format!(
+                        "the checkpoint was trained with precision {p}, this run uses {}",
+                        self.precision_name()
+                    ),
+                });
+            }
+        }
         ckpt.apply_model(&self.model)?;
         ckpt.apply_optimizer(self.optimizer.as_mut())?;
         self.step = state.step;
@@ -457,6 +441,43 @@ impl<M: Module> Trainer<M> {
                 return Ok(());
             }
         }
+        if let Some(max_norm) = self.config.clip_grad_norm {
+            let _p = dev.phase_scope("gradient clipping");
+            let with_grad: Vec<Tensor> = self
+                .model
+                .parameters()
+                .into_iter()
+                .filter(|p| p.grad().is_some())
+                .collect();
+            if !with_grad.is_empty() {
+                crate::optim::clip_grad_norm_tensor(&with_grad, max_norm)?;
+            }
+        }
+        let every = self.config.check_finite_every;
+        if self.scaler.is_none() && every > 0 && self.step.is_multiple_of(every) {
+            let _p = dev.phase_scope("finite check");
+            let grads: Vec<Tensor> = self
+                .model
+                .parameters()
+                .iter()
+                .filter_map(Tensor::grad)
+                .collect();
+            let mut all: Vec<&Tensor> = vec![&step_loss];
+            all.extend(grads.iter());
+            if dev.nonfinite(&all)? {
+                drop(grads);
+                self.optimizer.zero_grad();
+                let what = if dev.nonfinite(&[&step_loss])? {
+                    "the loss"
+                } else {
+                    "a gradient"
+                };
+                return Err(Error::NonFinite {
+                    step: self.step,
+                    what: what.into(),
+                });
+            }
+        }
         let lr = self.config.schedule.lr_at(self.config.lr, self.step);
         self.optimizer.set_lr(lr);
         let stepped = {
@@ -588,96 +609,4 @@ impl<M: Module> Trainer<M> {
         let all: Vec<usize> = (0..y.len()).collect();
         self.step(&DeviceRows { x, y }, &all)
     }
-}
-
-/// Host rows and labels borrowed as a data source.
-pub struct HostRows<'a> {
-    x: &'a [f32],
-    y: &'a [u32],
-    dim: usize,
-}
-
-impl<'a> HostRows<'a> {
-    /// `x` is (y.len(), dim) row-major; at least one row.
-    pub fn new(x: &'a [f32], y: &'a [u32]) -> Result<HostRows<'a>> {
-        let n = y.len();
-        if n == 0 || !x.len().is_multiple_of(n) || x.is_empty() {
-            return Err(Error::Shape {
-                op: "Trainer::step",
-                lhs: vec![x.len()],
-                rhs: vec![n],
-                reason: format!(
-                    "need {n} rows of features and at least one sample, got {} values",
-                    x.len()
-                ),
-            });
-        }
-        Ok(HostRows {
-            x,
-            y,
-            dim: x.len() / n,
-        })
-    }
-}
-
-impl BatchSource for HostRows<'_> {
-    type Batch = ClassBatch;
-    fn len(&self) -> usize {
-        self.y.len()
-    }
-    fn batch(&self, indices: &[usize]) -> Result<ClassBatch> {
-        let (lo, hi) = contiguous("HostRows::batch", indices, self.y.len())?;
-        Ok(ClassBatch {
-            x: Features::Host {
-                data: self.x[lo * self.dim..hi * self.dim].to_vec(),
-                dims: vec![hi - lo, self.dim],
-            },
-            y: self.y[lo..hi].to_vec(),
-        })
-    }
-    fn epoch_order(&self, _seed: u64, _epoch: u64) -> Vec<usize> {
-        (0..self.y.len()).collect()
-    }
-}
-
-/// Rows of a device tensor (a shard) and their labels as a data source; batches are row
-/// ranges copied by the copy engine.
-struct DeviceRows<'a> {
-    x: &'a Tensor,
-    y: &'a [u32],
-}
-
-impl BatchSource for DeviceRows<'_> {
-    type Batch = ClassBatch;
-    fn len(&self) -> usize {
-        self.y.len()
-    }
-    fn batch(&self, indices: &[usize]) -> Result<ClassBatch> {
-        let (lo, hi) = contiguous("DeviceRows::batch", indices, self.y.len())?;
-        let x = if lo == 0 && hi == self.y.len() {
-            self.x.clone()
-        } else {
-            self.x.rows(lo, hi)?
-        };
-        Ok(ClassBatch {
-            x: Features::Device(x),
-            y: self.y[lo..hi].to_vec(),
-        })
-    }
-    fn epoch_order(&self, _seed: u64, _epoch: u64) -> Vec<usize> {
-        (0..self.y.len()).collect()
-    }
-}
-
-/// The range `indices` covers, which must be ascending and contiguous within `len`.
-fn contiguous(op: &'static str, indices: &[usize], len: usize) -> Result<(usize, usize)> {
-    let lo = indices.first().copied().unwrap_or(0);
-    let hi = lo + indices.len();
-    if hi > len || indices.iter().enumerate().any(|(k, &i)| i != lo + k) {
-        return Err(Error::InvalidArgument {
-            op,
-            reason: format!("rows must be a contiguous range within 0..{len}"),
-        });
-    }
-    Ok((lo, hi))
 }
