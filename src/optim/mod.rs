@@ -160,9 +160,11 @@ fn grad_of(op: &'static str, p: &Tensor) -> Result<Option<Tensor>> {
     Ok(Some(g))
 }
 
-/// New state for `p`: zeros of its shape and dtype.
+/// New optimizer state for `p`: zeros of its shape, always f32. An f16 second moment of
+/// AdamW underflows (g² < 6e-8 is 0 in f16), and then `m / (sqrt(v) + eps)` blows up; f32 state
+/// with eps applied in f32 lets pure-f16 training converge.
 fn zeros_like(p: &Tensor) -> Result<Tensor> {
-    Tensor::zeros(p.device(), p.dims(), p.dtype())
+    Tensor::zeros(p.device(), p.dims(), crate::DType::F32)
 }
 
 /// Checks a loaded state against `params` and the state names of one optimizer, and returns
