@@ -545,3 +545,37 @@ impl Drop for PhaseScope {
         self.device.with_arena(|a| a.set_phase(None));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Default)]
+    struct Counter(u32);
+
+    #[derive(Default)]
+    struct Name(String);
+
+    /// Each type has its own slot, made on first use and kept; clones share it, other devices
+    /// do not.
+    #[test]
+    fn extension_slots_are_per_type_and_per_device() {
+        let dev = match Device::new() {
+            Ok(d) => d,
+            // Under CI=true a missing adapter is a failure, as in tests/common.
+            Err(e) if std::env::var("CI").as_deref() != Ok("true") => {
+                eprintln!("*** no GPU adapter ({e}): extension slots not tested ***");
+                return;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        assert_eq!(dev.with_ext(|c: &mut Counter| c.0), 0);
+        dev.with_ext(|c: &mut Counter| c.0 += 2);
+        dev.with_ext(|n: &mut Name| n.0.push_str("tuned"));
+        let clone = dev.clone();
+        assert_eq!(clone.with_ext(|c: &mut Counter| c.0), 2);
+        assert_eq!(clone.with_ext(|n: &mut Name| n.0.clone()), "tuned");
+        let other = Device::new().unwrap();
+        assert_eq!(other.with_ext(|c: &mut Counter| c.0), 0);
+    }
+}

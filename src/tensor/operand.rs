@@ -29,14 +29,15 @@ impl Operand for Tensor {
 }
 
 /// Runs `kernel` into `out`, or, where `staged` (packed f16 output whose words a kernel would
-/// split between invocations), into an f32 temporary of out's shape that is then cast into
-/// `out`. The temporary lives only until the cast is recorded.
+/// split between invocations) and `out` is not empty, into an f32 temporary of out's shape that
+/// is then cast into `out`. The temporary lives only until the cast is recorded.
 pub(crate) fn staged_f32(
     out: &Tensor,
     staged: bool,
     kernel: impl FnOnce(&Tensor) -> Result<()>,
 ) -> Result<()> {
-    if !staged {
+    // An empty output has nothing to stage (the kernels write nothing).
+    if !staged || out.numel() == 0 {
         return kernel(out);
     }
     let tmp = Tensor::uninit(out.device(), out.shape().clone(), DType::F32)?;
