@@ -55,7 +55,10 @@ fn shard_file_round_trip_and_errors() {
     let rows = [5, 6, 7, 2, 3, 102, 101, 100, 0, 6, 50];
     let got = s.read_rows(&rows).unwrap();
     for (k, &i) in rows.iter().enumerate() {
-        assert_eq!(got.features[k * 5..k * 5 + 5], data.features[i * 5..i * 5 + 5]);
+        assert_eq!(
+            got.features[k * 5..k * 5 + 5],
+            data.features[i * 5..i * 5 + 5]
+        );
         assert_eq!(got.labels[k], data.labels[i]);
     }
     assert!(s.read_rows(&[]).unwrap().labels.is_empty());
@@ -321,7 +324,10 @@ fn a_file_changed_after_open_is_a_data_error() {
         let rest: Vec<_> = it.collect();
         let failed = rest.iter().position(|r| r.is_err()).expect("a read fails");
         assert!(failed <= 2, "shard {} failed", failed + 1);
-        expect_data("mid-epoch", rest.into_iter().nth(failed).unwrap().map(|_| ()));
+        expect_data(
+            "mid-epoch",
+            rest.into_iter().nth(failed).unwrap().map(|_| ()),
+        );
     }
 
     // A label not below the classes (open reads only the header).

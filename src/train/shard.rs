@@ -245,12 +245,28 @@ impl ShardedDataset {
                 source: e,
             },
         };
-        gather(&f, HEADER, row_bytes, &sorted, bytemuck::cast_slice_mut(&mut features)).map_err(io)?;
+        gather(
+            &f,
+            HEADER,
+            row_bytes,
+            &sorted,
+            bytemuck::cast_slice_mut(&mut features),
+        )
+        .map_err(io)?;
         let labels_at = HEADER + (self.len * row_bytes) as u64;
-        gather(&f, labels_at, 4, &sorted, bytemuck::cast_slice_mut(&mut labels)).map_err(io)?;
+        gather(
+            &f,
+            labels_at,
+            4,
+            &sorted,
+            bytemuck::cast_slice_mut(&mut labels),
+        )
+        .map_err(io)?;
         // The file is little-endian and the bytes were read as native words.
         if cfg!(target_endian = "big") {
-            features.iter_mut().for_each(|v| *v = f32::from_bits(v.to_bits().swap_bytes()));
+            features
+                .iter_mut()
+                .for_each(|v| *v = f32::from_bits(v.to_bits().swap_bytes()));
             labels.iter_mut().for_each(|v| *v = v.swap_bytes());
         }
         if let Some(&bad) = labels.iter().find(|&&l| l as usize >= self.classes) {

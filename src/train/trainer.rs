@@ -627,7 +627,11 @@ impl<M: Module> Trainer<M> {
                     self.step_device_rows(&x, &y, lo, lo + eff)?;
                 } else {
                     // Part of a batch that spans shards (or the epoch's short last batch).
-                    pieces.push(if take == n { x.clone() } else { x.rows(lo, lo + take)? });
+                    pieces.push(if take == n {
+                        x.clone()
+                    } else {
+                        x.rows(lo, lo + take)?
+                    });
                     labels.extend_from_slice(&y[lo..lo + take]);
                     if labels.len() < eff {
                         lo += take;
