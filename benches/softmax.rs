@@ -4,7 +4,7 @@
 //! `cargo bench --bench softmax`; set FITGRAD_BACKEND / FITGRAD_ADAPTER to pick another adapter.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use fitgrad::{DType, Device, Tensor};
+use fitgrad::{DType, Device, SoftmaxOptions, Tensor};
 
 fn bench(c: &mut Criterion) {
     let dev = match Device::new() {
@@ -39,6 +39,16 @@ fn bench(c: &mut Criterion) {
         g.bench_function("log_softmax_4096x1024", |b| {
             b.iter(|| {
                 let y = x.log_softmax().unwrap();
+                dev.sync().unwrap();
+                y
+            })
+        });
+        // Attention weights: 4 heads of 1024 x 1024 causal scores, scaled (half the row unread).
+        let scores = x.reshape(&[4, 1024, 1024]).unwrap();
+        let causal = SoftmaxOptions::new().scale(0.125).causal(true);
+        g.bench_function("softmax_masked_causal_4x1024x1024", |b| {
+            b.iter(|| {
+                let y = scores.softmax_masked(causal.clone()).unwrap();
                 dev.sync().unwrap();
                 y
             })

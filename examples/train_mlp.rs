@@ -44,6 +44,9 @@ struct Args {
     /// Cosine decay with 5% linear warm-up instead of a constant learning rate.
     #[arg(long)]
     cosine: bool,
+    /// Clip the gradients' total L2 norm to this before each update.
+    #[arg(long)]
+    clip_grad_norm: Option<f32>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Substring of the adapter name to use (see --list-adapters).
@@ -207,6 +210,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
         lr,
         schedule,
         precision,
+        clip_grad_norm: args.clip_grad_norm,
         ..Default::default()
     };
     let mut trainer = Trainer::new(model, optimizer, config)?;
@@ -294,6 +298,12 @@ fn run(args: Args) -> fitgrad::Result<()> {
         let bar = ProgressBar::new(steps_per_epoch)
             .with_style(style.clone())
             .with_prefix(format!("{}", epoch + 1));
+        if epoch == first_epoch {
+            // On a new machine the first steps compile every kernel (lavapipe: tens of
+            // seconds); the driver caches them on disk for the next run.
+            bar.set_message("compiling GPU kernels (first run on this machine only)...");
+            bar.tick();
+        }
         let epoch_start = Instant::now();
         let mut samples = 0usize;
         let on_step = |t: &mut Trainer<Mlp>, done: usize, total: usize| {

@@ -12,13 +12,15 @@
 // overhead and the barriers are then shared by enough elements. Each invocation takes the vec4
 // quads q = lane + lanes * c of its row and keeps the first CHUNKS of them in registers: it finds
 // their max m and sum s of exp(x - m) (the row is read once), then streams any further quads
-// with an online (m, s) update. The (m, s) pairs of a row merge in two stages (PARTS invocations
-// merge lanes / PARTS pairs each, then every invocation merges the PARTS results): two barriers
-// per workgroup. The order is fixed, so results are bitwise reproducible. Quads in registers are
-// written without reading x again; streamed ones are read a second time.
+// with an online (m, s) update. The (m, s) pairs of a row merge in two stages (`row_stats` in
+// include/softmax_rows.wgsl: two barriers per workgroup). The order is fixed, so results are
+// bitwise reproducible. Quads in registers are written without reading x again; streamed ones
+// are read a second time.
 // mode 1, short rows: one invocation per row, three passes over the row.
 // Where the adapter has subgroups of a fixed size, softmax_sg.wgsl replaces mode 0.
-// Parameters and row access: include/softmax_rows.wgsl.
+// Parameters and row access: include/softmax_rows.wgsl; the fused scale and masks of
+// softmax_masked (MASKED, a specialization, which also turns an all -inf row into zeros):
+// include/softmax_mask.wgsl.
 
 const WG: u32 = 256u;
 // Quads per invocation held in registers; rows up to 4 * lanes * CHUNKS elements are read once.
@@ -28,25 +30,6 @@ const LOG: u32 = 0u;
 // 0: 2^lane_shift invocations per row, 1: one invocation per row. Specialized, not a uniform:
 // lavapipe recompiles a shader at every dispatch when inlining a uniform would remove half of it.
 const MODE: u32 = 0u;
-// Invocations per row in the first merge stage.
-const PARTS: u32 = 4u;
-// Rows per workgroup are at most WG / MIN_LANES.
-const MIN_LANES: u32 = 16u;
-
-var<workgroup> wm: array<f32, WG>;
-var<workgroup> ws: array<f32, WG>;
-var<workgroup> pm: array<f32, WG / MIN_LANES * PARTS>;
-var<workgroup> ps: array<f32, WG / MIN_LANES * PARTS>;
-
-// Merges two (max, sum of exp(x - max)) pairs. A pair with max -inf is empty (sum 0), and two
-// empty pairs stay empty rather than giving exp(-inf + inf) = NaN.
-fn merge(a: vec2<f32>, b: vec2<f32>) -> vec2<f32> {
-    let m = max(a.x, b.x);
-    if (m == neg_inf()) {
-        return vec2<f32>(m, 0.0);
-    }
-    return vec2<f32>(m, a.y * exp(a.x - m) + b.y * exp(b.x - m));
-}
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wg: vec3<u32>,
@@ -63,14 +46,14 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         let row = group * (WG >> p.lane_shift) + slot;
         let live = row < p.rows;
         let quads = select(0u, p.quads, live);
-        let base = row * p.c;
+        let r = row_of(row);
         // Quads in registers: their max, then exp(x - max) (kept for softmax) and its sum.
         var v: array<vec4<f32>, CHUNKS>;
         var mc = ninf;
         for (var c = 0u; c < CHUNKS; c++) {
             let q = lane + c * lanes;
             if (q < quads) {
-                v[c] = load4(base, q);
+                v[c] = row_in(r, q);
             } else {
                 v[c] = vec4<f32>(ninf);
             }
@@ -90,46 +73,25 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         var mt = ninf;
         var st = 0.0;
         for (var q = lane + CHUNKS * lanes; q < quads; q += lanes) {
-            let x = load4(base, q);
+            let x = row_in(r, q);
             let mn = max(mt, max4(x));
             if (mn != ninf) {
                 st = st * exp(mt - mn) + sum4(exp(x - mn));
                 mt = mn;
             }
         }
-        let mine = merge(vec2<f32>(mc, sc), vec2<f32>(mt, st));
-        wm[lid] = mine.x;
-        ws[lid] = mine.y;
-        workgroupBarrier();
-        if (lane < PARTS) {
-            // Max first, then one exp per pair.
-            let per_part = lanes / PARTS;
-            let j0 = slot * lanes + lane * per_part;
-            var m = wm[j0];
-            for (var j = 1u; j < per_part; j++) {
-                m = max(m, wm[j0 + j]);
-            }
-            var s = 0.0;
-            if (m != ninf) {
-                for (var j = 0u; j < per_part; j++) {
-                    s += ws[j0 + j] * exp(wm[j0 + j] - m);
-                }
-            }
-            pm[slot * PARTS + lane] = m;
-            ps[slot * PARTS + lane] = s;
-        }
-        workgroupBarrier();
+        let stats = row_stats(lid, merge(vec2<f32>(mc, sc), vec2<f32>(mt, st)));
         if (!live) {
             return;
         }
-        let p0 = slot * PARTS;
-        var big_m = pm[p0];
-        for (var j = 1u; j < PARTS; j++) {
-            big_m = max(big_m, pm[p0 + j]);
-        }
-        var big_s = 0.0;
-        for (var j = 0u; j < PARTS; j++) {
-            big_s += ps[p0 + j] * exp(pm[p0 + j] - big_m);
+        let big_m = stats.x;
+        let big_s = stats.y;
+        if (MASKED != 0u && big_m == ninf) {
+            // softmax_masked of a row masked entirely: zeros.
+            for (var q = lane; q < quads; q += lanes) {
+                store4(r.base, q, vec4<f32>(0.0));
+            }
+            return;
         }
         // An all -inf row: big_m = -inf and every output NaN (the expressions below give it).
         if (LOG == 0u) {
@@ -139,22 +101,22 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
             for (var c = 0u; c < CHUNKS; c++) {
                 let q = lane + c * lanes;
                 if (q < quads) {
-                    store4(base, q, v[c] * factor);
+                    store4(r.base, q, v[c] * factor);
                 }
             }
             for (var q = lane + CHUNKS * lanes; q < quads; q += lanes) {
-                store4(base, q, exp(load4(base, q) - big_m) * inv);
+                store4(r.base, q, exp(row_in(r, q) - big_m) * inv);
             }
         } else {
             let ls = select(log(big_s), nan(), big_m == ninf);
             for (var c = 0u; c < CHUNKS; c++) {
                 let q = lane + c * lanes;
                 if (q < quads) {
-                    store4(base, q, (v[c] - big_m) - ls);
+                    store4(r.base, q, (v[c] - big_m) - ls);
                 }
             }
             for (var q = lane + CHUNKS * lanes; q < quads; q += lanes) {
-                store4(base, q, (load4(base, q) - big_m) - ls);
+                store4(r.base, q, (row_in(r, q) - big_m) - ls);
             }
         }
         return;
@@ -164,25 +126,32 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     if (row >= p.rows) {
         return;
     }
-    let base = row * p.c;
+    let r = row_of(row);
+    let base = r.base;
     var m = ninf;
     for (var i = 0u; i < p.c; i++) {
-        m = max(m, ld_x(base + i));
+        m = max(m, row_at(r, i));
+    }
+    if (MASKED != 0u && m == ninf) {
+        for (var i = 0u; i < p.c; i++) {
+            st_out(base + i, 0.0);
+        }
+        return;
     }
     var s = 0.0;
     for (var i = 0u; i < p.c; i++) {
-        s += exp(ld_x(base + i) - m);
+        s += exp(row_at(r, i) - m);
     }
     // All -inf: m = -inf, x - m = NaN, s NaN, every output NaN.
     if (LOG == 0u) {
         let inv = 1.0 / s;
         for (var i = 0u; i < p.c; i++) {
-            st_out(base + i, exp(ld_x(base + i) - m) * inv);
+            st_out(base + i, exp(row_at(r, i) - m) * inv);
         }
     } else {
         let ls = log(s);
         for (var i = 0u; i < p.c; i++) {
-            st_out(base + i, (ld_x(base + i) - m) - ls);
+            st_out(base + i, (row_at(r, i) - m) - ls);
         }
     }
 }

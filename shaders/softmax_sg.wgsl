@@ -1,7 +1,8 @@
 // Softmax or log-softmax along the last dim with subgroup operations: one row per subgroup, no
 // workgroup memory and no barriers. Same results and special values as softmax.wgsl (a row of
-// all -inf, or holding NaN or +inf, gives NaN everywhere); parameters and row access come from
-// include/softmax_rows.wgsl.
+// all -inf, or holding NaN or +inf, gives NaN everywhere; an all -inf row gives zeros under
+// MASKED); parameters and row access come from include/softmax_rows.wgsl, the fused scale and
+// masks of softmax_masked from include/softmax_mask.wgsl.
 //
 // Lane l of the row's subgroup takes the quads q = l + SG * c. The first CHUNKS of them stay in
 // registers, so rows up to 4 * SG * CHUNKS elements are read once and written once; the rest of
@@ -25,19 +26,19 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     // A subgroup past the last row keeps going without loads or stores: the subgroup operations
     // below need every lane of it, and returning early is not uniform control flow for naga.
     let quads = select(0u, p.quads, row < p.rows);
-    let base = row * p.c;
+    let r = row_of(row);
     var v: array<vec4<f32>, CHUNKS>;
     var m = ninf;
     for (var c = 0u; c < CHUNKS; c++) {
         let q = lane + c * SG;
         v[c] = vec4<f32>(ninf);
         if (q < quads) {
-            v[c] = load4(base, q);
+            v[c] = row_in(r, q);
         }
         m = max(m, max4(v[c]));
     }
     for (var q = lane + CHUNKS * SG; q < quads; q += SG) {
-        m = max(m, max4(load4(base, q)));
+        m = max(m, max4(row_in(r, q)));
     }
     let big_m = subgroupMax(m);
     // exp(x - M): 0 for -inf entries and padding when M is finite; NaN everywhere for an all
@@ -51,30 +52,37 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         }
     }
     for (var q = lane + CHUNKS * SG; q < quads; q += SG) {
-        s += sum4(exp(load4(base, q) - big_m));
+        s += sum4(exp(row_in(r, q) - big_m));
     }
     let big_s = subgroupAdd(s);
+    if (MASKED != 0u && big_m == ninf) {
+        // softmax_masked of a row masked entirely: zeros.
+        for (var q = lane; q < quads; q += SG) {
+            store4(r.base, q, vec4<f32>(0.0));
+        }
+        return;
+    }
     if (LOG == 0u) {
         let inv = 1.0 / big_s;
         for (var c = 0u; c < CHUNKS; c++) {
             let q = lane + c * SG;
             if (q < quads) {
-                store4(base, q, v[c] * inv);
+                store4(r.base, q, v[c] * inv);
             }
         }
         for (var q = lane + CHUNKS * SG; q < quads; q += SG) {
-            store4(base, q, exp(load4(base, q) - big_m) * inv);
+            store4(r.base, q, exp(row_in(r, q) - big_m) * inv);
         }
     } else {
         let ls = log(big_s);
         for (var c = 0u; c < CHUNKS; c++) {
             let q = lane + c * SG;
             if (q < quads) {
-                store4(base, q, (v[c] - big_m) - ls);
+                store4(r.base, q, (v[c] - big_m) - ls);
             }
         }
         for (var q = lane + CHUNKS * SG; q < quads; q += SG) {
-            store4(base, q, (load4(base, q) - big_m) - ls);
+            store4(r.base, q, (row_in(r, q) - big_m) - ls);
         }
     }
 }

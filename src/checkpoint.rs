@@ -16,8 +16,8 @@
 //!
 //! Saving goes through [`write_atomic`](crate::fsutil::write_atomic): the bytes land in a
 //! temporary file that is flushed to disk and renamed over the old checkpoint, so a crash or a
-//! kill mid-save leaves the previous checkpoint whole (and possibly a `.NAME.tmp-PID` file
-//! beside it). Loading checks everything a damaged or foreign file can get wrong and returns
+//! kill mid-save leaves the previous checkpoint whole (and possibly a `.NAME.tmp-PID-RANDOM`
+//! file beside it). Loading checks everything a damaged or foreign file can get wrong and returns
 //! [`Error::Data`] naming the file; it never panics on bad input.
 //!
 //! ```no_run
@@ -43,7 +43,7 @@ use crate::optim::{Optimizer, OptimizerState};
 use crate::tensor::MAX_RANK;
 use crate::{DType, Device, Error, Result, Tensor};
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 /// The layout version this code writes and the newest it reads.
@@ -255,13 +255,72 @@ impl Checkpoint {
         Ok(c)
     }
 
-    /// The file's bytes in safetensors layout.
+    /// The file's bytes in safetensors layout, the same bytes for the same checkpoint.
+    ///
+    /// The header is written here rather than by `safetensors::serialize`, which takes the
+    /// metadata as a `HashMap` and writes it in that map's (per-process random) order. Here
+    /// `__metadata__` comes first with its keys sorted, then the tensors in the order
+    /// `safetensors::serialize` uses (larger dtype alignment first, then by name), their data
+    /// back to back in that order, the header padded with spaces to a multiple of 8 bytes. With
+    /// no metadata the bytes are exactly `safetensors::serialize`'s.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
-        let meta: HashMap<String, String> = self.metadata.clone().into_iter().collect();
-        safetensors::serialize(self.tensors.iter(), Some(meta)).map_err(|e| Error::Data {
+        let bad = |reason: String| Error::Data {
             path: self.source.clone(),
-            reason: format!("cannot write a safetensors file: {e}"),
-        })
+            reason: format!("cannot write a safetensors file: {reason}"),
+        };
+        let json_err = |e: serde_json::Error| bad(e.to_string());
+        let mut order: Vec<(&String, &HostTensor)> = self.tensors.iter().collect();
+        order.sort_by(|(na, a), (nb, b)| {
+            use safetensors::View;
+            b.dtype().cmp(&a.dtype()).then(na.cmp(nb))
+        });
+        let mut header = String::from("{");
+        if !self.metadata.is_empty() {
+            // A BTreeMap serializes in key order.
+            header += "\"__metadata__\":";
+            header += &serde_json::to_string(&self.metadata).map_err(json_err)?;
+        }
+        let mut offset = 0usize;
+        for (name, t) in &order {
+            let want = t.numel() * t.dtype.size();
+            if t.bytes.len() != want {
+                return Err(bad(format!(
+                    "tensor '{name}' holds {} bytes, its {} shape {:?} needs {want}",
+                    t.bytes.len(),
+                    t.dtype,
+                    t.dims
+                )));
+            }
+            if header.len() > 1 {
+                header.push(',');
+            }
+            let dtype = match t.dtype {
+                DType::F32 => "F32",
+                DType::F16 => "F16",
+            };
+            header += &format!(
+                "{}:{{\"dtype\":\"{dtype}\",\"shape\":{},\"data_offsets\":[{offset},{}]}}",
+                serde_json::to_string(name).map_err(json_err)?,
+                serde_json::to_string(&t.dims).map_err(json_err)?,
+                offset + want
+            );
+            offset += want;
+        }
+        header.push('}');
+        let padded = header.len().next_multiple_of(8);
+        if padded as u64 > MAX_HEADER {
+            return Err(bad(format!(
+                "the header would take {padded} bytes, past safetensors' limit of {MAX_HEADER}"
+            )));
+        }
+        let mut out = Vec::with_capacity(8 + padded + offset);
+        out.extend_from_slice(&(padded as u64).to_le_bytes());
+        out.extend_from_slice(header.as_bytes());
+        out.resize(8 + padded, b' ');
+        for (_, t) in &order {
+            out.extend_from_slice(&t.bytes);
+        }
+        Ok(out)
     }
 
     /// Writes the checkpoint to `path` atomically (temporary file, fsync, rename).
@@ -435,7 +494,6 @@ impl Checkpoint {
     /// the same shape and dtype, and the file must hold no other model tensor; nothing is
     /// written unless all of them fit.
     pub fn apply_model(&self, model: &dyn Module) -> Result<()> {
-        self.check_config(model)?;
         let prefix = self.model_prefix();
         let params = model.named_parameters();
         let mut missing = Vec::new();
@@ -483,6 +541,8 @@ impl Checkpoint {
                 list(&extra)
             )));
         }
+        // Same tensors, yet another configuration (an activation) would compute something else.
+        self.check_config(model)?;
         for (p, h) in plan {
             p.device().upload(p.block(), &h.bytes)?;
         }

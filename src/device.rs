@@ -412,19 +412,22 @@ impl Device {
             adapter: info.name.clone(),
             reason: e.to_string(),
         })?;
-        Device::build(device, queue, info, adapter_memory(adapter), options)
+        Device::build(device, queue, info, adapter_memory(adapter), options, true)
     }
 
     /// Runs fitgrad on a device and queue that the application already owns. fitgrad records
     /// into its own encoders and submits on `queue`; the application's own work is ordered with
-    /// ours by the queue. Installs an uncaptured-error handler on `device`.
+    /// ours by the queue. The application's uncaptured-error and device-lost handlers are left
+    /// alone (wgpu has no way to chain them): fitgrad catches its own kernel-compile and
+    /// out-of-memory errors with error scopes, and any other wgpu error reaches the
+    /// application's handler (wgpu's default one panics, so install yours).
     pub fn from_wgpu(
         device: wgpu::Device,
         queue: wgpu::Queue,
         options: DeviceOptions,
     ) -> Result<Device> {
         let info = device.adapter_info();
-        Device::build(device, queue, info, None, &options)
+        Device::build(device, queue, info, None, &options, false)
     }
 
     fn build(
@@ -433,6 +436,7 @@ impl Device {
         adapter: wgpu::AdapterInfo,
         memory: Option<u64>,
         options: &DeviceOptions,
+        own_handlers: bool,
     ) -> Result<Device> {
         let l = device.limits();
         let limits = DeviceLimits {
@@ -458,18 +462,22 @@ impl Device {
             limits,
         };
         let uncaptured = Arc::new(Mutex::new(None::<String>));
-        let sink = uncaptured.clone();
-        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
-            let mut slot = lock(&sink);
-            if slot.is_none() {
-                *slot = Some(e.to_string());
-            }
-        }));
         let lost = Arc::new(Mutex::new(None::<String>));
-        let lost_sink = lost.clone();
-        device.set_device_lost_callback(move |reason, msg| {
-            *lock(&lost_sink) = Some(format!("{reason:?}: {msg}"));
-        });
+        if own_handlers {
+            // The device is ours: its errors become `Error::Gpu` / `Error::DeviceLost` at the
+            // next submit instead of wgpu's default panic.
+            let sink = uncaptured.clone();
+            device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+                let mut slot = lock(&sink);
+                if slot.is_none() {
+                    *slot = Some(e.to_string());
+                }
+            }));
+            let lost_sink = lost.clone();
+            device.set_device_lost_callback(move |reason, msg| {
+                *lock(&lost_sink) = Some(format!("{reason:?}: {msg}"));
+            });
+        }
         let param_ring = device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("fitgrad kernel parameters"),
             size: PARAM_RING_BYTES,

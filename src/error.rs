@@ -96,8 +96,8 @@ pub enum Error {
 
     /// A memory budget too small for even the smallest configuration (a micro-batch of one).
     #[error(
-        "the memory budget of {} is too small: {what} needs at least {} (a micro-batch of one sample). \
-         Raise --memory-budget, use --precision mixed, or --checkpoint-activations",
+        "the memory budget of {} is too small: {what} needs at least {}. \
+         Raise the budget, or lower what a step keeps (mixed precision, activation checkpointing, a smaller model)",
         Bytes(*.budget), Bytes(*.minimum)
     )]
     BudgetTooSmall {

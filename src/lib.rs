@@ -28,4 +28,4 @@ pub use device::{AdapterSummary, Device, DeviceInfo, DeviceLimits, DeviceOptions
 pub use error::{Bytes, Error, Result};
 pub use kernels::matmul::Activation;
 pub use memory::MemoryStats;
-pub use tensor::{DType, Element, MatmulOptions, Shape, Tensor};
+pub use tensor::{DType, Element, MatmulOptions, Shape, SoftmaxOptions, Tensor};

@@ -154,8 +154,14 @@ fn round_trip_model_optimizer_and_training_state() {
             let names: Vec<&str> = ckpt.tensors.keys().map(String::as_str).collect();
             assert!(names.contains(&"model.layers.0.weight"), "{names:?}");
             assert!(names.contains(&"optim.3.exp_avg_sq"), "{names:?}");
-            for h in ckpt.tensors.values() {
-                assert_eq!(h.dtype, dtype, "{what}: tensors keep their dtype");
+            for (name, h) in &ckpt.tensors {
+                // Optimizer state is f32 whatever the parameters' dtype.
+                let want = if name.starts_with("optim.") {
+                    DType::F32
+                } else {
+                    dtype
+                };
+                assert_eq!(h.dtype, want, "{what}: {name} keeps its dtype");
             }
 
             // Fresh objects from another seed, loaded from the file.
@@ -249,9 +255,23 @@ fn mismatched_models_and_optimizers_are_data_errors() {
     checkpoint::save(&path, &model, Some(&opt), &TrainingState::default()).unwrap();
     let ckpt = checkpoint::load(&path).unwrap();
 
-    // Another hidden width: the first tensor named with both shapes.
+    // The stored model configuration is checked first.
     let wide = Mlp::new(&dev, &[4, 9, 3], Act::Relu, 1).unwrap();
     let before = host(&wide.layers[0].weight);
+    let reason = data_reason(ckpt.apply_model(&wide), &path, "config");
+    assert!(
+        reason.contains("widths = 4,8,3") && reason.contains("widths = 4,9,3"),
+        "{reason}"
+    );
+    assert_eq!(host(&wide.layers[0].weight), before, "nothing written");
+    // Without it (a file from a model that stores none), the tensors themselves are checked.
+    let mut tensors_only = ckpt.clone();
+    tensors_only
+        .metadata
+        .retain(|k, _| !k.starts_with(checkpoint::CONFIG_PREFIX));
+    let ckpt = tensors_only;
+
+    // Another hidden width: the first tensor named with both shapes.
     let reason = data_reason(ckpt.apply_model(&wide), &path, "shape");
     assert!(
         reason.contains("model.layers.0.weight") && reason.contains("[9, 4]"),
@@ -543,6 +563,164 @@ fn host_bytes(seed: u64, n: usize) -> Vec<u8> {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Reproducible bytes
+// ---------------------------------------------------------------------------------------------
+
+/// `host_checkpoint` with many metadata keys, inserted in the order `keys` gives.
+fn many_keys(keys: impl Iterator<Item = usize>) -> Checkpoint {
+    let mut c = host_checkpoint();
+    for k in keys {
+        c.metadata
+            .insert(format!("extra.k{k:02}"), format!("v \"{k}\""));
+    }
+    c
+}
+
+#[test]
+fn checkpoint_bytes_are_reproducible_and_read_as_safetensors() {
+    // Forty metadata keys: a HashMap's order would differ between two maps.
+    let forward = many_keys(0..40).to_bytes().unwrap();
+    let backward = many_keys((0..40).rev()).to_bytes().unwrap();
+    assert!(forward == backward, "insertion order leaks into the file");
+    for _ in 0..4 {
+        assert!(many_keys(0..40).to_bytes().unwrap() == forward);
+    }
+    // Load and write again: the same bytes.
+    let loaded = Checkpoint::from_bytes(&forward, "mem").unwrap();
+    assert_eq!(loaded.metadata.len(), 45);
+    assert!(
+        loaded.to_bytes().unwrap() == forward,
+        "load + save changes the bytes"
+    );
+
+    // The header: 8-byte aligned, metadata first with sorted keys, then the tensors.
+    let n = u64::from_le_bytes(forward[..8].try_into().unwrap()) as usize;
+    assert_eq!(n % 8, 0);
+    let header = std::str::from_utf8(&forward[8..8 + n]).unwrap();
+    assert!(header.starts_with(r#"{"__metadata__":{"epoch":"0","extra.k00":"v \"0\"","#));
+    let keys: Vec<usize> = loaded
+        .metadata
+        .keys()
+        .map(|k| header.find(&format!("\"{k}\"")).unwrap())
+        .collect();
+    assert!(keys.windows(2).all(|w| w[0] < w[1]), "{header}");
+
+    // What safetensors itself writes, byte for byte, where its HashMap has no order to leak:
+    // no metadata, and a single key.
+    let mut c = host_checkpoint();
+    for meta in [
+        BTreeMap::new(),
+        BTreeMap::from([("format".into(), "fitgrad".into())]),
+    ] {
+        c.metadata = meta;
+        let theirs = safetensors::serialize(
+            c.tensors.iter(),
+            (!c.metadata.is_empty()).then(|| c.metadata.clone().into_iter().collect()),
+        )
+        .unwrap();
+        assert!(c.to_bytes().unwrap() == theirs, "{} keys", c.metadata.len());
+    }
+
+    // A tensor whose bytes do not fit its shape is refused, not written.
+    let mut bad = host_checkpoint();
+    bad.tensors.get_mut("model.w").unwrap().bytes.pop();
+    let reason = data_reason(bad.to_bytes(), Path::new(""), "short tensor");
+    assert!(reason.contains("'model.w' holds 47 bytes"), "{reason}");
+}
+
+#[test]
+fn trainer_checkpoints_are_byte_for_byte_reproducible() {
+    use fitgrad::train::data::Dataset;
+    use fitgrad::train::{Precision, Trainer, TrainerConfig};
+    let tmp = TempDir::new("bytes");
+    let data = Dataset {
+        name: "rows".into(),
+        features: host_data(7, 2 * BATCH * WIDTHS[0], -1.0, 1.0),
+        labels: (0..2 * BATCH as u32)
+            .map(|r| r % WIDTHS[2] as u32)
+            .collect(),
+        dim: WIDTHS[0],
+        classes: WIDTHS[2],
+    };
+    let rows: Vec<usize> = (0..data.len()).collect();
+    for dev in devices() {
+        let what = label(&dev);
+        let trainer = |seed| {
+            let model = Mlp::new(&dev, &WIDTHS, Act::Relu, seed).unwrap();
+            let opt = Box::new(adamw(&model));
+            let config = TrainerConfig {
+                precision: Precision::Mixed, // a scaler's state too
+                ..TrainerConfig::new(BATCH, 1, 1e-2)
+            };
+            Trainer::new(model, opt, config).unwrap()
+        };
+        let mut t = trainer(1);
+        for batch in rows.chunks(BATCH) {
+            t.step(&data, batch).unwrap();
+        }
+        let (a, b) = (tmp.join("a.safetensors"), tmp.join("b.safetensors"));
+        t.save_checkpoint(&a, 1).unwrap();
+        t.save_checkpoint(&b, 1).unwrap();
+        let bytes = std::fs::read(&a).unwrap();
+        assert!(
+            bytes == std::fs::read(&b).unwrap(),
+            "{what}: two saves differ"
+        );
+
+        // Into a fresh trainer and out again; and through the host checkpoint alone.
+        let mut fresh = trainer(99);
+        assert_eq!(fresh.resume_from(&a).unwrap(), 1);
+        let c = tmp.join("c.safetensors");
+        fresh.save_checkpoint(&c, 1).unwrap();
+        assert!(
+            bytes == std::fs::read(&c).unwrap(),
+            "{what}: resume + save differs"
+        );
+        let d = tmp.join("d.safetensors");
+        checkpoint::load(&a).unwrap().save(&d).unwrap();
+        assert!(
+            bytes == std::fs::read(&d).unwrap(),
+            "{what}: load + save differs"
+        );
+    }
+}
+
+#[test]
+fn concurrent_atomic_writes_to_one_path_never_mix() {
+    // Eight threads save to one path at once: each through its own temporary file, so the
+    // result is one whole file of one writer, and no temporary file is left behind.
+    let tmp = TempDir::new("threads");
+    let path = tmp.join("shared.bin");
+    std::thread::scope(|s| {
+        for t in 0..8u8 {
+            let path = &path;
+            s.spawn(move || {
+                for _ in 0..10 {
+                    fitgrad::fsutil::write_atomic(path, &vec![t; 64 << 10]).unwrap();
+                }
+            });
+        }
+    });
+    let bytes = std::fs::read(&path).unwrap();
+    assert_eq!(bytes.len(), 64 << 10);
+    assert!(bytes.iter().all(|&b| b == bytes[0]), "two writers mixed");
+    let names: Vec<String> = std::fs::read_dir(&tmp.0)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(names, ["shared.bin"]);
+    #[cfg(unix)]
+    {
+        // The mode a plain File::create gives (0666 less the umask), not tempfile's 0600.
+        use std::os::unix::fs::PermissionsExt;
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let plain = tmp.join("plain");
+        std::fs::File::create(&plain).unwrap();
+        assert_eq!(mode(&path), mode(&plain), "{:o}", mode(&path));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Killed during saves
 // ---------------------------------------------------------------------------------------------
 
@@ -580,6 +758,16 @@ fn kill_child_saver() {
             break;
         }
     }
+}
+
+/// The files in `dir` whose names start with `prefix`.
+fn temp_files(dir: &Path, prefix: &str) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with(prefix))
+        .map(|e| e.path())
+        .collect()
 }
 
 fn saves_done(progress: &Path) -> u64 {
@@ -648,9 +836,9 @@ fn killed_during_save_keeps_the_previous_checkpoint() {
             save_time = t1.elapsed();
             eprintln!("kill test: one save of ~52 MB takes {save_time:?}");
         }
-        // write_atomic's temporary file: it exists from the start of the file write to the
-        // rename.
-        let tmp_file = tmp.join(&format!(".big.safetensors.tmp-{}", child.id()));
+        // write_atomic's temporary file (`.big.safetensors.tmp-PID-RANDOM`): it exists from the
+        // start of the file write to the rename.
+        let tmp_prefix = format!(".big.safetensors.tmp-{}-", child.id());
         if round % 2 == 0 {
             // Anywhere in a save: reading back, serializing, writing, syncing, renaming.
             let wait = save_time.mul_f64((rng.next_u64() % 1000) as f64 / 1000.0);
@@ -658,7 +846,9 @@ fn killed_during_save_keeps_the_previous_checkpoint() {
         } else {
             // Within the file write: once the temporary file is there, up to 5 ms later.
             let t0 = Instant::now();
-            while !tmp_file.exists() && t0.elapsed() < Duration::from_secs(30) {
+            while temp_files(&tmp.0, &tmp_prefix).is_empty()
+                && t0.elapsed() < Duration::from_secs(30)
+            {
                 std::thread::sleep(Duration::from_micros(200));
             }
             std::thread::sleep(Duration::from_micros(rng.next_u64() % 5000));
@@ -666,9 +856,14 @@ fn killed_during_save_keeps_the_previous_checkpoint() {
         child.kill().unwrap(); // SIGKILL on Unix
         child.wait().unwrap();
 
-        if tmp_file.exists() {
+        let left = temp_files(&tmp.0, &tmp_prefix);
+        assert!(
+            left.len() <= 1,
+            "round {round}: {left:?}: one save at a time"
+        );
+        if let Some(tmp_file) = left.first() {
             mid_write += 1;
-            std::fs::remove_file(&tmp_file).unwrap();
+            std::fs::remove_file(tmp_file).unwrap();
         }
         let c = checkpoint::load(&path)
             .unwrap_or_else(|e| panic!("round {round}: the checkpoint does not load: {e}"));
@@ -685,7 +880,7 @@ fn killed_during_save_keeps_the_previous_checkpoint() {
     }
     eprintln!(
         "kill test: {KILLS} kills, {mid_write} of them while the temporary file was being written \
-         (left behind as .big.safetensors.tmp-PID, removed here); the checkpoint loaded every time"
+         (left behind as .big.safetensors.tmp-PID-RANDOM, removed here); the checkpoint loaded every time"
     );
     assert!(
         mid_write > 0,

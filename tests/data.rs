@@ -411,3 +411,153 @@ fn bad_csv_files_are_data_errors_naming_file_and_line() {
     let binary = t.write("binary.csv", &[b'1', b',', 0xff, b'\n']);
     expect_data_err(Dataset::from_csv(&binary, None), &binary, "not UTF-8");
 }
+
+#[test]
+fn csv_quoted_fields_and_other_delimiters() {
+    let t = TempDir::new("csv-delim");
+    // Quoted fields: a delimiter inside quotes, an escaped quote in a header name, spaces
+    // around quoted and bare fields, and a quoted number.
+    let quoted = t.write(
+        "quoted.csv",
+        b"\"a, first\",\"b \"\"two\"\"\",label\n \"1\" , 2.5,0\n3,\"4\",1\n",
+    );
+    let q = Dataset::from_csv(&quoted, None).unwrap();
+    assert_eq!((q.len(), q.dim, q.classes), (2, 2, 2));
+    assert_eq!(q.features, [1.0, 2.5, 3.0, 4.0]);
+    assert_eq!(q.labels, [0, 1]);
+    let named = Dataset::from_csv(&quoted, Some("a, first")).unwrap();
+    assert_eq!(
+        (named.labels, named.features),
+        (vec![1, 3], vec![2.5, 0.0, 4.0, 1.0]),
+        "a quoted header name with a comma"
+    );
+    // A doubled quote inside a quoted field is one quote: the column is found by that name.
+    let escaped = Dataset::from_csv(&quoted, Some("b \"two\""));
+    expect_data_err(
+        escaped,
+        &quoted,
+        "line 2: label 2.5 is not a non-negative integer",
+    );
+
+    // Semicolons, and commas inside a quoted text header: `;` is the delimiter.
+    let semi = t.write("semi.csv", b"x;y;\"label, 0-2\"\n1;2;0\n\n3;4;2\n5;6;1\n");
+    let s = Dataset::from_csv(&semi, Some("label, 0-2")).unwrap();
+    assert_eq!((s.len(), s.dim, s.classes), (3, 2, 3));
+    assert_eq!(s.features, [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+    assert_eq!(s.labels, [0, 2, 1]);
+    // Errors keep counting the file's lines (the blank line 3 included).
+    let bad = t.write("semi-bad.csv", b"1;2;0\n\n3;x;1\n");
+    expect_data_err(
+        Dataset::from_csv(&bad, None),
+        &bad,
+        "line 3: 'x' is not a number (column 2)",
+    );
+    let short = t.write("semi-short.csv", b"1;2;0\n3;1\n");
+    expect_data_err(
+        Dataset::from_csv(&short, None),
+        &short,
+        "line 2: expected 3 columns, found 2",
+    );
+
+    // Tabs, without a header.
+    let tsv = t.write("tabs.tsv", b"1\t2\t1\n3\t4\t0\n");
+    let d = Dataset::from_csv(&tsv, None).unwrap();
+    assert_eq!(
+        (d.features, d.labels, d.name),
+        (vec![1.0, 2.0, 3.0, 4.0], vec![1, 0], String::from("tabs"))
+    );
+
+    // A chosen delimiter overrides the detection: the header has one comma and one semicolon,
+    // a tie that goes to the semicolon, but the rows are split by commas.
+    let mixed = t.write("mixed.csv", b"a;b,label\n1,0\n2,1\n");
+    let by_semi = Dataset::from_csv(&mixed, None);
+    expect_data_err(by_semi, &mixed, "line 2: expected 2 columns, found 1");
+    let by_comma = Dataset::from_csv_delimited(&mixed, None, b',').unwrap();
+    assert_eq!(
+        (by_comma.features, by_comma.labels),
+        (vec![1.0, 2.0], vec![0, 1])
+    );
+    assert!(matches!(
+        Dataset::from_csv_delimited(&mixed, None, b'"'),
+        Err(Error::InvalidArgument { .. })
+    ));
+
+    // A file with a single column names the delimiter it split at.
+    let one = t.write("one.csv", b"1\n2\n");
+    expect_data_err(Dataset::from_csv(&one, None), &one, "split at ','");
+}
+
+#[test]
+fn labels_far_outside_the_others_are_errors_naming_the_line() {
+    let t = TempDir::new("csv-labels");
+    // A column of ids taken as the label: 5 distinct values, the largest ≥ 1000 x 5.
+    let ids = t.write(
+        "ids.csv",
+        b"f,id\n0.5,1001\n0.1,1002\n0.2,1003\n0.3,1004\n0.4,5000\n",
+    );
+    expect_data_err(
+        Dataset::from_csv(&ids, None),
+        &ids,
+        "line 6: label 5000 is at least 1000x the number of distinct labels (5)",
+    );
+    // One stray label: more than 10x the next largest and above 255.
+    let stray = t.write("stray.csv", b"1,0\n2,1\n3,2\n4,700\n5,1\n");
+    let msg = match Dataset::from_csv(&stray, None) {
+        Err(e) => e.to_string(),
+        Ok(d) => panic!("loaded with {} classes", d.classes),
+    };
+    for needle in [
+        "stray.csv",
+        "line 4: label 700 is more than 10x the next largest label (2)",
+        "701 output classes",
+        "label column",
+    ] {
+        assert!(msg.contains(needle), "'{needle}' missing: {msg}");
+    }
+    // Large labels that are not outliers load: 256 classes, and a gap below 255.
+    let mut wide = String::new();
+    for l in 0..256 {
+        wide += &format!("{l},{l}\n");
+    }
+    let wide = t.write("wide.csv", wide.as_bytes());
+    assert_eq!(Dataset::from_csv(&wide, None).unwrap().classes, 256);
+    let gap = t.write("gap.csv", b"1,0\n2,1\n3,200\n");
+    assert_eq!(Dataset::from_csv(&gap, None).unwrap().classes, 201);
+}
+
+#[test]
+fn load_refuses_splits_that_would_score_meaninglessly() {
+    let t = TempDir::new("load-bad");
+    let mut one_class = String::from("a,b,label\n");
+    for i in 0..10 {
+        one_class += &format!("{i},{},3\n", i * 2);
+    }
+    let single = t.write("single.csv", one_class.as_bytes());
+    assert_eq!(Dataset::from_csv(&single, None).unwrap().len(), 10);
+    let r = load(single.to_str().unwrap(), 0);
+    expect_data_err(r, &single, "label 3: with a single class");
+
+    // Two rows: 20% rounds to an empty test split.
+    let two = t.write("two.csv", b"1,0\n2,1\n");
+    expect_data_err(
+        load(two.to_str().unwrap(), 0),
+        &two,
+        "the test split is empty",
+    );
+
+    // IDX training files with a single class are refused just the same.
+    t.write("train-images-idx3-ubyte", &idx_images(6, 2, 2));
+    t.write("train-labels-idx1-ubyte", &idx_labels(6, 1));
+    t.write("t10k-images-idx3-ubyte", &idx_images(2, 2, 2));
+    t.write("t10k-labels-idx1-ubyte", &idx_labels(2, 2));
+    expect_data_err(load(t.0.to_str().unwrap(), 0), &t.0, "with a single class");
+
+    // Good data still loads, and labels with a gap only warn.
+    let mut gap = String::new();
+    for i in 0..10 {
+        gap += &format!("{i},{}\n", [1, 4][i % 2]);
+    }
+    let gap = t.write("gap.csv", gap.as_bytes());
+    let (train, test) = load(gap.to_str().unwrap(), 0).unwrap();
+    assert_eq!((train.len(), test.len(), train.classes), (8, 2, 5));
+}

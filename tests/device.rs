@@ -132,6 +132,13 @@ fn runs_on_an_application_wgpu_device() {
                     trace: wgpu::Trace::Off,
                 }))
                 .unwrap();
+            // The application's handler stays in place (fitgrad installs none on a device it
+            // does not own).
+            let app_errors = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let counter = app_errors.clone();
+            device.on_uncaptured_error(std::sync::Arc::new(move |_e: wgpu::Error| {
+                counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }));
             let dev = Device::from_wgpu(device, queue, DeviceOptions::default()).unwrap();
             let what = format!("from_wgpu on {backend}, SHADER_F16 {want_f16}");
             assert_eq!(dev.info().f16_native, want_f16, "{what}");
@@ -154,6 +161,24 @@ fn runs_on_an_application_wgpu_device() {
             });
             dev.wgpu_queue().write_buffer(&buf, 0, &[0u8; 16]);
             dev.sync().unwrap();
+            assert_eq!(
+                app_errors.load(std::sync::atomic::Ordering::SeqCst),
+                0,
+                "{what}"
+            );
+            // MAP_READ with MAP_WRITE is invalid: the application's handler hears of it.
+            let _bad = dev.wgpu_device().create_buffer(&wgpu::BufferDescriptor {
+                label: None,
+                size: 16,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::MAP_WRITE,
+                mapped_at_creation: false,
+            });
+            let _ = dev.wgpu_device().poll(wgpu::PollType::wait_indefinitely());
+            assert_eq!(
+                app_errors.load(std::sync::atomic::Ordering::SeqCst),
+                1,
+                "{what}: the application's error handler was replaced"
+            );
         }
     }
 }

@@ -423,7 +423,8 @@ fn digits_accuracy(dev: &Device, precision: Precision, epochs: u64) -> f32 {
     acc
 }
 
-/// Mixed precision learns digits as well as f32 (within 2 points, at least 90%), takes at most
+/// Mixed precision learns digits as well as f32 (within 2 points, at least 90%; pure f16 at least
+/// 90% too), takes at most
 /// 0.7x the f32 peak where activations dominate, and runs on every device (native and packed
 /// f16).
 #[test]
@@ -432,11 +433,14 @@ fn mixed_precision_trains_and_saves_memory() {
     let started = Instant::now();
     let acc32 = digits_accuracy(&dev, Precision::F32, 4);
     let acc16 = digits_accuracy(&dev, Precision::Mixed, 4);
+    // Pure f16 (parameters and gradients in f16, AdamW state in f32) trains too.
+    let pure16 = digits_accuracy(&dev, Precision::F16, 4);
     note(&format!(
-        "digits in both precisions took {:.1?}",
+        "digits in three precisions took {:.1?}",
         started.elapsed()
     ));
     assert!(acc16 >= 0.9, "mixed precision reached only {acc16:.3}");
+    assert!(pure16 >= 0.9, "f16 with AdamW reached only {pure16:.3}");
     assert!(
         (acc16 - acc32).abs() <= 0.02,
         "mixed {acc16:.4} vs f32 {acc32:.4}: more than 2 points apart"
@@ -841,10 +845,12 @@ fn budget_too_small_is_a_clear_error() {
     assert_eq!(budget, 1024);
     assert!(minimum > budget);
     let all: Vec<usize> = (0..64).collect();
-    assert_eq!(
-        minimum,
-        t.plan_at(&rows, &all, 1, None, 0).unwrap().peak_reserved,
-        "the minimum is the planned reserved peak at a micro-batch of one"
+    let one = t.plan_at(&rows, &all, 1, None, 0).unwrap();
+    assert!(
+        one.peak <= minimum && minimum <= one.peak_reserved,
+        "the minimum {minimum} lies between the one-sample step's peak in use {} and reserved {}",
+        one.peak,
+        one.peak_reserved
     );
     assert!(
         msg.contains(&Bytes(minimum).to_string()),

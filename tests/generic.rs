@@ -387,3 +387,66 @@ fn tempdir() -> std::path::PathBuf {
     std::fs::create_dir_all(&d).unwrap();
     d
 }
+
+/// `clip_grad_norm` in the trainer is torch's recipe: backward, clip the total norm, step. The
+/// planner counts the clipping's buffers too.
+#[test]
+fn trainer_clips_like_the_manual_loop() {
+    let Some(dev) = fresh(None) else { return };
+    let data = dataset(32, 12);
+    let idx: Vec<usize> = (0..32).collect();
+    // By hand.
+    let model = regressor(&dev, 1);
+    let mut opt = optimizer(Kind::Sgd, model.parameters());
+    let batch = data.batch(&idx).unwrap();
+    let ctx = StepContext {
+        device: dev.clone(),
+        dtype: DType::F32,
+        training: true,
+    };
+    model
+        .forward_loss(&batch, &ctx)
+        .unwrap()
+        .backward()
+        .unwrap();
+    let norm = fitgrad::optim::clip_grad_norm(&model.parameters(), 0.05).unwrap();
+    assert!(
+        norm > 0.05,
+        "the test needs a norm above the limit, got {norm}"
+    );
+    opt.step().unwrap();
+    // Through the trainer, in micro-batches.
+    let m2 = regressor(&dev, 1);
+    let o2 = optimizer(Kind::Sgd, m2.parameters());
+    let cfg = TrainerConfig {
+        clip_grad_norm: Some(0.05),
+        micro_batch: Some(10),
+        ..TrainerConfig::new(32, 1, 0.05)
+    };
+    let mut t = Trainer::new(m2, o2, cfg).unwrap();
+    let plan = t.plan(&data).unwrap();
+    dev.reset_peak();
+    t.step(&data, &idx).unwrap();
+    let measured = dev.memory_stats().peak_bytes_in_use;
+    assert!(
+        plan.peak >= measured,
+        "planned {} < measured {measured}",
+        plan.peak
+    );
+    for (a, b) in weights(&t.model).iter().zip(weights(&model)) {
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{x} vs {y}");
+        }
+    }
+    assert!(matches!(
+        Trainer::new(
+            regressor(&dev, 2),
+            optimizer(Kind::Sgd, regressor(&dev, 2).parameters()),
+            TrainerConfig {
+                clip_grad_norm: Some(0.0),
+                ..TrainerConfig::new(8, 1, 0.1)
+            }
+        ),
+        Err(Error::InvalidArgument { .. })
+    ));
+}

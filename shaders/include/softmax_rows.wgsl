@@ -1,13 +1,23 @@
-// Shared by softmax.wgsl and softmax_sg.wgsl (prepended at build time): the parameters at
-// binding 0 and row access. x and out are (rows, C), contiguous, and may be vec4 bindings (C a
-// multiple of 4); loads and stores go through ld4_ / st4_ either way, with per-element guards
-// for a row's last, partial quad.
+// Shared by softmax.wgsl, softmax_sg.wgsl and cross_entropy.wgsl (prepended at build time): the
+// parameters at binding 0, row access, and the merge of a row's statistics across invocations.
+// x and out are (rows, C), contiguous, and may be vec4 bindings (C a multiple of 4); loads and
+// stores go through ld4_ / st4_ either way, with per-element guards for a row's last, partial
+// quad.
 
 struct Params {
     rows: u32,
-    c: u32,          // row length
+    c: u32,          // row length (T_k)
     quads: u32,      // ceil(c / 4)
     lane_shift: u32, // log2 of the invocations per row (mode 0)
+    // The rest is read only by the fused mask (include/softmax_mask.wgsl) and cross-entropy.
+    scale: f32,      // y = softmax(scale * x + mask); cross-entropy: 1 / B, the mean's gradient
+    tq: u32,         // rows of each (T_q, T_k) matrix: a row's query index is row % tq
+    diag: i32,       // T_k - T_q + 1: causal query i sees columns k < i + diag
+    d1: u32,         // the input's second dim of four (leading dims padded with 1)
+    ms0: u32,        // the mask's strides along the input's first three of four dims, 0 where
+    ms1: u32,        // the mask is broadcast
+    msq: u32,
+    _pad: u32,
 }
 @group(0) @binding(0) var<uniform> p: Params;
 
@@ -52,3 +62,66 @@ fn store4(base: u32, q: u32, y: vec4<f32>) {
     }
 }
 
+// Mode 0 of softmax.wgsl and cross_entropy.wgsl gives a row 2^lane_shift invocations (16 to WG),
+// WG >> lane_shift rows per workgroup, each invocation holding a (max, sum of exp(x - max)) pair.
+
+// Invocations per row in the first merge stage.
+const PARTS: u32 = 4u;
+// Rows per workgroup are at most WG / MIN_LANES.
+const MIN_LANES: u32 = 16u;
+
+var<workgroup> wm: array<f32, WG>;
+var<workgroup> ws: array<f32, WG>;
+var<workgroup> pm: array<f32, WG / MIN_LANES * PARTS>;
+var<workgroup> ps: array<f32, WG / MIN_LANES * PARTS>;
+
+// Merges two (max, sum of exp(x - max)) pairs. A pair with max -inf is empty (sum 0), and two
+// empty pairs stay empty rather than giving exp(-inf + inf) = NaN.
+fn merge(a: vec2<f32>, b: vec2<f32>) -> vec2<f32> {
+    let m = max(a.x, b.x);
+    if (m == neg_inf()) {
+        return vec2<f32>(m, 0.0);
+    }
+    return vec2<f32>(m, a.y * exp(a.x - m) + b.y * exp(b.x - m));
+}
+
+// The (max M, sum S of exp(x - M)) of invocation `lid`'s row from every invocation's pair
+// `mine`, in two stages: PARTS invocations of the row merge lanes / PARTS pairs each (max first,
+// then one exp per pair), then every invocation merges the PARTS results. Two barriers, so every
+// invocation of the workgroup calls it; the order is fixed, so results are bitwise reproducible.
+// A row of all -inf gives M = -inf and S = NaN.
+fn row_stats(lid: u32, mine: vec2<f32>) -> vec2<f32> {
+    let lanes = 1u << p.lane_shift;
+    let slot = lid >> p.lane_shift;
+    let lane = lid & (lanes - 1u);
+    wm[lid] = mine.x;
+    ws[lid] = mine.y;
+    workgroupBarrier();
+    if (lane < PARTS) {
+        let per_part = lanes / PARTS;
+        let j0 = slot * lanes + lane * per_part;
+        var m = wm[j0];
+        for (var j = 1u; j < per_part; j++) {
+            m = max(m, wm[j0 + j]);
+        }
+        var s = 0.0;
+        if (m != neg_inf()) {
+            for (var j = 0u; j < per_part; j++) {
+                s += ws[j0 + j] * exp(wm[j0 + j] - m);
+            }
+        }
+        pm[slot * PARTS + lane] = m;
+        ps[slot * PARTS + lane] = s;
+    }
+    workgroupBarrier();
+    let p0 = slot * PARTS;
+    var big_m = pm[p0];
+    for (var j = 1u; j < PARTS; j++) {
+        big_m = max(big_m, pm[p0 + j]);
+    }
+    var big_s = 0.0;
+    for (var j = 0u; j < PARTS; j++) {
+        big_s += ps[p0 + j] * exp(pm[p0 + j] - big_m);
+    }
+    return vec2<f32>(big_m, big_s);
+}

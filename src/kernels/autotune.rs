@@ -2,14 +2,19 @@
 //! remembers the winner in memory and on disk.
 //!
 //! The disk cache is one text file per adapter (`<class>\t<variant>` lines) under
-//! `$FITGRAD_CACHE_DIR`, else `$XDG_CACHE_HOME/fitgrad`, else `~/.cache/fitgrad`; its name hashes
-//! the adapter name, backend, driver and the crate version, so a driver or fitgrad upgrade tunes
-//! again. It is rewritten atomically (temporary file, then rename). `FITGRAD_AUTOTUNE=0` turns
-//! tuning off (the built-in choice is used).
+//! `$FITGRAD_CACHE_DIR`, else the platform's cache folder (`dirs::cache_dir()`: `$XDG_CACHE_HOME`
+//! or `~/.cache` on Linux, `~/Library/Caches` on macOS, `%LOCALAPPDATA%` on Windows) + `fitgrad`.
+//! Its name is a 64-bit FNV-1a hash of the adapter name, backend, driver, driver info, native
+//! f16 and the crate version, so a driver or fitgrad upgrade tunes again; FNV-1a is written out
+//! here because std's `DefaultHasher` may change between Rust releases, which would orphan every
+//! cache file. It is rewritten atomically (temporary file, then rename). `FITGRAD_AUTOTUNE=0`
+//! turns tuning off (the built-in choice is used).
+//!
+//! Diagnostics go through the `log` crate: each tuned class and its winner at `info`, a cache
+//! that cannot be written at `warn`.
 
 use super::matmul::Variant;
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
 use std::path::PathBuf;
 
 #[derive(Default)]
@@ -26,31 +31,41 @@ pub(crate) fn enabled() -> bool {
     )
 }
 
+/// `$FITGRAD_CACHE_DIR` when set and not empty, else the platform's cache folder + `fitgrad`.
 fn cache_dir() -> Option<PathBuf> {
-    let env = |k: &str| {
-        std::env::var_os(k)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
-    env("FITGRAD_CACHE_DIR")
-        .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("fitgrad")))
-        .or_else(|| env("HOME").map(|d| d.join(".cache").join("fitgrad")))
+    std::env::var_os("FITGRAD_CACHE_DIR")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| dirs::cache_dir().map(|d| d.join("fitgrad")))
+}
+
+/// 64-bit FNV-1a: a fixed function of the bytes, the same on every Rust release and platform.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+    bytes
+        .iter()
+        .fold(OFFSET, |h, &b| (h ^ u64::from(b)).wrapping_mul(PRIME))
+}
+
+/// What identifies an adapter's timings: one field a line, so no two field lists run together.
+fn adapter_key(info: &crate::DeviceInfo) -> String {
+    let a = &info.adapter;
+    format!(
+        "{}\n{}\n{}\n{}\n{}\n{}",
+        a.name,
+        a.backend,
+        a.driver,
+        a.driver_info,
+        env!("CARGO_PKG_VERSION"),
+        info.f16_native
+    )
 }
 
 /// The cache file of one adapter.
 pub(crate) fn cache_path(info: &crate::DeviceInfo) -> Option<PathBuf> {
-    let a = &info.adapter;
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    (
-        &a.name,
-        &a.backend,
-        &a.driver,
-        &a.driver_info,
-        env!("CARGO_PKG_VERSION"),
-        info.f16_native,
-    )
-        .hash(&mut h);
-    Some(cache_dir()?.join(format!("autotune-{:016x}.txt", h.finish())))
+    let h = fnv1a(adapter_key(info).as_bytes());
+    Some(cache_dir()?.join(format!("autotune-{h:016x}.txt")))
 }
 
 impl TuneCache {
@@ -72,9 +87,10 @@ impl TuneCache {
         self.load(path).get(class).copied()
     }
 
-    /// Records a winner and rewrites the file. A cache that cannot be written only costs a
-    /// re-tune next time, so write errors are ignored.
+    /// Records the winner of a class just tuned and rewrites the file. A cache that cannot be
+    /// written only costs a re-tune next time, so a write error is logged, not returned.
     pub fn put(&mut self, path: Option<&PathBuf>, class: String, v: Variant) {
+        log::info!("matmul autotune: shape class {class}: {} wins", v.name());
         let map = self.load(path);
         map.insert(class, v);
         let Some(path) = path else { return };
@@ -83,7 +99,11 @@ impl TuneCache {
             .map(|(k, v)| format!("{k}\t{}", v.name()))
             .collect();
         lines.sort();
-        let _ = crate::fsutil::write_atomic(path, (lines.join("\n") + "\n").as_bytes());
+        if let Err(e) = crate::fsutil::write_atomic(path, (lines.join("\n") + "\n").as_bytes()) {
+            log::warn!(
+                "matmul autotune: cannot write the cache (it will tune again next run): {e}"
+            );
+        }
     }
 }
 
@@ -126,6 +146,14 @@ impl Variant {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fnv1a_is_the_published_function() {
+        // The reference vectors of the FNV specification (64-bit FNV-1a).
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a(b"foobar"), 0x8594_4171_f739_67e8);
+    }
 
     #[test]
     fn variant_names_round_trip() {

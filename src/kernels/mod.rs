@@ -12,6 +12,7 @@
 pub(crate) mod autotune;
 pub(crate) mod dropout;
 pub(crate) mod elementwise;
+pub(crate) mod grad_norm;
 pub(crate) mod index_select;
 pub(crate) mod layer_norm;
 pub(crate) mod layout;
@@ -273,27 +274,41 @@ pub const SOFTMAX: ShaderFile = ShaderFile {
     name: "softmax",
     body: concat!(
         include_str!("../../shaders/include/softmax_rows.wgsl"),
+        include_str!("../../shaders/include/softmax_mask.wgsl"),
         include_str!("../../shaders/softmax.wgsl")
     ),
-    bindings: &[("x", false), ("out", true)],
+    // Without a mask, x is bound as `mask` too (never read).
+    bindings: &[("x", false), ("out", true), ("mask", false)],
 };
 pub const SOFTMAX_SG: ShaderFile = ShaderFile {
     name: "softmax_sg",
     body: concat!(
         include_str!("../../shaders/include/softmax_rows.wgsl"),
+        include_str!("../../shaders/include/softmax_mask.wgsl"),
         include_str!("../../shaders/softmax_sg.wgsl")
     ),
-    bindings: &[("x", false), ("out", true)],
+    // Without a mask, x is bound as `mask` too (never read).
+    bindings: &[("x", false), ("out", true), ("mask", false)],
 };
 pub const CROSS_ENTROPY: ShaderFile = ShaderFile {
     name: "cross_entropy",
-    body: include_str!("../../shaders/cross_entropy.wgsl"),
-    bindings: &[("x", false), ("t", false), ("grad", true), ("loss", true)],
+    body: concat!(
+        include_str!("../../shaders/include/softmax_rows.wgsl"),
+        include_str!("../../shaders/cross_entropy.wgsl")
+    ),
+    // out is the gradient.
+    bindings: &[("x", false), ("t", false), ("out", true), ("loss", true)],
 };
 pub const NONFINITE: ShaderFile = ShaderFile {
     name: "nonfinite",
     body: include_str!("../../shaders/nonfinite.wgsl"),
     bindings: &[("x", false), ("flag", true)],
+};
+
+pub const GRAD_NORM: ShaderFile = ShaderFile {
+    name: "grad_norm",
+    body: include_str!("../../shaders/grad_norm.wgsl"),
+    bindings: &[("g", true), ("acc", true), ("norm", true)],
 };
 
 pub const OPTIM: ShaderFile = ShaderFile {
@@ -414,6 +429,7 @@ pub const SHADERS: &[ShaderFile] = &[
     WHERE,
     PERMUTE,
     STRIDED_COPY,
+    GRAD_NORM,
 ];
 
 impl ShaderFile {
@@ -535,12 +551,17 @@ fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
             .iter()
             .map(|&s| vec![s, F32])
             .collect(),
-        // Packed f16 rows of odd length are written to f32 first.
+        // The slots and the norm are f32.
+        "grad_norm" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s, F32, F32])
+            .collect(),
+        // Packed f16 rows of odd length are written to f32 first; the mask has x's dtype.
         "softmax" | "softmax_sg" => vec![
-            vec![F32, F32],
-            vec![F16, F16],
-            vec![F16Packed, F16Packed],
-            vec![F16Packed, F32],
+            vec![F32, F32, F32],
+            vec![F16, F16, F16],
+            vec![F16Packed, F16Packed, F16Packed],
+            vec![F16Packed, F32, F16Packed],
         ],
         // Targets and row losses are f32.
         "cross_entropy" => [F32, F16, F16Packed]

@@ -1,4 +1,5 @@
-//! Dispatch for the row-softmax family: softmax and log-softmax along the last dim, and the fused
+//! Dispatch for the row-softmax family: softmax and log-softmax along the last dim (optionally
+//! with a scale, a causal mask and an additive mask fused into the row's loads), and the fused
 //! softmax cross-entropy (loss and gradient in one pass per row).
 
 use super::elementwise::{self, UnaryOp};
@@ -115,40 +116,92 @@ pub(crate) fn needs_f32_staging(dev: &Device, out: &Tensor, c: usize) -> bool {
     Storage::of(dev, out.dtype()) == Storage::F16Packed && !c.is_multiple_of(2)
 }
 
-/// out = softmax (or log-softmax) of x along rows of length `c`; x and out are (rows, c)
-/// contiguous, of any dtypes.
-pub(crate) fn softmax(x: &Tensor, rows: usize, c: usize, log: bool, out: &Tensor) -> Result<()> {
+/// What softmax_masked fuses into the row loads (include/softmax_mask.wgsl), checked by the
+/// caller: `scale * x + mask` with causal columns at -inf. The input is viewed as
+/// (d0, d1, tq, c).
+pub(crate) struct Fused<'a> {
+    /// > 0 and finite.
+    pub scale: f32,
+    pub causal: bool,
+    /// The additive mask (x's dtype), contiguous along c, with its strides along d0, d1 and tq
+    /// (0 where it is broadcast).
+    pub mask: Option<(&'a Tensor, [u32; 3])>,
+    pub d1: u32,
+    pub tq: u32,
+}
+
+/// out = softmax (or log-softmax) of x along rows of length `c`, or with `fused` the softmax of
+/// `scale * x + mask` (an all -inf row then gives zeros); x and out are (rows, c) contiguous, of
+/// any dtypes (a mask has x's).
+pub(crate) fn softmax(
+    x: &Tensor,
+    rows: usize,
+    c: usize,
+    log: bool,
+    fused: Option<&Fused>,
+    out: &Tensor,
+) -> Result<()> {
     if rows == 0 || c == 0 {
         return Ok(());
     }
     let dev = out.device();
     if needs_f32_staging(dev, out, c) {
         let tmp = Tensor::uninit(dev, out.shape().clone(), DType::F32)?;
-        softmax(x, rows, c, log, &tmp)?;
+        softmax(x, rows, c, log, fused, &tmp)?;
         return elementwise::unary(UnaryOp::Identity, &tmp, 0.0, out);
     }
     let l = launch(rows, c, dev.info().subgroup_size);
-    let storage = [Storage::of(dev, x.dtype()), Storage::of(dev, out.dtype())];
+    // Without a mask, x stands in for the mask binding (MASK = 0 never reads it).
+    let mask = fused.and_then(|f| f.mask.map(|(m, _)| m)).unwrap_or(x);
+    let storage = [x, out, mask].map(|t| Storage::of(dev, t.dtype()));
+    // Plain softmax leaves MASKED, CAUSAL and MASK at 0: its kernels compile to what they were
+    // before the fused mask existed.
+    let mut consts = vec![("LOG", u32::from(log))];
+    if let Some(f) = fused {
+        consts.push(("MASKED", 1));
+        consts.push(("CAUSAL", u32::from(f.causal)));
+        consts.push(("MASK", u32::from(f.mask.is_some())));
+    }
     let k = if l.mode == 2 {
-        let bind = bindings(&SOFTMAX_SG, &storage, &[l.vec4, l.vec4]);
-        let consts = [
-            ("SG", l.lanes),
-            ("CHUNKS", l.chunks),
-            ("LOG", u32::from(log)),
-        ];
+        let bind = bindings(&SOFTMAX_SG, &storage, &[l.vec4; 3]);
+        consts.extend([("SG", l.lanes), ("CHUNKS", l.chunks)]);
         kernel(dev, &SOFTMAX_SG, &bind, &consts)?
     } else {
-        let bind = bindings(&SOFTMAX, &storage, &[l.vec4, l.vec4]);
-        let consts = [("MODE", l.mode), ("LOG", u32::from(log))];
+        let bind = bindings(&SOFTMAX, &storage, &[l.vec4; 3]);
+        consts.push(("MODE", l.mode));
         kernel(dev, &SOFTMAX, &bind, &consts)?
     };
-    let params = [
+    let params = params(rows, c, l.lanes, fused);
+    dev.dispatch(
+        &k,
+        &params,
+        &[x.block(), out.block(), mask.block()],
+        l.groups,
+    )
+}
+
+/// The uniform words of include/softmax_rows.wgsl's `Params`.
+fn params(rows: usize, c: usize, lanes: u32, fused: Option<&Fused>) -> [u32; 12] {
+    let (scale, tq, d1, ms) = match fused {
+        Some(f) => (f.scale, f.tq, f.d1, f.mask.map_or([0; 3], |(_, s)| s)),
+        None => (1.0, 1, 1, [0; 3]),
+    };
+    // Causal query i sees columns k < i + diag, diag = c - tq + 1 (may be negative).
+    let diag = c as i64 - tq as i64 + 1;
+    [
         rows as u32,
         c as u32,
         c.div_ceil(4) as u32,
-        l.lanes.trailing_zeros(),
-    ];
-    dev.dispatch(&k, &params, &[x.block(), out.block()], l.groups)
+        lanes.trailing_zeros(),
+        scale.to_bits(),
+        tq,
+        diag.clamp(i32::MIN as i64, i32::MAX as i64) as i32 as u32,
+        d1,
+        ms[0],
+        ms[1],
+        ms[2],
+        0,
+    ]
 }
 
 /// Cross-entropy of logits x (rows, c) against `targets` (rows, f32 class indices, checked by
@@ -176,7 +229,7 @@ pub(crate) fn cross_entropy(
     }
     // Cross-entropy keeps the workgroup kernel (modes 0 and 1) on every adapter.
     let l = launch(rows, c, None);
-    // Without a gradient, x stands in for the grad binding (the kernel does not touch it).
+    // Without a gradient, x stands in for the grad binding (`out`; the kernel does not touch it).
     let g = grad.unwrap_or(x);
     let bind = bindings(
         &CROSS_ENTROPY,
@@ -194,16 +247,9 @@ pub(crate) fn cross_entropy(
         &bind,
         &[("MODE", l.mode), ("GRAD", u32::from(grad.is_some()))],
     )?;
-    let params = [
-        rows as u32,
-        c as u32,
-        c.div_ceil(4) as u32,
-        l.lanes.trailing_zeros(),
-        inv_b.to_bits(),
-        0,
-        0,
-        0,
-    ];
+    // The softmax parameters, with 1 / B as the scale.
+    let mut params = params(rows, c, l.lanes, None);
+    params[4] = inv_b.to_bits();
     dev.dispatch(
         &k,
         &params,
@@ -233,11 +279,16 @@ mod tests {
                         .collect();
                     for mode in [0, 1] {
                         for flag in [0, 1] {
+                            // Every mask specialization once per mode (the masks read the
+                            // `mask` binding only with MASK = 1).
                             let consts = [
                                 ("MODE", mode),
                                 ("LOG", flag),
                                 ("GRAD", flag),
                                 ("CHUNKS", 1 << (5 * mode)),
+                                ("MASKED", flag | mode),
+                                ("CAUSAL", flag),
+                                ("MASK", flag ^ mode),
                             ];
                             let src = assemble(&specialize(file.body, &consts), &bind);
                             if let Err(e) = validate_wgsl(&src) {

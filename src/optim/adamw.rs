@@ -1,6 +1,7 @@
 //! Adam with decoupled weight decay (torch.optim.AdamW).
 
-use super::{check, check_params, grad_of, take_state, zeros_like, Optimizer, OptimizerState};
+use super::groups::{Groups, ParamGroup};
+use super::{check, grad_of, take_state, zeros_like, Optimizer, OptimizerState};
 use crate::kernels::optim::{adamw_step, AdamWHyper};
 use crate::{Result, Tensor};
 
@@ -19,13 +20,18 @@ const NAMES: [&str; 2] = ["exp_avg", "exp_avg_sq"];
 /// their value ([`Error::InvalidArgument`](crate::Error::InvalidArgument)); `step()` checks them
 /// all again, with the learning rate of `set_lr`, before it updates anything.
 ///
+/// With [parameter groups](ParamGroup) ([`AdamW::with_groups`]) a parameter's `lr` is the
+/// optimizer's times its group's `lr_scale`, and its `weight_decay` its group's, or the
+/// optimizer's where the group sets none.
+///
 /// ```no_run
 /// # fn f(params: Vec<fitgrad::Tensor>) -> fitgrad::Result<()> {
 /// let opt = fitgrad::optim::AdamW::new(params, 3e-4)?.betas(0.9, 0.95)?.weight_decay(0.1)?;
 /// # Ok(()) }
 /// ```
 pub struct AdamW {
-    params: Vec<Tensor>,
+    /// The parameters (in group order) and their groups' hyperparameters.
+    groups: Groups,
     lr: f32,
     beta1: f32,
     beta2: f32,
@@ -41,11 +47,22 @@ pub struct AdamW {
 impl AdamW {
     /// AdamW over `params` (leaves that require grad) with learning rate `lr >= 0`.
     pub fn new(params: Vec<Tensor>, lr: f32) -> Result<AdamW> {
-        check_params(OP, &params)?;
+        Self::build(Groups::single(OP, params)?, lr)
+    }
+
+    /// AdamW over parameter groups, each with its own weight decay and learning-rate scale
+    /// (torch's `param_groups`; see [`decay_groups`](super::decay_groups)). State and
+    /// checkpoints index the parameters in group order. The builder methods apply to every
+    /// group (`weight_decay` to those that set none).
+    pub fn with_groups(groups: Vec<ParamGroup>, lr: f32) -> Result<AdamW> {
+        Self::build(Groups::new(OP, groups)?, lr)
+    }
+
+    fn build(groups: Groups, lr: f32) -> Result<AdamW> {
         check(OP, "lr", lr, lr >= 0.0, ">= 0")?;
-        let n = params.len();
+        let n = groups.len();
         Ok(AdamW {
-            params,
+            groups,
             lr,
             beta1: 0.9,
             beta2: 0.999,
@@ -73,7 +90,8 @@ impl AdamW {
         Ok(self)
     }
 
-    /// Decoupled weight decay (>= 0; default 0.01): p *= 1 - lr * weight_decay each step.
+    /// Decoupled weight decay (>= 0; default 0.01): p *= 1 - lr * weight_decay each step. Groups
+    /// that set their own keep theirs.
     pub fn weight_decay(mut self, weight_decay: f32) -> Result<AdamW> {
         check(
             OP,
@@ -102,13 +120,17 @@ fn in_unit(b: f32) -> bool {
 
 impl Optimizer for AdamW {
     fn fresh(&self) -> Box<dyn Optimizer> {
-        let n = self.params.len();
+        let n = self.groups.len();
         Box::new(Self {
-            params: self.params.clone(),
+            groups: self.groups.clone(),
+            lr: self.lr,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
             moments: (0..n).map(|_| None).collect(),
             param_steps: vec![0; n],
             steps: 0,
-            ..*self
         })
     }
 
@@ -119,6 +141,7 @@ impl Optimizer for AdamW {
     fn step(&mut self) -> Result<()> {
         self.check_hyperparameters()?;
         let grads = self
+            .groups
             .params
             .iter()
             .map(|p| grad_of(OP, p))
@@ -127,7 +150,7 @@ impl Optimizer for AdamW {
         let mut new = Vec::new();
         for (i, g) in grads.iter().enumerate() {
             if g.is_some() && self.moments[i].is_none() {
-                let p = &self.params[i];
+                let p = &self.groups.params[i];
                 new.push((i, (zeros_like(p)?, zeros_like(p)?)));
             }
         }
@@ -139,14 +162,14 @@ impl Optimizer for AdamW {
                 continue;
             };
             let hp = AdamWHyper {
-                lr: self.lr,
-                weight_decay: self.weight_decay,
+                lr: self.groups.lr(i, self.lr),
+                weight_decay: self.groups.weight_decay(i, self.weight_decay),
                 beta1: self.beta1,
                 beta2: self.beta2,
                 eps: self.eps,
                 step: self.param_steps[i] + 1,
             };
-            adamw_step(&self.params[i], g, m, v, &hp)?;
+            adamw_step(&self.groups.params[i], g, m, v, &hp)?;
             self.param_steps[i] += 1;
         }
         self.steps += 1;
@@ -162,7 +185,7 @@ impl Optimizer for AdamW {
     }
 
     fn params(&self) -> &[Tensor] {
-        &self.params
+        &self.groups.params
     }
 
     fn step_count(&self) -> u64 {
@@ -190,7 +213,7 @@ impl Optimizer for AdamW {
 
     fn load_state(&mut self, state: OptimizerState) -> Result<()> {
         let (steps, param_steps) = (state.step_count, state.param_steps.clone());
-        let slots = take_state(OP, &self.params, &NAMES, state)?;
+        let slots = take_state(OP, &self.groups.params, &NAMES, state)?;
         self.moments = slots
             .into_iter()
             .map(|s| {

@@ -1,4 +1,5 @@
-//! Optimizers ([`Sgd`], [`AdamW`], with torch's semantics) and learning-rate schedules.
+//! Optimizers ([`Sgd`], [`AdamW`], with torch's semantics and [parameter groups](ParamGroup)),
+//! gradient clipping ([`clip_grad_norm`]) and learning-rate schedules.
 //!
 //! Each update is one fused kernel per parameter (shaders/optim.wgsl), in place: it reads the
 //! parameter, its gradient and its state once and writes the parameter and the state once. The
@@ -25,11 +26,15 @@
 //! ```
 
 mod adamw;
+mod clip;
+mod groups;
 mod scaler;
 pub mod schedule;
 mod sgd;
 
 pub use adamw::AdamW;
+pub use clip::{clip_grad_norm, clip_grad_norm_tensor};
+pub use groups::{decay_groups, ParamGroup};
 pub use scaler::GradScaler;
 pub use schedule::LrSchedule;
 pub use sgd::Sgd;
@@ -155,9 +160,11 @@ fn grad_of(op: &'static str, p: &Tensor) -> Result<Option<Tensor>> {
     Ok(Some(g))
 }
 
-/// New state for `p`: zeros of its shape and dtype.
+/// New optimizer state for `p`: zeros of its shape, always f32. An f16 second moment of
+/// AdamW underflows (g² < 6e-8 is 0 in f16), and then `m / (sqrt(v) + eps)` blows up; f32 state
+/// with eps applied in f32 lets pure-f16 training converge.
 fn zeros_like(p: &Tensor) -> Result<Tensor> {
-    Tensor::zeros(p.device(), p.dims(), p.dtype())
+    Tensor::zeros(p.device(), p.dims(), crate::DType::F32)
 }
 
 /// Checks a loaded state against `params` and the state names of one optimizer, and returns

@@ -1,7 +1,8 @@
 //! Stochastic gradient descent with momentum, dampening, Nesterov and L2 weight decay
 //! (torch.optim.SGD).
 
-use super::{check, check_params, grad_of, take_state, zeros_like, Optimizer, OptimizerState};
+use super::groups::{Groups, ParamGroup};
+use super::{check, grad_of, take_state, zeros_like, Optimizer, OptimizerState};
 use crate::kernels::optim::{sgd_step, SgdHyper};
 use crate::{Result, Tensor};
 
@@ -19,13 +20,18 @@ const BUF: &str = "momentum_buffer";
 /// `step()` checks them all again, with the learning rate of `set_lr` and Nesterov's conditions,
 /// before it updates anything.
 ///
+/// With [parameter groups](ParamGroup) ([`Sgd::with_groups`]) a parameter's `lr` is the
+/// optimizer's times its group's `lr_scale`, and its `weight_decay` its group's, or the
+/// optimizer's where the group sets none.
+///
 /// ```no_run
 /// # fn f(params: Vec<fitgrad::Tensor>) -> fitgrad::Result<()> {
 /// let opt = fitgrad::optim::Sgd::new(params, 0.1)?.momentum(0.9)?.nesterov(true)?;
 /// # Ok(()) }
 /// ```
 pub struct Sgd {
-    params: Vec<Tensor>,
+    /// The parameters (in group order) and their groups' hyperparameters.
+    groups: Groups,
     lr: f32,
     momentum: f32,
     dampening: f32,
@@ -40,11 +46,22 @@ pub struct Sgd {
 impl Sgd {
     /// Plain SGD over `params` (leaves that require grad) with learning rate `lr >= 0`.
     pub fn new(params: Vec<Tensor>, lr: f32) -> Result<Sgd> {
-        check_params(OP, &params)?;
+        Self::build(Groups::single(OP, params)?, lr)
+    }
+
+    /// SGD over parameter groups, each with its own weight decay and learning-rate scale
+    /// (torch's `param_groups`; see [`decay_groups`](super::decay_groups)). State and
+    /// checkpoints index the parameters in group order. The builder methods apply to every
+    /// group (`weight_decay` to those that set none).
+    pub fn with_groups(groups: Vec<ParamGroup>, lr: f32) -> Result<Sgd> {
+        Self::build(Groups::new(OP, groups)?, lr)
+    }
+
+    fn build(groups: Groups, lr: f32) -> Result<Sgd> {
         check(OP, "lr", lr, lr >= 0.0, ">= 0")?;
-        let n = params.len();
+        let n = groups.len();
         Ok(Sgd {
-            params,
+            groups,
             lr,
             momentum: 0.0,
             dampening: 0.0,
@@ -70,7 +87,8 @@ impl Sgd {
         Ok(self)
     }
 
-    /// L2 penalty added to the gradient (>= 0; default 0).
+    /// L2 penalty added to the gradient (>= 0; default 0). Groups that set their own keep
+    /// theirs.
     pub fn weight_decay(mut self, weight_decay: f32) -> Result<Sgd> {
         check(
             OP,
@@ -118,13 +136,17 @@ impl Sgd {
 
 impl Optimizer for Sgd {
     fn fresh(&self) -> Box<dyn Optimizer> {
-        let n = self.params.len();
+        let n = self.groups.len();
         Box::new(Self {
-            params: self.params.clone(),
+            groups: self.groups.clone(),
+            lr: self.lr,
+            momentum: self.momentum,
+            dampening: self.dampening,
+            weight_decay: self.weight_decay,
+            nesterov: self.nesterov,
             bufs: (0..n).map(|_| None).collect(),
             param_steps: vec![0; n],
             steps: 0,
-            ..*self
         })
     }
 
@@ -139,17 +161,18 @@ impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
         self.check_hyperparameters()?;
         let grads = self
+            .groups
             .params
             .iter()
             .map(|p| grad_of(OP, p))
             .collect::<Result<Vec<_>>>()?;
         // State first, so that running out of memory leaves every parameter as it was.
-        let mut fresh = vec![false; self.params.len()];
+        let mut fresh = vec![false; self.groups.len()];
         if self.momentum != 0.0 {
             let mut new = Vec::new();
             for (i, g) in grads.iter().enumerate() {
                 if g.is_some() && self.bufs[i].is_none() {
-                    new.push((i, zeros_like(&self.params[i])?));
+                    new.push((i, zeros_like(&self.groups.params[i])?));
                 }
             }
             for (i, b) in new {
@@ -165,15 +188,15 @@ impl Optimizer for Sgd {
                 None
             };
             let hp = SgdHyper {
-                lr: self.lr,
-                weight_decay: self.weight_decay,
+                lr: self.groups.lr(i, self.lr),
+                weight_decay: self.groups.weight_decay(i, self.weight_decay),
                 momentum: self.momentum,
                 dampening: self.dampening,
                 nesterov: self.nesterov,
                 // A new buffer takes the gradient as it is (torch: `buf = clone(grad)`).
                 first_step: fresh[i],
             };
-            sgd_step(&self.params[i], g, buf, &hp)?;
+            sgd_step(&self.groups.params[i], g, buf, &hp)?;
             self.param_steps[i] += 1;
         }
         self.steps += 1;
@@ -189,7 +212,7 @@ impl Optimizer for Sgd {
     }
 
     fn params(&self) -> &[Tensor] {
-        &self.params
+        &self.groups.params
     }
 
     fn step_count(&self) -> u64 {
@@ -214,7 +237,7 @@ impl Optimizer for Sgd {
 
     fn load_state(&mut self, state: OptimizerState) -> Result<()> {
         let (steps, param_steps) = (state.step_count, state.param_steps.clone());
-        let slots = take_state(OP, &self.params, &[BUF], state)?;
+        let slots = take_state(OP, &self.groups.params, &[BUF], state)?;
         self.bufs = slots
             .into_iter()
             .map(|s| s.and_then(|mut s| s.pop()))

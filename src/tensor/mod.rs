@@ -17,6 +17,7 @@ pub use dtype::{DType, Element};
 pub use matmul::MatmulOptions;
 pub use random::Rng;
 pub use shape::{Shape, MAX_RANK};
+pub use softmax::SoftmaxOptions;
 
 use crate::autograd::{self, Node};
 use crate::device::Device;

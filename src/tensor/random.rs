@@ -1,6 +1,8 @@
 //! Seeded random tensors. Values are drawn on the host with a fixed generator and uploaded, so
 //! the same seed gives the same values on every adapter (GPU transcendentals differ in the last
-//! bits between vendors; the host's do not between runs).
+//! bits between vendors). The transcendentals are libm's, not std's: std calls the platform's C
+//! library, whose `log` and `cos` differ in the last bit between glibc, musl, macOS and Windows,
+//! while libm is one portable implementation, so a seed gives the same bits on every OS too.
 
 use super::{DType, Tensor};
 use crate::device::Device;
@@ -44,7 +46,8 @@ impl Rng {
     pub fn next_normal(&mut self) -> f64 {
         let u1 = 1.0 - self.next_f64(); // (0, 1]: ln is finite
         let u2 = self.next_f64();
-        (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()
+        // sqrt is correctly rounded (IEEE 754) everywhere, so std's is portable.
+        (-2.0 * libm::log(u1)).sqrt() * libm::cos(std::f64::consts::TAU * u2)
     }
 }
 

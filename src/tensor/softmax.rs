@@ -1,9 +1,9 @@
-//! Softmax, log-softmax and the fused softmax cross-entropy: validation here, kernels in
-//! src/kernels/softmax.rs.
+//! Softmax, log-softmax, softmax with a fused scale and causal / additive mask, and the fused
+//! softmax cross-entropy: validation here, kernels in src/kernels/softmax.rs.
 
 use super::{DType, Shape, Tensor};
-use crate::autograd::{self, record};
-use crate::kernels::softmax;
+use crate::autograd::{self, expand, record};
+use crate::kernels::softmax::{self, Fused};
 use crate::{Error, Result};
 
 /// Largest class count whose indices f32 holds exactly (targets travel to the GPU as f32).
@@ -29,26 +29,86 @@ impl Tensor {
         let c = self.dims().last().copied().unwrap_or(1);
         let rows = self.numel().checked_div(c).unwrap_or(0);
         let out = Tensor::uninit(self.device(), self.shape().clone(), self.dtype())?;
-        softmax::softmax(self, rows, c, log, &out)?;
+        softmax::softmax(self, rows, c, log, None, &out)?;
         let y = out.detach();
         Ok(record(op, out, &[self], || {
+            Box::new(move |g, _| Ok(vec![Some(softmax_backward(g, &y, log)?)]))
+        }))
+    }
+
+    /// `softmax(scale * self + mask)` along the last dim in one kernel pass per row, with
+    /// columns past the causal limit at -inf: the attention weights of queries (.., T_q) over
+    /// keys (.., T_k), `self` being (.., T_q, T_k).
+    ///
+    /// - `scale` (> 0, finite; default 1) multiplies `self` before the mask is added.
+    /// - `causal`: query i (the second-to-last index) sees keys k <= i + T_k - T_q: the usual
+    ///   lower triangle when T_q = T_k, and a block of queries at the end of a longer key
+    ///   sequence (a KV cache) when T_q < T_k. Needs rank >= 2. Masked columns are never read.
+    /// - `mask`: added to `scale * self`, of `self`'s dtype, its shape broadcast to `self`'s
+    ///   (aligned on the right, each dim equal or 1: (T_q, T_k), (B, 1, T_q, T_k), (B, 1, 1, T_k)
+    ///   ...); -inf entries mask a column out.
+    ///
+    /// A row whose values are all -inf (masked entirely) gives zeros, not NaN; a NaN or +inf
+    /// gives NaN, as in [`Tensor::softmax`]. Statistics in f32; deterministic.
+    ///
+    /// Backward: dx = scale * y * (dy - sum(dy * y)), so masked positions get 0. The mask gets
+    /// no gradient (it is a constant, as torch's attention masks are in practice): a mask that
+    /// requires grad is read, never differentiated.
+    ///
+    /// Errors, before any device work: [`Error::InvalidArgument`] for a scale that is not
+    /// finite and > 0, [`Error::Shape`] for causal on rank < 2 or a mask shape that does not
+    /// broadcast to `self`'s, [`Error::DType`] for a mask of another dtype,
+    /// [`Error::DeviceMismatch`] for one on another device.
+    pub fn softmax_masked(&self, opts: SoftmaxOptions) -> Result<Tensor> {
+        const OP: &str = "softmax_masked";
+        let SoftmaxOptions {
+            scale,
+            causal,
+            mask,
+        } = opts;
+        if !(scale.is_finite() && scale > 0.0) {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: format!("scale = {scale} must be finite and > 0"),
+            });
+        }
+        let dims = self.dims().to_vec();
+        if causal && dims.len() < 2 {
+            return Err(Error::Shape {
+                op: OP,
+                lhs: dims,
+                rhs: vec![],
+                reason: "a causal mask needs (.., T_q, T_k), rank >= 2".into(),
+            });
+        }
+        check_u32_elements(OP, self)?;
+        // The input as (d0, d1, T_q, T_k), leading dims padded with 1.
+        let mut d4 = [1usize; 4];
+        d4[4 - dims.len()..].copy_from_slice(&dims);
+        let mask = match mask {
+            Some(m) => Some(mask_view(OP, self, &m, &d4)?),
+            None => None,
+        };
+        let c = d4[3];
+        let rows = self.numel().checked_div(c).unwrap_or(0);
+        let out = Tensor::uninit(self.device(), self.shape().clone(), self.dtype())?;
+        let fused = Fused {
+            scale,
+            causal,
+            mask: mask.as_ref().map(|(m, s)| (m, *s)),
+            d1: d4[1] as u32,
+            tq: d4[2] as u32,
+        };
+        softmax::softmax(self, rows, c, false, Some(&fused), &out)?;
+        let y = out.detach();
+        Ok(record(OP, out, &[self], || {
             Box::new(move |g, _| {
-                // Rows along the last dim; a rank-0 tensor is one row of one.
-                let dims = g.dims().to_vec();
-                let (g2, y2) = if dims.is_empty() {
-                    (g.reshape(&[1])?, y.reshape(&[1])?)
+                let dx = softmax_backward(g, &y, false)?;
+                Ok(vec![Some(if scale == 1.0 {
+                    dx
                 } else {
-                    (g.clone(), y.clone())
-                };
-                let last = g2.rank() - 1;
-                let dx = if log {
-                    // y = log softmax: dx = g - softmax * sum(g)
-                    g2.sub(&y2.exp()?.mul(&g2.sum_axis(last, true)?)?)?
-                } else {
-                    // y = softmax: dx = y * (g - sum(g * y))
-                    y2.mul(&g2.sub(&g2.mul(&y2)?.sum_axis(last, true)?)?)?
-                };
-                Ok(vec![Some(dx.reshape(&dims)?)])
+                    dx.mul_scalar(scale)?
+                })])
             })
         }))
     }
@@ -149,6 +209,144 @@ impl Tensor {
         };
         Ok((loss, grad))
     }
+}
+
+/// The options of [`Tensor::softmax_masked`]: `y = softmax(scale * x + mask)` with an optional
+/// causal mask. The default is a plain softmax (scale 1, no mask) whose all -inf rows give 0.
+///
+/// ```no_run
+/// # fn f(scores: &fitgrad::Tensor) -> fitgrad::Result<()> {
+/// use fitgrad::SoftmaxOptions;
+/// // scores are (B, H, T, T): causal attention weights of a head of size 64.
+/// let w = scores.softmax_masked(SoftmaxOptions::new().scale(0.125).causal(true))?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct SoftmaxOptions {
+    /// Multiplies the input before the mask is added; finite and > 0 (default 1).
+    pub scale: f32,
+    /// Query i (second-to-last index) sees keys k <= i + T_k - T_q only.
+    pub causal: bool,
+    /// Added to the scaled input; the input's dtype, broadcast to its shape. Gets no gradient.
+    pub mask: Option<Tensor>,
+}
+
+impl Default for SoftmaxOptions {
+    fn default() -> Self {
+        SoftmaxOptions {
+            scale: 1.0,
+            causal: false,
+            mask: None,
+        }
+    }
+}
+
+impl SoftmaxOptions {
+    /// Scale 1, no mask (as `Default`).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets the scale (checked by `softmax_masked`).
+    pub fn scale(mut self, scale: f32) -> Self {
+        self.scale = scale;
+        self
+    }
+
+    /// Turns the causal mask on or off.
+    pub fn causal(mut self, causal: bool) -> Self {
+        self.causal = causal;
+        self
+    }
+
+    /// Sets the additive mask.
+    pub fn mask(mut self, mask: Tensor) -> Self {
+        self.mask = Some(mask);
+        self
+    }
+}
+
+/// The backward of softmax (`log` false) or log-softmax along the last dim, from the output
+/// `y` and its gradient `g` (same shape; rank 0 is one row of one).
+fn softmax_backward(g: &Tensor, y: &Tensor, log: bool) -> Result<Tensor> {
+    let dims = g.dims().to_vec();
+    let (g2, y2) = if dims.is_empty() {
+        (g.reshape(&[1])?, y.reshape(&[1])?)
+    } else {
+        (g.clone(), y.clone())
+    };
+    let last = g2.rank() - 1;
+    let dx = if log {
+        // y = log softmax: dx = g - softmax * sum(g)
+        g2.sub(&y2.exp()?.mul(&g2.sum_axis(last, true)?)?)?
+    } else {
+        // y = softmax: dx = y * (g - sum(g * y))
+        y2.mul(&g2.sub(&g2.mul(&y2)?.sum_axis(last, true)?)?)?
+    };
+    dx.reshape(&dims)
+}
+
+/// Checks `mask` against `x` (viewed as `d4` = (d0, d1, T_q, T_k)) and returns it contiguous
+/// along T_k (a mask broadcast along T_k is expanded, a small copy) with its strides along d0,
+/// d1 and T_q, 0 where it is broadcast.
+fn mask_view(
+    op: &'static str,
+    x: &Tensor,
+    mask: &Tensor,
+    d4: &[usize; 4],
+) -> Result<(Tensor, [u32; 3])> {
+    if mask.device() != x.device() {
+        return Err(Error::DeviceMismatch { op });
+    }
+    if mask.dtype() != x.dtype() {
+        return Err(Error::DType {
+            op,
+            expected: x.dtype(),
+            got: mask.dtype(),
+        });
+    }
+    let md = mask.dims();
+    let bad = |reason: String| Error::Shape {
+        op,
+        lhs: x.dims().to_vec(),
+        rhs: md.to_vec(),
+        reason,
+    };
+    if md.len() > x.rank() {
+        return Err(bad(format!(
+            "the mask has rank {}, more than the input's {}",
+            md.len(),
+            x.rank()
+        )));
+    }
+    let mut m4 = [1usize; 4];
+    m4[4 - md.len()..].copy_from_slice(md);
+    if let Some(k) = (0..4).find(|&k| m4[k] != d4[k] && m4[k] != 1) {
+        return Err(bad(format!(
+            "the mask must broadcast to the input: dim {} is {}, the input's is {}",
+            k + md.len() - 4,
+            m4[k],
+            d4[k]
+        )));
+    }
+    let _g = autograd::no_grad();
+    let mask = if m4[3] == 1 && d4[3] != 1 {
+        // The kernel reads the mask along T_k; a mask constant along it is rare, so copy it.
+        m4[3] = d4[3];
+        expand(mask, &m4)?
+    } else {
+        mask.detach()
+    };
+    // Contiguous strides of the 4-D mask, 0 along broadcast dims.
+    let st = [m4[1] * m4[2] * m4[3], m4[2] * m4[3], m4[3]];
+    let mut ms = [0u32; 3];
+    for k in 0..3 {
+        if m4[k] != 1 {
+            ms[k] = st[k] as u32;
+        }
+    }
+    check_u32_elements(op, &mask)?;
+    Ok((mask, ms))
 }
 
 /// The kernels index elements with u32.

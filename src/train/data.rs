@@ -9,6 +9,7 @@ use std::fs;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 
+use super::csv_file::parse_csv;
 use crate::tensor::Rng;
 use crate::{Error, Result};
 
@@ -67,7 +68,7 @@ impl Dataset {
         // The bytes are the crate's own and a test parses them, so a failure is a build defect.
         let path = Path::new("digits.csv.gz (embedded)");
         let mut d = gunzip_if_gz(path, DIGITS_CSV_GZ.to_vec())
-            .and_then(|csv| parse_csv(path, &csv, None))
+            .and_then(|csv| parse_csv(path, &csv, None, None))
             .expect("the embedded digits.csv.gz parses");
         d.name = "digits".to_string();
         d.classes = 10;
@@ -131,13 +132,36 @@ impl Dataset {
         idx_pair(dir.unwrap_or(Path::new(MNIST_DIR)), "mnist", hint)
     }
 
-    /// A CSV of numbers, optionally gzipped (detected by its magic bytes). The first row is a
-    /// header when any of its fields is not a number. The label column is `label_column`, else
-    /// the header's "label", else the last column. Labels must be non-negative integers and
-    /// `classes` is the largest + 1. Features are kept as they are; see `normalize_max`.
+    /// A CSV of numbers, optionally gzipped (detected by its magic bytes). Fields are split at
+    /// the delimiter that occurs most often outside quotes in the first non-blank line: tab,
+    /// `;` or `,` (a tie goes to tab, then `;`; see [`Dataset::from_csv_delimited`] to choose
+    /// it). Fields may be quoted (`"a, b"`, `""` for a quote) and are trimmed; blank lines are
+    /// skipped. The first row is a header when any of its fields is not a number. The label
+    /// column is `label_column`, else the header's "label", else the last column. Labels must
+    /// be non-negative integers and `classes` is the largest + 1; a label far above the others
+    /// (see [`load`]) is an error. Features are kept as they are; see `normalize_max`.
     pub fn from_csv(path: &Path, label_column: Option<&str>) -> Result<Dataset> {
         let bytes = read_maybe_gz(path)?;
-        parse_csv(path, &bytes, label_column)
+        parse_csv(path, &bytes, label_column, None)
+    }
+
+    /// [`Dataset::from_csv`] with fields split at `delimiter` (an ASCII byte such as `b';'`).
+    pub fn from_csv_delimited(
+        path: &Path,
+        label_column: Option<&str>,
+        delimiter: u8,
+    ) -> Result<Dataset> {
+        if !delimiter.is_ascii() || delimiter == b'"' || delimiter == b'\n' {
+            return Err(Error::InvalidArgument {
+                op: "Dataset::from_csv_delimited",
+                reason: format!(
+                    "delimiter {:?} must be an ASCII byte other than a quote or a line end",
+                    char::from(delimiter)
+                ),
+            });
+        }
+        let bytes = read_maybe_gz(path)?;
+        parse_csv(path, &bytes, label_column, Some(delimiter))
     }
 
     /// Divides every feature by the largest absolute feature, so the data lies in [-1, 1]
@@ -213,7 +237,21 @@ impl Dataset {
 
 /// (train, test) from a spec: "digits" (80/20 seeded split), "fashion-mnist", "mnist" (their own
 /// train and test files), or a path: a directory of IDX files, or a CSV file (80/20 seeded split).
+///
+/// A dataset that would train to a meaningless score is an [`Error::Data`] naming the spec:
+/// an empty training split, one with fewer than 2 distinct labels (every model scores 100%),
+/// or an empty test split (a file too small to hold a 20% test split). A CSV label that would
+/// blow up the output layer is refused by [`Dataset::from_csv`] with its line: a label
+/// ≥ 1000 x the number of distinct labels, or > 255 and more than 10x the next largest label
+/// (usually the wrong column taken as the label). Classes with no training row, and test labels
+/// that no training row has, are logged with `log::warn!`.
 pub fn load(spec: &str, seed: u64) -> Result<(Dataset, Dataset)> {
+    let (train, test) = load_unchecked(spec, seed)?;
+    check_splits(Path::new(spec), &train, &test)?;
+    Ok((train, test))
+}
+
+fn load_unchecked(spec: &str, seed: u64) -> Result<(Dataset, Dataset)> {
     match spec {
         "digits" => Ok(Dataset::digits().split(TEST_FRACTION, seed)),
         "fashion-mnist" | "fashion_mnist" => Dataset::fashion_mnist(None),
@@ -243,6 +281,115 @@ pub fn load(spec: &str, seed: u64) -> Result<(Dataset, Dataset)> {
     }
 }
 
+/// The checks of [`load`] on a (train, test) pair; `source` names it in errors.
+fn check_splits(source: &Path, train: &Dataset, test: &Dataset) -> Result<()> {
+    if train.is_empty() {
+        return Err(data_err(source, "the training split is empty"));
+    }
+    if test.is_empty() {
+        return Err(data_err(
+            source,
+            format!(
+                "the test split is empty ({} training rows): a file needs at least 3 rows for \
+                 a {}% test split",
+                train.len(),
+                TEST_FRACTION * 100.0
+            ),
+        ));
+    }
+    let counts = train.class_counts();
+    let present: Vec<usize> = (0..counts.len()).filter(|&c| counts[c] > 0).collect();
+    if let [only] = present[..] {
+        return Err(data_err(
+            source,
+            format!(
+                "every one of the {} training rows has label {only}: with a single class any \
+                 model scores 100%; is the label column right?",
+                train.len()
+            ),
+        ));
+    }
+    let empty: Vec<usize> = (0..counts.len()).filter(|&c| counts[c] == 0).collect();
+    if !empty.is_empty() {
+        log::warn!(
+            "{}: {} of {} classes have no training rows ({}); labels should run 0..classes",
+            source.display(),
+            empty.len(),
+            counts.len(),
+            first_few(&empty)
+        );
+    }
+    let mut unseen: Vec<usize> = test
+        .labels
+        .iter()
+        .map(|&l| l as usize)
+        .filter(|&l| counts.get(l).is_none_or(|&n| n == 0))
+        .collect();
+    unseen.sort_unstable();
+    unseen.dedup();
+    if !unseen.is_empty() {
+        log::warn!(
+            "{}: the test split has labels no training row has ({}): the model cannot learn them",
+            source.display(),
+            first_few(&unseen)
+        );
+    }
+    Ok(())
+}
+
+/// `1, 2, 3` with at most eight values, then how many more.
+fn first_few(v: &[usize]) -> String {
+    let mut s: Vec<String> = v.iter().take(8).map(usize::to_string).collect();
+    if v.len() > 8 {
+        s.push(format!("and {} more", v.len() - 8));
+    }
+    s.join(", ")
+}
+
+/// Refuses a label far outside the others: the model's output layer would get `label + 1`
+/// classes, almost all of them never seen. That is a label ≥ 1000 x the number of distinct
+/// labels, or one above 255 and more than 10x the next largest distinct label. `column` names
+/// the label column and `locate(row)` the row ("line 7") in the message. (IDX labels are bytes,
+/// at most 255, so neither can happen there.)
+pub(super) fn check_labels(
+    path: &Path,
+    labels: &[u32],
+    column: &str,
+    locate: impl Fn(usize) -> String,
+) -> Result<()> {
+    let mut distinct = labels.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    let Some(&max) = distinct.last() else {
+        return Ok(());
+    };
+    let k = distinct.len() as u64;
+    let next = distinct.len().checked_sub(2).map(|i| distinct[i]);
+    let why = if u64::from(max) >= 1000 * k {
+        format!("at least 1000x the number of distinct labels ({k})")
+    } else {
+        match next {
+            Some(n) if max > 255 && u64::from(max) > 10 * u64::from(n) => {
+                format!("more than 10x the next largest label ({n})")
+            }
+            _ => return Ok(()),
+        }
+    };
+    let row = labels
+        .iter()
+        .position(|&l| l == max)
+        .expect("max is a label");
+    Err(data_err(
+        path,
+        format!(
+            "{}: label {max} is {why}, so the model would get {} output classes; is the label \
+             column ({column}) the right one? (choose it with label_column)",
+            locate(row),
+            u64::from(max) + 1
+        ),
+    ))
+}
+
 /// Fisher–Yates over 0..n.
 pub(crate) fn permutation(n: usize, rng: &mut Rng) -> Vec<usize> {
     let mut order: Vec<usize> = (0..n).collect();
@@ -254,7 +401,7 @@ pub(crate) fn permutation(n: usize, rng: &mut Rng) -> Vec<usize> {
     order
 }
 
-fn data_err(path: &Path, reason: impl Into<String>) -> Error {
+pub(super) fn data_err(path: &Path, reason: impl Into<String>) -> Error {
     Error::Data {
         path: path.display().to_string(),
         reason: reason.into(),
@@ -391,132 +538,4 @@ fn idx_pair(dir: &Path, name: &str, hint: &str) -> Result<(Dataset, Dataset)> {
     train.name = format!("{name}/train");
     test.name = format!("{name}/test");
     Ok((train, test))
-}
-
-/// A finite number, or None. NaN and infinities are refused: one of them poisons a whole run.
-fn number(field: &str) -> Option<f32> {
-    field.parse::<f32>().ok().filter(|x| x.is_finite())
-}
-
-/// A field without surrounding whitespace and double quotes.
-fn unquote(field: &str) -> &str {
-    let f = field.trim();
-    f.strip_prefix('"')
-        .and_then(|s| s.strip_suffix('"'))
-        .unwrap_or(f)
-}
-
-/// A CSV already gunzipped; see `Dataset::from_csv`.
-fn parse_csv(path: &Path, bytes: &[u8], label_column: Option<&str>) -> Result<Dataset> {
-    let text = std::str::from_utf8(bytes).map_err(|e| {
-        let line = 1 + bytes[..e.valid_up_to()]
-            .iter()
-            .filter(|&&b| b == b'\n')
-            .count();
-        data_err(path, format!("line {line}: not UTF-8 text"))
-    })?;
-    let text = text.strip_prefix('\u{feff}').unwrap_or(text); // spreadsheet byte-order mark
-                                                              // (1-based line number, fields); blank lines are skipped but keep the numbering.
-    let mut rows = text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-        .map(|(i, l)| (i + 1, l.split(',').map(unquote)));
-
-    let Some((first_line, first)) = rows.next() else {
-        return Err(data_err(path, "empty file: no rows"));
-    };
-    let first: Vec<&str> = first.collect();
-    let cols = first.len();
-    if cols < 2 {
-        return Err(data_err(
-            path,
-            format!("line {first_line}: need at least one feature column and a label column, found {cols} column"),
-        ));
-    }
-    let has_header = first.iter().any(|f| number(f).is_none());
-    let label_col = match (has_header, label_column) {
-        (true, Some(want)) => first.iter().position(|h| *h == want).ok_or_else(|| {
-            data_err(
-                path,
-                format!("the header has no column named '{want}' (columns: {})", first.join(", ")),
-            )
-        })?,
-        (true, None) => first.iter().position(|h| *h == "label").unwrap_or(cols - 1),
-        (false, Some(want)) => {
-            return Err(data_err(
-                path,
-                format!("has no header row, so there is no column named '{want}' (without a header the label is the last column)"),
-            ))
-        }
-        (false, None) => cols - 1,
-    };
-
-    let dim = cols - 1;
-    let mut features = Vec::new();
-    let mut labels = Vec::new();
-    let mut push_row = |line: usize, fields: &mut dyn Iterator<Item = &str>| -> Result<()> {
-        let mut n = 0;
-        for (c, f) in fields.enumerate() {
-            n += 1;
-            if n > cols {
-                continue; // counted for the message below, not stored
-            }
-            if c == label_col {
-                labels.push(label(f).ok_or_else(|| {
-                    data_err(
-                        path,
-                        format!("line {line}: label {f} is not a non-negative integer"),
-                    )
-                })?);
-            } else {
-                features.push(number(f).ok_or_else(|| {
-                    data_err(
-                        path,
-                        format!("line {line}: '{f}' is not a number (column {})", c + 1),
-                    )
-                })?);
-            }
-        }
-        if n != cols {
-            return Err(data_err(
-                path,
-                format!("line {line}: expected {cols} columns, found {n}"),
-            ));
-        }
-        Ok(())
-    };
-    if !has_header {
-        push_row(first_line, &mut first.into_iter())?;
-    }
-    for (line, mut fields) in rows {
-        push_row(line, &mut fields)?;
-    }
-    if labels.is_empty() {
-        return Err(data_err(path, "has a header but no data rows"));
-    }
-    let classes = labels.iter().map(|&l| l as usize + 1).max().unwrap_or(0);
-    let name = path
-        .file_name()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let name = name.strip_suffix(".gz").unwrap_or(&name);
-    let name = name.strip_suffix(".csv").unwrap_or(name).to_string();
-    Ok(Dataset {
-        name,
-        features,
-        labels,
-        dim,
-        classes,
-    })
-}
-
-/// A label: a non-negative integer, also written as "3.0" (as pandas exports integer columns
-/// that once held a NaN).
-fn label(field: &str) -> Option<u32> {
-    if let Ok(l) = field.parse::<u32>() {
-        return Some(l);
-    }
-    let x = field.parse::<f64>().ok()?;
-    (x >= 0.0 && x.fract() == 0.0 && x <= f64::from(u32::MAX)).then_some(x as u32)
 }

@@ -4,10 +4,13 @@
 
 #[doc(hidden)]
 pub mod bench;
+mod csv_file;
 pub mod data;
 mod model;
 mod plan;
+mod rows;
 pub mod shard;
+mod summary;
 mod trainer;
 
 pub use model::{
@@ -15,7 +18,9 @@ pub use model::{
     TensorBatch, TensorDataset, TrainModel,
 };
 pub use plan::Plan;
-pub use trainer::{Evaluation, HostRows, MemorySummary, Trainer, TrainerConfig};
+pub use rows::HostRows;
+pub use summary::{Evaluation, MemorySummary};
+pub use trainer::{Trainer, TrainerConfig};
 
 use crate::DType;
 
@@ -25,7 +30,7 @@ pub enum Precision {
     /// Everything in f32.
     #[default]
     F32,
-    /// Parameters, activations and optimizer state in f16.
+    /// Parameters, gradients and activations in f16; optimizer state in f32.
     F16,
     /// f32 parameters and optimizer state; f16 activations and matmuls; loss scaling.
     Mixed,

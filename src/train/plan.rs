@@ -198,7 +198,7 @@ impl<M: Module> Trainer<M> {
                 Ok(m)
             }
             None => {
-                let minimum = self.plan_at(data, &idx, 1, None, 0)?.peak_reserved;
+                let minimum = self.smallest_budget(data, &idx)?;
                 Err(Error::BudgetTooSmall {
                     budget,
                     minimum,
@@ -209,6 +209,40 @@ impl<M: Module> Trainer<M> {
                 })
             }
         }
+    }
+
+    /// The smallest budget under which a step of one-sample micro-batches fits the arena as
+    /// it is now: between the plan's peak in use (nothing fits below it) and its peak reserved
+    /// without a budget (which fits), found by bisection on whole 256-byte blocks. A run with
+    /// exactly this budget succeeds.
+    fn smallest_budget<D>(&mut self, data: &D, indices: &[usize]) -> Result<u64>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let free = self.plan_at(data, indices, 1, None, 0)?;
+        let align = crate::memory::BLOCK_ALIGN;
+        let (mut lo, mut hi) = (free.peak / align, free.peak_reserved.div_ceil(align));
+        let fits = |t: &mut Self, blocks: u64| {
+            let budget = blocks * align;
+            match t.plan_at(data, indices, 1, Some(budget), 0) {
+                Ok(p) => Ok(p.peak_reserved <= budget),
+                Err(Error::OutOfMemory { .. }) => Ok(false),
+                Err(e) => Err(e),
+            }
+        };
+        if !fits(self, hi)? {
+            return Ok(free.peak_reserved);
+        }
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if fits(self, mid)? {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        Ok(hi * align)
     }
 
     /// The largest micro-batch up to `max` whose step over `indices` fits `budget` in the

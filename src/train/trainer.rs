@@ -7,13 +7,15 @@
 //! The trainer is generic: any [`TrainModel`] on any [`BatchSource`]. The planner
 //! (train/plan.rs) runs this same step code on the device's planning mode.
 
-use super::model::{Batch, BatchSource, ClassBatch, Features, StepContext, TrainModel};
+use super::model::{Batch, BatchSource, ClassBatch, StepContext, TrainModel};
+use super::rows::{DeviceRows, HostRows};
+use super::summary::{Evaluation, MemorySummary};
 use super::Precision;
 use crate::kernels::elementwise::{self, BinaryOp};
 use crate::memory::Category;
 use crate::nn::Module;
 use crate::optim::{GradScaler, LrSchedule, Optimizer};
-use crate::{DType, Device, Error, MemoryStats, Result, Tensor};
+use crate::{DType, Device, Error, Result, Tensor};
 
 /// How batches are formed and the learning rate moves.
 #[derive(Clone, Debug)]
@@ -35,6 +37,9 @@ pub struct TrainerConfig {
     /// [`Error::NonFinite`]; 0 turns the check off. Loss scaling checks every step anyway and
     /// skips overflowing steps.
     pub check_finite_every: u64,
+    /// Clip the gradients' total L2 norm to this before each update (torch's
+    /// `clip_grad_norm_`, after loss scaling is undone), on the GPU without a readback.
+    pub clip_grad_norm: Option<f32>,
 }
 
 impl Default for TrainerConfig {
@@ -47,6 +52,7 @@ impl Default for TrainerConfig {
             schedule: LrSchedule::Constant,
             precision: Precision::F32,
             check_finite_every: 1,
+            clip_grad_norm: None,
         }
     }
 }
@@ -61,69 +67,6 @@ impl TrainerConfig {
             ..Default::default()
         }
     }
-}
-
-/// Where the device memory of training went, from the arena's statistics.
-#[derive(Clone, Debug)]
-pub struct MemorySummary {
-    /// The model's parameters.
-    pub parameter_bytes: u64,
-    /// Their gradients.
-    pub gradient_bytes: u64,
-    /// Optimizer state.
-    pub optimizer_state_bytes: u64,
-    /// Peak live bytes minus parameters, gradients and optimizer state: activations, saved
-    /// tensors and temporaries alive at the worst point of a step.
-    pub activation_bytes: u64,
-    /// The arena's statistics.
-    pub stats: MemoryStats,
-}
-
-impl MemorySummary {
-    /// What a step really needs at its worst point (= peak bytes in use).
-    pub fn needed_bytes(&self) -> u64 {
-        self.stats.peak_bytes_in_use
-    }
-
-    /// Peak bytes the arena held from the driver over what the step needed (1.0 = no waste).
-    pub fn overhead(&self) -> f64 {
-        self.stats.peak_bytes_reserved as f64 / self.needed_bytes().max(1) as f64
-    }
-}
-
-impl std::fmt::Display for MemorySummary {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        use crate::error::Bytes;
-        writeln!(f, "training memory (peak of a step):")?;
-        writeln!(f, "  parameters        {:>12}", Bytes(self.parameter_bytes))?;
-        writeln!(f, "  gradients         {:>12}", Bytes(self.gradient_bytes))?;
-        writeln!(
-            f,
-            "  optimizer state   {:>12}",
-            Bytes(self.optimizer_state_bytes)
-        )?;
-        writeln!(
-            f,
-            "  activations etc.  {:>12}",
-            Bytes(self.activation_bytes)
-        )?;
-        writeln!(f, "  = needed          {:>12}", Bytes(self.needed_bytes()))?;
-        writeln!(
-            f,
-            "  reserved (peak)   {:>12}  ({:.2}x of needed)",
-            Bytes(self.stats.peak_bytes_reserved),
-            self.overhead()
-        )
-    }
-}
-
-/// Mean loss and, for classifiers, accuracy over a data set.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Evaluation {
-    /// Mean loss per sample.
-    pub loss: f32,
-    /// Fraction predicted right, where the model reports it.
-    pub accuracy: Option<f32>,
 }
 
 /// Trains `model` with `optimizer`: micro-batches under a budget, accumulation, mixed precision
@@ -172,6 +115,11 @@ impl<M: Module> Trainer<M> {
                 "batch_size {} x accum_steps {} overflows",
                 config.batch_size, config.accum_steps
             ));
+        }
+        if let Some(c) = config.clip_grad_norm {
+            if !(c.is_finite() && c > 0.0) {
+                return invalid(format!("clip_grad_norm must be a positive number, got {c}"));
+            }
         }
         let params = model.parameters();
         let Some(first) = params.first() else {
@@ -493,6 +441,18 @@ impl<M: Module> Trainer<M> {
                 return Ok(());
             }
         }
+        if let Some(max_norm) = self.config.clip_grad_norm {
+            let _p = dev.phase_scope("gradient clipping");
+            let with_grad: Vec<Tensor> = self
+                .model
+                .parameters()
+                .into_iter()
+                .filter(|p| p.grad().is_some())
+                .collect();
+            if !with_grad.is_empty() {
+                crate::optim::clip_grad_norm_tensor(&with_grad, max_norm)?;
+            }
+        }
         let every = self.config.check_finite_every;
         if self.scaler.is_none() && every > 0 && self.step.is_multiple_of(every) {
             let _p = dev.phase_scope("finite check");
@@ -596,7 +556,7 @@ impl<M: Module> Trainer<M> {
     /// Shards stream through the device (at most two there at once). A batch inside one shard
     /// is a row range of it; a batch split between shards is assembled on the device with
     /// [`Tensor::cat`] from the tail of one and the head of the next (rows copied before the
-    /// earlier shard is dropped). Either way the step runs on [`DeviceRows`], so micro-batching
+    /// earlier shard is dropped). Either way the step runs on `DeviceRows`, so micro-batching
     /// and the out-of-memory retry apply.
     pub fn train_epoch_sharded(
         &mut self,
@@ -704,96 +664,4 @@ impl<M: Module> Trainer<M> {
         let all: Vec<usize> = (0..y.len()).collect();
         self.step(&DeviceRows { x, y }, &all)
     }
-}
-
-/// Host rows and labels borrowed as a data source.
-pub struct HostRows<'a> {
-    x: &'a [f32],
-    y: &'a [u32],
-    dim: usize,
-}
-
-impl<'a> HostRows<'a> {
-    /// `x` is (y.len(), dim) row-major; at least one row.
-    pub fn new(x: &'a [f32], y: &'a [u32]) -> Result<HostRows<'a>> {
-        let n = y.len();
-        if n == 0 || !x.len().is_multiple_of(n) || x.is_empty() {
-            return Err(Error::Shape {
-                op: "Trainer::step",
-                lhs: vec![x.len()],
-                rhs: vec![n],
-                reason: format!(
-                    "need {n} rows of features and at least one sample, got {} values",
-                    x.len()
-                ),
-            });
-        }
-        Ok(HostRows {
-            x,
-            y,
-            dim: x.len() / n,
-        })
-    }
-}
-
-impl BatchSource for HostRows<'_> {
-    type Batch = ClassBatch;
-    fn len(&self) -> usize {
-        self.y.len()
-    }
-    fn batch(&self, indices: &[usize]) -> Result<ClassBatch> {
-        let (lo, hi) = contiguous("HostRows::batch", indices, self.y.len())?;
-        Ok(ClassBatch {
-            x: Features::Host {
-                data: self.x[lo * self.dim..hi * self.dim].to_vec(),
-                dims: vec![hi - lo, self.dim],
-            },
-            y: self.y[lo..hi].to_vec(),
-        })
-    }
-    fn epoch_order(&self, _seed: u64, _epoch: u64) -> Vec<usize> {
-        (0..self.y.len()).collect()
-    }
-}
-
-/// Rows of a device tensor (a shard) and their labels as a data source; batches are row
-/// ranges copied by the copy engine.
-struct DeviceRows<'a> {
-    x: &'a Tensor,
-    y: &'a [u32],
-}
-
-impl BatchSource for DeviceRows<'_> {
-    type Batch = ClassBatch;
-    fn len(&self) -> usize {
-        self.y.len()
-    }
-    fn batch(&self, indices: &[usize]) -> Result<ClassBatch> {
-        let (lo, hi) = contiguous("DeviceRows::batch", indices, self.y.len())?;
-        let x = if lo == 0 && hi == self.y.len() {
-            self.x.clone()
-        } else {
-            self.x.rows(lo, hi)?
-        };
-        Ok(ClassBatch {
-            x: Features::Device(x),
-            y: self.y[lo..hi].to_vec(),
-        })
-    }
-    fn epoch_order(&self, _seed: u64, _epoch: u64) -> Vec<usize> {
-        (0..self.y.len()).collect()
-    }
-}
-
-/// The range `indices` covers, which must be ascending and contiguous within `len`.
-fn contiguous(op: &'static str, indices: &[usize], len: usize) -> Result<(usize, usize)> {
-    let lo = indices.first().copied().unwrap_or(0);
-    let hi = lo + indices.len();
-    if hi > len || indices.iter().enumerate().any(|(k, &i)| i != lo + k) {
-        return Err(Error::InvalidArgument {
-            op,
-            reason: format!("rows must be a contiguous range within 0..{len}"),
-        });
-    }
-    Ok((lo, hi))
 }

@@ -122,6 +122,13 @@ struct Row {
     vs: Vec<(String, f64)>,
 }
 
+/// The cargo profile this binary (and the fitgrad code it measures) was built with.
+const PROFILE: &str = if cfg!(debug_assertions) {
+    "dev (unoptimized)"
+} else {
+    "release"
+};
+
 fn bench_adapter(dev: &Device, o: &Opts) -> fitgrad::Result<Vec<Row>> {
     let mut rows = Vec::new();
     let reps = if o.quick { 3 } else { 10 };
@@ -344,7 +351,8 @@ pub fn run(args: &[String]) -> Result<(), String> {
         return Err("no adapter to benchmark".into());
     }
     let started = Instant::now();
-    let mut md = String::from("| adapter | vendor | backend | driver | op | shape | dtype | kernel | median ms | rate | vs references |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+    let mut md = format!("profile: {PROFILE} (the measured code's optimization)\n\n");
+    md += &String::from("| adapter | vendor | backend | driver | op | shape | dtype | kernel | median ms | rate | vs references |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
     let mut records = Vec::new();
     for a in &adapters {
         eprintln!("benchmarking {a}");
@@ -382,8 +390,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     }
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench");
     let dir = std::path::Path::new(dir);
-    let report =
-        json!({ "quick": o.quick, "seconds": started.elapsed().as_secs_f64(), "results": records });
+    let report = json!({ "quick": o.quick, "profile": PROFILE, "seconds": started.elapsed().as_secs_f64(), "results": records });
     fitgrad::fsutil::write_atomic(&dir.join("report.md"), md.as_bytes())
         .map_err(|e| e.to_string())?;
     let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;

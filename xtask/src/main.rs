@@ -15,6 +15,11 @@ fn main() -> ExitCode {
         "shaders" => shaders(),
         "bench" => {
             let args: Vec<String> = std::env::args().skip(2).collect();
+            if cfg!(debug_assertions) {
+                // `cargo xtask` builds in the dev profile, where fitgrad itself is unoptimized:
+                // measure a release build, as `cargo bench` does.
+                return release_bench(&args);
+            }
             match bench::run(&args) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
@@ -47,6 +52,25 @@ fn main() -> ExitCode {
         _ => {
             eprintln!("usage: cargo xtask <shaders|bench [--quick] [--adapter NAME]|adapters|ci>");
             ExitCode::from(2)
+        }
+    }
+}
+
+/// Runs `bench` again from a release build of xtask.
+fn release_bench(args: &[String]) -> ExitCode {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+    match Command::new(cargo)
+        .args(["run", "--release", "--package", "xtask", "--", "bench"])
+        .args(args)
+        .current_dir(root)
+        .status()
+    {
+        Ok(s) if s.success() => ExitCode::SUCCESS,
+        Ok(_) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("could not run the release build of xtask: {e}");
+            ExitCode::FAILURE
         }
     }
 }

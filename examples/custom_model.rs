@@ -1,0 +1,539 @@
+//! `cargo run --release --example custom_model` — a model the crate does not know, defined
+//! here, trained by the generic `Trainer` with every memory feature.
+//!
+//! The model is a residual MLP: a stem Linear (in -> width), `--blocks` residual blocks
+//! `x + fc2(dropout(gelu(fc1(layer_norm(x)))))`, a final LayerNorm and a Linear head to the
+//! classes. Writing it takes three pieces: the structs, `fitgrad::module!` (which writes the
+//! parameter list and the train / eval switch from the fields), and `TrainModel<ClassBatch>`
+//! (the loss of a batch, in the step's dtype so `--precision mixed` works). Everything else —
+//! micro-batches under `--memory-budget`, accumulation, loss scaling, the planner,
+//! preallocation, checkpoints — comes from the trainer.
+//!
+//! Data: `--dataset auto` (the default) is Fashion-MNIST on a GPU when
+//! `/usr/share/datasets/fashion-mnist` holds it (`apt-get install dataset-fashion-mnist`), and
+//! the handwritten digits embedded in the crate otherwise — on a CPU adapter such as lavapipe
+//! too, where an epoch of Fashion-MNIST's 60,000 images takes about a minute while 8 epochs of
+//! digits take seconds. `--dataset fashion-mnist` (or `digits`, `mnist`, a path) chooses
+//! explicitly. The default epochs are 8 on the digits and 2 on larger datasets.
+//!
+//! It prints the adapter, the dataset, the parameter count, a progress bar per epoch, the test
+//! accuracy, where the memory went, and the planned peak of a step beside the measured one.
+//! `--plan` prints the plan and exits; `--json` ends stdout with one JSON object.
+//!
+//! A budget can only cut what grows with the micro-batch (activations): at the default batch of
+//! 64 the parameters, their gradients and AdamW's two moments are most of the peak. With
+//! `--batch-size 1024` activations dominate, and `--memory-budget` at half the printed peak
+//! trains the same model in smaller accumulated micro-batches.
+
+use clap::Parser;
+use fitgrad::nn::{self, Dropout, LayerNorm, Linear, Module};
+use fitgrad::optim::{AdamW, Optimizer};
+use fitgrad::train::data::{self, Dataset};
+use fitgrad::train::{ClassBatch, EvalBatch, Precision, StepContext, TrainModel};
+use fitgrad::train::{Trainer, TrainerConfig};
+use fitgrad::{Activation, Bytes, DType, Device, DeviceOptions, Error, Result, Tensor};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+/// Where `apt-get install dataset-fashion-mnist` puts the IDX files.
+const FASHION_MNIST_DIR: &str = "/usr/share/datasets/fashion-mnist";
+
+#[derive(Parser, Debug)]
+#[command(about = "Train a residual MLP defined in this example with fitgrad's Trainer")]
+struct Args {
+    /// auto (Fashion-MNIST when installed and the adapter is a GPU, else digits), digits
+    /// (embedded), fashion-mnist, mnist, or a path (a CSV file with a label column, or a folder
+    /// of IDX files).
+    #[arg(long, default_value = "auto")]
+    dataset: String,
+    /// Features of the residual stream.
+    #[arg(long, default_value_t = 128)]
+    width: usize,
+    /// Residual blocks.
+    #[arg(long, default_value_t = 2)]
+    blocks: usize,
+    /// Dropout probability inside each block, in [0, 1).
+    #[arg(long, default_value_t = 0.1, allow_negative_numbers = true)]
+    dropout: f64,
+    /// Epochs (default: 8 on digits, 2 on larger datasets).
+    #[arg(long)]
+    epochs: Option<u64>,
+    /// Samples per batch.
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    /// Batches whose gradients add up before each optimizer step.
+    #[arg(long, default_value_t = 1)]
+    accum_steps: usize,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 1e-3, allow_negative_numbers = true)]
+    lr: f64,
+    /// Seeds the weights, dropout masks, data split and order.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Hard limit on device memory (e.g. 4MiB): the micro-batch is chosen to fit, with
+    /// gradient accumulation keeping the effective batch.
+    #[arg(long)]
+    memory_budget: Option<String>,
+    /// Print the planned peak memory of a training step, by category, and exit.
+    #[arg(long)]
+    plan: bool,
+    /// Reserve the planned peak before training, so no buffer is created afterwards.
+    #[arg(long)]
+    prealloc: bool,
+    /// f32, or mixed (f32 master weights and optimizer state, f16 activations and matmuls,
+    /// dynamic loss scaling).
+    #[arg(long, default_value = "f32")]
+    precision: String,
+    /// Save a checkpoint (safetensors, written atomically) after every epoch.
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Resume from a checkpoint written by --save (same model and batch flags).
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Substring of the adapter name to use.
+    #[arg(long)]
+    adapter: Option<String>,
+    /// End stdout with one JSON object describing the run.
+    #[arg(long)]
+    json: bool,
+}
+
+// ---------------------------------------------------------------------------------------------
+// The model
+// ---------------------------------------------------------------------------------------------
+
+/// x + fc2(dropout(gelu(fc1(layer_norm(x))))): (B, W) -> (B, W).
+struct Block {
+    norm: LayerNorm,
+    fc1: Linear,
+    drop: Dropout,
+    fc2: Linear,
+}
+
+impl Block {
+    /// The block computed in `dtype` (x has it): the Linear layers cast their f32 parameters
+    /// inside the graph, LayerNorm casts its own to x's dtype.
+    fn forward_in(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        let h = self.norm.forward(x)?; // (B, W)
+        let h = self.fc1.forward_in(&h, Activation::Gelu, dtype)?; // (B, W), gelu fused
+        let h = self.drop.forward(&h)?; // identity in eval mode
+        x.add(&self.fc2.forward_in(&h, Activation::None, dtype)?)
+    }
+}
+
+fitgrad::module! {
+    impl Module for Block {
+        // `drop` has no parameters, but listing it lets `set_training` reach it.
+        params { norm, fc1, drop, fc2 }
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            self.forward_in(x, x.dtype())
+        }
+    }
+}
+
+/// stem -> blocks -> layer norm -> head: (B, IN) -> logits (B, CLASSES).
+struct ResMlp {
+    stem: Linear,
+    blocks: Vec<Block>,
+    norm: LayerNorm,
+    head: Linear,
+}
+
+impl ResMlp {
+    fn new(
+        dev: &Device,
+        inputs: usize,
+        width: usize,
+        blocks: usize,
+        classes: usize,
+        dropout: f32,
+        seed: u64,
+    ) -> Result<ResMlp> {
+        // Each layer gets its own stream of the seed.
+        let s = |k: u64| seed.wrapping_mul(0x100_0000_01b3).wrapping_add(k);
+        Ok(ResMlp {
+            stem: Linear::new(dev, inputs, width, s(1))?,
+            blocks: (0..blocks as u64)
+                .map(|b| {
+                    Ok(Block {
+                        norm: LayerNorm::new(dev, width)?,
+                        fc1: Linear::new(dev, width, width, s(100 + 2 * b))?,
+                        drop: Dropout::new(dropout, s(10_000 + b))?,
+                        fc2: Linear::new(dev, width, width, s(101 + 2 * b))?,
+                    })
+                })
+                .collect::<Result<_>>()?,
+            norm: LayerNorm::new(dev, width)?,
+            head: Linear::new(dev, width, classes, s(2))?,
+        })
+    }
+
+    /// Logits (B, CLASSES) in f32 from x (B, IN), with every matmul and activation in
+    /// `dtype` (f16 under mixed precision).
+    fn forward_in(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        let x = if x.dtype() == dtype {
+            x.clone()
+        } else {
+            x.to_dtype(dtype)?
+        };
+        let mut h = self.stem.forward_in(&x, Activation::None, dtype)?; // (B, W)
+        drop(x);
+        for b in &self.blocks {
+            h = b.forward_in(&h, dtype)?;
+        }
+        let logits = self
+            .head
+            .forward_in(&self.norm.forward(&h)?, Activation::None, dtype)?;
+        // The loss in f32: a scaled f16 loss could overflow.
+        if logits.dtype() == DType::F32 {
+            Ok(logits)
+        } else {
+            logits.to_dtype(DType::F32)
+        }
+    }
+
+    /// Moves every dropout layer's mask counter past `calls` training calls, so a resumed run
+    /// draws the masks the uninterrupted run would have drawn next (checkpoints hold weights,
+    /// not counters).
+    fn skip_dropout_masks(&self, calls: u64) {
+        for b in &self.blocks {
+            for _ in 0..calls {
+                b.drop.next_seed();
+            }
+        }
+    }
+}
+
+fitgrad::module! {
+    impl Module for ResMlp {
+        params { stem, blocks, norm, head }
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            self.forward_in(x, self.stem.weight.dtype())
+        }
+        // Stored in checkpoints: resuming into a model of another shape is a clear error.
+        fn config(&self) -> Vec<(String, String)> {
+            vec![
+                ("kind".into(), "res-mlp".into()),
+                ("inputs".into(), self.stem.in_features.to_string()),
+                ("width".into(), self.stem.out_features.to_string()),
+                ("blocks".into(), self.blocks.len().to_string()),
+                ("classes".into(), self.head.out_features.to_string()),
+            ]
+        }
+    }
+}
+
+impl TrainModel<ClassBatch> for ResMlp {
+    fn forward_loss(&self, b: &ClassBatch, ctx: &StepContext) -> Result<Tensor> {
+        let x = b.x.to_device(&ctx.device)?; // (B, IN) f32
+        let logits = self.forward_in(&x, ctx.dtype)?;
+        drop(x); // the graph keeps what backward needs
+        nn::cross_entropy(&logits, &b.y)
+    }
+
+    fn evaluate_batch(&self, b: &ClassBatch, ctx: &StepContext) -> Result<EvalBatch> {
+        let x = b.x.to_device(&ctx.device)?;
+        let logits = self.forward_in(&x, ctx.dtype)?;
+        Ok(EvalBatch {
+            loss: nn::cross_entropy(&logits, &b.y)?.item()?,
+            correct: Some(nn::correct(&logits, &b.y)?),
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The run
+// ---------------------------------------------------------------------------------------------
+
+fn invalid(reason: String) -> Error {
+    Error::InvalidArgument {
+        op: "custom_model",
+        reason,
+    }
+}
+
+/// Training forwards (= dropout calls per layer) in `epochs` epochs of `n` samples, with
+/// `eff` samples per step split into micro-batches of `micro`.
+fn forwards_in(epochs: u64, n: usize, eff: usize, micro: usize) -> u64 {
+    let per_epoch: usize = (0..n)
+        .step_by(eff)
+        .map(|start| (n - start).min(eff).div_ceil(micro))
+        .sum();
+    epochs * per_epoch as u64
+}
+
+fn run(args: Args) -> Result<()> {
+    let precision: Precision = args.precision.parse()?;
+    if precision == Precision::F16 {
+        return Err(invalid(
+            "this example keeps f32 master weights: --precision f32 or mixed".into(),
+        ));
+    }
+    if args.width == 0 || args.batch_size == 0 || args.accum_steps == 0 {
+        return Err(invalid(format!(
+            "--width, --batch-size and --accum-steps must be positive, got {}, {}, {}",
+            args.width, args.batch_size, args.accum_steps
+        )));
+    }
+    if !(0.0..1.0).contains(&args.dropout) {
+        return Err(invalid(format!(
+            "--dropout must be in [0, 1), got {}",
+            args.dropout
+        )));
+    }
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        return Err(invalid(format!(
+            "--lr must be a positive number, got {}",
+            args.lr
+        )));
+    }
+    let budget = args
+        .memory_budget
+        .as_deref()
+        .map(|b| b.parse::<Bytes>().map(|b| b.0))
+        .transpose()?;
+    let device = Device::with_options(DeviceOptions {
+        adapter: args.adapter.clone(),
+        memory_budget: budget,
+        ..Default::default()
+    })?;
+    let info = device.info();
+    println!("adapter: {}", info.adapter);
+    let spec = match args.dataset.as_str() {
+        "auto" if !Path::new(FASHION_MNIST_DIR).is_dir() => "digits",
+        "auto" if info.adapter.device_type == "Cpu" => {
+            println!("(a CPU adapter: training on the digits; --dataset fashion-mnist for more)");
+            "digits"
+        }
+        "auto" => "fashion-mnist",
+        s => s,
+    };
+
+    let (train, test): (Dataset, Dataset) = data::load(spec, args.seed)?;
+    println!(
+        "dataset: {} ({} train, {} test, {} features, {} classes)",
+        train.name,
+        train.len(),
+        test.len(),
+        train.dim,
+        train.classes
+    );
+    let epochs = args
+        .epochs
+        .unwrap_or(if train.len() <= 10_000 { 8 } else { 2 });
+
+    let model = ResMlp::new(
+        &device,
+        train.dim,
+        args.width,
+        args.blocks,
+        train.classes,
+        args.dropout as f32,
+        args.seed,
+    )?;
+    let lr = args.lr as f32;
+    let optimizer: Box<dyn Optimizer> = Box::new(AdamW::new(model.parameters(), lr)?);
+    let config = TrainerConfig {
+        batch_size: args.batch_size,
+        accum_steps: args.accum_steps,
+        lr,
+        precision,
+        ..Default::default()
+    };
+    let mut trainer = Trainer::new(model, optimizer, config)?;
+    println!(
+        "model: residual MLP {} -> {} x {} blocks (dropout {}) -> {} ({} parameters), AdamW lr {}, {}, batch {} x {} accumulation steps",
+        train.dim,
+        args.width,
+        args.blocks,
+        args.dropout,
+        train.classes,
+        trainer.model.num_parameters(),
+        args.lr,
+        args.precision,
+        args.batch_size,
+        args.accum_steps
+    );
+    if let Some(b) = budget {
+        let micro = match trainer.fit_to_budget(&train, b) {
+            Err(Error::BudgetTooSmall { .. }) => {
+                // What a one-sample step keeps alive: a floor no micro-batch can go under.
+                let one = trainer.plan_at(&train, &[0], 1, None, 0)?;
+                let fixed = one.parameters + one.gradients + one.optimizer_state;
+                return Err(invalid(format!(
+                    "--memory-budget {}: not even a micro-batch of one sample fits; such a \
+                     step keeps {} in use (the arena rounds up a little more), {} of it the \
+                     parameters, their gradients and AdamW's moments. Raise the budget or make \
+                     the model smaller (--width, --blocks)",
+                    Bytes(b),
+                    Bytes(one.peak),
+                    Bytes(fixed)
+                )));
+            }
+            other => other?,
+        };
+        println!(
+            "memory budget {}: micro-batch {micro} of {} ({} micro-batches per step)",
+            Bytes(b),
+            args.batch_size,
+            args.batch_size.div_ceil(micro) * args.accum_steps
+        );
+    }
+    // The steady-state step's peak, planned by running it on the device's planning mode.
+    let planning = Instant::now();
+    let plan = trainer.plan(&train)?;
+    if args.plan {
+        print!("{plan}");
+        println!(
+            "  (planned by running the step on the device's planning mode in {:.0} ms)",
+            planning.elapsed().as_secs_f64() * 1e3
+        );
+        return Ok(());
+    }
+    if args.prealloc {
+        let reserved = trainer.prealloc(&train)?;
+        println!("reserved {} up front", Bytes(reserved));
+    }
+
+    let eff = trainer.effective_batch();
+    let mut first_epoch = 0;
+    if let Some(path) = &args.resume {
+        first_epoch = trainer.resume_from(path)?;
+        let forwards = forwards_in(first_epoch, train.len(), eff, trainer.micro_batch());
+        trainer.model.skip_dropout_masks(forwards);
+        println!(
+            "resumed from {} after {first_epoch} epochs ({} steps)",
+            path.display(),
+            trainer.steps()
+        );
+    }
+    let steps_per_epoch = train.len().div_ceil(eff) as u64;
+    let style = ProgressStyle::with_template(
+        "epoch {prefix:>3} [{bar:30}] {pos}/{len} steps {msg} ({elapsed})",
+    )
+    .expect("valid template")
+    .progress_chars("=> ");
+    let started = Instant::now();
+    let mut final_loss = f32::NAN;
+    for epoch in first_epoch..epochs {
+        let bar = ProgressBar::new(steps_per_epoch)
+            .with_style(style.clone())
+            .with_prefix(format!("{}", epoch + 1));
+        let epoch_start = Instant::now();
+        trainer.train_epoch(&train, args.seed, epoch, |t, done, total| {
+            bar.set_position(done as u64);
+            // A readback every 10 steps keeps the GPU busy between them.
+            if done.is_multiple_of(10) || done == total {
+                let loss = t.take_loss()?;
+                if !loss.is_nan() {
+                    final_loss = loss;
+                }
+                let samples = (done * eff).min(train.len());
+                let rate = samples as f64 / epoch_start.elapsed().as_secs_f64();
+                bar.set_message(format!("loss {final_loss:.4}, {rate:.0} samples/s"));
+            }
+            Ok(())
+        })?;
+        bar.finish();
+        for e in trainer.take_events() {
+            println!("  {e}");
+        }
+        if let Some(path) = &args.save {
+            trainer.save_checkpoint(path, epoch + 1)?;
+        }
+    }
+    device.sync()?;
+    let train_secs = started.elapsed().as_secs_f64();
+    let epochs_run = epochs.saturating_sub(first_epoch);
+    let samples_per_s = (train.len() as u64 * epochs_run) as f64 / train_secs.max(1e-9);
+    // Training's memory, before evaluation's batches count.
+    let summary = trainer.memory_summary();
+    let measured = summary.stats.peak_bytes_in_use;
+    // Evaluation keeps no graph, so the training micro-batch always fits the budget.
+    let eval_batch = if budget.is_some() {
+        trainer.micro_batch()
+    } else {
+        1024
+    };
+    let eval = trainer.evaluate(&test, eval_batch)?;
+    let accuracy = eval.accuracy.unwrap_or(f32::NAN);
+    println!(
+        "test: loss {:.4}, accuracy {:.2}% ({:.1} s training, {samples_per_s:.0} samples/s)",
+        eval.loss,
+        100.0 * accuracy,
+        train_secs
+    );
+    println!("\n{summary}");
+    println!(
+        "peak in use: planned {} / measured {} ({:+.2}%), peak reached at {}",
+        Bytes(plan.peak),
+        Bytes(measured),
+        100.0 * (plan.peak as f64 / measured.max(1) as f64 - 1.0),
+        plan.peak_op.as_deref().unwrap_or("?")
+    );
+    println!(
+        "peak reserved: planned {} / measured {}",
+        Bytes(plan.peak_reserved),
+        Bytes(summary.stats.peak_bytes_reserved)
+    );
+    println!("{}", device.memory_report());
+
+    if args.json {
+        let s = &summary.stats;
+        let j = serde_json::json!({
+            "adapter": info.adapter.name,
+            "backend": info.adapter.backend,
+            "dataset": train.name,
+            "width": args.width,
+            "blocks": args.blocks,
+            "dropout": args.dropout,
+            "parameters": trainer.model.num_parameters(),
+            "epochs": epochs,
+            "batch_size": args.batch_size,
+            "accum_steps": args.accum_steps,
+            "micro_batch": trainer.micro_batch(),
+            "lr": args.lr,
+            "precision": args.precision,
+            "seed": args.seed,
+            "memory_budget": budget,
+            "planned_peak_bytes": plan.peak,
+            "planned_peak_reserved": plan.peak_reserved,
+            "peak_bytes_in_use": s.peak_bytes_in_use,
+            "peak_bytes": s.peak_bytes_reserved,
+            "buffers_created": s.buffers_created,
+            "skipped_steps": trainer.scaler().map_or(0, |s| s.skipped_steps()),
+            "steps": trainer.steps(),
+            "final_loss": final_loss,
+            "test_loss": eval.loss,
+            "test_accuracy": accuracy,
+            "train_seconds": train_secs,
+            "samples_per_s": samples_per_s,
+        });
+        println!("{j}");
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    // Flag errors exit with 1 and clap's message; --help prints and exits with 0.
+    let args = match Args::try_parse() {
+        Ok(a) => a,
+        Err(e) if e.use_stderr() => {
+            eprint!("{e}");
+            return ExitCode::FAILURE;
+        }
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+    };
+    match run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
