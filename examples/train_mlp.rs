@@ -266,23 +266,26 @@ fn run(args: Args) -> fitgrad::Result<()> {
             );
         }
     }
-    let sharded = match args.shard_size {
+    // The shard file is unique to this process and removed when `run` returns, error or not
+    // (the guard is dropped with the other locals).
+    let (sharded, _shard_file) = match args.shard_size {
         Some(size) => {
-            let path = std::env::temp_dir().join(format!(
-                "fitgrad-{}-seed{}.fgshard",
-                train.name.replace('/', "-"),
-                args.seed
-            ));
-            fitgrad::train::shard::ShardedDataset::create(&train, &path)?;
-            let s = fitgrad::train::shard::ShardedDataset::open(&path, size)?;
+            let file = RemoveOnDrop(std::env::temp_dir().join(format!(
+                "fitgrad-{}-seed{}-{}.fgshard",
+                train.name.replace(['/', '\\'], "-"),
+                args.seed,
+                unique_suffix()
+            )));
+            fitgrad::train::shard::ShardedDataset::create(&train, &file.0)?;
+            let s = fitgrad::train::shard::ShardedDataset::open(&file.0, size)?;
             println!(
                 "sharded: {} shards of up to {size} samples from {}",
                 s.num_shards(),
-                path.display()
+                file.0.display()
             );
-            Some(s)
+            (Some(s), Some(file))
         }
-        None => None,
+        None => (None, None),
     };
     let style = ProgressStyle::with_template(
         "epoch {prefix:>3} [{bar:30}] {pos}/{len} steps {msg} ({elapsed})",
@@ -391,6 +394,29 @@ fn run(args: Args) -> fitgrad::Result<()> {
         println!("{j}");
     }
     Ok(())
+}
+
+/// A file removed when this is dropped (the shard file of a `--shard-size` run).
+struct RemoveOnDrop(std::path::PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// The process id, the time and a random number: no two runs share a shard file, even two
+/// started at once or a pid reused.
+fn unique_suffix() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    // std's hasher keys are random per process.
+    let random = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    format!("{}-{nanos:x}-{:08x}", std::process::id(), random as u32)
 }
 
 fn main() -> ExitCode {

@@ -255,15 +255,17 @@ fn mismatched_models_and_optimizers_are_data_errors() {
     checkpoint::save(&path, &model, Some(&opt), &TrainingState::default()).unwrap();
     let ckpt = checkpoint::load(&path).unwrap();
 
-    // The stored model configuration is checked first.
-    let wide = Mlp::new(&dev, &[4, 9, 3], Act::Relu, 1).unwrap();
-    let before = host(&wide.layers[0].weight);
-    let reason = data_reason(ckpt.apply_model(&wide), &path, "config");
+    // Same shapes, another stored configuration (the activation): refused, nothing written.
+    let gelu = Mlp::new(&dev, &[4, 8, 3], Act::Gelu, 1).unwrap();
+    let before = host(&gelu.layers[0].weight);
+    let reason = data_reason(ckpt.apply_model(&gelu), &path, "config");
     assert!(
-        reason.contains("widths = 4,8,3") && reason.contains("widths = 4,9,3"),
+        reason.contains("activation = relu") && reason.contains("activation = gelu"),
         "{reason}"
     );
-    assert_eq!(host(&wide.layers[0].weight), before, "nothing written");
+    assert_eq!(host(&gelu.layers[0].weight), before, "nothing written");
+    let wide = Mlp::new(&dev, &[4, 9, 3], Act::Relu, 1).unwrap();
+    let before = host(&wide.layers[0].weight);
     // Without it (a file from a model that stores none), the tensors themselves are checked.
     let mut tensors_only = ckpt.clone();
     tensors_only

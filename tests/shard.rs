@@ -1,11 +1,13 @@
-//! Data sharding: the shard file round trip and its errors, seeded reproducible order with every
-//! sample once per epoch, and a dataset larger than the memory budget training in shards.
+//! Data sharding: the shard file round trip and its errors (a file changed after `open` too),
+//! the epoch order equal to the in-memory order, sharded training equal to in-memory training
+//! for any shard size, and a dataset larger than the memory budget training in shards.
 
 mod common;
 
 use fitgrad::nn::{Act, Mlp, Module};
-use fitgrad::optim::Sgd;
+use fitgrad::optim::{AdamW, Sgd};
 use fitgrad::train::data::Dataset;
+use fitgrad::train::epoch_permutation;
 use fitgrad::train::shard::ShardedDataset;
 use fitgrad::train::{Trainer, TrainerConfig};
 use fitgrad::{DType, DeviceOptions, Error, Tensor};
@@ -38,18 +40,36 @@ fn shard_file_round_trip_and_errors() {
     ShardedDataset::create(&data, &path).unwrap();
     let s = ShardedDataset::open(&path, 25).unwrap();
     assert_eq!((s.len, s.dim, s.classes, s.num_shards()), (103, 5, 10, 5));
-    // Shard 4 holds the last 3 samples, shuffled; features travel with their labels.
+    // Shard 4 holds the last 3 samples of the epoch's order; features travel with their labels.
+    let order = epoch_permutation(103, 1, 0);
+    assert_eq!(s.epoch_order(1, 0), order);
     let last = s.read_shard(4, 1, 0).unwrap();
-    let mut ids: Vec<usize> = last.features.chunks(5).map(|r| r[0] as usize).collect();
+    let ids: Vec<usize> = last.features.chunks(5).map(|r| r[0] as usize).collect();
+    assert_eq!(ids, order[100..]);
     for (row, &l) in last.features.chunks(5).zip(&last.labels) {
-        assert_eq!(
-            row,
-            &data.features[row[0] as usize * 5..row[0] as usize * 5 + 5]
-        );
-        assert_eq!(l, data.labels[row[0] as usize]);
+        let i = row[0] as usize;
+        assert_eq!(row, &data.features[i * 5..i * 5 + 5]);
+        assert_eq!(l, data.labels[i]);
     }
-    ids.sort();
-    assert_eq!(ids, vec![100, 101, 102]);
+    // Any rows in any order, repeats included: runs of consecutive rows and single rows.
+    let rows = [5, 6, 7, 2, 3, 102, 101, 100, 0, 6, 50];
+    let got = s.read_rows(&rows).unwrap();
+    for (k, &i) in rows.iter().enumerate() {
+        assert_eq!(
+            got.features[k * 5..k * 5 + 5],
+            data.features[i * 5..i * 5 + 5]
+        );
+        assert_eq!(got.labels[k], data.labels[i]);
+    }
+    assert!(s.read_rows(&[]).unwrap().labels.is_empty());
+    assert!(matches!(
+        s.read_rows(&[3, 103]),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        s.read_shard(5, 1, 0),
+        Err(Error::InvalidArgument { .. })
+    ));
 
     let bytes = std::fs::read(&path).unwrap();
     let bad = temp("bad.fgshard");
@@ -84,7 +104,7 @@ fn shard_file_round_trip_and_errors() {
 }
 
 #[test]
-fn epoch_order_is_seeded_and_complete() {
+fn epoch_order_is_the_in_memory_order() {
     let Some(dev) = common::fresh_device(DeviceOptions::default()) else {
         return;
     };
@@ -103,12 +123,11 @@ fn epoch_order_is_seeded_and_complete() {
             .collect()
     };
     let a = ids(7, 0);
+    assert_eq!(a, epoch_permutation(230, 7, 0), "the in-memory order");
     assert_eq!(a, ids(7, 0), "same seed and epoch, same order");
     assert_ne!(a, ids(7, 1), "another epoch reshuffles");
     assert_ne!(a, ids(8, 0), "another seed reshuffles");
-    let mut sorted = a.clone();
-    sorted.sort();
-    assert_eq!(sorted, (0..230).collect::<Vec<_>>(), "every sample once");
+    assert_eq!(ids(8, 3), epoch_permutation(230, 8, 3));
     let _ = std::fs::remove_file(&path);
 }
 
@@ -137,6 +156,9 @@ fn dataset_larger_than_the_budget_trains_in_shards() {
     let path = temp("big.fgshard");
     ShardedDataset::create(&data, &path).unwrap();
     let s = ShardedDataset::open(&path, 2_000).unwrap();
+    // Long runs of consecutive rows are read in several bounded reads.
+    let all: Vec<usize> = (0..40_000).collect();
+    assert!(s.read_rows(&all).unwrap().features == data.features);
     let model = Mlp::new(&dev, &[64, 32, 10], Act::Relu, 0).unwrap();
     let opt = Sgd::new(model.parameters(), 0.01).unwrap();
     let config = TrainerConfig {
@@ -166,6 +188,164 @@ fn dataset_larger_than_the_budget_trains_in_shards() {
             .unwrap(),
         [1.0; 3]
     );
+    let _ = std::fs::remove_file(&path);
+}
+
+/// Every parameter, read back.
+fn weights(model: &Mlp) -> Vec<Vec<f32>> {
+    model
+        .parameters()
+        .iter()
+        .map(|p| p.to_vec::<f32>().unwrap())
+        .collect()
+}
+
+/// max |a - b| / max |a|.
+fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    let diff = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs() as f64)
+        .fold(0.0, f64::max);
+    diff / a.iter().map(|x| x.abs() as f64).fold(1e-30, f64::max)
+}
+
+/// Two epochs of the same seed give the weights, loss and steps of the in-memory run for any
+/// shard size: one sample per shard, sizes that divide neither the batch nor the effective
+/// batch, the effective batch itself, and one larger than the dataset; with accumulation and
+/// micro-batches, so batches span shards and micro-batches split across their pieces.
+#[test]
+fn sharded_training_equals_in_memory_training() {
+    let Some(dev) = common::devices().into_iter().next() else {
+        return;
+    };
+    let n = 45;
+    let mut data = synthetic(n, 6);
+    data.features
+        .iter_mut()
+        .step_by(6)
+        .for_each(|v| *v /= n as f32);
+    let path = temp("exact.fgshard");
+    ShardedDataset::create(&data, &path).unwrap();
+    let config = TrainerConfig {
+        batch_size: 4,
+        accum_steps: 3,
+        micro_batch: Some(3),
+        lr: 1e-2,
+        ..Default::default()
+    };
+    // The effective batch is 12: 4 steps per epoch, the last of 9 samples.
+    let trainer = || {
+        let model = Mlp::new(&dev, &[6, 16, 10], Act::Relu, 5).unwrap();
+        let opt = AdamW::new(model.parameters(), 1e-2).unwrap();
+        Trainer::new(model, Box::new(opt), config.clone()).unwrap()
+    };
+    let seed = 11;
+    let mut reference = trainer();
+    let mut ref_totals = Vec::new();
+    for epoch in 0..2 {
+        reference
+            .train_epoch(&data, seed, epoch, |_, done, total| {
+                ref_totals.push((done, total));
+                Ok(())
+            })
+            .unwrap();
+    }
+    assert_eq!(reference.steps(), 8);
+    let ref_loss = reference.take_loss().unwrap();
+    let ref_weights = weights(&reference.model);
+    for shard_size in [1, 7, 10, 12, 100] {
+        let s = ShardedDataset::open(&path, shard_size).unwrap();
+        let mut t = trainer();
+        let mut totals = Vec::new();
+        for epoch in 0..2 {
+            t.train_epoch_sharded(&s, seed, epoch, |_, done, total| {
+                totals.push((done, total));
+                Ok(())
+            })
+            .unwrap();
+        }
+        assert_eq!(t.steps(), reference.steps(), "shard size {shard_size}");
+        assert_eq!(totals, ref_totals, "shard size {shard_size}");
+        let loss = t.take_loss().unwrap();
+        assert!(
+            ((loss - ref_loss) / ref_loss).abs() <= 1e-5,
+            "shard size {shard_size}: loss {loss} vs {ref_loss}"
+        );
+        for (k, (a, b)) in ref_weights.iter().zip(weights(&t.model)).enumerate() {
+            let d = rel_diff(a, &b);
+            assert!(d <= 1e-5, "shard size {shard_size}, parameter {k}: {d}");
+        }
+    }
+    let _ = std::fs::remove_file(&path);
+}
+
+/// A file replaced after `open` (other sizes, other classes, other length) is an
+/// `Error::Data` naming it on the next read, in `read_rows` and mid-epoch; so is a label out
+/// of range.
+#[test]
+fn a_file_changed_after_open_is_a_data_error() {
+    let path = temp("changed.fgshard");
+    let original = synthetic(40, 4);
+    ShardedDataset::create(&original, &path).unwrap();
+    let s = ShardedDataset::open(&path, 8).unwrap();
+    assert!(s.read_shard(0, 0, 0).is_ok());
+    let expect_data = |what: &str, r: fitgrad::Result<_>| match r {
+        Err(Error::Data { path, reason }) => {
+            assert!(path.contains("changed.fgshard"), "{what}: {path}");
+            assert!(!reason.is_empty());
+        }
+        Err(e) => panic!("{what}: expected Error::Data, got {e}"),
+        Ok(_) => panic!("{what}: expected Error::Data, got a shard"),
+    };
+    let mut more_classes = original.clone();
+    more_classes.classes = 12;
+    let bytes = std::fs::read(&path).unwrap();
+    for (what, content) in [
+        ("more samples", None),
+        ("other classes", Some(more_classes)),
+        ("other features", Some(synthetic(32, 5))),
+    ] {
+        let d = content.unwrap_or_else(|| synthetic(41, 4));
+        ShardedDataset::create(&d, &path).unwrap();
+        expect_data(what, s.read_shard(0, 0, 0).map(|_| ()));
+    }
+    // The same header, but bytes appended.
+    std::fs::write(&path, [bytes.clone(), vec![0; 4]].concat()).unwrap();
+    expect_data("appended", s.read_rows(&[0]).map(|_| ()));
+    std::fs::write(&path, &bytes).unwrap();
+    assert!(s.read_rows(&[0]).is_ok(), "the original file reads again");
+
+    // Replaced mid-epoch: shard 3's read starts after the replacement.
+    if let Some(dev) = common::devices().into_iter().next() {
+        let mut it = s.epoch(&dev, 0, 0);
+        assert!(it.next().unwrap().is_ok());
+        ShardedDataset::create(&synthetic(41, 4), &path).unwrap();
+        let rest: Vec<_> = it.collect();
+        let failed = rest.iter().position(|r| r.is_err()).expect("a read fails");
+        assert!(failed <= 2, "shard {} failed", failed + 1);
+        expect_data(
+            "mid-epoch",
+            rest.into_iter().nth(failed).unwrap().map(|_| ()),
+        );
+    }
+
+    // A label not below the classes (open reads only the header).
+    let mut bad = Vec::new();
+    bad.extend_from_slice(b"FGSHARD1");
+    for v in [2u64, 1, 3] {
+        bad.extend_from_slice(&v.to_le_bytes());
+    }
+    for v in [0.5f32, 1.5] {
+        bad.extend_from_slice(&v.to_le_bytes());
+    }
+    for l in [1u32, 5] {
+        bad.extend_from_slice(&l.to_le_bytes());
+    }
+    std::fs::write(&path, bad).unwrap();
+    let s = ShardedDataset::open(&path, 1).unwrap();
+    assert_eq!(s.read_rows(&[0]).unwrap().labels, [1]);
+    expect_data("label", s.read_rows(&[1]).map(|_| ()));
     let _ = std::fs::remove_file(&path);
 }
 

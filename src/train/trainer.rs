@@ -548,8 +548,16 @@ impl<M: Module> Trainer<M> {
         result
     }
 
-    /// Steps over one epoch of a sharded dataset: shards stream through the device (at most two
-    /// there at once), each split into effective batches that are row ranges of the shard.
+    /// Steps over one epoch of a sharded dataset, exactly as [`Trainer::train_epoch`] over the
+    /// same samples in memory: the shards hold the in-memory epoch order in consecutive pieces,
+    /// and effective batches span shard boundaries, so the batches, the number of steps
+    /// (`len.div_ceil(effective batch)`) and the weights do not depend on the shard size.
+    ///
+    /// Shards stream through the device (at most two there at once). A batch inside one shard
+    /// is a row range of it; a batch split between shards is assembled on the device with
+    /// [`Tensor::cat`] from the tail of one and the head of the next (rows copied before the
+    /// earlier shard is dropped). Either way the step runs on `DeviceRows`, so micro-batching
+    /// and the out-of-memory retry apply.
     pub fn train_epoch_sharded(
         &mut self,
         data: &super::shard::ShardedDataset,
@@ -561,25 +569,72 @@ impl<M: Module> Trainer<M> {
         M: TrainModel<ClassBatch>,
     {
         let eff = self.effective_batch();
-        let total: usize = (0..data.num_shards())
-            .map(|k| {
-                let rows = data.shard_size.min(data.len - k * data.shard_size);
-                rows.div_ceil(eff)
-            })
-            .sum();
+        let total = data.len.div_ceil(eff);
         let device = self.device.clone();
         let mut done = 0;
+        // The batch being assembled across shards: its row pieces (each a device tensor of
+        // (rows, dim)) and their labels; fewer than `eff` rows in all.
+        let mut pieces: Vec<Tensor> = Vec::new();
+        let mut labels: Vec<u32> = Vec::new();
         for shard in data.epoch(&device, seed, epoch) {
             let (x, y) = shard?;
-            let rows = DeviceRows { x: &x, y: &y };
-            let all: Vec<usize> = (0..y.len()).collect();
-            for idx in all.chunks(eff) {
-                self.step(&rows, idx)?;
+            let n = y.len();
+            let mut lo = 0;
+            while lo < n {
+                let take = (eff - labels.len()).min(n - lo);
+                if labels.is_empty() && take == eff {
+                    // A whole batch inside this shard: a row range of it.
+                    self.step_device_rows(&x, &y, lo, lo + eff)?;
+                } else {
+                    // Part of a batch that spans shards (or the epoch's short last batch).
+                    pieces.push(if take == n {
+                        x.clone()
+                    } else {
+                        x.rows(lo, lo + take)?
+                    });
+                    labels.extend_from_slice(&y[lo..lo + take]);
+                    if labels.len() < eff {
+                        lo += take;
+                        continue;
+                    }
+                    self.step_pieces(&mut pieces, &mut labels)?;
+                }
+                lo += take;
                 done += 1;
                 on_step(self, done, total)?;
             }
         }
+        // The epoch's last batch, shorter than the others.
+        if !labels.is_empty() {
+            self.step_pieces(&mut pieces, &mut labels)?;
+            done += 1;
+            on_step(self, done, total)?;
+        }
         Ok(())
+    }
+
+    /// [`Trainer::step`] on rows `lo..hi` of the device tensor `x`, labelled by `y`.
+    fn step_device_rows(&mut self, x: &Tensor, y: &[u32], lo: usize, hi: usize) -> Result<()>
+    where
+        M: TrainModel<ClassBatch>,
+    {
+        let idx: Vec<usize> = (lo..hi).collect();
+        self.step(&DeviceRows { x, y }, &idx)
+    }
+
+    /// One step on a batch assembled from row pieces of consecutive shards (joined on the
+    /// device; (sum of rows, dim)); empties `pieces` and `labels`.
+    fn step_pieces(&mut self, pieces: &mut Vec<Tensor>, labels: &mut Vec<u32>) -> Result<()>
+    where
+        M: TrainModel<ClassBatch>,
+    {
+        let x = match pieces.as_slice() {
+            [one] => one.clone(),
+            many => Tensor::cat(&many.iter().collect::<Vec<_>>(), 0)?,
+        };
+        pieces.clear();
+        let y = std::mem::take(labels);
+        self.step_device_rows(&x, &y, 0, y.len())
     }
 
     /// [`Trainer::step`] on host rows: `x` is (n, dim) row-major, one label per row in `y`.
