@@ -57,9 +57,8 @@ pub fn default_variant(dev: &Device, pb: &Problem, dtype: DType) -> Variant {
                 return v;
             }
         }
-        // 8 x 8: lavapipe compiles it in about 2 s, while 16 x 16 takes 25 s and 32 x 16 two
-        // minutes (measured cold on the 2-core machine), and for training-sized problems it runs
-        // as fast as they do. Bigger blocks are left to the autotuner, for big problems only.
+        // 8 x 8: lavapipe compiles it far faster than 16 x 16 or 32 x 16 (ARCHITECTURE.md has
+        // the cold-cache figures), and for training-sized problems it runs as fast as they do. Bigger blocks are left to the autotuner, for big problems only.
         let v = Variant::Reg {
             tm: rows.min(8),
             tn: if pb.n >= 8 { 8 } else { 4 },
