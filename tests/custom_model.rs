@@ -20,7 +20,7 @@ use fitgrad::train::data::Dataset;
 use fitgrad::train::{
     ClassBatch, EvalBatch, Precision, StepContext, TrainModel, Trainer, TrainerConfig,
 };
-use fitgrad::{Activation, Bytes, DType, Device, DeviceOptions, Result, Tensor};
+use fitgrad::{Activation, Bytes, DType, Device, Result, Tensor};
 use std::io::Write;
 
 fn note(msg: &str) {
@@ -165,35 +165,6 @@ fn trainer(dev: &Device, dropout: f32, precision: Precision) -> Trainer<ResMlp> 
     Trainer::new(m, opt, config).unwrap()
 }
 
-fn fresh(budget: Option<u64>) -> Option<Device> {
-    fresh_device(DeviceOptions {
-        memory_budget: budget,
-        ..Default::default()
-    })
-}
-
-fn weights<M: Module>(m: &M) -> Vec<Vec<f32>> {
-    m.parameters()
-        .iter()
-        .map(|p| p.to_vec_f32().unwrap())
-        .collect()
-}
-
-/// max over parameters of max |a - b| / max |b|.
-fn worst_rel_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
-    let mut worst = 0.0f64;
-    for (wa, wb) in a.iter().zip(b) {
-        let scale = wb
-            .iter()
-            .fold(0.0f64, |m, v| m.max(v.abs() as f64))
-            .max(1e-30);
-        for (x, y) in wa.iter().zip(wb) {
-            worst = worst.max((*x as f64 - *y as f64).abs() / scale);
-        }
-    }
-    worst
-}
-
 /// What one training run left behind.
 struct Run {
     weights: Vec<Vec<f32>>,
@@ -204,7 +175,7 @@ struct Run {
 
 /// Two epochs of 512 samples (4 steps of 256) on a fresh device, fitted to `budget` first.
 fn run(budget: Option<u64>, dropout: f32) -> Option<Run> {
-    let dev = fresh(budget)?;
+    let dev = fresh_with_budget(budget)?;
     let data = dataset(2 * BATCH, 8);
     let mut t = trainer(&dev, dropout, Precision::F32);
     let micro = match budget {
@@ -221,7 +192,7 @@ fn run(budget: Option<u64>, dropout: f32) -> Option<Run> {
     );
     let s = dev.memory_stats();
     Some(Run {
-        weights: weights(&t.model),
+        weights: param_values(&t.model),
         peak_in_use: s.peak_bytes_in_use,
         peak_reserved: s.peak_bytes_reserved,
         micro,
@@ -280,7 +251,9 @@ fn planned_peak_is_measured_peak() {
         (Precision::Mixed, None),
         (Precision::Mixed, Some(100)),
     ] {
-        let Some(dev) = fresh(None) else { return };
+        let Some(dev) = fresh_with_budget(None) else {
+            return;
+        };
         let data = dataset(4 * BATCH, 3);
         let mut t = trainer(&dev, 0.25, precision);
         if let Some(m) = micro {
@@ -320,7 +293,7 @@ fn planned_peak_is_measured_peak() {
 fn planning_leaves_dropout_masks_alone() {
     let data = dataset(2 * BATCH, 5);
     let two_steps = |plan_between: bool| -> Option<(Vec<Vec<f32>>, Vec<u64>)> {
-        let dev = fresh(None)?;
+        let dev = fresh_with_budget(None)?;
         let mut t = trainer(&dev, 0.25, Precision::F32);
         t.set_micro_batch(BATCH / 2).unwrap();
         let idx: Vec<usize> = (0..data.len()).collect();
@@ -332,7 +305,7 @@ fn planning_leaves_dropout_masks_alone() {
             assert_eq!(t.model.dropout_calls(), calls, "planning moved the counter");
         }
         t.step(&data, &idx[BATCH..]).unwrap();
-        Some((weights(&t.model), t.model.dropout_calls()))
+        Some((param_values(&t.model), t.model.dropout_calls()))
     };
     let Some((plain, calls)) = two_steps(false) else {
         return;

@@ -73,7 +73,6 @@ fn nonfinite_loss_stops_with_the_step_and_keeps_the_checkpoint() {
 
     // Poisoned weights are never saved over the good file.
     let p0 = t.model.parameters()[0].clone();
-    let n = p0.numel();
     let mut w = p0.to_vec_f32().unwrap();
     w[0] = f32::INFINITY;
     let poisoned = fitgrad::Tensor::from_slice(p0.device(), &w, p0.dims()).unwrap();
@@ -86,7 +85,6 @@ fn nonfinite_loss_stops_with_the_step_and_keeps_the_checkpoint() {
         fitgrad::checkpoint::HostTensor::read(&poisoned).unwrap(),
     );
     held.apply_model(&t.model).unwrap();
-    assert_eq!(t.model.parameters()[0].numel(), n);
     let err = t.save_checkpoint(&path, 2).unwrap_err();
     assert!(matches!(err, Error::NonFinite { .. }), "{err:?}");
     assert_eq!(

@@ -23,7 +23,7 @@ use fitgrad::nn::{self, Act, Mlp, Module};
 use fitgrad::optim::GradScaler;
 use fitgrad::train::data::{self, Dataset};
 use fitgrad::train::{HostRows, Precision, Trainer, TrainerConfig};
-use fitgrad::{Bytes, DType, Device, DeviceOptions, Error, Tensor};
+use fitgrad::{Bytes, DType, Device, Error, Tensor};
 use std::io::Write;
 use std::sync::OnceLock;
 use std::time::Instant;
@@ -40,14 +40,6 @@ fn note(msg: &str) {
 fn digits() -> &'static (Dataset, Dataset) {
     static DIGITS: OnceLock<(Dataset, Dataset)> = OnceLock::new();
     DIGITS.get_or_init(|| data::load("digits", 0).expect("the embedded digits load"))
-}
-
-/// A device with an arena of its own, optionally under a budget; `None` after a loud SKIPPED.
-fn fresh(budget: Option<u64>) -> Option<Device> {
-    fresh_device(DeviceOptions {
-        memory_budget: budget,
-        ..Default::default()
-    })
 }
 
 /// What a test trainer is made of.
@@ -261,7 +253,9 @@ fn planned_and_measured(dev: &Device, s: &Setup, warm: usize) -> (u64, u64) {
 /// gradients as they were.
 #[test]
 fn planner_within_2_percent() {
-    let Some(dev) = fresh(None) else { return };
+    let Some(dev) = fresh_with_budget(None) else {
+        return;
+    };
     let started = Instant::now();
     let mom = Opt::Sgd {
         lr: 0.05,
@@ -429,7 +423,9 @@ fn digits_accuracy(dev: &Device, precision: Precision, epochs: u64) -> f32 {
 /// f16).
 #[test]
 fn mixed_precision_trains_and_saves_memory() {
-    let Some(dev) = fresh(None) else { return };
+    let Some(dev) = fresh_with_budget(None) else {
+        return;
+    };
     let started = Instant::now();
     let acc32 = digits_accuracy(&dev, Precision::F32, 4);
     let acc16 = digits_accuracy(&dev, Precision::Mixed, 4);
@@ -452,7 +448,9 @@ fn mixed_precision_trains_and_saves_memory() {
     let big = Setup::new(&[32, 64, 64, 10], 480);
     let mut peaks = Vec::new();
     for p in [Precision::F32, Precision::Mixed] {
-        let Some(dev) = fresh(None) else { return };
+        let Some(dev) = fresh_with_budget(None) else {
+            return;
+        };
         let (planned, measured) = planned_and_measured(&dev, &big.clone().precision(p), 1);
         note(&format!(
             "peak of a step, {:?} batch 480 {p:?}: planned {} measured {}",
@@ -651,7 +649,9 @@ fn budget_half_of_f32_peak() {
     });
     let b = host_batches(21, 3, BATCH, 16, 10);
     let started = Instant::now();
-    let Some(dev) = fresh(None) else { return };
+    let Some(dev) = fresh_with_budget(None) else {
+        return;
+    };
     let mut free = setup.build(&dev);
     run(&mut free, &b, 3, "unconstrained");
     dev.sync().unwrap();
@@ -665,7 +665,7 @@ fn budget_half_of_f32_peak() {
     drop(dev);
     let budget = free_stats.peak_bytes_reserved / 2;
 
-    let Some(dev) = fresh(Some(budget)) else {
+    let Some(dev) = fresh_with_budget(Some(budget)) else {
         return;
     };
     let mut fit = setup.build(&dev);
@@ -726,7 +726,9 @@ fn budget_half_of_f32_peak() {
 /// trainer keeps working.
 #[test]
 fn oom_mid_step_is_retried() {
-    let Some(dev) = fresh(None) else { return };
+    let Some(dev) = fresh_with_budget(None) else {
+        return;
+    };
     let setup = Setup::new(&[64, 96, 80, 10], 64)
         .act(Act::Gelu)
         .opt(Opt::AdamW { lr: 1e-2 });
@@ -826,7 +828,9 @@ fn run_from(t: &mut Trainer<Mlp>, b: &Batches, from: usize, to: usize) {
 /// minimum itself is accepted.
 #[test]
 fn budget_too_small_is_a_clear_error() {
-    let Some(dev) = fresh(None) else { return };
+    let Some(dev) = fresh_with_budget(None) else {
+        return;
+    };
     let mut t = Setup::new(&[64, 128, 10], 64).build(&dev);
     let b = host_batches(5, 1, 64, 64, 10);
     let (x, y) = b.get(0);
@@ -895,7 +899,9 @@ fn prealloc_creates_no_buffers_after_start() {
             }),
     ];
     for s in &setups {
-        let Some(dev) = fresh(None) else { return };
+        let Some(dev) = fresh_with_budget(None) else {
+            return;
+        };
         let mut t = s.build(&dev);
         let b = host_batches(55, 4, s.batch, s.widths[0], *s.widths.last().unwrap());
         let (x, y) = b.get(0);

@@ -12,10 +12,9 @@ use common::*;
 use fitgrad::nn::{Act, Linear, Mlp, Module, Sequential};
 use fitgrad::optim::{AdamW, Optimizer, Sgd};
 use fitgrad::train::{
-    BatchSource, Precision, StepContext, TensorBatch, TensorDataset, TrainModel, Trainer,
-    TrainerConfig,
+    BatchSource, StepContext, TensorBatch, TensorDataset, TrainModel, Trainer, TrainerConfig,
 };
-use fitgrad::{Bytes, DType, Device, DeviceOptions, Error, Result, Tensor};
+use fitgrad::{Bytes, DType, Device, Error, Result, Tensor};
 use std::io::Write;
 
 fn note(msg: &str) {
@@ -112,25 +111,13 @@ fn trainer(dev: &Device, kind: Kind, batch: usize, accum: usize) -> Trainer<Regr
     Trainer::new(model, opt, TrainerConfig::new(batch, accum, lr)).unwrap()
 }
 
-fn fresh(budget: Option<u64>) -> Option<Device> {
-    fresh_device(DeviceOptions {
-        memory_budget: budget,
-        ..Default::default()
-    })
-}
-
-fn weights<M: Module>(m: &M) -> Vec<Vec<f32>> {
-    m.parameters()
-        .iter()
-        .map(|p| p.to_vec_f32().unwrap())
-        .collect()
-}
-
 /// Planned peak in use of the next step, then that step's measured peak, for several
 /// optimizers and splits of the batch.
 #[test]
 fn planner_matches_measured_peak_of_custom_model() {
-    let Some(dev) = fresh(None) else { return };
+    let Some(dev) = fresh_with_budget(None) else {
+        return;
+    };
     let data = dataset(96, 3);
     let mut lines = Vec::new();
     for (kind, batch, accum, micro) in [
@@ -187,12 +174,14 @@ fn planner_matches_measured_peak_of_custom_model() {
 /// takes no GPU time and creates no buffer).
 #[test]
 fn planning_leaves_everything_as_it_was() {
-    let Some(dev) = fresh(None) else { return };
+    let Some(dev) = fresh_with_budget(None) else {
+        return;
+    };
     let data = dataset(64, 5);
     let mut t = trainer(&dev, Kind::AdamW, 32, 1);
     t.step(&data, &(0..32).collect::<Vec<_>>()).unwrap();
     dev.sync().unwrap();
-    let w = weights(&t.model);
+    let w = param_values(&t.model);
     let state: Vec<Vec<f32>> = t
         .optimizer
         .state_tensors()
@@ -215,7 +204,7 @@ fn planning_leaves_everything_as_it_was() {
     assert_eq!(after.bytes_reserved, before.bytes_reserved);
     assert_eq!(after.bytes_in_use, before.bytes_in_use);
     assert_eq!(after.allocations, before.allocations);
-    assert_eq!(weights(&t.model), w, "planning changed the weights");
+    assert_eq!(param_values(&t.model), w, "planning changed the weights");
     let state_after: Vec<Vec<f32>> = t
         .optimizer
         .state_tensors()
@@ -238,7 +227,9 @@ fn planning_leaves_everything_as_it_was() {
 /// same device runs for real meanwhile.
 #[test]
 fn planning_is_a_mode_of_the_calling_thread() {
-    let Some(dev) = fresh(None) else { return };
+    let Some(dev) = fresh_with_budget(None) else {
+        return;
+    };
     let a = Tensor::from_slice(&dev, &[1.0f32, 2.0, 3.0, 4.0], &[2, 2]).unwrap();
     let before = dev.memory_stats();
     {
@@ -270,7 +261,7 @@ fn planning_is_a_mode_of_the_calling_thread() {
 fn custom_model_under_half_its_peak() {
     let data = dataset(512, 8);
     let run = |budget: Option<u64>| -> Option<(Vec<Vec<f32>>, u64, u64, usize)> {
-        let dev = fresh(budget)?;
+        let dev = fresh_with_budget(budget)?;
         let mut t = trainer(&dev, Kind::AdamW, 256, 1);
         let micro = match budget {
             Some(b) => t.fit_to_budget(&data, b).unwrap(),
@@ -283,7 +274,7 @@ fn custom_model_under_half_its_peak() {
         let s = dev.memory_stats();
         assert!(t.take_events().is_empty());
         Some((
-            weights(&t.model),
+            param_values(&t.model),
             s.peak_bytes_reserved,
             s.peak_bytes_in_use,
             micro,
@@ -296,13 +287,7 @@ fn custom_model_under_half_its_peak() {
     // reserved peak would not constrain it.
     let budget = peak / 2;
     let (w, reserved, in_use, micro) = run(Some(budget)).unwrap();
-    let mut worst = 0.0f64;
-    for (a, b) in w.iter().zip(&w_free) {
-        let scale = b.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(1e-6) as f64;
-        for (x, y) in a.iter().zip(b) {
-            worst = worst.max((x - y).abs() as f64 / scale);
-        }
-    }
+    let worst = worst_rel_diff(&w, &w_free);
     note(&format!(
         "custom model: unbudgeted peak in use {}, budget {}, micro-batch {micro} of 256, peak reserved {} in use {}, weights within {worst:.2e}",
         Bytes(peak),
@@ -319,7 +304,9 @@ fn custom_model_under_half_its_peak() {
 #[test]
 fn trains_on_a_worker_thread() {
     fn send<T: Send>(_: &T) {}
-    let Some(dev) = fresh(None) else { return };
+    let Some(dev) = fresh_with_budget(None) else {
+        return;
+    };
     let data = dataset(64, 9);
     let mut t = trainer(&dev, Kind::AdamW, 16, 1);
     send(&t);
@@ -332,12 +319,11 @@ fn trains_on_a_worker_thread() {
                 first = l;
             }
         }
-        let last = t.take_loss().unwrap();
-        (t, first, last)
+        (t, first)
     })
     .join()
     .unwrap();
-    let (t, first, _) = t;
+    let (t, first) = t;
     let eval = t.evaluate(&dataset(64, 9), 32).unwrap();
     note(&format!(
         "worker thread: first epoch loss {first:.4}, eval loss {:.4}",
@@ -354,7 +340,9 @@ fn trains_on_a_worker_thread() {
 /// A saved Mlp comes back from the file alone; a model of another configuration is refused.
 #[test]
 fn mlp_rebuilt_from_its_checkpoint() {
-    let Some(dev) = fresh(None) else { return };
+    let Some(dev) = fresh_with_budget(None) else {
+        return;
+    };
     let mut m = Mlp::new(&dev, &[6, 10, 4], Act::Gelu, 3).unwrap();
     m.checkpoint_activations = true;
     let opt = Box::new(AdamW::new(m.parameters(), 1e-3).unwrap());
@@ -370,12 +358,11 @@ fn mlp_rebuilt_from_its_checkpoint() {
     assert_eq!(back.widths(), vec![6, 10, 4]);
     assert_eq!(back.act, Act::Gelu);
     assert!(back.checkpoint_activations);
-    assert_eq!(weights(&back), weights(&t.model));
+    assert_eq!(param_values(&back), param_values(&t.model));
     let other = Mlp::new(&dev, &[6, 10, 4], Act::Relu, 3).unwrap();
     let err = ckpt.apply_model(&other).unwrap_err();
     assert!(err.to_string().contains("activation"), "{err}");
     let _ = std::fs::remove_dir_all(dir);
-    let _ = Precision::F32;
 }
 
 fn tempdir() -> std::path::PathBuf {
@@ -392,7 +379,9 @@ fn tempdir() -> std::path::PathBuf {
 /// planner counts the clipping's buffers too.
 #[test]
 fn trainer_clips_like_the_manual_loop() {
-    let Some(dev) = fresh(None) else { return };
+    let Some(dev) = fresh_with_budget(None) else {
+        return;
+    };
     let data = dataset(32, 12);
     let idx: Vec<usize> = (0..32).collect();
     // By hand.
@@ -433,7 +422,7 @@ fn trainer_clips_like_the_manual_loop() {
         "planned {} < measured {measured}",
         plan.peak
     );
-    for (a, b) in weights(&t.model).iter().zip(weights(&model)) {
+    for (a, b) in param_values(&t.model).iter().zip(param_values(&model)) {
         for (x, y) in a.iter().zip(&b) {
             assert!((x - y).abs() <= 1e-5 * (1.0 + y.abs()), "{x} vs {y}");
         }

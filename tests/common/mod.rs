@@ -143,6 +143,37 @@ pub fn fresh_device(opts: DeviceOptions) -> Option<Device> {
     }
 }
 
+/// A device of its own (its arena's statistics are the test's alone) with `budget`.
+pub fn fresh_with_budget(budget: Option<u64>) -> Option<Device> {
+    fresh_device(DeviceOptions {
+        memory_budget: budget,
+        ..Default::default()
+    })
+}
+
+/// Every parameter of `m`, read back as f32.
+pub fn param_values<M: fitgrad::nn::Module>(m: &M) -> Vec<Vec<f32>> {
+    m.parameters()
+        .iter()
+        .map(|p| p.to_vec_f32().unwrap())
+        .collect()
+}
+
+/// max over tensors of max |a - b| / max |b| (each tensor scaled by its largest value).
+pub fn worst_rel_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    let mut worst = 0.0f64;
+    for (wa, wb) in a.iter().zip(b) {
+        let scale = wb
+            .iter()
+            .fold(0.0f64, |m, v| m.max(v.abs() as f64))
+            .max(1e-30);
+        for (x, y) in wa.iter().zip(wb) {
+            worst = worst.max((*x as f64 - *y as f64).abs() / scale);
+        }
+    }
+    worst
+}
+
 // ---------------------------------------------------------------------------------------------
 // Host data
 // ---------------------------------------------------------------------------------------------
