@@ -4,16 +4,17 @@
 mod common;
 
 use common::*;
-use fitgrad::{DType, Error, Tensor};
+use fitgrad::{DType, Device, Error, Tensor};
 
-#[test]
-fn finds_nan_and_inf_anywhere() {
-    for dev in devices() {
+device_tests!(finds_nan_and_inf_anywhere);
+
+fn finds_nan_and_inf_anywhere(dev: &Device) {
+    {
         for dtype in [DType::F32, DType::F16] {
-            let what = |s: &str| format!("{s}, {dtype} on {}", label(&dev));
+            let what = |s: &str| format!("{s}, {dtype} on {}", label(dev));
             for n in [1usize, 3, 4, 7, 255, 1000, 4097] {
                 let clean = host_data(n as u64, n, -6e4, 6e4);
-                let t = upload(&dev, &clean, &[n], dtype);
+                let t = upload(dev, &clean, &[n], dtype);
                 assert!(
                     !dev.nonfinite(&[&t]).unwrap(),
                     "{}",
@@ -23,7 +24,7 @@ fn finds_nan_and_inf_anywhere() {
                     for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
                         let mut h = clean.clone();
                         h[pos] = bad;
-                        let b = upload(&dev, &h, &[n], dtype);
+                        let b = upload(dev, &h, &[n], dtype);
                         assert!(
                             dev.nonfinite(&[&t, &b, &t]).unwrap(),
                             "{}",
@@ -33,14 +34,14 @@ fn finds_nan_and_inf_anywhere() {
                 }
             }
             // f16 overflow from a finite f32 computation is caught too.
-            let big = upload(&dev, &[6e4], &[1], dtype).mul_scalar(4.0).unwrap();
+            let big = upload(dev, &[6e4], &[1], dtype).mul_scalar(4.0).unwrap();
             assert_eq!(
                 dev.nonfinite(&[&big]).unwrap(),
                 dtype == DType::F16,
                 "{}",
                 what("overflow")
             );
-            let empty = Tensor::zeros(&dev, &[0, 3], dtype).unwrap();
+            let empty = Tensor::zeros(dev, &[0, 3], dtype).unwrap();
             assert!(!dev.nonfinite(&[]).unwrap());
             assert!(!dev.nonfinite(&[&empty]).unwrap());
         }

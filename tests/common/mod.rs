@@ -62,16 +62,27 @@ pub fn label(dev: &Device) -> String {
     )
 }
 
-/// The devices, or (under CI=true, when there are none) the message to fail with.
-fn open_all() -> Result<Vec<Device>, String> {
-    let mut devs = Vec::new();
+/// The key a per-backend test is named by: the backend ("vulkan", "gl", ...), with
+/// "_f16_packed" for the forced-packed twin of a device with native f16.
+fn key(backend: &str, forced_packed: bool) -> String {
+    if forced_packed {
+        format!("{backend}_f16_packed")
+    } else {
+        backend.to_string()
+    }
+}
+
+/// The devices with their keys, or (under CI=true, when there are none) the message to fail
+/// with.
+fn open_all() -> Result<Vec<(String, Device)>, String> {
+    let mut devs: Vec<(String, Device)> = Vec::new();
     let mut failures = Vec::new();
     let env_backend = std::env::var("FITGRAD_BACKEND")
         .ok()
         .filter(|s| !s.is_empty());
     if let Some(b) = &env_backend {
         match Device::new() {
-            Ok(d) => devs.push(d),
+            Ok(d) => devs.push((key(&d.info().adapter.backend.clone(), false), d)),
             Err(e) => failures.push(format!("FITGRAD_BACKEND={b}: {e}")),
         }
     } else {
@@ -80,7 +91,7 @@ fn open_all() -> Result<Vec<Device>, String> {
                 backend: Some(b.into()),
                 ..Default::default()
             }) {
-                Ok(d) => devs.push(d),
+                Ok(d) => devs.push((key(b, false), d)),
                 Err(e) => failures.push(format!("{b}: {e}")),
             }
         }
@@ -88,8 +99,8 @@ fn open_all() -> Result<Vec<Device>, String> {
     // The packed f16 path on adapters that would otherwise compute in f16.
     let natives: Vec<String> = devs
         .iter()
-        .filter(|d| d.info().f16_native)
-        .map(|d| d.info().adapter.backend.clone())
+        .filter(|(_, d)| d.info().f16_native)
+        .map(|(_, d)| d.info().adapter.backend.clone())
         .collect();
     for backend in natives {
         match Device::with_options(DeviceOptions {
@@ -97,7 +108,7 @@ fn open_all() -> Result<Vec<Device>, String> {
             force_packed_f16: true,
             ..Default::default()
         }) {
-            Ok(d) => devs.push(d),
+            Ok(d) => devs.push((key(&backend, true), d)),
             Err(e) => failures.push(format!("{backend} with force_packed_f16: {e}")),
         }
     }
@@ -108,7 +119,7 @@ fn open_all() -> Result<Vec<Device>, String> {
         }
         no_device(&detail);
     }
-    for d in &devs {
+    for (_, d) in &devs {
         log(&format!(
             "fitgrad test device [{}]\n{}\n",
             label(d),
@@ -122,13 +133,71 @@ fn open_all() -> Result<Vec<Device>, String> {
 /// device with native f16), opened once per test binary. Empty (after a loud SKIPPED) when the
 /// machine has no adapter and CI is not "true"; panics under CI=true.
 pub fn devices() -> Vec<Device> {
+    keyed_devices().into_iter().map(|(_, d)| d).collect()
+}
+
+fn keyed_devices() -> Vec<(String, Device)> {
     // The outcome is kept either way, so adapters are enumerated once per test binary.
-    static DEVICES: OnceLock<Result<Vec<Device>, String>> = OnceLock::new();
+    static DEVICES: OnceLock<Result<Vec<(String, Device)>, String>> = OnceLock::new();
     match DEVICES.get_or_init(open_all) {
         Ok(devs) => devs.clone(),
         Err(msg) => panic!("{msg}"),
     }
 }
+
+/// Runs `test` on the shared device of backend `key` (see [`device_tests!`]). When this machine
+/// has no such adapter the test is skipped loudly; when it has no adapter at all, that is a
+/// failure under CI=true (as for [`devices`]).
+pub fn run_on(key: &str, test: fn(&Device)) {
+    let devs = keyed_devices();
+    match devs.iter().find(|(k, _)| k == key) {
+        Some((_, d)) => test(d),
+        None if devs.is_empty() => {} // already reported by open_all
+        None => log(&format!(
+            "*** SKIPPED on {key}: this machine has no such adapter (it has {}) ***",
+            devs.iter()
+                .map(|(k, _)| k.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+    }
+}
+
+/// One `#[test]` per backend for each named `fn(&Device)`, so a failure names the adapter:
+/// `device_tests!(matmul_matches_reference)` defines `matmul_matches_reference::vulkan`,
+/// `::vulkan_f16_packed` and `::gl` (plus `::metal` on macOS and `::dx12` on Windows), each
+/// running the function on that backend's shared device (skipped loudly where the machine has
+/// no such adapter). A property test goes inside the function with proptest's closure form:
+/// `proptest!(ProptestConfig::with_cases(16), |(dims in strat::shape())| { ... });`.
+macro_rules! device_tests {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            #[test]
+            fn vulkan() {
+                $crate::common::run_on("vulkan", super::$name)
+            }
+            #[test]
+            fn vulkan_f16_packed() {
+                $crate::common::run_on("vulkan_f16_packed", super::$name)
+            }
+            #[test]
+            fn gl() {
+                $crate::common::run_on("gl", super::$name)
+            }
+            #[cfg(target_os = "macos")]
+            #[test]
+            fn metal() {
+                $crate::common::run_on("metal", super::$name)
+            }
+            #[cfg(windows)]
+            #[test]
+            fn dx12() {
+                $crate::common::run_on("dx12", super::$name)
+            }
+        }
+    )*};
+}
+pub(crate) use device_tests;
 
 /// A device of its own (its own arena), for tests that look at memory statistics. Honours
 /// FITGRAD_BACKEND through `Device::with_options`. `None` (after a loud SKIPPED) when there is no
