@@ -169,6 +169,7 @@ pub fn run_on(key: &str, test: fn(&Device)) {
 /// running the function on that backend's shared device (skipped loudly where the machine has
 /// no such adapter). A property test goes inside the function with proptest's closure form:
 /// `proptest!(ProptestConfig::with_cases(16), |(dims in strat::shape())| { ... });`.
+#[allow(unused_macros)] // each test binary uses a different part of this module
 macro_rules! device_tests {
     ($($name:ident),* $(,)?) => {$(
         mod $name {
@@ -197,6 +198,7 @@ macro_rules! device_tests {
         }
     )*};
 }
+#[allow(unused_imports)]
 pub(crate) use device_tests;
 
 /// A device of its own (its own arena), for tests that look at memory statistics. Honours
