@@ -22,11 +22,11 @@
 //!
 //! ```no_run
 //! use fitgrad::checkpoint::{self, TrainingState};
-//! use fitgrad::nn::{Act, Mlp};
+//! use fitgrad::nn::{Activation, Mlp};
 //! use fitgrad::optim::{AdamW, Optimizer};
 //! # fn f(dev: &fitgrad::Device) -> fitgrad::Result<()> {
 //! # use fitgrad::nn::Module;
-//! let model = Mlp::new(dev, &[784, 128, 10], Act::Relu, 0)?;
+//! let model = Mlp::new(dev, &[784, 128, 10], Activation::Relu, 0)?;
 //! let mut opt = AdamW::new(model.parameters(), 1e-3)?;
 //! let path = std::path::Path::new("run/last.safetensors");
 //! checkpoint::save(path, &model, Some(&opt), &TrainingState { step: 100, ..Default::default() })?;
@@ -70,6 +70,7 @@ const MAX_NUMBER: u64 = if usize::BITS >= 64 {
 /// The loss scaler's state (mixed precision).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ScalerState {
+    /// The current loss scale.
     pub scale: f32,
     /// Steps since the scale last changed.
     pub growth_tracker: u64,
@@ -80,9 +81,11 @@ pub struct ScalerState {
 pub struct TrainingState {
     /// Optimizer steps taken.
     pub step: u64,
+    /// Epochs completed.
     pub epoch: u64,
     /// The host generator's position ([`Rng::state`](crate::tensor::Rng::state)).
     pub rng_state: u64,
+    /// The loss scaler, when mixed precision scales the loss.
     pub scaler: Option<ScalerState>,
     /// Anything else the application wants back (stored as `extra.<key>`).
     pub extra: BTreeMap<String, String>,
@@ -91,8 +94,11 @@ pub struct TrainingState {
 /// A tensor's bytes on the host: little-endian, row-major.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HostTensor {
+    /// The element type of `bytes`.
     pub dtype: DType,
+    /// The tensor's dims.
     pub dims: Vec<usize>,
+    /// `numel * dtype.size()` bytes, little-endian, row-major.
     pub bytes: Vec<u8>,
 }
 
@@ -124,6 +130,7 @@ impl HostTensor {
         HostTensor::new(t.dtype(), t.dims(), bytes)
     }
 
+    /// Number of elements.
     pub fn numel(&self) -> usize {
         self.dims.iter().product()
     }
@@ -177,7 +184,9 @@ impl safetensors::View for &HostTensor {
 /// A checkpoint on the host: tensors by name and string metadata, as in the file.
 #[derive(Clone, Debug, Default)]
 pub struct Checkpoint {
+    /// Tensors by name (`model.*`, `optim.*`).
     pub tensors: BTreeMap<String, HostTensor>,
+    /// String metadata (format version, model configuration, training state).
     pub metadata: BTreeMap<String, String>,
     /// The file it was read from, for error messages (empty for one captured in memory).
     pub source: String,

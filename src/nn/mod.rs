@@ -11,11 +11,12 @@ mod mlp;
 mod norm;
 mod sequential;
 
+pub use crate::Activation;
 pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use linear::Linear;
 pub use loss::{accuracy, correct, cross_entropy, mse_loss};
-pub use mlp::{Act, Mlp};
+pub use mlp::Mlp;
 pub use norm::{LayerNorm, LAYER_NORM_EPS};
 pub use sequential::Sequential;
 
@@ -23,6 +24,7 @@ use crate::{Result, Tensor};
 
 /// What optimizers, checkpoints and the trainer need from a model.
 pub trait Module {
+    /// The model's output for a batch `x` (recorded for autograd where grad is enabled).
     fn forward(&self, x: &Tensor) -> Result<Tensor>;
 
     /// Parameters with stable names (`layers.0.weight`, ...), in a fixed order.

@@ -11,6 +11,7 @@ use crate::{Result, Tensor};
 /// [`Sgd::with_groups`]: super::Sgd::with_groups
 #[derive(Clone, Debug)]
 pub struct ParamGroup {
+    /// The group's parameters.
     pub params: Vec<Tensor>,
     /// This group's weight decay (>= 0); `None` takes the optimizer's (its builder's
     /// `weight_decay`, or its default).

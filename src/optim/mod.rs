@@ -59,9 +59,11 @@ pub trait Optimizer: Send {
             p.zero_grad();
         }
     }
+    /// The learning rate the next step uses.
     fn lr(&self) -> f32;
     /// Sets the learning rate for the next steps (checked by `step`).
     fn set_lr(&mut self, lr: f32);
+    /// The parameters it updates, in order.
     fn params(&self) -> &[Tensor];
     /// `step()` calls that succeeded.
     fn step_count(&self) -> u64;
