@@ -12,6 +12,7 @@
 //! | `step`, `epoch`, `rng_state` | [`TrainingState`]'s fields, decimal |
 //! | `scaler.scale`, `scaler.growth_tracker` | the loss scaler's state, when there is one |
 //! | `optim.name`, `optim.step_count`, `optim.param_steps` | [`Optimizer::name`] and [`OptimizerState`]'s counters; steps comma-separated |
+//! | `optim.hp.KEY` | [`Optimizer::hyperparameters`]: a resume with other values is refused |
 //! | `extra.<key>` | [`TrainingState::extra`] |
 //!
 //! Saving goes through [`write_atomic`](crate::fsutil::write_atomic): the bytes land in a
@@ -54,6 +55,9 @@ pub const FORMAT: &str = "fitgrad";
 pub const MODEL_PREFIX: &str = "model.";
 /// Prefix of the optimizer's tensors and metadata.
 pub const OPTIM_PREFIX: &str = "optim.";
+/// Prefix of the optimizer's hyperparameters in the metadata
+/// ([`Optimizer::hyperparameters`]).
+pub const OPTIM_HP_PREFIX: &str = "optim.hp.";
 const EXTRA_PREFIX: &str = "extra.";
 /// Metadata keys of the model's configuration ([`Module::config`]).
 pub const CONFIG_PREFIX: &str = "model.config.";
@@ -244,6 +248,9 @@ impl Checkpoint {
                 put(format!("{OPTIM_PREFIX}{name}"), t)?;
             }
             m.insert("optim.name".into(), opt.name().into());
+            for (k, v) in opt.hyperparameters() {
+                m.insert(format!("{OPTIM_HP_PREFIX}{k}"), v);
+            }
             m.insert("optim.step_count".into(), s.step_count.to_string());
             let steps: Vec<String> = s.param_steps.iter().map(u64::to_string).collect();
             m.insert("optim.param_steps".into(), steps.join(","));
@@ -612,6 +619,36 @@ impl Checkpoint {
                 return Err(self.err(format!(
                     "the checkpoint holds {saved} state, the optimizer is {}",
                     optimizer.name()
+                )));
+            }
+        }
+        // A resume with other hyperparameters would silently train another run (files
+        // without them predate the check).
+        let saved: Vec<(&str, &String)> = self
+            .metadata
+            .iter()
+            .filter_map(|(k, v)| k.strip_prefix(OPTIM_HP_PREFIX).map(|k| (k, v)))
+            .collect();
+        if !saved.is_empty() {
+            let now = optimizer.hyperparameters();
+            let differ: Vec<String> = now
+                .iter()
+                .filter_map(|(k, v)| {
+                    let was = saved.iter().find(|(s, _)| s == k).map(|(_, v)| v.as_str());
+                    (was != Some(v.as_str()))
+                        .then(|| format!("{k} = {} (this run: {v})", was.unwrap_or("unset")))
+                })
+                .chain(saved.iter().filter_map(|(k, v)| {
+                    (!now.iter().any(|(n, _)| n == k))
+                        .then(|| format!("{k} = {v} (this run: unset)"))
+                }))
+                .collect();
+            if !differ.is_empty() {
+                return Err(self.err(format!(
+                    "the checkpoint was trained with other {} hyperparameters: {}; use the \
+                     same ones to resume, or start a new run",
+                    optimizer.name(),
+                    differ.join(", ")
                 )));
             }
         }

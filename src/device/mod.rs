@@ -578,6 +578,31 @@ impl Drop for PhaseScope {
     }
 }
 
+/// A budget must be positive and, where the adapter reports its device memory, no larger than
+/// it: a bigger one would promise what the driver cannot give and fail later as a driver error.
+fn check_budget(budget: Option<u64>, adapter: &AdapterSummary) -> Result<()> {
+    match (budget, adapter.memory) {
+        (Some(0), _) => Err(Error::InvalidArgument {
+            op: "memory budget",
+            reason: "a budget of 0 bytes leaves no room for any tensor; give a positive size \
+                     (e.g. 512MiB), or none for no limit"
+                .into(),
+        }),
+        (Some(b), Some(m)) if b > m => Err(Error::InvalidArgument {
+            op: "memory budget",
+            reason: format!(
+                "a budget of {} is more than the {} of device memory that '{}' reports; give at \
+                 most {}, or none to use what the driver allows",
+                Bytes(b),
+                Bytes(m),
+                adapter.name,
+                Bytes(m)
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -609,30 +634,5 @@ mod tests {
         assert_eq!(clone.with_ext(|n: &mut Name| n.0.clone()), "tuned");
         let other = Device::new().unwrap();
         assert_eq!(other.with_ext(|c: &mut Counter| c.0), 0);
-    }
-}
-
-/// A budget must be positive and, where the adapter reports its device memory, no larger than
-/// it: a bigger one would promise what the driver cannot give and fail later as a driver error.
-fn check_budget(budget: Option<u64>, adapter: &AdapterSummary) -> Result<()> {
-    match (budget, adapter.memory) {
-        (Some(0), _) => Err(Error::InvalidArgument {
-            op: "memory budget",
-            reason: "a budget of 0 bytes leaves no room for any tensor; give a positive size \
-                     (e.g. 512MiB), or none for no limit"
-                .into(),
-        }),
-        (Some(b), Some(m)) if b > m => Err(Error::InvalidArgument {
-            op: "memory budget",
-            reason: format!(
-                "a budget of {} is more than the {} of device memory that '{}' reports; give at \
-                 most {}, or none to use what the driver allows",
-                Bytes(b),
-                Bytes(m),
-                adapter.name,
-                Bytes(m)
-            ),
-        }),
-        _ => Ok(()),
     }
 }

@@ -77,6 +77,12 @@ pub trait Optimizer: Send {
             .map(|(_, t)| t.allocated_bytes())
             .sum()
     }
+    /// The hyperparameters that change the math of a step besides the learning rate (which
+    /// schedules move), as key-value pairs: checkpoints store them (`optim.hp.KEY`) and a
+    /// resume with other values is refused. Empty by default.
+    fn hyperparameters(&self) -> Vec<(String, String)> {
+        Vec::new()
+    }
     /// Everything a checkpoint needs besides the hyperparameters.
     fn state(&self) -> OptimizerState;
     /// Restores a state taken from an optimizer over parameters of the same shapes. The tensors

@@ -180,3 +180,20 @@ mod tests {
         assert!(LrSchedule::Constant.validate().is_ok());
     }
 }
+
+impl std::fmt::Display for LrSchedule {
+    /// `constant`, or `warmup-cosine(warmup, total, min_lr_ratio)`: what checkpoints store.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LrSchedule::Constant => f.write_str("constant"),
+            LrSchedule::WarmupCosine {
+                warmup_steps,
+                total_steps,
+                min_lr_ratio,
+            } => write!(
+                f,
+                "warmup-cosine({warmup_steps}, {total_steps}, {min_lr_ratio})"
+            ),
+        }
+    }
+}
