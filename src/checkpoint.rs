@@ -638,10 +638,12 @@ impl Checkpoint {
                     (was != Some(v.as_str()))
                         .then(|| format!("{k} = {} (this run: {v})", was.unwrap_or("unset")))
                 })
-                .chain(saved.iter().filter_map(|(k, v)| {
-                    (!now.iter().any(|(n, _)| n == k))
-                        .then(|| format!("{k} = {v} (this run: unset)"))
-                }))
+                .chain(
+                    saved
+                        .iter()
+                        .filter(|(k, _)| !now.iter().any(|(n, _)| n == k))
+                        .map(|(k, v)| format!("{k} = {v} (this run: unset)")),
+                )
                 .collect();
             if !differ.is_empty() {
                 return Err(self.err(format!(

@@ -74,8 +74,10 @@ fn budgets_and_reservations_are_checked_against_the_adapter() {
         None,
         "a refused budget changed it"
     );
-    let mut opts = fitgrad::DeviceOptions::default();
-    opts.memory_budget = Some(memory.saturating_mul(2));
+    let opts = fitgrad::DeviceOptions {
+        memory_budget: Some(memory.saturating_mul(2)),
+        ..Default::default()
+    };
     assert!(matches!(
         Device::with_options(opts),
         Err(Error::InvalidArgument { .. })

@@ -87,6 +87,23 @@ impl LrSchedule {
     }
 }
 
+impl std::fmt::Display for LrSchedule {
+    /// `constant`, or `warmup-cosine(warmup, total, min_lr_ratio)`: what checkpoints store.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LrSchedule::Constant => f.write_str("constant"),
+            LrSchedule::WarmupCosine {
+                warmup_steps,
+                total_steps,
+                min_lr_ratio,
+            } => write!(
+                f,
+                "warmup-cosine({warmup_steps}, {total_steps}, {min_lr_ratio})"
+            ),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -178,22 +195,5 @@ mod tests {
             );
         }
         assert!(LrSchedule::Constant.validate().is_ok());
-    }
-}
-
-impl std::fmt::Display for LrSchedule {
-    /// `constant`, or `warmup-cosine(warmup, total, min_lr_ratio)`: what checkpoints store.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            LrSchedule::Constant => f.write_str("constant"),
-            LrSchedule::WarmupCosine {
-                warmup_steps,
-                total_steps,
-                min_lr_ratio,
-            } => write!(
-                f,
-                "warmup-cosine({warmup_steps}, {total_steps}, {min_lr_ratio})"
-            ),
-        }
     }
 }
