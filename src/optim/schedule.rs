@@ -53,7 +53,8 @@ impl LrSchedule {
                 }
                 // warmup_steps <= step < total_steps, so the span is at least 1.
                 let progress = (step - warmup_steps) as f64 / (total_steps - warmup_steps) as f64;
-                let cos = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+                // libm, not the platform's cos: the same rates, bit for bit, on every OS.
+                let cos = 0.5 * (1.0 + libm::cos(std::f64::consts::PI * progress));
                 (floor + (base - floor) * cos) as f32
             }
         }
