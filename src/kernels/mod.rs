@@ -266,7 +266,8 @@ pub const WHERE: ShaderFile = ShaderFile {
     name: "where",
     body: concat!(
         include_str!("../../shaders/include/broadcast.wgsl"),
-        include_str!("../../shaders/where.wgsl")
+        include_str!("../../shaders/where.wgsl"),
+        include_str!("../../shaders/include/pairs.wgsl")
     ),
     bindings: &[("c", false), ("a", false), ("b", false), ("out", true)],
 };
@@ -274,7 +275,8 @@ pub const PERMUTE: ShaderFile = ShaderFile {
     name: "permute",
     body: concat!(
         include_str!("../../shaders/include/broadcast.wgsl"),
-        include_str!("../../shaders/permute.wgsl")
+        include_str!("../../shaders/permute.wgsl"),
+        include_str!("../../shaders/include/pairs.wgsl")
     ),
     bindings: &[("x", false), ("out", true)],
 };
@@ -295,7 +297,10 @@ pub const REDUCE: ShaderFile = ShaderFile {
 };
 pub const TRANSPOSE: ShaderFile = ShaderFile {
     name: "transpose",
-    body: include_str!("../../shaders/transpose.wgsl"),
+    body: concat!(
+        include_str!("../../shaders/transpose.wgsl"),
+        include_str!("../../shaders/include/pairs.wgsl")
+    ),
     bindings: &[("x", false), ("out", true)],
 };
 pub const REDUCE_MAX: ShaderFile = ShaderFile {
@@ -392,7 +397,10 @@ pub const MATMUL_NAIVE: ShaderFile = ShaderFile {
 };
 pub const INDEX_SELECT: ShaderFile = ShaderFile {
     name: "index_select",
-    body: include_str!("../../shaders/index_select.wgsl"),
+    body: concat!(
+        include_str!("../../shaders/index_select.wgsl"),
+        include_str!("../../shaders/include/pairs.wgsl")
+    ),
     bindings: &[("idx", false), ("x", false), ("out", true)],
 };
 pub const LAYER_NORM: ShaderFile = ShaderFile {
@@ -439,7 +447,10 @@ pub const LAYER_NORM_DWDB: ShaderFile = ShaderFile {
 };
 pub const DROPOUT: ShaderFile = ShaderFile {
     name: "dropout",
-    body: include_str!("../../shaders/dropout.wgsl"),
+    body: concat!(
+        include_str!("../../shaders/dropout.wgsl"),
+        include_str!("../../shaders/include/pairs.wgsl")
+    ),
     bindings: &[("x", false), ("out", true)],
 };
 
