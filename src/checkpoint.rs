@@ -486,6 +486,22 @@ impl Checkpoint {
             .collect()
     }
 
+    /// Rebuilds the model the file was saved from, with no flags needed: `build` makes an
+    /// untrained model from the stored configuration (e.g. `|cfg| Mlp::from_config(&dev, cfg)`),
+    /// then the weights are loaded into it. A configuration `build` refuses is an
+    /// [`Error::Data`] naming the file.
+    pub fn rebuild<M: Module>(
+        &self,
+        build: impl FnOnce(&std::collections::BTreeMap<String, String>) -> Result<M>,
+    ) -> Result<M> {
+        let model = build(&self.model_config()).map_err(|e| match e {
+            Error::InvalidArgument { reason, .. } => self.err(reason),
+            e => e,
+        })?;
+        self.apply_model(&model)?;
+        Ok(model)
+    }
+
     /// A stored configuration must be the model's: a different activation or width with the
     /// same tensor shapes would load and compute something else.
     fn check_config(&self, model: &dyn Module) -> Result<()> {

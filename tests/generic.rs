@@ -354,7 +354,7 @@ fn mlp_rebuilt_from_its_checkpoint() {
     let path = dir.join("mlp.safetensors");
     t.save_checkpoint(&path, 1).unwrap();
     let ckpt = fitgrad::checkpoint::load(&path).unwrap();
-    let back = Mlp::from_checkpoint(&dev, &ckpt).unwrap();
+    let back = ckpt.rebuild(|cfg| Mlp::from_config(&dev, cfg)).unwrap();
     assert_eq!(back.widths(), vec![6, 10, 4]);
     assert_eq!(back.act, Activation::Gelu);
     assert!(back.checkpoint_activations);
@@ -362,6 +362,19 @@ fn mlp_rebuilt_from_its_checkpoint() {
     let other = Mlp::new(&dev, &[6, 10, 4], Activation::Relu, 3).unwrap();
     let err = ckpt.apply_model(&other).unwrap_err();
     assert!(err.to_string().contains("activation"), "{err}");
+    // A configuration the builder refuses is an error naming the file.
+    let err = ckpt
+        .rebuild(|cfg| {
+            let mut cfg = cfg.clone();
+            cfg.insert("kind".into(), "gpt".into());
+            Mlp::from_config(&dev, &cfg)
+        })
+        .err()
+        .expect("a gpt configuration is refused");
+    assert!(
+        matches!(&err, fitgrad::Error::Data { path, .. } if path.contains("mlp.safetensors")),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -83,24 +83,25 @@ impl Mlp {
         }
     }
 
-    /// Rebuilds the model a checkpoint was saved from (its configuration and weights), on
-    /// `device`: no flags needed.
-    pub fn from_checkpoint(device: &Device, ckpt: &crate::checkpoint::Checkpoint) -> Result<Mlp> {
-        let cfg = ckpt.model_config();
-        let bad = |reason: String| Error::Data {
-            path: ckpt.source.clone(),
+    /// Builds an untrained model from a configuration that [`Module::config`] wrote (what a
+    /// checkpoint stores; see [`Checkpoint::rebuild`](crate::checkpoint::Checkpoint::rebuild),
+    /// which also loads the weights). A missing or malformed key is an
+    /// [`Error::InvalidArgument`] naming it.
+    pub fn from_config(
+        device: &Device,
+        cfg: &std::collections::BTreeMap<String, String>,
+    ) -> Result<Mlp> {
+        let bad = |reason: String| Error::InvalidArgument {
+            op: "Mlp::from_config",
             reason,
         };
         let get = |k: &str| {
-            cfg.get(k).ok_or_else(|| {
-                bad(format!(
-                    "no model configuration '{k}' (not an Mlp checkpoint)"
-                ))
-            })
+            cfg.get(k)
+                .ok_or_else(|| bad(format!("no model configuration '{k}' (not an Mlp)")))
         };
         if get("kind")? != "mlp" {
             return Err(bad(format!(
-                "the file holds a '{}' model, not an mlp",
+                "the configuration is of a '{}' model, not an mlp",
                 get("kind")?
             )));
         }
@@ -119,7 +120,6 @@ impl Mlp {
         };
         let mut m = Mlp::with_dtype(device, &widths, act, dtype, 0)?;
         m.checkpoint_activations = get("checkpoint_activations")? == "true";
-        ckpt.apply_model(&m)?;
         Ok(m)
     }
 

@@ -40,7 +40,8 @@ pub trait Module {
 
     /// The model's configuration as key-value pairs, where it has one: checkpoints store it
     /// (`model.config.KEY` in the file's metadata) so the model can be rebuilt from the file
-    /// alone (see [`Mlp::from_checkpoint`]). Empty by default.
+    /// alone (see [`Mlp::from_config`] and
+    /// [`Checkpoint::rebuild`](crate::checkpoint::Checkpoint::rebuild)). Empty by default.
     fn config(&self) -> Vec<(String, String)> {
         Vec::new()
     }
