@@ -16,6 +16,7 @@
 mod activation;
 pub mod autograd;
 pub mod checkpoint;
+pub mod compress;
 pub mod device;
 mod dtype;
 pub mod error;
