@@ -26,6 +26,7 @@
 //! trains the same model in smaller accumulated micro-batches.
 
 use clap::Parser;
+use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner};
 use fitgrad::nn::{self, Dropout, LayerNorm, Linear, Module};
 use fitgrad::optim::{AdamW, Optimizer};
 use fitgrad::train::data::{self, Dataset};
@@ -98,6 +99,10 @@ struct Args {
     /// End stdout with one JSON object describing the run.
     #[arg(long)]
     json: bool,
+    /// Prune the Linear weights by magnitude to this sparsity in [0, 1) during training
+    /// (cubic schedule from 5% to 60% of the steps), and report the sparsity of each layer.
+    #[arg(long)]
+    prune: Option<f32>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -294,6 +299,10 @@ fn run(args: Args) -> Result<()> {
         .as_deref()
         .map(|b| b.parse::<Bytes>().map(|b| b.0))
         .transpose()?;
+    let prune = args.prune.map(PruneConfig::new);
+    if let Some(cfg) = &prune {
+        cfg.validate()?;
+    }
     let device = Device::with_options(DeviceOptions {
         adapter: args.adapter.clone(),
         memory_budget: budget,
@@ -398,9 +407,21 @@ fn run(args: Args) -> Result<()> {
     }
 
     let eff = trainer.effective_batch();
+    let steps_per_epoch = train.len().div_ceil(eff) as u64;
+    // The default filter prunes every 2-D weight: the stem, the blocks' fc1 and fc2, the head.
+    let mut pruner = prune
+        .map(|mut cfg| {
+            cfg.schedule = PruneSchedule::gradual(steps_per_epoch * epochs);
+            Pruner::new(&trainer.model, cfg)
+        })
+        .transpose()?;
     let mut first_epoch = 0;
     if let Some(path) = &args.resume {
         first_epoch = trainer.resume_from(path)?;
+        if let Some(p) = &mut pruner {
+            // The masks are not in the checkpoint; the pruned weights are its zeros.
+            p.mask_zeros()?;
+        }
         let forwards = forwards_in(first_epoch, train.len(), eff, trainer.micro_batch());
         trainer.model.skip_dropout_masks(forwards);
         println!(
@@ -409,7 +430,6 @@ fn run(args: Args) -> Result<()> {
             trainer.steps()
         );
     }
-    let steps_per_epoch = train.len().div_ceil(eff) as u64;
     let style = ProgressStyle::with_template(
         "epoch {prefix:>3} [{bar:30}] {pos}/{len} steps {msg} ({elapsed})",
     )
@@ -423,6 +443,9 @@ fn run(args: Args) -> Result<()> {
             .with_prefix(format!("{}", epoch + 1));
         let epoch_start = Instant::now();
         trainer.train_epoch(&train, args.seed, epoch, |t, done, total| {
+            if let Some(p) = &mut pruner {
+                p.step(t.steps())?;
+            }
             bar.set_position(done as u64);
             // A readback every 10 steps keeps the GPU busy between them.
             if done.is_multiple_of(10) || done == total {
@@ -465,6 +488,17 @@ fn run(args: Args) -> Result<()> {
         100.0 * accuracy,
         train_secs
     );
+    let sparsity = match &pruner {
+        Some(p) => {
+            let report = p.report()?;
+            println!(
+                "\npruned to {:.2}% sparsity:\n{report}",
+                100.0 * report.sparsity()
+            );
+            Some(report.sparsity())
+        }
+        None => None,
+    };
     println!("\n{summary}");
     println!(
         "peak in use: planned {} / measured {} ({:+.2}%), peak reached at {}",
@@ -508,6 +542,7 @@ fn run(args: Args) -> Result<()> {
             "final_loss": final_loss,
             "test_loss": eval.loss,
             "test_accuracy": accuracy,
+            "sparsity": sparsity,
             "train_seconds": train_secs,
             "samples_per_s": samples_per_s,
         });

@@ -5,6 +5,7 @@
 //! the device memory went. `--help` lists the flags; `--json` ends stdout with one JSON object.
 
 use clap::Parser;
+use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner};
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
 use fitgrad::train::data;
@@ -86,6 +87,10 @@ struct Args {
     /// Resume from a checkpoint written by --save (same model flags).
     #[arg(long)]
     resume: Option<std::path::PathBuf>,
+    /// Prune the weights by magnitude to this sparsity in [0, 1) during training (cubic
+    /// schedule from 5% to 60% of the steps), and report the sparsity of each layer.
+    #[arg(long)]
+    prune: Option<f32>,
 }
 
 fn run(args: Args) -> fitgrad::Result<()> {
@@ -142,6 +147,10 @@ fn run(args: Args) -> fitgrad::Result<()> {
                 "--lr must be a finite number >= 0, got {lr}"
             )));
         }
+    }
+    let prune = args.prune.map(PruneConfig::new);
+    if let Some(cfg) = &prune {
+        cfg.validate()?;
     }
     let (train, test) = data::load(&args.dataset, args.seed)?;
     if train.dim != test.dim {
@@ -248,9 +257,19 @@ fn run(args: Args) -> fitgrad::Result<()> {
         }
     );
 
+    let mut pruner = prune
+        .map(|mut cfg| {
+            cfg.schedule = PruneSchedule::gradual(total_steps);
+            Pruner::new(&trainer.model, cfg)
+        })
+        .transpose()?;
     let mut first_epoch = 0;
     if let Some(path) = &args.resume {
         first_epoch = trainer.resume_from(path)?;
+        if let Some(p) = &mut pruner {
+            // The masks are not in the checkpoint; the pruned weights are its zeros.
+            p.mask_zeros()?;
+        }
         println!(
             "resumed from {} after {first_epoch} epochs ({} steps)",
             path.display(),
@@ -304,6 +323,9 @@ fn run(args: Args) -> fitgrad::Result<()> {
         let epoch_start = Instant::now();
         let mut samples = 0usize;
         let on_step = |t: &mut Trainer<Mlp>, done: usize, total: usize| {
+            if let Some(p) = &mut pruner {
+                p.step(t.steps())?;
+            }
             samples = (done * eff).min(train.len());
             bar.set_position(done as u64);
             // A readback every 10 steps keeps the GPU busy between them.
@@ -348,6 +370,17 @@ fn run(args: Args) -> fitgrad::Result<()> {
         100.0 * test_accuracy,
         train_secs
     );
+    let sparsity = match &pruner {
+        Some(p) => {
+            let report = p.report()?;
+            println!(
+                "\npruned to {:.2}% sparsity:\n{report}",
+                100.0 * report.sparsity()
+            );
+            Some(report.sparsity())
+        }
+        None => None,
+    };
     println!("\n{summary}");
     println!(
         "planned peak in use {} / measured {}",
@@ -379,6 +412,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
             "final_loss": final_loss,
             "test_loss": test_loss,
             "test_accuracy": test_accuracy,
+            "sparsity": sparsity,
             "peak_bytes": s.peak_bytes_reserved,
             "peak_bytes_in_use": s.peak_bytes_in_use,
             "buffers_created": s.buffers_created,

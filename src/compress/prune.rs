@@ -25,10 +25,12 @@ use std::sync::Arc;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum PruneScope {
     /// Each layer is pruned to the target sparsity on its own.
-    #[default]
     PerLayer,
     /// One threshold over every selected weight: the total sparsity is the target, and layers
-    /// with many small weights lose more of them.
+    /// with many small weights lose more of them. The default: on the digits ([64, 256, 256,
+    /// 10], 80% along [`PruneSchedule::gradual`], five seeds) it lost at most 0.84 points of
+    /// accuracy against the dense run where per-layer pruning lost up to 2.5.
+    #[default]
     Global,
 }
 
@@ -56,6 +58,15 @@ pub enum PruneSchedule {
 }
 
 impl PruneSchedule {
+    /// The cubic schedule for a run of `total_steps` optimizer steps: from sparsity 0 at 5% of
+    /// the run to the target at 60%, pruning about 50 times, which leaves the last 40% to
+    /// recover (the examples' `--prune`).
+    pub fn gradual(total_steps: u64) -> PruneSchedule {
+        let start = total_steps / 20;
+        let end = (total_steps * 6 / 10).max(start + 1);
+        PruneSchedule::cubic(start, end, (total_steps / 50).max(1))
+    }
+
     /// The cubic schedule from sparsity 0 at `start_step` to the target at `end_step`, pruning
     /// every `every` steps.
     pub fn cubic(start_step: u64, end_step: u64, every: u64) -> PruneSchedule {
@@ -98,14 +109,46 @@ pub struct PruneConfig {
 }
 
 impl PruneConfig {
-    /// Prune each 2-D weight (see [`prunable`]) to `sparsity`, one-shot.
+    /// Prune the 2-D weights (see [`prunable`]) to `sparsity` with one global threshold,
+    /// one-shot.
     pub fn new(sparsity: f32) -> PruneConfig {
         PruneConfig {
             sparsity,
-            scope: PruneScope::PerLayer,
+            scope: PruneScope::Global,
             schedule: PruneSchedule::OneShot,
             filter: Arc::new(prunable),
         }
+    }
+
+    /// Checks the numbers without a model: a sparsity outside [0, 1), an initial sparsity
+    /// above the target, or an empty schedule (`end_step <= start_step`, `every == 0`) is an
+    /// [`Error::InvalidArgument`]. [`Pruner::new`] calls it; a program can call it before it
+    /// opens a device.
+    pub fn validate(&self) -> Result<()> {
+        const OP: &str = "PruneConfig";
+        check_sparsity(OP, "the sparsity", self.sparsity)?;
+        if let PruneSchedule::Cubic {
+            initial_sparsity,
+            start_step,
+            end_step,
+            every,
+        } = self.schedule
+        {
+            check_sparsity(OP, "the initial sparsity", initial_sparsity)?;
+            let bad = |reason: String| Err(Error::InvalidArgument { op: OP, reason });
+            if initial_sparsity > self.sparsity {
+                return bad(format!(
+                    "the initial sparsity {initial_sparsity} is above the target {}",
+                    self.sparsity
+                ));
+            }
+            if end_step <= start_step || every == 0 {
+                return bad(format!(
+                    "the cubic schedule needs start_step < end_step and every >= 1, got {start_step}, {end_step}, {every}"
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// This configuration with another parameter filter (`name`, `dims` -> prune it?).
@@ -203,28 +246,7 @@ impl Pruner {
     /// selects nothing is an [`Error::InvalidArgument`], before any device work.
     pub fn new(model: &dyn Module, config: PruneConfig) -> Result<Pruner> {
         const OP: &str = "Pruner::new";
-        check_sparsity(OP, "the sparsity", config.sparsity)?;
-        if let PruneSchedule::Cubic {
-            initial_sparsity,
-            start_step,
-            end_step,
-            every,
-        } = config.schedule
-        {
-            check_sparsity(OP, "the initial sparsity", initial_sparsity)?;
-            let bad = |reason: String| Err(Error::InvalidArgument { op: OP, reason });
-            if initial_sparsity > config.sparsity {
-                return bad(format!(
-                    "the initial sparsity {initial_sparsity} is above the target {}",
-                    config.sparsity
-                ));
-            }
-            if end_step <= start_step || every == 0 {
-                return bad(format!(
-                    "the cubic schedule needs start_step < end_step and every >= 1, got {start_step}, {end_step}, {every}"
-                ));
-            }
-        }
+        config.validate()?;
         let layers: Vec<Layer> = model
             .named_parameters()
             .into_iter()
@@ -400,6 +422,11 @@ impl Pruner {
                     dims: l.weight.dims().to_vec(),
                     pruned: l.pruned_count(),
                     zeros: w.iter().filter(|&&v| v == 0.0).count(),
+                    pruned_nonzero: w
+                        .iter()
+                        .zip(&l.pruned)
+                        .filter(|&(&v, &p)| p && v != 0.0)
+                        .count(),
                     numel: w.len(),
                 })
             })
@@ -440,6 +467,9 @@ pub struct LayerSparsity {
     pub pruned: usize,
     /// Elements exactly zero (at least `pruned` once the masks are applied).
     pub zeros: usize,
+    /// Pruned elements that are not zero: 0 once the masks are applied (nonzero only between
+    /// an optimizer step and [`Pruner::step`]).
+    pub pruned_nonzero: usize,
     /// Elements in all.
     pub numel: usize,
 }
