@@ -19,6 +19,7 @@ pub mod matmul;
 pub(crate) mod nonfinite;
 mod operand;
 pub(crate) mod optim;
+pub(crate) mod qmatmul;
 pub(crate) mod reduce;
 pub(crate) mod reduce_max;
 pub(crate) mod softmax;
@@ -454,6 +455,22 @@ pub const DROPOUT: ShaderFile = ShaderFile {
     bindings: &[("x", false), ("out", true)],
 };
 
+pub const QMATMUL: ShaderFile = ShaderFile {
+    name: "qmatmul",
+    body: concat!(
+        include_str!("../../shaders/include/matmul_common.wgsl"),
+        include_str!("../../shaders/qmatmul.wgsl")
+    ),
+    // w holds the int8 weights as raw u32 words; scale and bias are f32.
+    bindings: &[
+        ("a", false),
+        ("w", false),
+        ("scale", false),
+        ("bias", false),
+        ("c", true),
+    ],
+};
+
 /// Every shader file, for validation without a GPU (unit test and `cargo xtask shaders`).
 pub const SHADERS: &[ShaderFile] = &[
     BINARY,
@@ -480,6 +497,7 @@ pub const SHADERS: &[ShaderFile] = &[
     PERMUTE,
     STRIDED_COPY,
     GRAD_NORM,
+    QMATMUL,
 ];
 
 impl ShaderFile {
@@ -634,6 +652,13 @@ fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
             .iter()
             .map(|&s| vec![s, s, s, F32, F32, s])
             .chain([vec![F16Packed, F16Packed, F16Packed, F32, F32, F32]])
+            .collect(),
+        // Weights are raw u32 words, scales and bias f32; packed f16 rows of N % 4 != 0 are
+        // written to f32 first.
+        "qmatmul" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s, U32, F32, F32, s])
+            .chain([vec![F16Packed, U32, F32, F32, F32]])
             .collect(),
         // Column partial sums are f32.
         "layer_norm_dwdb" => [F32, F16, F16Packed]
