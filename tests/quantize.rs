@@ -215,11 +215,9 @@ fn every_linear_of_a_custom_model(dev: &Device) {
     // The stem in int8 against the f32 stem: within the quantization error.
     let x_host = host_data(9, 4 * 6, -1.0, 1.0);
     let x = upload(dev, &x_host, &[4, 6], DType::F32);
-    let opts = fitgrad::MatmulOptions {
-        trans_b: true,
-        bias: Some(&model.0[2].1),
-        ..Default::default()
-    };
+    let mut opts = fitgrad::MatmulOptions::default();
+    opts.trans_b = true;
+    opts.bias = Some(&model.0[2].1);
     let want = x
         .matmul_with(&model.0[1].1, &opts)
         .unwrap()

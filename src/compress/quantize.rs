@@ -9,8 +9,9 @@
 //! 0. The scales are computed on the host from one readback of the weights, a one-time cost of
 //! post-training quantization.
 //!
-//! Bytes: the weights take `out * 4 * ceil(in / 4)` bytes plus `4 * out` for the scales,
-//! about a quarter of the f32 weights' `4 * out * in`.
+//! Bytes: the weights take `out * 16 * ceil(in / 16)` bytes (rows padded to 16 int8, the
+//! kernel's loads) plus `4 * out` for the scales, about a quarter of the f32 weights'
+//! `4 * out * in`.
 
 use crate::autograd::record_nondiff;
 use crate::kernels::matmul::Epilogue;
@@ -60,7 +61,7 @@ pub fn quantize_rows(w: &[f32], rows: usize, cols: usize) -> Result<(Vec<i8>, Ve
 }
 
 /// Four int8 per u32 word, k = 4j + b in byte b of word j of a row; rows padded with zero
-/// bytes to whole words.
+/// bytes to [`words_per_row`] words.
 fn pack(q: &[i8], rows: usize, cols: usize) -> Vec<u32> {
     let kw = words_per_row(cols);
     let mut words = vec![0u32; rows * kw];
@@ -95,8 +96,8 @@ fn parameter(dev: &Device, values: &[f32], dims: &[usize]) -> Result<Tensor> {
 /// dispatch that dequantizes W in registers (relu and gelu fused, as in the f32 layer).
 #[derive(Clone)]
 pub struct QuantizedLinear {
-    /// W's int8 values as raw u32 words (four per word, rows padded to whole words), held in
-    /// an f32-typed tensor of `out * ceil(in / 4)` elements: fitgrad has no integer dtype, and
+    /// W's int8 values as raw u32 words (four per word, rows padded to 16 int8), held in an
+    /// f32-typed tensor of `out * words_per_row(in)` elements: fitgrad has no integer dtype, and
     /// only the quantized matmul ever reads it (as `array<u32>`).
     words: Tensor,
     /// (out) f32.
@@ -308,11 +309,11 @@ mod tests {
     #[test]
     fn packing_round_trips_and_pads_rows() {
         let q: Vec<i8> = vec![1, -1, 127, -127, 5, 0, -2, 3, 4, -128];
-        // (2, 5): two words per row, the last three bytes of each row's second word zero.
+        // (2, 5): four words per row (16 int8, zero past the fifth).
         let w = pack(&q, 2, 5);
-        assert_eq!(w.len(), 4);
-        assert_eq!(w[0], 0x81_7f_ff_01);
-        assert_eq!(w[1], 0x05);
+        assert_eq!(w.len(), 8);
+        assert_eq!(w[..4], [0x81_7f_ff_01, 0x05, 0, 0]);
+        assert_eq!(w[4..], [0x04_03_fe_00, 0x80, 0, 0]);
         assert_eq!(unpack(&w, 2, 5), q);
     }
 

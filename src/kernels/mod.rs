@@ -117,7 +117,9 @@ fn wgsl_array_type(b: &Binding) -> &'static str {
         (Storage::F32, true) => "vec4<f32>",
         (Storage::F16, true) => "vec4<f16>",
         (Storage::F16Packed, true) => "vec2<u32>",
-        (Storage::U32, _) => "u32",
+        (Storage::U32, false) => "u32",
+        // Four raw words per load (the quantized matmul's weights).
+        (Storage::U32, true) => "vec4<u32>",
     }
 }
 
@@ -459,6 +461,7 @@ pub const QMATMUL: ShaderFile = ShaderFile {
     name: "qmatmul",
     body: concat!(
         include_str!("../../shaders/include/matmul_common.wgsl"),
+        include_str!("../../shaders/include/qmatmul_common.wgsl"),
         include_str!("../../shaders/qmatmul.wgsl")
     ),
     // w holds the int8 weights as raw u32 words; scale and bias are f32.
@@ -469,6 +472,15 @@ pub const QMATMUL: ShaderFile = ShaderFile {
         ("bias", false),
         ("c", true),
     ],
+};
+pub const QMATMUL_SG: ShaderFile = ShaderFile {
+    name: "qmatmul_sg",
+    body: concat!(
+        include_str!("../../shaders/include/matmul_common.wgsl"),
+        include_str!("../../shaders/include/qmatmul_common.wgsl"),
+        include_str!("../../shaders/qmatmul_sg.wgsl")
+    ),
+    bindings: QMATMUL.bindings,
 };
 
 /// Every shader file, for validation without a GPU (unit test and `cargo xtask shaders`).
@@ -498,6 +510,7 @@ pub const SHADERS: &[ShaderFile] = &[
     STRIDED_COPY,
     GRAD_NORM,
     QMATMUL,
+    QMATMUL_SG,
 ];
 
 impl ShaderFile {
@@ -560,6 +573,12 @@ pub fn variants(file: &ShaderFile) -> Vec<Vec<Binding>> {
         .iter()
         .map(|st| file.with_storage(st))
         .collect();
+    if file.name.starts_with("qmatmul") {
+        // The weights are always read as vec4<u32> (rows padded to whole quads of words).
+        for b in out.iter_mut().flatten().filter(|b| b.name == "w") {
+            b.vec4 = true;
+        }
+    }
     if file.name.starts_with("matmul_") {
         // With 16-byte aligned rows, A, B and C are read and written as vec4.
         let vectorized: Vec<Vec<Binding>> = out
@@ -655,7 +674,7 @@ fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
             .collect(),
         // Weights are raw u32 words, scales and bias f32; packed f16 rows of N % 4 != 0 are
         // written to f32 first.
-        "qmatmul" => [F32, F16, F16Packed]
+        "qmatmul" | "qmatmul_sg" => [F32, F16, F16Packed]
             .iter()
             .map(|&s| vec![s, U32, F32, F32, s])
             .chain([vec![F16Packed, U32, F32, F32, F32]])
