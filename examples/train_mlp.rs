@@ -5,7 +5,7 @@
 //! the device memory went. `--help` lists the flags; `--json` ends stdout with one JSON object.
 
 use clap::Parser;
-use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner};
+use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner, QuantizedMlp};
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
 use fitgrad::train::data;
@@ -91,6 +91,10 @@ struct Args {
     /// schedule from 5% to 60% of the steps), and report the sparsity of each layer.
     #[arg(long)]
     prune: Option<f32>,
+    /// After training, quantize every layer to int8 (per-output-channel scales) and evaluate
+    /// that model too: its weight bytes and accuracy next to the trained model's.
+    #[arg(long)]
+    quantize: bool,
 }
 
 fn run(args: Args) -> fitgrad::Result<()> {
@@ -370,6 +374,29 @@ fn run(args: Args) -> fitgrad::Result<()> {
         100.0 * test_accuracy,
         train_secs
     );
+    let int8 = if args.quantize {
+        let q = QuantizedMlp::from_mlp(&trainer.model)?;
+        let e = q.evaluate(&test, eval_batch)?;
+        let dense: u64 = trainer
+            .model
+            .layers
+            .iter()
+            .map(|l| l.weight.allocated_bytes())
+            .sum();
+        let quantized = q.model().weight_bytes();
+        println!(
+            "int8: weights {} ({:.3}x the {} {param_dtype} weights), test loss {:.4}, accuracy {:.2}% ({:+.2} points)",
+            Bytes(quantized),
+            quantized as f64 / dense as f64,
+            Bytes(dense),
+            e.loss,
+            100.0 * e.accuracy.unwrap_or(f32::NAN),
+            100.0 * (e.accuracy.unwrap_or(f32::NAN) - test_accuracy)
+        );
+        Some((dense, quantized, e.accuracy))
+    } else {
+        None
+    };
     let sparsity = match &pruner {
         Some(p) => {
             let report = p.report()?;
@@ -413,6 +440,9 @@ fn run(args: Args) -> fitgrad::Result<()> {
             "test_loss": test_loss,
             "test_accuracy": test_accuracy,
             "sparsity": sparsity,
+            "weight_bytes": int8.map(|q| q.0),
+            "int8_weight_bytes": int8.map(|q| q.1),
+            "int8_test_accuracy": int8.and_then(|q| q.2),
             "peak_bytes": s.peak_bytes_reserved,
             "peak_bytes_in_use": s.peak_bytes_in_use,
             "buffers_created": s.buffers_created,
