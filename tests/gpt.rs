@@ -30,11 +30,17 @@ fn tiny(dtype: DType) -> GptConfig {
 /// `n` ids below `VOCAB` from `seed`.
 fn ids(seed: u64, n: usize) -> Vec<u32> {
     let mut r = HostRng::new(seed);
-    (0..n).map(|_| (r.next_u64() % VOCAB as u64) as u32).collect()
+    (0..n)
+        .map(|_| (r.next_u64() % VOCAB as u64) as u32)
+        .collect()
 }
 
 fn bits(t: &Tensor) -> Vec<u32> {
-    t.to_vec_f32().unwrap().iter().map(|v| v.to_bits()).collect()
+    t.to_vec_f32()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect()
 }
 
 fn is_invalid<T>(r: fitgrad::Result<T>) -> bool {
@@ -42,6 +48,9 @@ fn is_invalid<T>(r: fitgrad::Result<T>) -> bool {
 }
 
 /// A device of its own on `dev`'s backend (its memory statistics are the test's alone).
+// Option structs are built with default() and then assigned, never as literals (they are
+// becoming #[non_exhaustive]).
+#[allow(clippy::field_reassign_with_default)]
 fn fresh_like(dev: &Device) -> Option<Device> {
     let mut o = DeviceOptions::default();
     o.backend = Some(dev.info().adapter.backend.clone());
@@ -106,7 +115,15 @@ fn parameters_are_named_counted_and_tied(dev: &Device) {
     let formula = v * c + t * c + l * (12 * c * c + 13 * c) + 2 * c;
     assert_eq!(gpt.num_parameters(), formula);
     assert_eq!(cfg.num_parameters().unwrap(), formula);
-    let shape = |n: &str| named.iter().find(|(k, _)| k == n).unwrap().1.dims().to_vec();
+    let shape = |n: &str| {
+        named
+            .iter()
+            .find(|(k, _)| k == n)
+            .unwrap()
+            .1
+            .dims()
+            .to_vec()
+    };
     assert_eq!(shape("wte.weight"), [v, c]);
     assert_eq!(shape("blocks.1.attn.qkv.weight"), [3 * c, c]);
     assert_eq!(shape("blocks.0.mlp.proj.weight"), [c, 4 * c]);
@@ -115,7 +132,12 @@ fn parameters_are_named_counted_and_tied(dev: &Device) {
     // which only the head (logits = x · Wteᵀ) can give.
     let x: Vec<u32> = (0..2 * CONTEXT).map(|i| (i % 9) as u32).collect();
     gpt.loss(&x, &x, 2, CONTEXT).unwrap().backward().unwrap();
-    let g = named[0].1.grad().expect("wte has a gradient").to_vec_f32().unwrap();
+    let g = named[0]
+        .1
+        .grad()
+        .expect("wte has a gradient")
+        .to_vec_f32()
+        .unwrap();
     let row10 = &g[10 * c..11 * c];
     assert!(row10.iter().any(|&v| v != 0.0), "row 10 of wte: {row10:?}");
     assert!(named[1].1.grad().is_some(), "wpe has a gradient");
@@ -123,13 +145,25 @@ fn parameters_are_named_counted_and_tied(dev: &Device) {
 
     // GPT-2's init: biases 0, residual projections with a smaller spread.
     let std = |n: &str| {
-        let v = named.iter().find(|(k, _)| k == n).unwrap().1.to_vec_f32().unwrap();
+        let v = named
+            .iter()
+            .find(|(k, _)| k == n)
+            .unwrap()
+            .1
+            .to_vec_f32()
+            .unwrap();
         (v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / v.len() as f64).sqrt()
     };
     assert_eq!(std("blocks.0.attn.qkv.bias"), 0.0);
-    let (fc, proj) = (std("blocks.0.mlp.fc.weight"), std("blocks.0.mlp.proj.weight"));
+    let (fc, proj) = (
+        std("blocks.0.mlp.fc.weight"),
+        std("blocks.0.mlp.proj.weight"),
+    );
     assert!((fc - 0.02).abs() < 0.003, "fc std {fc}");
-    assert!((proj - 0.01).abs() < 0.002, "proj std {proj} (0.02 / sqrt(2 layers))");
+    assert!(
+        (proj - 0.01).abs() < 0.002,
+        "proj std {proj} (0.02 / sqrt(2 layers))"
+    );
 }
 
 /// Every f32 parameter of the checkpoint `ck` set to random values (LayerNorm weights near 1),
@@ -204,9 +238,19 @@ fn gradients_match_finite_differences(dev: &Device) {
 
 /// ids (2, 8) of a repeating sequence and its next tokens.
 fn repeated() -> (Vec<u32>, Vec<u32>) {
-    let seq: Vec<u32> = (0..2 * CONTEXT + 1).map(|i| [1, 4, 2, 8, 5, 7][i % 6]).collect();
-    let x: Vec<u32> = seq[..CONTEXT].iter().chain(&seq[3..3 + CONTEXT]).copied().collect();
-    let y: Vec<u32> = seq[1..=CONTEXT].iter().chain(&seq[4..4 + CONTEXT]).copied().collect();
+    let seq: Vec<u32> = (0..2 * CONTEXT + 1)
+        .map(|i| [1, 4, 2, 8, 5, 7][i % 6])
+        .collect();
+    let x: Vec<u32> = seq[..CONTEXT]
+        .iter()
+        .chain(&seq[3..3 + CONTEXT])
+        .copied()
+        .collect();
+    let y: Vec<u32> = seq[1..=CONTEXT]
+        .iter()
+        .chain(&seq[4..4 + CONTEXT])
+        .copied()
+        .collect();
     (x, y)
 }
 
@@ -247,7 +291,8 @@ fn checkpointed_blocks_are_exact_with_dropout(dev: &Device) {
             assert_eq!(bits(&a), bits(&b), "loss, {what}");
             a.backward().unwrap();
             b.backward().unwrap();
-            for ((name, p), (_, q)) in plain.named_parameters().iter().zip(ckpt.named_parameters()) {
+            for ((name, p), (_, q)) in plain.named_parameters().iter().zip(ckpt.named_parameters())
+            {
                 let (gp, gq) = (p.grad().unwrap(), q.grad().unwrap());
                 assert_eq!(bits(&gp), bits(&gq), "gradient of {name}, {what}");
             }
@@ -275,7 +320,11 @@ fn checkpointed_blocks_lower_the_peak(dev: &Device) {
         gpt.loss(&x, &x, 4, 16).unwrap().backward().unwrap();
         let peak = fresh.memory_stats().peak_bytes_in_use - before;
         gpt.zero_grad();
-        assert_eq!(fresh.memory_stats().bytes_in_use, before, "the step left memory behind");
+        assert_eq!(
+            fresh.memory_stats().bytes_in_use,
+            before,
+            "the step left memory behind"
+        );
         peak
     };
     let plain = step(false);
@@ -293,38 +342,71 @@ fn cached_logits_match_the_full_forward(dev: &Device) {
         gpt.set_training(false);
         let batch = 2;
         let seq = ids(11, batch * CONTEXT);
-        let full = gpt.forward_ids(&seq, batch, CONTEXT).unwrap().to_vec_f32().unwrap();
+        let full = gpt
+            .forward_ids(&seq, batch, CONTEXT)
+            .unwrap()
+            .to_vec_f32()
+            .unwrap();
         let tol = match dtype {
-            DType::F32 => Tol { abs: 1e-5, rel: 1e-4, f16_ulps: 0.0 },
-            DType::F16 => Tol { abs: 2e-3, rel: 2e-2, f16_ulps: 4.0 },
+            DType::F32 => Tol {
+                abs: 1e-5,
+                rel: 1e-4,
+                f16_ulps: 0.0,
+            },
+            DType::F16 => Tol {
+                abs: 2e-3,
+                rel: 2e-2,
+                f16_ulps: 4.0,
+            },
         };
         // Rows start..start + len of every batch, from seq (B, CONTEXT) and logits (B, T, V).
         let cols = |v: &[u32], start: usize, len: usize| -> Vec<u32> {
-            (0..batch).flat_map(|b| v[b * CONTEXT + start..b * CONTEXT + start + len].to_vec()).collect()
+            (0..batch)
+                .flat_map(|b| v[b * CONTEXT + start..b * CONTEXT + start + len].to_vec())
+                .collect()
         };
         let want = |start: usize, len: usize| -> Vec<f32> {
             (0..batch)
-                .flat_map(|b| full[(b * CONTEXT + start) * VOCAB..(b * CONTEXT + start + len) * VOCAB].to_vec())
+                .flat_map(|b| {
+                    full[(b * CONTEXT + start) * VOCAB..(b * CONTEXT + start + len) * VOCAB]
+                        .to_vec()
+                })
                 .collect()
         };
         // A prefill of 3 positions, then one at a time.
         let mut cache = gpt.kv_cache();
         let mut start = 0;
         for len in [3, 1, 1, 1, 1, 1] {
-            let got = gpt.forward_cached(&cols(&seq, start, len), batch, len, &mut cache).unwrap();
+            let got = gpt
+                .forward_cached(&cols(&seq, start, len), batch, len, &mut cache)
+                .unwrap();
             assert_eq!(got.dims(), [batch, len, VOCAB]);
-            let what = format!("cached positions {start}..{} {dtype} on {}", start + len, label(dev));
+            let what = format!(
+                "cached positions {start}..{} {dtype} on {}",
+                start + len,
+                label(dev)
+            );
             check_close(&what, &got.to_vec_f32().unwrap(), &want(start, len), tol).unwrap();
             start += len;
             assert_eq!(cache.len(), start);
         }
         // Past the context, another batch, or another model's cache: refused.
-        assert!(is_invalid(gpt.forward_cached(&cols(&seq, 0, 3), batch, 3, &mut cache)));
+        assert!(is_invalid(gpt.forward_cached(
+            &cols(&seq, 0, 3),
+            batch,
+            3,
+            &mut cache
+        )));
         assert!(is_invalid(gpt.forward_cached(&seq[..1], 1, 1, &mut cache)));
         let mut cfg = tiny(dtype);
         cfg.layers = 1;
         let other = Gpt::new(dev, cfg).unwrap();
-        assert!(is_invalid(gpt.forward_cached(&seq[..1], 1, 1, &mut other.kv_cache())));
+        assert!(is_invalid(gpt.forward_cached(
+            &seq[..1],
+            1,
+            1,
+            &mut other.kv_cache()
+        )));
         cache.clear();
         assert!(cache.is_empty());
         gpt.forward_cached(&seq[..1], 1, 1, &mut cache).unwrap();
@@ -333,7 +415,13 @@ fn cached_logits_match_the_full_forward(dev: &Device) {
 
 /// generate without a cache: the full forward of the last `CONTEXT` tokens at every step, and
 /// the same sampling rule (softmax on the device, inverse transform on the host).
-fn reference_generate(gpt: &Gpt, prompt: &[u32], max_new: usize, temperature: f32, seed: u64) -> Vec<u32> {
+fn reference_generate(
+    gpt: &Gpt,
+    prompt: &[u32],
+    max_new: usize,
+    temperature: f32,
+    seed: u64,
+) -> Vec<u32> {
     let _g = fitgrad::no_grad();
     let mut rng = Rng::new(seed);
     let mut out = prompt.to_vec();
@@ -373,10 +461,23 @@ fn generation_matches_an_uncached_reference(dev: &Device) {
     assert_eq!(a.len(), prompt.len() + 12);
     assert_eq!(&a[..3], &prompt);
     assert!(a.iter().all(|&i| (i as usize) < VOCAB));
-    assert_eq!(gpt.generate(&prompt, 12, 0.9, 7).unwrap(), a, "same seed, same tokens");
-    assert_ne!(gpt.generate(&prompt, 12, 0.9, 8).unwrap(), a, "another seed");
+    assert_eq!(
+        gpt.generate(&prompt, 12, 0.9, 7).unwrap(),
+        a,
+        "same seed, same tokens"
+    );
+    assert_ne!(
+        gpt.generate(&prompt, 12, 0.9, 8).unwrap(),
+        a,
+        "another seed"
+    );
     gpt.set_training(false);
-    assert_eq!(reference_generate(&gpt, &prompt, 12, 0.9, 7), a, "on {}", label(dev));
+    assert_eq!(
+        reference_generate(&gpt, &prompt, 12, 0.9, 7),
+        a,
+        "on {}",
+        label(dev)
+    );
     // A prompt longer than the context is cropped to its last CONTEXT tokens.
     let long = ids(3, CONTEXT + 3);
     let b = gpt.generate(&long, 2, 1.5, 1).unwrap();
@@ -421,8 +522,14 @@ fn bad_configs_and_inputs_are_refused_before_device_work(dev: &Device) {
             Ok(_) => panic!("{cfg:?} was accepted"),
         }
     }
-    assert!(is_invalid(with(&|c| c.dim = usize::MAX / 4).num_parameters()));
-    assert_eq!(fresh.memory_stats().allocations, 0, "a refused config allocated");
+    assert!(is_invalid(
+        with(&|c| c.dim = usize::MAX / 4).num_parameters()
+    ));
+    assert_eq!(
+        fresh.memory_stats().allocations,
+        0,
+        "a refused config allocated"
+    );
 
     let gpt = Gpt::new(&fresh, tiny(DType::F32)).unwrap();
     let x = ids(1, 2 * 4);
@@ -447,9 +554,16 @@ fn bad_configs_and_inputs_are_refused_before_device_work(dev: &Device) {
         is_invalid(gpt.forward(&Tensor::zeros(&fresh, &[1, 16], DType::F32).unwrap())),
     ];
     let failed: Vec<usize> = (0..refused.len()).filter(|&i| !refused[i]).collect();
-    assert!(failed.is_empty(), "not refused with InvalidArgument: cases {failed:?}");
+    assert!(
+        failed.is_empty(),
+        "not refused with InvalidArgument: cases {failed:?}"
+    );
     // The zeros tensor of the last case is the only allocation.
-    assert_eq!(fresh.memory_stats().allocations, before + 1, "a refused call allocated");
+    assert_eq!(
+        fresh.memory_stats().allocations,
+        before + 1,
+        "a refused call allocated"
+    );
 }
 
 fn checkpoint_file_round_trip(dev: &Device) {
@@ -468,7 +582,8 @@ fn checkpoint_file_round_trip(dev: &Device) {
         .unwrap()
         .to_bytes()
         .unwrap();
-    let back = Gpt::from_checkpoint(dev, &Checkpoint::from_bytes(&bytes, "memory").unwrap()).unwrap();
+    let back =
+        Gpt::from_checkpoint(dev, &Checkpoint::from_bytes(&bytes, "memory").unwrap()).unwrap();
     cfg.checkpoint_blocks = true;
     assert_eq!(back.gpt_config(), cfg);
     assert_eq!(param_values(&back), param_values(&gpt));
@@ -481,5 +596,8 @@ fn checkpoint_file_round_trip(dev: &Device) {
     // An Mlp's file is not a Gpt's.
     let mlp = Mlp::new(dev, &[4, 3], fitgrad::nn::Act::Relu, 0).unwrap();
     let c = Checkpoint::capture(&mlp, None, &TrainingState::default()).unwrap();
-    assert!(matches!(Gpt::from_checkpoint(dev, &c), Err(Error::Data { .. })));
+    assert!(matches!(
+        Gpt::from_checkpoint(dev, &c),
+        Err(Error::Data { .. })
+    ));
 }

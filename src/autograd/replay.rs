@@ -190,7 +190,10 @@ mod tests {
         let rep = replay_seeds(seeds.clone());
         assert_eq!(replayable_seed(drawer(&c)).unwrap(), a);
         assert_eq!(replayable_seed(drawer(&c)).unwrap(), b);
-        assert!(replayable_seed(drawer(&c)).is_err(), "a third seed was never recorded");
+        assert!(
+            replayable_seed(drawer(&c)).is_err(),
+            "a third seed was never recorded"
+        );
         assert_eq!(c.get(), 2, "replay does not draw");
         drop(rep);
         let rep = replay_seeds(seeds);
@@ -228,6 +231,10 @@ mod tests {
             let _rec = record_seeds();
             let _inner = replay_seeds(vec![]);
         }
-        assert_eq!(replayable_seed(drawer(&c)).unwrap(), 10, "no frame is left open");
+        assert_eq!(
+            replayable_seed(drawer(&c)).unwrap(),
+            10,
+            "no frame is left open"
+        );
     }
 }

@@ -215,8 +215,7 @@ impl Gpt {
         };
         let linear = |i: usize, o: usize, std: f32, seed: u64| -> Result<Linear> {
             Ok(Linear {
-                weight: Tensor::randn(device, &[o, i], 0.0, std, seed, dtype)?
-                    .with_requires_grad(),
+                weight: Tensor::randn(device, &[o, i], 0.0, std, seed, dtype)?.with_requires_grad(),
                 bias: Some(Tensor::zeros(device, &[o], dtype)?.with_requires_grad()),
                 in_features: i,
                 out_features: o,
@@ -299,7 +298,13 @@ impl Gpt {
 
     /// [`Gpt::forward_ids`] with every matmul in `dtype` (f32 parameters run an f16 forward,
     /// cast inside the graph so gradients reach them in f32); the logits are returned in f32.
-    pub fn forward_ids_in(&self, ids: &[u32], batch: usize, t: usize, dtype: DType) -> Result<Tensor> {
+    pub fn forward_ids_in(
+        &self,
+        ids: &[u32],
+        batch: usize,
+        t: usize,
+        dtype: DType,
+    ) -> Result<Tensor> {
         cast(&self.logits(ids, batch, t, dtype)?, DType::F32)
     }
 
@@ -342,8 +347,11 @@ impl Gpt {
             reason,
         };
         let get = |k: &str| {
-            map.get(k)
-                .ok_or_else(|| bad(format!("no model configuration '{k}' (not a Gpt checkpoint)")))
+            map.get(k).ok_or_else(|| {
+                bad(format!(
+                    "no model configuration '{k}' (not a Gpt checkpoint)"
+                ))
+            })
         };
         if get("kind")? != "gpt" {
             return Err(bad(format!(
@@ -351,7 +359,11 @@ impl Gpt {
                 get("kind")?
             )));
         }
-        fn parse<T: std::str::FromStr>(v: &str, k: &str, bad: &dyn Fn(String) -> Error) -> Result<T> {
+        fn parse<T: std::str::FromStr>(
+            v: &str,
+            k: &str,
+            bad: &dyn Fn(String) -> Error,
+        ) -> Result<T> {
             v.parse().map_err(|_| bad(format!("bad {k} '{v}'")))
         }
         let num = |k: &str| -> Result<usize> { parse(get(k)?, k, &bad) };
@@ -401,12 +413,16 @@ impl Gpt {
                 ids.len()
             ));
         }
+        let context = self.cfg.context;
         if t > max_t {
-            return bad(format!(
-                "t = {t} passes the {max_t} positions left of the context ({}); feed at most \
-                 the last {max_t} tokens",
-                self.cfg.context
-            ));
+            return bad(if max_t == context {
+                format!("t = {t} passes the context of {context}; feed at most the last {context} tokens")
+            } else {
+                format!(
+                    "t = {t} passes the {max_t} positions the cache leaves of the context of \
+                     {context}; clear the cache and feed at most the last {context} tokens"
+                )
+            });
         }
         self.check_vocab(op, ids)
     }
@@ -438,7 +454,14 @@ impl Gpt {
 
     /// Token plus position embeddings of ids (B, T) at positions `start..start + T`, in
     /// `dtype`, then embedding dropout: (B, T, C).
-    pub(crate) fn embed(&self, ids: &[u32], batch: usize, t: usize, start: usize, dtype: DType) -> Result<Tensor> {
+    pub(crate) fn embed(
+        &self,
+        ids: &[u32],
+        batch: usize,
+        t: usize,
+        start: usize,
+        dtype: DType,
+    ) -> Result<Tensor> {
         let positions: Vec<u32> = (start..start + t).map(|p| p as u32).collect();
         // (B, T, C) + (T, C), broadcast over the batch.
         let tok = self.wte.forward_ids(ids, &[batch, t])?;
