@@ -15,8 +15,10 @@
 
 use crate::{Error, Result};
 
-/// How the learning rate moves over training. Steps count from 0 (the first `step()`).
+/// How the learning rate moves over training. Steps count from 0 (the first `step()`). More
+/// schedules may be added, so a `match` outside the crate needs a `_` arm.
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
 pub enum LrSchedule {
     /// The base rate at every step.
     Constant,
