@@ -14,7 +14,8 @@ use crate::{Error, Result};
 /// # fn f(x: &fitgrad::Tensor, w: &fitgrad::Tensor, b: &fitgrad::Tensor) -> fitgrad::Result<()> {
 /// use fitgrad::{Activation, MatmulOptions};
 /// // x is (B, IN), w is (OUT, IN) as torch stores it, b is (OUT): relu(x · wᵀ + b) is (B, OUT).
-/// let y = x.matmul_with(w, &MatmulOptions::new().trans_b(true).bias(b).activation(Activation::Relu))?;
+/// let opts = MatmulOptions::new().trans_b(true).bias(b).activation(Activation::Relu);
+/// let y = x.matmul_with(w, &opts)?;
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Copy, Debug, Default)]
