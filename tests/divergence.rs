@@ -14,10 +14,7 @@ fn trainer(lr: f32, precision: Precision) -> Option<Trainer<Mlp>> {
     let dev = fresh_device(DeviceOptions::default())?;
     let m = Mlp::with_dtype(&dev, &[8, 16, 4], Act::Relu, precision.param_dtype(), 1).unwrap();
     let opt = Box::new(Sgd::new(m.parameters(), lr).unwrap());
-    let cfg = TrainerConfig {
-        precision,
-        ..TrainerConfig::new(16, 1, lr)
-    };
+    let cfg = TrainerConfig::new(16, 1, lr).precision(precision);
     Some(Trainer::new(m, opt, cfg).unwrap())
 }
 
