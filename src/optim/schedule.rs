@@ -26,8 +26,11 @@ pub enum LrSchedule {
     /// s / warmup_steps), then a half cosine from the base rate at `warmup_steps` down to
     /// base * `min_lr_ratio` at `total_steps`, then flat at that floor.
     WarmupCosine {
+        /// Steps of the linear warm-up (0: none).
         warmup_steps: u64,
+        /// The step where the cosine reaches its floor (>= `warmup_steps`).
         total_steps: u64,
+        /// The floor as a fraction of the base rate, in [0, 1].
         min_lr_ratio: f32,
     },
 }
