@@ -229,6 +229,7 @@ impl Tensor {
 
 /// The options of [`Tensor::softmax_masked`]: `y = softmax(scale * x + mask)` with an optional
 /// causal mask. The default is a plain softmax (scale 1, no mask) whose all -inf rows give 0.
+/// Built from [`SoftmaxOptions::new`] with the chained setters (new options may be added).
 ///
 /// ```no_run
 /// # fn f(scores: &fitgrad::Tensor) -> fitgrad::Result<()> {
@@ -238,6 +239,7 @@ impl Tensor {
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct SoftmaxOptions {
     /// Multiplies the input before the mask is added; finite and > 0 (default 1).
     pub scale: f32,
