@@ -2,9 +2,9 @@
 
 use super::operand::staged_f32;
 use super::{Shape, Tensor};
-use crate::autograd::{self, grad_if, record};
 use crate::kernels::elementwise::{self, BinaryOp};
 use crate::kernels::matmul::{self, Epilogue, Problem, Variant};
+use crate::tensor::autograd::{self, grad_if, record};
 use crate::{Activation, Error, Result};
 
 /// Options of [`Tensor::matmul_with`], built from [`Default`] with the chained setters (new

@@ -3,8 +3,8 @@
 
 use super::operand::staged_f32;
 use super::{DType, Shape, Tensor};
-use crate::autograd::{self, expand, record};
 use crate::kernels::softmax::{self, Fused};
+use crate::tensor::autograd::{self, expand, record};
 use crate::{Error, Result};
 
 /// Largest class count whose indices f32 holds exactly (targets travel to the GPU as f32).
