@@ -302,7 +302,7 @@ fn run(args: Args) -> Result<()> {
     println!("adapter: {}", info.adapter);
     let spec = match args.dataset.as_str() {
         "auto" if !Path::new(FASHION_MNIST_DIR).is_dir() => "digits",
-        "auto" if info.adapter.device_type == "Cpu" => {
+        "auto" if info.adapter.is_cpu() => {
             println!("(a CPU adapter: training on the digits; --dataset fashion-mnist for more)");
             "digits"
         }

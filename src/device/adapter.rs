@@ -102,8 +102,13 @@ pub struct AdapterSummary {
     pub vendor_name: &'static str,
     /// The wgpu backend: "vulkan", "metal", "dx12" or "gl".
     pub backend: String,
-    /// Discrete, integrated, virtual or CPU (a software rasterizer such as lavapipe).
+    /// Discrete, integrated, virtual or CPU (a software rasterizer such as lavapipe), for
+    /// display; code decides on [`AdapterSummary::kind`].
     pub device_type: String,
+    /// The backend, typed (what code compares; `backend` is its display form).
+    pub wgpu_backend: wgpu::Backend,
+    /// The kind of device, typed.
+    pub kind: wgpu::DeviceType,
     /// The driver's name.
     pub driver: String,
     /// The driver's version text.
@@ -114,6 +119,12 @@ pub struct AdapterSummary {
 }
 
 impl AdapterSummary {
+    /// A CPU adapter (lavapipe, llvmpipe, WARP): kernels compile for seconds and run on the
+    /// host's cores, which changes the kernel choices.
+    pub fn is_cpu(&self) -> bool {
+        self.kind == wgpu::DeviceType::Cpu
+    }
+
     fn from_adapter(adapter: &wgpu::Adapter) -> Self {
         AdapterSummary {
             memory: adapter_memory(adapter),
@@ -129,6 +140,8 @@ impl AdapterSummary {
             vendor_name: vendor_name(info.vendor),
             backend: format!("{:?}", info.backend).to_lowercase(),
             device_type: format!("{:?}", info.device_type),
+            wgpu_backend: info.backend,
+            kind: info.device_type,
             driver: info.driver.clone(),
             driver_info: info.driver_info.clone(),
         }

@@ -334,6 +334,11 @@ pub fn run(args: &[String]) -> Result<(), String> {
             }
         }
     }
+    // A benchmark measures tuned kernels on every adapter, CPU ones included (where a normal
+    // run tunes only on request, as their candidates compile for seconds each).
+    if std::env::var_os("FITGRAD_AUTOTUNE_BUDGET").is_none() {
+        std::env::set_var("FITGRAD_AUTOTUNE_BUDGET", "1e9");
+    }
     let mut adapters = Device::adapters();
     if let Some(want) = &o.adapter {
         adapters.retain(|a| a.name.to_lowercase().contains(&want.to_lowercase()));
