@@ -1,0 +1,67 @@
+// Shared by attention_fwd.wgsl, attention_bwd_dq.wgsl and attention_bwd_dkv.wgsl (prepended at
+// build time): the parameters at binding 0, the tile sizes, which tile a workgroup takes, the
+// causal rule and the edges of a row. q, k, v, o and their gradients are (BH, T, D) contiguous
+// (BH = batch * heads); lse and delta are (BH, T) f32.
+//
+// A workgroup owns R rows of one matrix (queries in the forward and dQ, keys in dK / dV) and
+// walks tiles of C rows of the other side. Each row has G lanes: in the score phase lane g takes
+// the columns g, g + G, ... of the (R, C) score tile, and in the accumulation phase the quads
+// g, g + G, ... of its output row (NQ quads of S, the head dim rounded up to a bucket / 4). Rows
+// are staged in workgroup memory as f32 quads, zero past T and past D, so any T and any D up to
+// 4 * S work. A lane adds in a fixed order and every workgroup writes only its own rows: no
+// atomics, bitwise reproducible.
+
+struct Params {
+    groups: u32,   // workgroups with work: tiles * BH (a 2-D grid may have spare ones)
+    tiles: u32,    // row tiles per matrix: ceil(T / R)
+    t: u32,        // sequence length (T_q = T_k)
+    d: u32,        // head dim
+    d4: u32,       // ceil(D / 4): quads of a row that hold elements
+    causal: u32,   // 1: query i sees keys j <= i only
+    scale: f32,    // 1 / sqrt(D)
+    _pad: u32,
+}
+@group(0) @binding(0) var<uniform> p: Params;
+
+const R: u32 = 32u; // rows per workgroup
+const C: u32 = 16u; // rows of the other side per tile
+const S: u32 = 16u; // quads per staged row: the head-dim bucket / 4
+const G: u32 = 4u;  // lanes per row; divides C and S
+const WG: u32 = R * G;
+const NQ: u32 = S / G; // output quads per lane
+const NC: u32 = C / G; // score columns per lane
+
+// -inf, built at run time: naga rejects a constant one.
+fn neg_inf() -> f32 {
+    return bitcast<f32>(0xff800000u | (p.t & 0u));
+}
+
+// The workgroup's matrix m (of BH), its first row, the element offset of its (T, D) matrices,
+// and whether it has work (the spare workgroups of a 2-D grid have none).
+struct Tile {
+    m: u32,
+    row0: u32,
+    base: u32,
+    live: bool,
+}
+
+fn tile_of(wg: vec3<u32>, nwg: vec3<u32>) -> Tile {
+    let lin = wg.y * nwg.x + wg.x;
+    let m = lin / p.tiles;
+    return Tile(m, (lin % p.tiles) * R, m * p.t * p.d, lin < p.groups);
+}
+
+// Query i sees key j: j inside the sequence, and j <= i when causal (the same rule as
+// softmax_masked's `k <= i + T_k - T_q` with T_q = T_k).
+fn visible(i: u32, j: u32) -> bool {
+    return j < p.t && (p.causal == 0u || j <= i);
+}
+
+// Elements of quad qd of a row that exist: none past T, fewer than 4 at the end of a row whose D
+// is not a multiple of 4.
+fn quad_len(row: u32, qd: u32) -> u32 {
+    if (row >= p.t) {
+        return 0u;
+    }
+    return min(4u, p.d - min(p.d, 4u * qd));
+}
