@@ -31,3 +31,4 @@ pub use error::{Bytes, Error, Result};
 pub use kernels::matmul::Activation;
 pub use memory::MemoryStats;
 pub use tensor::{DType, Element, MatmulOptions, Shape, SoftmaxOptions, Tensor};
+pub use tensor::{AttentionKind, AttentionOptions};

@@ -149,6 +149,11 @@ pub(crate) fn storage_variants(name: &str) -> Vec<Vec<Storage>> {
     out
 }
 
+/// The scores' scale, 1 / sqrt(D): one copy for the fused kernels and the composed path.
+pub(crate) fn scale(d: usize) -> f32 {
+    1.0 / (d as f32).sqrt()
+}
+
 /// The problem: BH (batch * heads) matrices of (T, D), scale 1 / sqrt(D).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Dims {
@@ -164,7 +169,6 @@ impl Dims {
         let row_tiles = self.t.div_ceil(tiles.rows as usize);
         // The caller checked that every element index, hence this product, fits u32.
         let groups = (row_tiles * self.bh) as u32;
-        let scale = 1.0 / (self.d as f32).sqrt();
         (
             [
                 groups,
@@ -173,7 +177,7 @@ impl Dims {
                 self.d as u32,
                 self.d.div_ceil(4) as u32,
                 u32::from(self.causal),
-                scale.to_bits(),
+                scale(self.d).to_bits(),
                 0,
             ],
             groups,

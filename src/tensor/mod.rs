@@ -1,6 +1,7 @@
 //! Tensors: a shape, a dtype, and a block of arena memory on one device. Always contiguous and
 //! row-major; `reshape` shares the block, every op writes a new one.
 
+mod attention;
 mod dropout;
 mod index_select;
 mod layer_norm;
@@ -12,6 +13,7 @@ mod random;
 mod select;
 mod softmax;
 
+pub use attention::{AttentionKind, AttentionOptions};
 pub use crate::dtype::{DType, Element};
 pub use crate::shape::{Shape, MAX_RANK};
 pub use matmul::MatmulOptions;
