@@ -1,16 +1,14 @@
-// Fused self-attention, backward pass 1: the queries' gradient and each row's delta. One
-// workgroup per R queries of one (batch, head) matrix, walking the key tiles the forward walked
-// and rebuilding the probabilities from the saved lse (the (T, T) scores are never stored):
+// Fused self-attention, backward pass 1: the queries' gradient and each row's delta. An
+// invocation per query, R queries of one (batch, head) matrix per workgroup, walking the key
+// tiles the forward walked and rebuilding the probabilities from the saved lse (the (T, T)
+// scores are never stored):
 //   delta_i = dO_i . O_i                       (written for pass 2, attention_bwd_dkv.wgsl)
 //   P_ij = exp(scale * q_i . k_j - lse_i),  dP_ij = dO_i . v_j,
 //   dS_ij = P_ij (dP_ij - delta_i),  dQ_i = scale * sum_j dS_ij k_j.
-// Each tile stages V (for dP), then K (for the scores and dQ) in the same buffer.
-// Tiles, lanes and edges: include/attention_tiles.wgsl.
+// Rows, tiles and edges: include/attention_tiles.wgsl.
 
-var<workgroup> qs: array<vec4<f32>, R * S>;  // the queries
-var<workgroup> dys: array<vec4<f32>, R * S>; // their output gradients dO
-var<workgroup> kv: array<vec4<f32>, C * S>;  // the tile's values, then its keys
-var<workgroup> ds: array<f32, R * C>;        // dP, then scale * dS, of the tile
+var<workgroup> ks: array<vec4<f32>, C * S>; // the tile's keys
+var<workgroup> vs: array<vec4<f32>, C * S>; // and values
 
 fn tile_q(base: u32, row: u32, qd: u32) -> vec4<f32> {
     let n = quad_len(row, qd);
@@ -92,7 +90,7 @@ fn store_dq(base: u32, row: u32, qd: u32, v: vec4<f32>) {
     }
 }
 
-@compute @workgroup_size(WG)
+@compute @workgroup_size(R)
 fn main(@builtin(workgroup_id) wg: vec3<u32>,
         @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) li: u32) {
@@ -100,76 +98,52 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     if (!tl.live) {
         return;
     }
-    let r = li / G;
-    let g = li % G;
-    let i = tl.row0 + r; // this lane's query
-    for (var e = li; e < R * S; e += WG) {
-        qs[e] = tile_q(tl.base, tl.row0 + e / S, e % S);
-        dys[e] = tile_dy(tl.base, tl.row0 + e / S, e % S);
-    }
-    workgroupBarrier();
-    // delta and lse of the row, the same in every lane (one fixed order).
+    let i = tl.row0 + li; // this invocation's query
+    var q: array<vec4<f32>, S>;
+    var dy: array<vec4<f32>, S>;
     var delta_i = 0.0;
+    for (var qd = 0u; qd < S; qd++) {
+        q[qd] = tile_q(tl.base, i, qd);
+        dy[qd] = tile_dy(tl.base, i, qd);
+        delta_i += dot(dy[qd], tile_o(tl.base, i, qd));
+    }
+    // Rows past T have zero q and dO, so lse 0 gives them finite, unused values.
     var lse_i = 0.0;
     if (i < p.t) {
-        for (var qd = 0u; qd < p.d4; qd++) {
-            delta_i += dot(dys[r * S + qd], tile_o(tl.base, i, qd));
-        }
         lse_i = ld_lse(tl.m * p.t + i);
-        if (g == 0u) {
-            st_delta(tl.m * p.t + i, delta_i);
-        }
+        st_delta(tl.m * p.t + i, delta_i);
     }
-    var acc: array<vec4<f32>, NQ>; // quads g + G t of the row's dQ
+    var acc: array<vec4<f32>, S>; // the row's dQ
     var kend = p.t;
     if (p.causal != 0u) {
         kend = min(p.t, tl.row0 + R);
     }
     for (var j0 = 0u; j0 < kend; j0 += C) {
         workgroupBarrier();
-        for (var e = li; e < C * S; e += WG) {
-            kv[e] = tile_v(tl.base, j0 + e / S, e % S);
+        for (var e = li; e < C * S; e += R) {
+            ks[e] = tile_k(tl.base, j0 + e / S, e % S);
+            vs[e] = tile_v(tl.base, j0 + e / S, e % S);
         }
         workgroupBarrier();
-        for (var t = 0u; t < NC; t++) {
-            let c = g + G * t;
+        let n = min(tile_rows(j0), kend - j0);
+        for (var c = 0u; c < n; c++) {
+            var s = 0.0;
             var dp = 0.0;
-            for (var qd = 0u; qd < p.d4; qd++) {
-                dp += dot(dys[r * S + qd], kv[c * S + qd]);
+            for (var qd = 0u; qd < S; qd++) {
+                s += dot(q[qd], ks[c * S + qd]);
+                dp += dot(dy[qd], vs[c * S + qd]);
             }
-            ds[r * C + c] = dp;
-        }
-        workgroupBarrier();
-        for (var e = li; e < C * S; e += WG) {
-            kv[e] = tile_k(tl.base, j0 + e / S, e % S);
-        }
-        workgroupBarrier();
-        // Each lane rewrites only its own entries of ds here.
-        for (var t = 0u; t < NC; t++) {
-            let c = g + G * t;
-            var w = 0.0;
-            if (visible(i, j0 + c)) {
-                var s = 0.0;
-                for (var qd = 0u; qd < p.d4; qd++) {
-                    s += dot(qs[r * S + qd], kv[c * S + qd]);
-                }
-                let pij = exp(p.scale * s - lse_i);
-                w = pij * (ds[r * C + c] - delta_i) * p.scale;
-            }
-            ds[r * C + c] = w;
-        }
-        workgroupBarrier();
-        for (var c = 0u; c < C; c++) {
-            let w = ds[r * C + c];
-            for (var t = 0u; t < NQ; t++) {
-                acc[t] += w * kv[c * S + g + G * t];
+            let pij = select(0.0, exp(p.scale * s - lse_i), visible(i, j0 + c));
+            let w = pij * (dp - delta_i) * p.scale;
+            for (var qd = 0u; qd < S; qd++) {
+                acc[qd] += w * ks[c * S + qd];
             }
         }
     }
     if (i >= p.t) {
         return;
     }
-    for (var t = 0u; t < NQ; t++) {
-        store_dq(tl.base, i, g + G * t, acc[t]);
+    for (var qd = 0u; qd < S; qd++) {
+        store_dq(tl.base, i, qd, acc[qd]);
     }
 }

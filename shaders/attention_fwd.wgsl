@@ -1,15 +1,14 @@
-// Fused self-attention, forward (flash-attention): o = softmax(scale * q kᵀ, causal) v, one
-// workgroup per R queries of one (batch, head) matrix, walking the keys in tiles of C with an
-// online softmax, so the (T, T) scores never leave workgroup memory. Per tile:
-//   s = scale * q kᵀ (masked: -inf),  m' = max(m, max_j s),  a = exp(m - m'),
-//   l = a l + sum_j exp(s - m'),  acc = a acc + sum_j exp(s - m') v_j,
-// and at the end o = acc / l and lse = m + log(l) (natural log, f32), which the backward uses to
-// rebuild the probabilities. Causal: tiles past the workgroup's last query are never loaded.
-// Tiles, lanes and edges: include/attention_tiles.wgsl.
+// Fused self-attention, forward (flash-attention): o = softmax(scale * q kᵀ, causal) v. An
+// invocation per query, R queries of one (batch, head) matrix per workgroup, walking the keys in
+// staged tiles of C with an online softmax, so the (T, T) scores are never stored. Per key:
+//   s = scale * q . k_j (masked: -inf),  m' = max(m, s),  a = exp(m - m'),
+//   l = a l + exp(s - m'),  acc = a acc + exp(s - m') v_j,
+// and at the end o = acc / l and lse = m + log(l) (natural log, f32), from which the backward
+// rebuilds the probabilities. Causal: tiles past the workgroup's last query are never loaded.
+// Rows, tiles and edges: include/attention_tiles.wgsl.
 
-var<workgroup> qs: array<vec4<f32>, R * S>; // the queries, R rows of S quads
-var<workgroup> kv: array<vec4<f32>, C * S>; // the tile's keys, then its values
-var<workgroup> sc: array<f32, R * C>;       // the tile's scaled, masked scores
+var<workgroup> ks: array<vec4<f32>, C * S>; // the tile's keys, C rows of S quads
+var<workgroup> vs: array<vec4<f32>, C * S>; // and values
 
 fn tile_q(base: u32, row: u32, qd: u32) -> vec4<f32> {
     let n = quad_len(row, qd);
@@ -66,7 +65,7 @@ fn store_o(base: u32, row: u32, qd: u32, v: vec4<f32>) {
     }
 }
 
-@compute @workgroup_size(WG)
+@compute @workgroup_size(R)
 fn main(@builtin(workgroup_id) wg: vec3<u32>,
         @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) li: u32) {
@@ -74,75 +73,54 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     if (!tl.live) {
         return;
     }
-    let r = li / G;
-    let g = li % G;
-    let i = tl.row0 + r; // this lane's query
-    for (var e = li; e < R * S; e += WG) {
-        qs[e] = tile_q(tl.base, tl.row0 + e / S, e % S);
+    let i = tl.row0 + li; // this invocation's query
+    var q: array<vec4<f32>, S>;
+    for (var qd = 0u; qd < S; qd++) {
+        q[qd] = tile_q(tl.base, i, qd);
     }
+    var acc: array<vec4<f32>, S>; // the unnormalized output row
     var mx = neg_inf();
     var l = 0.0;
-    var acc: array<vec4<f32>, NQ>; // quads g + G t of the row's unnormalized output
-    // Keys any of the tile's queries sees.
+    // Keys any of the workgroup's queries sees.
     var kend = p.t;
     if (p.causal != 0u) {
         kend = min(p.t, tl.row0 + R);
     }
     for (var j0 = 0u; j0 < kend; j0 += C) {
-        // The previous tile's readers of kv and sc (and the staging of qs) are done.
+        // The previous tile's readers are done.
         workgroupBarrier();
-        for (var e = li; e < C * S; e += WG) {
-            kv[e] = tile_k(tl.base, j0 + e / S, e % S);
+        for (var e = li; e < C * S; e += R) {
+            ks[e] = tile_k(tl.base, j0 + e / S, e % S);
+            vs[e] = tile_v(tl.base, j0 + e / S, e % S);
         }
         workgroupBarrier();
-        for (var t = 0u; t < NC; t++) {
-            let c = g + G * t;
-            var s = neg_inf();
-            if (visible(i, j0 + c)) {
-                var dotp = 0.0;
-                for (var qd = 0u; qd < p.d4; qd++) {
-                    dotp += dot(qs[r * S + qd], kv[c * S + qd]);
-                }
-                s = p.scale * dotp;
+        let n = min(tile_rows(j0), kend - j0);
+        for (var c = 0u; c < n; c++) {
+            var dotp = 0.0;
+            for (var qd = 0u; qd < S; qd++) {
+                dotp += dot(q[qd], ks[c * S + qd]);
             }
-            sc[r * C + c] = s;
-        }
-        workgroupBarrier();
-        for (var e = li; e < C * S; e += WG) {
-            kv[e] = tile_v(tl.base, j0 + e / S, e % S);
-        }
-        workgroupBarrier();
-        // Every lane of the row reads the whole score row in the same order, so all get the
-        // same max and sum.
-        var tm = mx;
-        for (var c = 0u; c < C; c++) {
-            tm = max(tm, sc[r * C + c]);
-        }
-        // A row with nothing visible yet keeps m = -inf and adds exp(-inf) = 0.
-        let mu = select(tm, 0.0, tm == neg_inf());
-        let a = exp(mx - mu);
-        for (var t = 0u; t < NQ; t++) {
-            acc[t] *= a;
-        }
-        var ls = 0.0;
-        for (var c = 0u; c < C; c++) {
-            let pc = exp(sc[r * C + c] - mu);
-            ls += pc;
-            for (var t = 0u; t < NQ; t++) {
-                acc[t] += pc * kv[c * S + g + G * t];
+            // The online softmax one key at a time: no score array, which CPU adapters would
+            // keep in memory rather than registers. A masked key (or a row with nothing
+            // visible yet, m = -inf) adds exp(-inf) = 0.
+            let sc = select(neg_inf(), p.scale * dotp, visible(i, j0 + c));
+            let m2 = max(mx, sc);
+            let mu = select(m2, 0.0, m2 == neg_inf());
+            let a = exp(mx - mu);
+            let pc = exp(sc - mu);
+            l = l * a + pc;
+            for (var qd = 0u; qd < S; qd++) {
+                acc[qd] = acc[qd] * a + pc * vs[c * S + qd];
             }
+            mx = m2;
         }
-        l = l * a + ls;
-        mx = tm;
     }
     if (i >= p.t) {
         return;
     }
     let inv = 1.0 / l;
-    for (var t = 0u; t < NQ; t++) {
-        store_o(tl.base, i, g + G * t, acc[t] * inv);
+    for (var qd = 0u; qd < S; qd++) {
+        store_o(tl.base, i, qd, acc[qd] * inv);
     }
-    if (g == 0u) {
-        st_lse(tl.m * p.t + i, mx + log(l));
-    }
+    st_lse(tl.m * p.t + i, mx + log(l));
 }

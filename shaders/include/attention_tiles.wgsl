@@ -1,15 +1,15 @@
 // Shared by attention_fwd.wgsl, attention_bwd_dq.wgsl and attention_bwd_dkv.wgsl (prepended at
-// build time): the parameters at binding 0, the tile sizes, which tile a workgroup takes, the
+// build time): the parameters at binding 0, the tile sizes, which rows a workgroup takes, the
 // causal rule and the edges of a row. q, k, v, o and their gradients are (BH, T, D) contiguous
 // (BH = batch * heads); lse and delta are (BH, T) f32.
 //
-// A workgroup owns R rows of one matrix (queries in the forward and dQ, keys in dK / dV) and
-// walks tiles of C rows of the other side. Each row has G lanes: in the score phase lane g takes
-// the columns g, g + G, ... of the (R, C) score tile, and in the accumulation phase the quads
-// g, g + G, ... of its output row (NQ quads of S, the head dim rounded up to a bucket / 4). Rows
-// are staged in workgroup memory as f32 quads, zero past T and past D, so any T and any D up to
-// 4 * S work. A lane adds in a fixed order and every workgroup writes only its own rows: no
-// atomics, bitwise reproducible.
+// Each invocation owns one row (a query in the forward and dQ, a key in dK / dV): it holds its
+// row and its accumulators in registers and walks the other side in tiles of C rows, which the
+// workgroup stages in workgroup memory as f32 quads, zero past T and past D. Every invocation
+// reads the same staged element at the same time (the tile row and quad are loop counters), so
+// the reads are broadcasts on GPUs and single loads on CPU adapters, where an address that
+// differs across lanes costs a load per lane. An invocation adds in a fixed order and writes
+// only its own row: no atomics, bitwise reproducible.
 
 struct Params {
     groups: u32,   // workgroups with work: tiles * BH (a 2-D grid may have spare ones)
@@ -23,13 +23,9 @@ struct Params {
 }
 @group(0) @binding(0) var<uniform> p: Params;
 
-const R: u32 = 32u; // rows per workgroup
-const C: u32 = 16u; // rows of the other side per tile
-const S: u32 = 16u; // quads per staged row: the head-dim bucket / 4
-const G: u32 = 4u;  // lanes per row; divides C and S
-const WG: u32 = R * G;
-const NQ: u32 = S / G; // output quads per lane
-const NC: u32 = C / G; // score columns per lane
+const R: u32 = 32u; // rows per workgroup, one per invocation
+const C: u32 = 32u; // rows of the other side per staged tile
+const S: u32 = 16u; // quads per row held: the head-dim bucket / 4
 
 // -inf, built at run time: naga rejects a constant one.
 fn neg_inf() -> f32 {
@@ -51,10 +47,15 @@ fn tile_of(wg: vec3<u32>, nwg: vec3<u32>) -> Tile {
     return Tile(m, (lin % p.tiles) * R, m * p.t * p.d, lin < p.groups);
 }
 
-// Query i sees key j: j inside the sequence, and j <= i when causal (the same rule as
-// softmax_masked's `k <= i + T_k - T_q` with T_q = T_k).
+// Query i sees key j (both < T): j <= i when causal (softmax_masked's rule `k <= i + T_k - T_q`
+// with T_q = T_k).
 fn visible(i: u32, j: u32) -> bool {
-    return j < p.t && (p.causal == 0u || j <= i);
+    return p.causal == 0u || j <= i;
+}
+
+// Rows of the tile at `first` that exist (the last tile may be partial).
+fn tile_rows(first: u32) -> u32 {
+    return min(C, p.t - first);
 }
 
 // Elements of quad qd of a row that exist: none past T, fewer than 4 at the end of a row whose D

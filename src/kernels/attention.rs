@@ -6,34 +6,25 @@
 //! workgroup memory.
 
 use super::Operand;
-use super::{Storage, ATTENTION_BWD_DKV, ATTENTION_BWD_DQ, ATTENTION_FWD};
-use crate::device::DeviceLimits;
-use crate::Result;
+use super::{assemble, specialize, ShaderFile, Storage};
+use super::{ATTENTION_BWD_DKV, ATTENTION_BWD_DQ, ATTENTION_FWD};
+use crate::device::{DeviceLimits, Kernel};
+use crate::{Device, Result};
+use std::sync::Arc;
 
-/// Lanes per row (G in shaders/include/attention_tiles.wgsl): they split a row's score columns
-/// and its output quads, so G divides every tile size and every bucket / 4.
-const LANES: u32 = 4;
+/// Rows per workgroup, one per invocation (R in shaders/include/attention_tiles.wgsl): a
+/// warp on most GPUs, four 8-lane vectors on lavapipe. Causal workgroups compute the masked
+/// half of their last R keys, so more rows would waste more.
+const ROWS: u32 = 32;
 
-/// The largest head dim the kernels hold: a row is staged as at most 128 / 4 quads.
+/// The largest head dim the kernels hold: a row is at most 128 / 4 quads in registers.
 pub(crate) const MAX_HEAD_DIM: usize = 128;
 
-/// (rows per workgroup, rows of the other side per tile), in order of preference: more rows per
-/// workgroup reuse each staged tile more; bigger tiles mean fewer barriers.
-const TILES: [(u32, u32); 6] = [(32, 32), (32, 16), (16, 16), (16, 8), (8, 16), (8, 8)];
+/// Rows of the other side staged per tile, in order of preference (fewer barriers first).
+const COLS: [u32; 3] = [32, 16, 8];
 
-/// The three kernels, whose workgroup memory differs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Pass {
-    /// Q (R rows), one K / V tile (C rows), the (R, C) scores.
-    Forward,
-    /// Q and dO (R rows each), one K / V tile, the (R, C) dS.
-    Dq,
-    /// K and V (R rows each), one Q / dO tile, the (R, C) P and dS.
-    Dkv,
-}
-
-/// One kernel's tile: `rows` per workgroup, `cols` rows of the other side per step, each row
-/// staged as `quads` vec4s (the head dim's bucket / 4).
+/// The kernels' tiles: `rows` per workgroup, `cols` rows of the other side staged per step,
+/// each row `quads` vec4s (the head dim's bucket / 4). The three kernels share them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Tiles {
     pub rows: u32,
@@ -42,31 +33,14 @@ pub(crate) struct Tiles {
 }
 
 impl Tiles {
-    /// Bytes of workgroup memory `pass` declares with these tiles.
-    pub(crate) fn workgroup_bytes(self, pass: Pass) -> u32 {
-        let (r, c, row) = (self.rows, self.cols, 4 * self.quads);
-        let floats = match pass {
-            Pass::Forward => (r + c) * row + r * c,
-            Pass::Dq => (2 * r + c) * row + r * c,
-            Pass::Dkv => (2 * r + c) * row + 2 * r * c,
-        };
-        4 * floats
-    }
-
-    fn invocations(self) -> u32 {
-        self.rows * LANES
+    /// Bytes of workgroup memory each kernel declares: two staged tiles of f32 quads (K and V,
+    /// or Q and dO).
+    pub(crate) fn workgroup_bytes(self) -> u32 {
+        2 * self.cols * self.quads * 16
     }
 }
 
-/// The tiles of the three kernels for one head dim.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Plan {
-    pub forward: Tiles,
-    pub dq: Tiles,
-    pub dkv: Tiles,
-}
-
-/// The head-dim bucket rows are staged in: 32, 64 or 128 elements (few buckets, few pipelines).
+/// The head-dim bucket rows are held in: 32, 64 or 128 elements (few buckets, few pipelines).
 fn bucket(d: usize) -> Option<u32> {
     match d {
         1..=32 => Some(32),
@@ -77,13 +51,13 @@ fn bucket(d: usize) -> Option<u32> {
 }
 
 /// The tiles for head dim `d` on an adapter with `limits`, with workgroup memory capped at
-/// `workgroup_bytes` if given (tests run the small-memory tiles on a larger adapter); the
-/// reason the fused kernels cannot run otherwise.
+/// `workgroup_bytes` if given (tests run a smaller adapter's tiles); otherwise the reason the
+/// fused kernels cannot run.
 pub(crate) fn plan(
     limits: &DeviceLimits,
     d: usize,
     workgroup_bytes: Option<u32>,
-) -> std::result::Result<Plan, String> {
+) -> std::result::Result<Tiles, String> {
     let Some(bucket) = bucket(d) else {
         return Err(format!(
             "head dim {d} is outside the fused kernels' 1..={MAX_HEAD_DIM}"
@@ -96,39 +70,30 @@ pub(crate) fn plan(
             limits.max_storage_buffers_per_shader_stage
         ));
     }
+    if limits.max_compute_invocations_per_workgroup < ROWS {
+        return Err(format!(
+            "the kernels run {ROWS} invocations per workgroup, the adapter allows {}",
+            limits.max_compute_invocations_per_workgroup
+        ));
+    }
     let bytes = limits
         .max_compute_workgroup_storage_size
         .min(workgroup_bytes.unwrap_or(u32::MAX));
-    let pick = |pass: Pass| {
-        TILES
-            .iter()
-            .map(|&(rows, cols)| Tiles {
-                rows,
-                cols,
-                quads: bucket / 4,
-            })
-            .find(|t| {
-                t.workgroup_bytes(pass) <= bytes
-                    && t.invocations() <= limits.max_compute_invocations_per_workgroup
-            })
-            .ok_or_else(|| {
-                format!(
-                    "head dim {d} needs {} bytes of workgroup memory in the {pass:?} pass at the \
-                     smallest tiles, the adapter has {bytes}",
-                    Tiles {
-                        rows: 8,
-                        cols: 8,
-                        quads: bucket / 4
-                    }
-                    .workgroup_bytes(pass)
-                )
-            })
+    let tiles = |cols| Tiles {
+        rows: ROWS,
+        cols,
+        quads: bucket / 4,
     };
-    Ok(Plan {
-        forward: pick(Pass::Forward)?,
-        dq: pick(Pass::Dq)?,
-        dkv: pick(Pass::Dkv)?,
-    })
+    COLS.iter()
+        .map(|&c| tiles(c))
+        .find(|t| t.workgroup_bytes() <= bytes)
+        .ok_or_else(|| {
+            format!(
+                "head dim {d} needs {} bytes of workgroup memory at the smallest tiles, the \
+                 adapter has {bytes}",
+                tiles(COLS[COLS.len() - 1]).workgroup_bytes()
+            )
+        })
 }
 
 /// Every storage combination the attention shaders are built in (the registry's validation).
@@ -189,6 +154,28 @@ impl Dims {
     }
 }
 
+/// The kernel of `file` for these storages and tiles, without wgpu's bounds checks: every
+/// global index is guarded by `quad_len` and every workgroup-array index is below its size by
+/// the loop bounds.
+fn trusted(
+    file: &ShaderFile,
+    dev: &Device,
+    storage: &[Storage],
+    tiles: Tiles,
+) -> Result<Arc<Kernel>> {
+    let consts = consts(tiles);
+    let mut key = format!("{}_trusted", file.name);
+    for (name, v) in consts {
+        key += &format!("_{name}{v}");
+    }
+    for s in storage {
+        key += &format!("_{s:?}");
+    }
+    dev.kernel(&key, &[], true, || {
+        assemble(&specialize(file.body, &consts), &file.with_storage(storage))
+    })
+}
+
 fn consts(t: Tiles) -> [(&'static str, u32); 3] {
     [("R", t.rows), ("C", t.cols), ("S", t.quads)]
 }
@@ -210,7 +197,7 @@ pub(crate) fn forward<T: Operand>(
     let dev = q.device();
     let s = Storage::of(dev, q.dtype());
     let storage = [s, s, s, Storage::of(dev, o.dtype()), Storage::F32];
-    let kernel = ATTENTION_FWD.kernel_with(dev, &storage, &consts(tiles))?;
+    let kernel = trusted(&ATTENTION_FWD, dev, &storage, tiles)?;
     let (params, groups) = dims.launch(tiles);
     dev.dispatch(
         &kernel,
@@ -242,7 +229,7 @@ pub(crate) fn backward_dq<T: Operand>(
     let s = Storage::of(dev, q.dtype());
     let f = Storage::F32;
     let storage = [s, s, s, s, s, f, Storage::of(dev, dq.dtype()), f];
-    let kernel = ATTENTION_BWD_DQ.kernel_with(dev, &storage, &consts(tiles))?;
+    let kernel = trusted(&ATTENTION_BWD_DQ, dev, &storage, tiles)?;
     let (params, groups) = dims.launch(tiles);
     dev.dispatch(
         &kernel,
@@ -284,7 +271,7 @@ pub(crate) fn backward_dkv<T: Operand>(
     let s = Storage::of(dev, q.dtype());
     let f = Storage::F32;
     let storage = [s, s, s, s, f, f, Storage::of(dev, dk.dtype()), Storage::of(dev, dv.dtype())];
-    let kernel = ATTENTION_BWD_DKV.kernel_with(dev, &storage, &consts(tiles))?;
+    let kernel = trusted(&ATTENTION_BWD_DKV, dev, &storage, tiles)?;
     let (params, groups) = dims.launch(tiles);
     dev.dispatch(
         &kernel,
@@ -306,7 +293,7 @@ pub(crate) fn backward_dkv<T: Operand>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::{assemble, specialize, validate_wgsl, ShaderFile};
+    use crate::kernels::{assemble, specialize, validate_wgsl};
 
     fn limits(workgroup: u32) -> DeviceLimits {
         DeviceLimits {
@@ -325,28 +312,19 @@ mod tests {
     fn tiles_fit_the_workgroup_memory() {
         for bytes in [16 << 10, 32 << 10, 48 << 10] {
             for d in [1, 16, 24, 32, 33, 40, 64, 65, 100, 128] {
-                let p = plan(&limits(bytes), d, None).unwrap();
-                for (pass, t) in [(Pass::Forward, p.forward), (Pass::Dq, p.dq), (Pass::Dkv, p.dkv)]
-                {
-                    assert!(t.workgroup_bytes(pass) <= bytes, "{d} {pass:?} {t:?}");
-                    assert_eq!(t.quads % LANES, 0);
-                    assert_eq!(t.cols % LANES, 0);
-                    assert!(4 * t.quads as usize >= d);
-                }
+                let t = plan(&limits(bytes), d, None).unwrap();
+                assert!(t.workgroup_bytes() <= bytes, "{d} {t:?}");
+                assert!(4 * t.quads as usize >= d);
             }
         }
-        // lavapipe's 32 KiB: the forward at D = 64 takes 32 x 32 tiles (20 KiB), at D = 128
-        // 32 x 16 (26 KiB); 16 KiB halves them.
-        let p = plan(&limits(32 << 10), 64, None).unwrap();
-        assert_eq!((p.forward.rows, p.forward.cols), (32, 32));
-        let p = plan(&limits(32 << 10), 128, None).unwrap();
-        assert_eq!((p.forward.rows, p.forward.cols), (32, 16));
-        assert_eq!((p.dq.rows, p.dq.cols), (16, 16));
-        let p = plan(&limits(16 << 10), 128, None).unwrap();
-        assert_eq!((p.forward.rows, p.forward.cols), (16, 8));
-        assert_eq!((p.dkv.rows, p.dkv.cols), (8, 8));
+        // D = 128 stages 32 rows per tile in lavapipe's 32 KiB, 16 in WebGPU's default 16 KiB.
+        assert_eq!(plan(&limits(32 << 10), 128, None).unwrap().cols, 32);
+        let small = plan(&limits(16 << 10), 128, None).unwrap();
+        assert_eq!(small.cols, 16);
+        assert_eq!(plan(&limits(16 << 10), 64, None).unwrap().cols, 32);
         // The cap applies below the adapter's own limit.
-        assert_eq!(plan(&limits(32 << 10), 128, Some(16 << 10)), Ok(p));
+        assert_eq!(plan(&limits(32 << 10), 128, Some(16 << 10)), Ok(small));
+        assert_eq!(plan(&limits(32 << 10), 100, Some(8 << 10)).unwrap().cols, 8);
     }
 
     #[test]
@@ -355,7 +333,7 @@ mod tests {
             let e = plan(&limits(32 << 10), d, None).unwrap_err();
             assert!(e.contains("head dim"), "{e}");
         }
-        let e = plan(&limits(8 << 10), 128, None).unwrap_err();
+        let e = plan(&limits(4 << 10), 128, None).unwrap_err();
         assert!(e.contains("workgroup memory"), "{e}");
         let mut l = limits(32 << 10);
         l.max_storage_buffers_per_shader_stage = 4;
@@ -365,27 +343,17 @@ mod tests {
     /// Every tile specialization the plans can choose parses and validates, in every storage.
     #[test]
     fn specialized_variants_validate() {
-        let files: [(&ShaderFile, Pass); 3] = [
-            (&ATTENTION_FWD, Pass::Forward),
-            (&ATTENTION_BWD_DQ, Pass::Dq),
-            (&ATTENTION_BWD_DKV, Pass::Dkv),
-        ];
-        for (file, pass) in files {
-            let mut seen = Vec::new();
-            for bytes in [16 << 10, 32 << 10] {
-                for d in [32, 64, 128] {
-                    let p = plan(&limits(bytes), d, None).unwrap();
-                    let t = match pass {
-                        Pass::Forward => p.forward,
-                        Pass::Dq => p.dq,
-                        Pass::Dkv => p.dkv,
-                    };
-                    if !seen.contains(&t) {
-                        seen.push(t);
-                    }
+        let mut seen = Vec::new();
+        for bytes in [8 << 10, 16 << 10, 32 << 10] {
+            for d in [32, 64, 128] {
+                let t = plan(&limits(bytes), d, None).unwrap();
+                if !seen.contains(&t) {
+                    seen.push(t);
                 }
             }
-            for t in seen {
+        }
+        for file in [&ATTENTION_FWD, &ATTENTION_BWD_DQ, &ATTENTION_BWD_DKV] {
+            for &t in &seen {
                 for storage in storage_variants(file.name) {
                     let src = assemble(
                         &specialize(file.body, &consts(t)),

@@ -5,7 +5,7 @@
 use super::operand::staged_f32;
 use super::{DType, MatmulOptions, Shape, SoftmaxOptions, Tensor};
 use crate::autograd::record;
-use crate::kernels::attention::{self as kernel, Dims, Plan};
+use crate::kernels::attention::{self as kernel, Dims, Tiles};
 use crate::kernels::softmax::needs_f32_staging;
 use crate::{Error, Result};
 
@@ -162,7 +162,7 @@ impl Tensor {
             return empty(self, k, v);
         }
         match fused {
-            Some(plan) => fused_attention(self, k, v, dims, plan),
+            Some(tiles) => fused_attention(self, k, v, dims, tiles),
             None => composed(self, k, v, dims),
         }
     }
@@ -254,7 +254,7 @@ fn composed(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims) -> Result<Tensor> {
 }
 
 /// The fused forward, and its backward rule.
-fn fused_attention(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims, plan: Plan) -> Result<Tensor> {
+fn fused_attention(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims, tiles: Tiles) -> Result<Tensor> {
     let dev = q.device();
     let dtype = q.dtype();
     let shape = q.shape().clone();
@@ -264,7 +264,7 @@ fn fused_attention(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims, plan: Plan) -
     // Packed f16 rows of odd D straddle words: such outputs are written to f32 and cast.
     let staged = needs_f32_staging(dev, dtype, dims.d);
     staged_f32(&out, staged, |o| {
-        kernel::forward(q, k, v, dims, plan.forward, o, &lse)
+        kernel::forward(q, k, v, dims, tiles, o, &lse)
     })?;
     let y = out.detach();
     Ok(record(OP, out, &[q, k, v], || {
@@ -280,7 +280,7 @@ fn fused_attention(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims, plan: Plan) -
             let delta = Tensor::uninit(dev, lse.shape().clone(), DType::F32)?;
             let dq = Tensor::uninit(dev, shape.clone(), dtype)?;
             staged_f32(&dq, staged, |dq| {
-                kernel::backward_dq(&q, &k, &v, &y, &g, &lse, dims, plan.dq, dq, &delta)
+                kernel::backward_dq(&q, &k, &v, &y, &g, &lse, dims, tiles, dq, &delta)
             })?;
             let (mut dk, mut dv) = (None, None);
             if need[1] || need[2] {
@@ -288,7 +288,7 @@ fn fused_attention(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims, plan: Plan) -
                 let gv = Tensor::uninit(dev, shape.clone(), dtype)?;
                 staged_f32(&gk, staged, |gk| {
                     staged_f32(&gv, staged, |gv| {
-                        kernel::backward_dkv(&q, &k, &v, &g, &lse, &delta, dims, plan.dkv, gk, gv)
+                        kernel::backward_dkv(&q, &k, &v, &g, &lse, &delta, dims, tiles, gk, gv)
                     })
                 })?;
                 dk = need[1].then_some(gk);
