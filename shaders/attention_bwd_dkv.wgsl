@@ -1,5 +1,5 @@
-// Fused self-attention, backward pass 2: the keys' and values' gradients. An invocation per
-// key, R keys of one (batch, head) matrix per workgroup, walking the query tiles that see them
+// Fused self-attention, backward pass 2: the keys' and values' gradients. RB keys per
+// invocation, R RB of one (batch, head) matrix per workgroup, walking the query tiles that see them
 // (causal: from the workgroup's first key on) and rebuilding the probabilities from lse and
 // pass 1's delta:
 //   P_ij = exp(scale * q_i . k_j - lse_i),  dV_j = sum_i P_ij dO_i,
@@ -99,15 +99,18 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     if (!tl.live) {
         return;
     }
-    let j = tl.row0 + li; // this invocation's key
-    var k: array<vec4<f32>, S>;
-    var v: array<vec4<f32>, S>;
-    for (var qd = 0u; qd < S; qd++) {
-        k[qd] = tile_k(tl.base, j, qd);
-        v[qd] = tile_v(tl.base, j, qd);
+    // This invocation's keys: row0 + li + R b.
+    let j0 = tl.row0 + li;
+    var kr: array<array<vec4<f32>, S>, RB>;
+    var vr: array<array<vec4<f32>, S>, RB>;
+    var dk_acc: array<array<vec4<f32>, S>, RB>;
+    var dv_acc: array<array<vec4<f32>, S>, RB>;
+    for (var b = 0u; b < RB; b++) {
+        for (var qd = 0u; qd < S; qd++) {
+            kr[b][qd] = tile_k(tl.base, j0 + R * b, qd);
+            vr[b][qd] = tile_v(tl.base, j0 + R * b, qd);
+        }
     }
-    var dk: array<vec4<f32>, S>;
-    var dv: array<vec4<f32>, S>;
     // Causal: queries before the first key see none of these keys.
     var i_start = 0u;
     if (p.causal != 0u) {
@@ -124,25 +127,42 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         let n = tile_rows(i0);
         for (var c = 0u; c < n; c++) {
             let i = i0 + c; // the same query in every invocation
-            var s = 0.0;
-            var dp = 0.0;
+            let lse_i = ld_lse(stats + i);
+            let delta_i = ld_delta(stats + i);
+            var s: array<f32, RB>;
+            var dp: array<f32, RB>;
             for (var qd = 0u; qd < S; qd++) {
-                s += dot(k[qd], qs[c * S + qd]);
-                dp += dot(v[qd], dys[c * S + qd]);
+                let qq = qs[c * S + qd];
+                let gq = dys[c * S + qd];
+                for (var b = 0u; b < RB; b++) {
+                    s[b] += dot(kr[b][qd], qq);
+                    dp[b] += dot(vr[b][qd], gq);
+                }
             }
-            let pij = select(0.0, exp(p.scale * s - ld_lse(stats + i)), visible(i, j));
-            let w = pij * (dp - ld_delta(stats + i)) * p.scale;
+            var pij: array<f32, RB>;
+            var w: array<f32, RB>;
+            for (var b = 0u; b < RB; b++) {
+                let visible_b = visible(i, j0 + R * b);
+                pij[b] = select(0.0, exp(p.scale * s[b] - lse_i), visible_b);
+                w[b] = pij[b] * (dp[b] - delta_i) * p.scale;
+            }
             for (var qd = 0u; qd < S; qd++) {
-                dv[qd] += pij * dys[c * S + qd];
-                dk[qd] += w * qs[c * S + qd];
+                let qq = qs[c * S + qd];
+                let gq = dys[c * S + qd];
+                for (var b = 0u; b < RB; b++) {
+                    dv_acc[b][qd] += pij[b] * gq;
+                    dk_acc[b][qd] += w[b] * qq;
+                }
             }
         }
     }
-    if (j >= p.t) {
-        return;
-    }
-    for (var qd = 0u; qd < S; qd++) {
-        store_dk(tl.base, j, qd, dk[qd]);
-        store_dv(tl.base, j, qd, dv[qd]);
+    for (var b = 0u; b < RB; b++) {
+        let j = j0 + R * b;
+        if (j < p.t) {
+            for (var qd = 0u; qd < S; qd++) {
+                store_dk(tl.base, j, qd, dk_acc[b][qd]);
+                store_dv(tl.base, j, qd, dv_acc[b][qd]);
+            }
+        }
     }
 }

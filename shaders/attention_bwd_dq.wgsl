@@ -1,5 +1,5 @@
-// Fused self-attention, backward pass 1: the queries' gradient and each row's delta. An
-// invocation per query, R queries of one (batch, head) matrix per workgroup, walking the key
+// Fused self-attention, backward pass 1: the queries' gradient and each row's delta. RB
+// queries per invocation, R RB of one (batch, head) matrix per workgroup, walking the key
 // tiles the forward walked and rebuilding the probabilities from the saved lse (the (T, T)
 // scores are never stored):
 //   delta_i = dO_i . O_i                       (written for pass 2, attention_bwd_dkv.wgsl)
@@ -98,25 +98,29 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     if (!tl.live) {
         return;
     }
-    let i = tl.row0 + li; // this invocation's query
-    var q: array<vec4<f32>, S>;
-    var dy: array<vec4<f32>, S>;
-    var delta_i = 0.0;
-    for (var qd = 0u; qd < S; qd++) {
-        q[qd] = tile_q(tl.base, i, qd);
-        dy[qd] = tile_dy(tl.base, i, qd);
-        delta_i += dot(dy[qd], tile_o(tl.base, i, qd));
-    }
+    // This invocation's queries: row0 + li + R b.
+    let i0 = tl.row0 + li;
+    var qr: array<array<vec4<f32>, S>, RB>;
+    var dyr: array<array<vec4<f32>, S>, RB>;
+    var acc: array<array<vec4<f32>, S>, RB>; // the rows' dQ
+    var delta_r: array<f32, RB>;
     // Rows past T have zero q and dO, so lse 0 gives them finite, unused values.
-    var lse_i = 0.0;
-    if (i < p.t) {
-        lse_i = ld_lse(tl.m * p.t + i);
-        st_delta(tl.m * p.t + i, delta_i);
+    var lse_r: array<f32, RB>;
+    for (var b = 0u; b < RB; b++) {
+        let i = i0 + R * b;
+        for (var qd = 0u; qd < S; qd++) {
+            qr[b][qd] = tile_q(tl.base, i, qd);
+            dyr[b][qd] = tile_dy(tl.base, i, qd);
+            delta_r[b] += dot(dyr[b][qd], tile_o(tl.base, i, qd));
+        }
+        if (i < p.t) {
+            lse_r[b] = ld_lse(tl.m * p.t + i);
+            st_delta(tl.m * p.t + i, delta_r[b]);
+        }
     }
-    var acc: array<vec4<f32>, S>; // the row's dQ
     var kend = p.t;
     if (p.causal != 0u) {
-        kend = min(p.t, tl.row0 + R);
+        kend = min(p.t, tl.row0 + R * RB);
     }
     for (var j0 = 0u; j0 < kend; j0 += C) {
         workgroupBarrier();
@@ -127,23 +131,37 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         workgroupBarrier();
         let n = min(tile_rows(j0), kend - j0);
         for (var c = 0u; c < n; c++) {
-            var s = 0.0;
-            var dp = 0.0;
+            // Each staged quad is read once per use and serves every row of the invocation.
+            var s: array<f32, RB>;
+            var dp: array<f32, RB>;
             for (var qd = 0u; qd < S; qd++) {
-                s += dot(q[qd], ks[c * S + qd]);
-                dp += dot(dy[qd], vs[c * S + qd]);
+                let kq = ks[c * S + qd];
+                let vq = vs[c * S + qd];
+                for (var b = 0u; b < RB; b++) {
+                    s[b] += dot(qr[b][qd], kq);
+                    dp[b] += dot(dyr[b][qd], vq);
+                }
             }
-            let pij = select(0.0, exp(p.scale * s - lse_i), visible(i, j0 + c));
-            let w = pij * (dp - delta_i) * p.scale;
+            var w: array<f32, RB>;
+            for (var b = 0u; b < RB; b++) {
+                let visible_b = visible(i0 + R * b, j0 + c);
+                let pij = select(0.0, exp(p.scale * s[b] - lse_r[b]), visible_b);
+                w[b] = pij * (dp[b] - delta_r[b]) * p.scale;
+            }
             for (var qd = 0u; qd < S; qd++) {
-                acc[qd] += w * ks[c * S + qd];
+                let kq = ks[c * S + qd];
+                for (var b = 0u; b < RB; b++) {
+                    acc[b][qd] += w[b] * kq;
+                }
             }
         }
     }
-    if (i >= p.t) {
-        return;
-    }
-    for (var qd = 0u; qd < S; qd++) {
-        store_dq(tl.base, i, qd, acc[qd]);
+    for (var b = 0u; b < RB; b++) {
+        let i = i0 + R * b;
+        if (i < p.t) {
+            for (var qd = 0u; qd < S; qd++) {
+                store_dq(tl.base, i, qd, acc[b][qd]);
+            }
+        }
     }
 }

@@ -1,5 +1,5 @@
-// Fused self-attention, forward (flash-attention): o = softmax(scale * q kᵀ, causal) v. An
-// invocation per query, R queries of one (batch, head) matrix per workgroup, walking the keys in
+// Fused self-attention, forward (flash-attention): o = softmax(scale * q kᵀ, causal) v. RB
+// queries per invocation, R RB of one (batch, head) matrix per workgroup, walking the keys in
 // staged tiles of C with an online softmax, so the (T, T) scores are never stored. Per key:
 //   s = scale * q . k_j (masked: -inf),  m' = max(m, s),  a = exp(m - m'),
 //   l = a l + exp(s - m'),  acc = a acc + exp(s - m') v_j,
@@ -73,18 +73,22 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     if (!tl.live) {
         return;
     }
-    let i = tl.row0 + li; // this invocation's query
-    var q: array<vec4<f32>, S>;
-    for (var qd = 0u; qd < S; qd++) {
-        q[qd] = tile_q(tl.base, i, qd);
+    // This invocation's queries: row0 + li + R b.
+    let i0 = tl.row0 + li;
+    var qr: array<array<vec4<f32>, S>, RB>;
+    var acc: array<array<vec4<f32>, S>, RB>; // the unnormalized output rows
+    var mx: array<f32, RB>;
+    var l: array<f32, RB>;
+    for (var b = 0u; b < RB; b++) {
+        for (var qd = 0u; qd < S; qd++) {
+            qr[b][qd] = tile_q(tl.base, i0 + R * b, qd);
+        }
+        mx[b] = neg_inf();
     }
-    var acc: array<vec4<f32>, S>; // the unnormalized output row
-    var mx = neg_inf();
-    var l = 0.0;
     // Keys any of the workgroup's queries sees.
     var kend = p.t;
     if (p.causal != 0u) {
-        kend = min(p.t, tl.row0 + R);
+        kend = min(p.t, tl.row0 + R * RB);
     }
     for (var j0 = 0u; j0 < kend; j0 += C) {
         // The previous tile's readers are done.
@@ -96,31 +100,44 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         workgroupBarrier();
         let n = min(tile_rows(j0), kend - j0);
         for (var c = 0u; c < n; c++) {
-            var dotp = 0.0;
+            // Each staged quad is read once and used for every row of the invocation.
+            var dotp: array<f32, RB>;
             for (var qd = 0u; qd < S; qd++) {
-                dotp += dot(q[qd], ks[c * S + qd]);
+                let kq = ks[c * S + qd];
+                for (var b = 0u; b < RB; b++) {
+                    dotp[b] += dot(qr[b][qd], kq);
+                }
             }
             // The online softmax one key at a time: no score array, which CPU adapters would
             // keep in memory rather than registers. A masked key (or a row with nothing
             // visible yet, m = -inf) adds exp(-inf) = 0.
-            let sc = select(neg_inf(), p.scale * dotp, visible(i, j0 + c));
-            let m2 = max(mx, sc);
-            let mu = select(m2, 0.0, m2 == neg_inf());
-            let a = exp(mx - mu);
-            let pc = exp(sc - mu);
-            l = l * a + pc;
-            for (var qd = 0u; qd < S; qd++) {
-                acc[qd] = acc[qd] * a + pc * vs[c * S + qd];
+            var a: array<f32, RB>;
+            var pc: array<f32, RB>;
+            for (var b = 0u; b < RB; b++) {
+                let sc = select(neg_inf(), p.scale * dotp[b], visible(i0 + R * b, j0 + c));
+                let m2 = max(mx[b], sc);
+                let mu = select(m2, 0.0, m2 == neg_inf());
+                a[b] = exp(mx[b] - mu);
+                pc[b] = exp(sc - mu);
+                l[b] = l[b] * a[b] + pc[b];
+                mx[b] = m2;
             }
-            mx = m2;
+            for (var qd = 0u; qd < S; qd++) {
+                let vq = vs[c * S + qd];
+                for (var b = 0u; b < RB; b++) {
+                    acc[b][qd] = acc[b][qd] * a[b] + pc[b] * vq;
+                }
+            }
         }
     }
-    if (i >= p.t) {
-        return;
+    for (var b = 0u; b < RB; b++) {
+        let i = i0 + R * b;
+        if (i < p.t) {
+            let inv = 1.0 / l[b];
+            for (var qd = 0u; qd < S; qd++) {
+                store_o(tl.base, i, qd, acc[b][qd] * inv);
+            }
+            st_lse(tl.m * p.t + i, mx[b] + log(l[b]));
+        }
     }
-    let inv = 1.0 / l;
-    for (var qd = 0u; qd < S; qd++) {
-        store_o(tl.base, i, qd, acc[qd] * inv);
-    }
-    st_lse(tl.m * p.t + i, mx + log(l));
 }

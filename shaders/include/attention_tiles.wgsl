@@ -13,7 +13,7 @@
 
 struct Params {
     groups: u32,   // workgroups with work: tiles * BH (a 2-D grid may have spare ones)
-    tiles: u32,    // row tiles per matrix: ceil(T / R)
+    tiles: u32,    // row tiles per matrix: ceil(T / (R RB))
     t: u32,        // sequence length (T_q = T_k)
     d: u32,        // head dim
     d4: u32,       // ceil(D / 4): quads of a row that hold elements
@@ -23,7 +23,8 @@ struct Params {
 }
 @group(0) @binding(0) var<uniform> p: Params;
 
-const R: u32 = 32u; // rows per workgroup, one per invocation
+const R: u32 = 32u; // invocations per workgroup
+const RB: u32 = 1u; // rows per invocation: R * RB rows per workgroup, row li + R b for b < RB
 const C: u32 = 32u; // rows of the other side per staged tile
 const S: u32 = 16u; // quads per row held: the head-dim bucket / 4
 
@@ -44,7 +45,7 @@ struct Tile {
 fn tile_of(wg: vec3<u32>, nwg: vec3<u32>) -> Tile {
     let lin = wg.y * nwg.x + wg.x;
     let m = lin / p.tiles;
-    return Tile(m, (lin % p.tiles) * R, m * p.t * p.d, lin < p.groups);
+    return Tile(m, (lin % p.tiles) * R * RB, m * p.t * p.d, lin < p.groups);
 }
 
 // Query i sees key j (both < T): j <= i when causal (softmax_masked's rule `k <= i + T_k - T_q`

@@ -147,7 +147,7 @@ impl Tensor {
         workgroup_bytes: Option<u32>,
     ) -> Result<Tensor> {
         let dims = check(self, k, v, opts.causal)?;
-        let plan = || kernel::plan(&self.device().info().limits, dims.d, workgroup_bytes);
+        let plan = || kernel::plan_for(self.device(), dims.d, workgroup_bytes);
         let fused = match opts.kind {
             AttentionKind::Composed => None,
             AttentionKind::Auto => plan().ok(),
