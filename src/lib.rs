@@ -30,5 +30,5 @@ pub use device::{AdapterSummary, Device, DeviceInfo, DeviceLimits, DeviceOptions
 pub use error::{Bytes, Error, Result};
 pub use kernels::matmul::Activation;
 pub use memory::MemoryStats;
-pub use tensor::{DType, Element, MatmulOptions, Shape, SoftmaxOptions, Tensor};
 pub use tensor::{AttentionKind, AttentionOptions};
+pub use tensor::{DType, Element, MatmulOptions, Shape, SoftmaxOptions, Tensor};

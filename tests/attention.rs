@@ -50,7 +50,13 @@ fn f64s(v: &[f32]) -> Vec<f64> {
 
 /// softmax(q kᵀ / sqrt(D), causal) v per (T, D) matrix in f64: the output and the weights
 /// (BH, T, T). Causal query i sees keys j <= i.
-fn ref_forward(q: &[f64], k: &[f64], v: &[f64], dims: [usize; 4], causal: bool) -> (Vec<f64>, Vec<f64>) {
+fn ref_forward(
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    dims: [usize; 4],
+    causal: bool,
+) -> (Vec<f64>, Vec<f64>) {
     let [b, h, t, d] = dims;
     let scale = 1.0 / (d as f64).sqrt();
     let mut o = vec![0.0; b * h * t * d];
@@ -113,7 +119,13 @@ fn reference(c: &Case) -> Reference {
 
 /// `got` against `want` with a tolerance of `rel` times the largest |want| (the size of the
 /// sums' terms), plus two f16 ulps of each value for f16 results.
-fn check_scaled(what: &str, got: &[f32], want: &[f64], dtype: DType, rel: f64) -> Result<(), String> {
+fn check_scaled(
+    what: &str,
+    got: &[f32],
+    want: &[f64],
+    dtype: DType,
+    rel: f64,
+) -> Result<(), String> {
     let big = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
     let want: Vec<f32> = expect_in(want.iter().map(|&v| v as f32).collect(), dtype);
     check_close_by(what, got, &want, |i| {
@@ -227,8 +239,10 @@ fn fused_matches_the_reference(dev: &Device) {
     for (k, (dims, causal)) in fixed.into_iter().enumerate() {
         for dtype in DTYPES {
             let c = Case::new(dims, causal, dtype, 10 + k as u64);
-            check_case(dev, &c, dtype, "attention", &|q, k, v| fused(q, k, v, causal))
-                .unwrap_or_else(|e| panic!("{e}"));
+            check_case(dev, &c, dtype, "attention", &|q, k, v| {
+                fused(q, k, v, causal)
+            })
+            .unwrap_or_else(|e| panic!("{e}"));
         }
     }
     proptest!(
@@ -289,9 +303,15 @@ fn fused_matches_composed(dev: &Device) {
     for dtype in DTYPES {
         for causal in [true, false] {
             let c = Case::new([2, 2, 19, 24], causal, dtype, 50);
-            let what = format!("fused vs composed, causal {causal} {dtype} on {}", label(dev));
+            let what = format!(
+                "fused vs composed, causal {causal} {dtype} on {}",
+                label(dev)
+            );
             let a = run(dev, &c, dtype, &|q, k, v| fused(q, k, v, causal)).unwrap();
-            let b = run(dev, &c, dtype, &|q, k, v| q.attention_composed(k, v, causal)).unwrap();
+            let b = run(dev, &c, dtype, &|q, k, v| {
+                q.attention_composed(k, v, causal)
+            })
+            .unwrap();
             let (ro, rg) = rel(dtype);
             for (i, name) in ["out", "dq", "dk", "dv"].iter().enumerate() {
                 let want = f64s(&b[i]);
@@ -321,7 +341,11 @@ fn fused_is_bitwise_repeatable(dev: &Device) {
 /// B, H, T or D of 0: an empty output of q's shape, and empty gradients.
 fn empty_inputs_give_empty_outputs(dev: &Device) {
     for dims in [[0, 2, 3, 4], [1, 2, 0, 8], [1, 1, 5, 0]] {
-        for kind in [AttentionKind::Fused, AttentionKind::Composed, AttentionKind::Auto] {
+        for kind in [
+            AttentionKind::Fused,
+            AttentionKind::Composed,
+            AttentionKind::Auto,
+        ] {
             let z = || {
                 Tensor::zeros(dev, &dims, DType::F32)
                     .unwrap()
@@ -404,12 +428,26 @@ fn attention_errors_come_before_device_work() {
     for (a, b) in [(&q3, &q), (&q, &q3)] {
         assert!(matches!(a.attention(b, b, true), Err(Error::Shape { .. })));
     }
-    assert!(matches!(q.attention(&longer, &longer, true), Err(Error::Shape { .. })));
-    assert!(matches!(q.attention(&q, &wide, false), Err(Error::Shape { .. })));
-    assert!(matches!(q.attention(&h, &q, true), Err(Error::DType { .. })));
-    assert!(matches!(q.attention_composed(&q, &h, true), Err(Error::DType { .. })));
+    assert!(matches!(
+        q.attention(&longer, &longer, true),
+        Err(Error::Shape { .. })
+    ));
+    assert!(matches!(
+        q.attention(&q, &wide, false),
+        Err(Error::Shape { .. })
+    ));
+    assert!(matches!(
+        q.attention(&h, &q, true),
+        Err(Error::DType { .. })
+    ));
+    assert!(matches!(
+        q.attention_composed(&q, &h, true),
+        Err(Error::DType { .. })
+    ));
     match big.attention_with(&big, &big, &fused) {
-        Err(Error::InvalidArgument { reason, .. }) => assert!(reason.contains("head dim"), "{reason}"),
+        Err(Error::InvalidArgument { reason, .. }) => {
+            assert!(reason.contains("head dim"), "{reason}")
+        }
         other => panic!("expected InvalidArgument for D = 129, got {other:?}"),
     }
     assert_eq!(dev.memory_stats().allocations, before);
@@ -420,8 +458,14 @@ fn attention_errors_come_before_device_work() {
     let up = |x: &[f32]| upload(&dev, x, &dims, DType::F32);
     let o = up(&c.q).attention(&up(&c.k), &up(&c.v), true).unwrap();
     let r = reference(&c);
-    check_scaled("auto at D = 129", &o.to_vec_f32().unwrap(), &r.o, DType::F32, 2e-5)
-        .unwrap_or_else(|e| panic!("{e}"));
+    check_scaled(
+        "auto at D = 129",
+        &o.to_vec_f32().unwrap(),
+        &r.o,
+        DType::F32,
+        2e-5,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
 }
 
 #[test]
@@ -432,6 +476,12 @@ fn tensors_of_another_device_are_an_error() {
     }
     let a = Tensor::zeros(&devs[0], &[1, 1, 2, 4], DType::F32).unwrap();
     let b = Tensor::zeros(&devs[1], &[1, 1, 2, 4], DType::F32).unwrap();
-    assert!(matches!(a.attention(&b, &a, true), Err(Error::DeviceMismatch { .. })));
-    assert!(matches!(a.attention(&a, &b, false), Err(Error::DeviceMismatch { .. })));
+    assert!(matches!(
+        a.attention(&b, &a, true),
+        Err(Error::DeviceMismatch { .. })
+    ));
+    assert!(matches!(
+        a.attention(&a, &b, false),
+        Err(Error::DeviceMismatch { .. })
+    ));
 }

@@ -129,7 +129,12 @@ pub(crate) fn storage_variants(name: &str) -> Vec<Vec<Storage>> {
     use Storage::*;
     let f = F32;
     let mut out: Vec<Vec<Storage>> = Vec::new();
-    for (s, o) in [(F32, F32), (F16, F16), (F16Packed, F16Packed), (F16Packed, F32)] {
+    for (s, o) in [
+        (F32, F32),
+        (F16, F16),
+        (F16Packed, F16Packed),
+        (F16Packed, F32),
+    ] {
         out.push(match name {
             // q, k, v, o, lse
             "attention_fwd" => vec![s, s, s, o, f],
@@ -159,7 +164,9 @@ pub(crate) struct Dims {
 impl Dims {
     /// The uniform words of include/attention_tiles.wgsl's `Params`, and the workgroups.
     fn launch(&self, tiles: Tiles) -> ([u32; 8], u32) {
-        let row_tiles = self.t.div_ceil((tiles.rows * tiles.per_invocation) as usize);
+        let row_tiles = self
+            .t
+            .div_ceil((tiles.rows * tiles.per_invocation) as usize);
         // The caller checked that every element index, hence this product, fits u32.
         let groups = (row_tiles * self.bh) as u32;
         (
@@ -205,7 +212,12 @@ fn trusted(
 }
 
 fn consts(t: Tiles) -> [(&'static str, u32); 4] {
-    [("R", t.rows), ("C", t.cols), ("S", t.quads), ("RB", t.per_invocation)]
+    [
+        ("R", t.rows),
+        ("C", t.cols),
+        ("S", t.quads),
+        ("RB", t.per_invocation),
+    ]
 }
 
 /// o (BH, T, D) = attention of q, k, v (BH, T, D, one dtype) and lse (BH, T, f32) = each query's
@@ -298,7 +310,16 @@ pub(crate) fn backward_dkv<T: Operand>(
     debug_assert_eq!(dk.dtype(), dv.dtype());
     let s = Storage::of(dev, q.dtype());
     let f = Storage::F32;
-    let storage = [s, s, s, s, f, f, Storage::of(dev, dk.dtype()), Storage::of(dev, dv.dtype())];
+    let storage = [
+        s,
+        s,
+        s,
+        s,
+        f,
+        f,
+        Storage::of(dev, dk.dtype()),
+        Storage::of(dev, dv.dtype()),
+    ];
     let kernel = trusted(&ATTENTION_BWD_DKV, dev, &storage, tiles)?;
     let (params, groups) = dims.launch(tiles);
     dev.dispatch(
@@ -336,7 +357,11 @@ mod tests {
         }
     }
 
-    fn plan_cpu(l: &DeviceLimits, d: usize, bytes: Option<u32>) -> std::result::Result<Tiles, String> {
+    fn plan_cpu(
+        l: &DeviceLimits,
+        d: usize,
+        bytes: Option<u32>,
+    ) -> std::result::Result<Tiles, String> {
         plan(l, d, bytes, true)
     }
 
@@ -356,7 +381,12 @@ mod tests {
         assert_eq!(plan_cpu(&limits(16 << 10), 64, None).unwrap().cols, 32);
         // The cap applies below the adapter's own limit.
         assert_eq!(plan_cpu(&limits(32 << 10), 128, Some(16 << 10)), Ok(small));
-        assert_eq!(plan_cpu(&limits(32 << 10), 100, Some(8 << 10)).unwrap().cols, 8);
+        assert_eq!(
+            plan_cpu(&limits(32 << 10), 100, Some(8 << 10))
+                .unwrap()
+                .cols,
+            8
+        );
     }
 
     #[test]
@@ -369,7 +399,9 @@ mod tests {
         assert!(e.contains("workgroup memory"), "{e}");
         let mut l = limits(32 << 10);
         l.max_storage_buffers_per_shader_stage = 4;
-        assert!(plan_cpu(&l, 64, None).unwrap_err().contains("storage buffers"));
+        assert!(plan_cpu(&l, 64, None)
+            .unwrap_err()
+            .contains("storage buffers"));
     }
 
     #[test]

@@ -413,7 +413,13 @@ pub const ATTENTION_FWD: ShaderFile = ShaderFile {
         include_str!("../../shaders/include/attention_tiles.wgsl"),
         include_str!("../../shaders/attention_fwd.wgsl")
     ),
-    bindings: &[("q", false), ("k", false), ("v", false), ("o", true), ("lse", true)],
+    bindings: &[
+        ("q", false),
+        ("k", false),
+        ("v", false),
+        ("o", true),
+        ("lse", true),
+    ],
 };
 pub const ATTENTION_BWD_DQ: ShaderFile = ShaderFile {
     name: "attention_bwd_dq",

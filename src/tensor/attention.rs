@@ -176,7 +176,10 @@ fn check(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Dims> {
                 op: OP,
                 lhs: q.dims().to_vec(),
                 rhs: t.dims().to_vec(),
-                reason: format!("{name} must be (B, H, T, D), rank 4; it has rank {}", t.rank()),
+                reason: format!(
+                    "{name} must be (B, H, T, D), rank 4; it has rank {}",
+                    t.rank()
+                ),
             });
         }
     }
@@ -227,10 +230,7 @@ fn empty(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     Ok(record(OP, out, &[q, k, v], move || {
         Box::new(move |_, need| {
             need.iter()
-                .map(|&n| {
-                    n.then(|| Tensor::zeros(&dev, &dims, dtype))
-                        .transpose()
-                })
+                .map(|&n| n.then(|| Tensor::zeros(&dev, &dims, dtype)).transpose())
                 .collect()
         })
     }))

@@ -13,9 +13,9 @@ mod random;
 mod select;
 mod softmax;
 
-pub use attention::{AttentionKind, AttentionOptions};
 pub use crate::dtype::{DType, Element};
 pub use crate::shape::{Shape, MAX_RANK};
+pub use attention::{AttentionKind, AttentionOptions};
 pub use matmul::MatmulOptions;
 pub use random::Rng;
 pub use softmax::SoftmaxOptions;
