@@ -3,9 +3,9 @@
 //! followed by residual dropout. The cached form appends the new keys and values to a per-layer
 //! KV cache and attends the new queries over all of them.
 
-use super::attention_shim::{attend, AttnKindLocal};
 use super::{Dropout, Linear, Module};
 use crate::{Activation, DType, Error, Result, Tensor};
+use crate::{AttentionKind, AttentionOptions};
 
 /// Multi-head causal self-attention: x (B, T, C) -> (B, T, C) with `heads` heads of size
 /// C / heads. Built by [`Gpt::new`](super::Gpt::new).
@@ -20,7 +20,7 @@ pub struct CausalSelfAttention {
     /// Number of heads; divides C.
     pub heads: usize,
     /// Which attention implementation runs.
-    pub kind: AttnKindLocal,
+    pub kind: AttentionKind,
 }
 
 /// The cached keys and values of one layer: each (B, H, T_seen, D).
@@ -32,7 +32,7 @@ impl CausalSelfAttention {
         proj: Linear,
         drop: Dropout,
         heads: usize,
-        kind: AttnKindLocal,
+        kind: AttentionKind,
     ) -> CausalSelfAttention {
         CausalSelfAttention {
             qkv,
@@ -126,4 +126,30 @@ crate::module! {
             self.forward_in(x, self.qkv.weight.dtype())
         }
     }
+}
+
+/// softmax(q · kᵀ / sqrt(D), causal) · v: q is (B, H, T_q, D), k and v (B, H, T_k, D), the
+/// result (B, H, T_q, D). Self-attention (T_q = T_k) runs [`Tensor::attention_with`] with
+/// `kind` (the fused kernels where they can run); a block of new queries against a longer
+/// cached key sequence (generation with a KV cache) runs the composed ops, where causal query i
+/// sees keys up to i + T_k - T_q.
+pub(crate) fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    causal: bool,
+    kind: AttentionKind,
+) -> Result<Tensor> {
+    if q.dims() == k.dims() {
+        return q.attention_with(k, v, &AttentionOptions::new().causal(causal).kind(kind));
+    }
+    let d = q.dims().last().copied().unwrap_or(1).max(1);
+    // scores are (B, H, T_q, T_k)
+    let scores = q.matmul_with(k, &crate::MatmulOptions::new().trans_b(true))?;
+    let w = scores.softmax_masked(
+        crate::SoftmaxOptions::new()
+            .scale(1.0 / (d as f32).sqrt())
+            .causal(causal),
+    )?;
+    w.matmul(v)
 }

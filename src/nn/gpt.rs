@@ -5,10 +5,10 @@
 //! cache is in src/nn/generate.rs.
 
 use super::attention::CausalSelfAttention;
-use super::attention_shim::AttnKindLocal;
 use super::block::{FeedForward, GptBlock};
 use super::{Dropout, Embedding, LayerNorm, Linear, Module, LAYER_NORM_EPS};
 use crate::tensor::Rng;
+use crate::AttentionKind;
 use crate::{DType, Device, Error, MatmulOptions, Result, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -48,7 +48,7 @@ pub struct GptConfig {
     /// Seed of the initial weights and of the dropout masks.
     pub seed: u64,
     /// Which attention implementation the blocks run.
-    pub attention: AttnKindLocal,
+    pub attention: AttentionKind,
 }
 
 impl GptConfig {
@@ -71,7 +71,7 @@ impl GptConfig {
             checkpoint_blocks: false,
             dtype: DType::F32,
             seed: 0,
-            attention: AttnKindLocal::Auto,
+            attention: AttentionKind::Auto,
         }
     }
 
@@ -383,9 +383,9 @@ impl Gpt {
             d => return Err(bad(format!("bad dtype '{d}'"))),
         };
         cfg.attention = match get("attention")?.as_str() {
-            "auto" => AttnKindLocal::Auto,
-            "fused" => AttnKindLocal::Fused,
-            "composed" => AttnKindLocal::Composed,
+            "auto" => AttentionKind::Auto,
+            "fused" => AttentionKind::Fused,
+            "composed" => AttentionKind::Composed,
             a => return Err(bad(format!("bad attention '{a}'"))),
         };
         Gpt::new(device, cfg)
@@ -533,9 +533,9 @@ impl Module for Gpt {
     fn config(&self) -> Vec<(String, String)> {
         let c = self.gpt_config();
         let attention = match c.attention {
-            AttnKindLocal::Auto => "auto",
-            AttnKindLocal::Fused => "fused",
-            AttnKindLocal::Composed => "composed",
+            AttentionKind::Auto => "auto",
+            AttentionKind::Fused => "fused",
+            AttentionKind::Composed => "composed",
         };
         [
             ("kind", "gpt".to_string()),

@@ -4,7 +4,6 @@
 //! tensors that require grad; a [`Module`] lists them for optimizers and checkpoints.
 
 mod attention;
-mod attention_shim;
 mod block;
 mod dropout;
 mod embedding;
@@ -17,8 +16,8 @@ mod norm;
 mod sequential;
 
 pub use crate::Activation;
+pub use crate::AttentionKind;
 pub use attention::CausalSelfAttention;
-pub use attention_shim::AttnKindLocal as AttentionKind;
 pub use block::{FeedForward, GptBlock};
 pub use dropout::Dropout;
 pub use embedding::Embedding;

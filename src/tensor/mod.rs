@@ -1,6 +1,7 @@
 //! Tensors: a shape, a dtype, and a block of arena memory on one device. Always contiguous and
 //! row-major; `reshape` shares the block, every op writes a new one.
 
+mod attention;
 pub mod autograd;
 mod dropout;
 mod index_select;
@@ -16,6 +17,7 @@ mod softmax;
 pub use crate::dtype::{DType, Element};
 pub use crate::kernels::matmul::Variant as MatmulVariant;
 pub use crate::shape::{Shape, MAX_RANK};
+pub use attention::{AttentionKind, AttentionOptions};
 pub use matmul::MatmulOptions;
 pub use random::Rng;
 pub use softmax::SoftmaxOptions;

@@ -4,7 +4,8 @@
 //! writes target/bench/report.md and target/bench/report.json. Each matmul figure comes with two
 //! references measured in the same run, so it reads as a ratio: a naive one-invocation-per-output
 //! matmul on the same adapter, and a single-threaded CPU sgemm (the `matrixmultiply` crate).
-//! Softmax is compared with a plain buffer copy of the same bytes on the same adapter.
+//! Softmax is compared with a plain buffer copy of the same bytes on the same adapter, fused
+//! attention with the same math composed from matmul and softmax.
 
 use fitgrad::MatmulVariant as Variant;
 use fitgrad::{DType, Device, DeviceOptions, MatmulOptions, Tensor};
@@ -250,7 +251,55 @@ fn bench_adapter(dev: &Device, o: &Opts) -> fitgrad::Result<Vec<Row>> {
         vs: vec![],
     });
     drop((a, b));
+    rows.extend(bench_attention(dev, reps)?);
     rows.extend(bench_train_step(dev, reps)?);
+    Ok(rows)
+}
+
+/// Causal self-attention forward + backward at (B, H, T, D) = (4, 4, 256, 64), fused against
+/// the composed ops (matmul, softmax_masked, matmul), with each one's peak memory above the
+/// inputs.
+fn bench_attention(dev: &Device, reps: usize) -> fitgrad::Result<Vec<Row>> {
+    use fitgrad::{AttentionKind, AttentionOptions, Bytes};
+    let dims = [4usize, 4, 256, 64];
+    let scores = (dims[0] * dims[1] * dims[2] * (dims[2] + 1) / 2) as f64;
+    let mut rows = Vec::new();
+    for dtype in [DType::F32, DType::F16] {
+        let qkv = [6, 7, 8].map(|seed| {
+            Tensor::randn(dev, &dims, 0.0, 1.0, seed, dtype).map(|t| t.with_requires_grad())
+        });
+        let [q, k, v] = qkv;
+        let (q, k, v) = (q?, k?, v?);
+        let mut times = Vec::new();
+        for kind in [AttentionKind::Fused, AttentionKind::Composed] {
+            let opts = AttentionOptions::new().kind(kind);
+            let step = || -> fitgrad::Result<()> {
+                q.attention_with(&k, &v, &opts)?.sum()?.backward()?;
+                for t in [&q, &k, &v] {
+                    t.zero_grad();
+                }
+                dev.sync()
+            };
+            step()?;
+            dev.reset_peak();
+            let before = dev.memory_stats().bytes_in_use;
+            let t = median_secs(reps, step)?;
+            let peak = dev.memory_stats().peak_bytes_in_use - before;
+            times.push(t);
+            rows.push(Row {
+                op: format!("attention fwd+bwd causal, {kind:?}").to_lowercase(),
+                shape: "4x4x256x64".into(),
+                dtype: dtype.to_string(),
+                variant: format!("peak {} above the inputs", Bytes(peak)),
+                ms: t * 1e3,
+                rate: scores / t / 1e6,
+                unit: "M scores/s",
+                vs: vec![],
+            });
+        }
+        let n = rows.len();
+        rows[n - 2].vs = vec![("composed (time ratio)".into(), times[0] / times[1])];
+    }
     Ok(rows)
 }
 
