@@ -10,6 +10,7 @@ mod model;
 mod plan;
 mod rows;
 pub mod shard;
+pub mod text;
 mod summary;
 mod trainer;
 

@@ -167,7 +167,7 @@ impl BatchSource for Dataset {
 }
 
 /// An index out of range is a typed error, not a panic.
-fn check_indices(op: &'static str, indices: &[usize], len: usize) -> Result<()> {
+pub(super) fn check_indices(op: &'static str, indices: &[usize], len: usize) -> Result<()> {
     match indices.iter().find(|&&i| i >= len) {
         Some(i) => Err(Error::InvalidArgument {
             op,
