@@ -6,6 +6,7 @@
 pub mod bench;
 mod csv_file;
 pub mod data;
+mod fit;
 mod model;
 mod plan;
 mod rows;
@@ -18,6 +19,7 @@ pub use model::{
     epoch_permutation, Batch, BatchSource, ClassBatch, EvalBatch, Features, StepContext,
     TensorBatch, TensorDataset, TrainModel,
 };
+pub use fit::{Candidate, FitChoice};
 pub use plan::Plan;
 pub use rows::HostRows;
 pub use summary::{Evaluation, MemorySummary};
