@@ -5,7 +5,7 @@
 //! the device memory went. `--help` lists the flags; `--json` ends stdout with one JSON object.
 
 use clap::Parser;
-use fitgrad::nn::{Act, Mlp, Module};
+use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
 use fitgrad::train::data;
 use fitgrad::train::{Precision, Trainer, TrainerConfig};
@@ -97,7 +97,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
     }
     // Every argument is checked before any device work.
     let precision: Precision = args.precision.parse()?;
-    let act: Act = args.activation.parse()?;
+    let act: Activation = args.activation.parse()?;
     let budget = args
         .memory_budget
         .as_deref()
@@ -173,25 +173,9 @@ fn run(args: Args) -> fitgrad::Result<()> {
         Precision::F16 => DType::F16,
         _ => DType::F32,
     };
-    let mut model = Mlp::with_dtype(&device, &widths, act, param_dtype, args.seed)?;
-    model.checkpoint_activations = args.checkpoint_activations;
-    let params = model.parameters();
-    let (optimizer, lr): (Box<dyn Optimizer>, f32) = match args.optimizer.as_str() {
-        "adamw" => {
-            let lr = args.lr.unwrap_or(1e-3);
-            (Box::new(AdamW::new(params, lr)?), lr)
-        }
-        "sgd" => {
-            let lr = args.lr.unwrap_or(0.05);
-            (Box::new(Sgd::new(params, lr)?.momentum(0.9)?), lr)
-        }
-        other => {
-            return Err(fitgrad::Error::InvalidArgument {
-                op: "train_mlp",
-                reason: format!("unknown optimizer '{other}' (adamw or sgd)"),
-            })
-        }
-    };
+    let lr = args
+        .lr
+        .unwrap_or(if args.optimizer == "sgd" { 0.05 } else { 1e-3 });
     let steps_per_epoch = train.len().div_ceil(eff) as u64;
     let total_steps = steps_per_epoch * args.epochs;
     let schedule = if args.cosine {
@@ -213,9 +197,22 @@ fn run(args: Args) -> fitgrad::Result<()> {
         clip_grad_norm: args.clip_grad_norm,
         ..Default::default()
     };
-    let mut trainer = Trainer::new(model, optimizer, config)?;
+    // The model is built inside the budget logic: a budget too small for the model itself gets
+    // the smallest budget that works, like one too small for a step.
+    let build = || {
+        let mut model = Mlp::with_dtype(&device, &widths, act, param_dtype, args.seed)?;
+        model.checkpoint_activations = args.checkpoint_activations;
+        let params = model.parameters();
+        let optimizer: Box<dyn Optimizer> = if args.optimizer == "sgd" {
+            Box::new(Sgd::new(params, lr)?.momentum(0.9)?)
+        } else {
+            Box::new(AdamW::new(params, lr)?)
+        };
+        Trainer::new(model, optimizer, config.clone())
+    };
+    let mut trainer = Trainer::build_within_budget(&device, &train, build)?;
     if let Some(b) = budget {
-        let micro = trainer.fit_to_budget(&train, b)?;
+        let micro = trainer.micro_batch();
         println!(
             "memory budget {}: micro-batch {micro} of {} ({} accumulated micro-batches per step)",
             Bytes(b),

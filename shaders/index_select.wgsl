@@ -40,19 +40,3 @@ fn value(e: u32) -> f32 {
     }
     return acc;
 }
-
-@compute @workgroup_size(WG)
-fn main(@builtin(workgroup_id) wg: vec3<u32>,
-        @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
-    let w = (wg.y * nwg.x + wg.x) * WG + lid;
-    let i = 2u * w;
-    if (i >= p.n) {
-        return;
-    }
-    var v1 = 0.0;
-    if (i + 1u < p.n) {
-        v1 = value(i + 1u);
-    }
-    st2_out(w, value(i), v1, p.n);
-}

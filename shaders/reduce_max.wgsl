@@ -25,8 +25,7 @@ const WG: u32 = 256u;
 // shader at every dispatch when inlining a uniform would remove half of it.
 const MODE: u32 = 0u;
 const PARTS: u32 = 4u;
-// Outputs per workgroup are at most WG / MIN_LANES.
-const MIN_LANES: u32 = 16u;
+// Outputs per workgroup are at most WG / MIN_LANES (include/lanes.wgsl).
 // No candidate (an invocation past the end of a short row).
 const NONE: u32 = 0xffffffffu;
 

@@ -23,25 +23,9 @@ fn nonzero(v: f32) -> bool {
     return (bitcast<u32>(v) & 0x7fffffffu) != 0u;
 }
 
-fn at(i: u32) -> f32 {
+fn value(i: u32) -> f32 {
     if (nonzero(ld_c(offset(i, p.sc)))) {
         return ld_a(offset(i, p.sa));
     }
     return ld_b(offset(i, p.sb));
-}
-
-@compute @workgroup_size(WG)
-fn main(@builtin(workgroup_id) wg: vec3<u32>,
-        @builtin(num_workgroups) nwg: vec3<u32>,
-        @builtin(local_invocation_index) lid: u32) {
-    let w = (wg.y * nwg.x + wg.x) * WG + lid;
-    let i = 2u * w;
-    if (i >= p.n) {
-        return;
-    }
-    var v1 = 0.0;
-    if (i + 1u < p.n) {
-        v1 = at(i + 1u);
-    }
-    st2_out(w, at(i), v1, p.n);
 }

@@ -12,6 +12,7 @@
 //! | `step`, `epoch`, `rng_state` | [`TrainingState`]'s fields, decimal |
 //! | `scaler.scale`, `scaler.growth_tracker` | the loss scaler's state, when there is one |
 //! | `optim.name`, `optim.step_count`, `optim.param_steps` | [`Optimizer::name`] and [`OptimizerState`]'s counters; steps comma-separated |
+//! | `optim.hp.KEY` | [`Optimizer::hyperparameters`]: a resume with other values is refused |
 //! | `extra.<key>` | [`TrainingState::extra`] |
 //!
 //! Saving goes through [`write_atomic`](crate::fsutil::write_atomic): the bytes land in a
@@ -22,11 +23,11 @@
 //!
 //! ```no_run
 //! use fitgrad::checkpoint::{self, TrainingState};
-//! use fitgrad::nn::{Act, Mlp};
+//! use fitgrad::nn::{Activation, Mlp};
 //! use fitgrad::optim::{AdamW, Optimizer};
 //! # fn f(dev: &fitgrad::Device) -> fitgrad::Result<()> {
 //! # use fitgrad::nn::Module;
-//! let model = Mlp::new(dev, &[784, 128, 10], Act::Relu, 0)?;
+//! let model = Mlp::new(dev, &[784, 128, 10], Activation::Relu, 0)?;
 //! let mut opt = AdamW::new(model.parameters(), 1e-3)?;
 //! let path = std::path::Path::new("run/last.safetensors");
 //! checkpoint::save(path, &model, Some(&opt), &TrainingState { step: 100, ..Default::default() })?;
@@ -54,6 +55,9 @@ pub const FORMAT: &str = "fitgrad";
 pub const MODEL_PREFIX: &str = "model.";
 /// Prefix of the optimizer's tensors and metadata.
 pub const OPTIM_PREFIX: &str = "optim.";
+/// Prefix of the optimizer's hyperparameters in the metadata
+/// ([`Optimizer::hyperparameters`]).
+pub const OPTIM_HP_PREFIX: &str = "optim.hp.";
 const EXTRA_PREFIX: &str = "extra.";
 /// Metadata keys of the model's configuration ([`Module::config`]).
 pub const CONFIG_PREFIX: &str = "model.config.";
@@ -70,6 +74,7 @@ const MAX_NUMBER: u64 = if usize::BITS >= 64 {
 /// The loss scaler's state (mixed precision).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ScalerState {
+    /// The current loss scale.
     pub scale: f32,
     /// Steps since the scale last changed.
     pub growth_tracker: u64,
@@ -80,9 +85,11 @@ pub struct ScalerState {
 pub struct TrainingState {
     /// Optimizer steps taken.
     pub step: u64,
+    /// Epochs completed.
     pub epoch: u64,
     /// The host generator's position ([`Rng::state`](crate::tensor::Rng::state)).
     pub rng_state: u64,
+    /// The loss scaler, when mixed precision scales the loss.
     pub scaler: Option<ScalerState>,
     /// Anything else the application wants back (stored as `extra.<key>`).
     pub extra: BTreeMap<String, String>,
@@ -91,8 +98,11 @@ pub struct TrainingState {
 /// A tensor's bytes on the host: little-endian, row-major.
 #[derive(Clone, Debug, PartialEq)]
 pub struct HostTensor {
+    /// The element type of `bytes`.
     pub dtype: DType,
+    /// The tensor's dims.
     pub dims: Vec<usize>,
+    /// `numel * dtype.size()` bytes, little-endian, row-major.
     pub bytes: Vec<u8>,
 }
 
@@ -124,6 +134,7 @@ impl HostTensor {
         HostTensor::new(t.dtype(), t.dims(), bytes)
     }
 
+    /// Number of elements.
     pub fn numel(&self) -> usize {
         self.dims.iter().product()
     }
@@ -177,7 +188,9 @@ impl safetensors::View for &HostTensor {
 /// A checkpoint on the host: tensors by name and string metadata, as in the file.
 #[derive(Clone, Debug, Default)]
 pub struct Checkpoint {
+    /// Tensors by name (`model.*`, `optim.*`).
     pub tensors: BTreeMap<String, HostTensor>,
+    /// String metadata (format version, model configuration, training state).
     pub metadata: BTreeMap<String, String>,
     /// The file it was read from, for error messages (empty for one captured in memory).
     pub source: String,
@@ -235,6 +248,9 @@ impl Checkpoint {
                 put(format!("{OPTIM_PREFIX}{name}"), t)?;
             }
             m.insert("optim.name".into(), opt.name().into());
+            for (k, v) in opt.hyperparameters() {
+                m.insert(format!("{OPTIM_HP_PREFIX}{k}"), v);
+            }
             m.insert("optim.step_count".into(), s.step_count.to_string());
             let steps: Vec<String> = s.param_steps.iter().map(u64::to_string).collect();
             m.insert("optim.param_steps".into(), steps.join(","));
@@ -470,6 +486,22 @@ impl Checkpoint {
             .collect()
     }
 
+    /// Rebuilds the model the file was saved from, with no flags needed: `build` makes an
+    /// untrained model from the stored configuration (e.g. `|cfg| Mlp::from_config(&dev, cfg)`),
+    /// then the weights are loaded into it. A configuration `build` refuses is an
+    /// [`Error::Data`] naming the file.
+    pub fn rebuild<M: Module>(
+        &self,
+        build: impl FnOnce(&std::collections::BTreeMap<String, String>) -> Result<M>,
+    ) -> Result<M> {
+        let model = build(&self.model_config()).map_err(|e| match e {
+            Error::InvalidArgument { reason, .. } => self.err(reason),
+            e => e,
+        })?;
+        self.apply_model(&model)?;
+        Ok(model)
+    }
+
     /// A stored configuration must be the model's: a different activation or width with the
     /// same tensor shapes would load and compute something else.
     fn check_config(&self, model: &dyn Module) -> Result<()> {
@@ -603,6 +635,38 @@ impl Checkpoint {
                 return Err(self.err(format!(
                     "the checkpoint holds {saved} state, the optimizer is {}",
                     optimizer.name()
+                )));
+            }
+        }
+        // A resume with other hyperparameters would silently train another run (files
+        // without them predate the check).
+        let saved: Vec<(&str, &String)> = self
+            .metadata
+            .iter()
+            .filter_map(|(k, v)| k.strip_prefix(OPTIM_HP_PREFIX).map(|k| (k, v)))
+            .collect();
+        if !saved.is_empty() {
+            let now = optimizer.hyperparameters();
+            let differ: Vec<String> = now
+                .iter()
+                .filter_map(|(k, v)| {
+                    let was = saved.iter().find(|(s, _)| s == k).map(|(_, v)| v.as_str());
+                    (was != Some(v.as_str()))
+                        .then(|| format!("{k} = {} (this run: {v})", was.unwrap_or("unset")))
+                })
+                .chain(
+                    saved
+                        .iter()
+                        .filter(|(k, _)| !now.iter().any(|(n, _)| n == k))
+                        .map(|(k, v)| format!("{k} = {v} (this run: unset)")),
+                )
+                .collect();
+            if !differ.is_empty() {
+                return Err(self.err(format!(
+                    "the checkpoint was trained with other {} hyperparameters: {}; use the \
+                     same ones to resume, or start a new run",
+                    optimizer.name(),
+                    differ.join(", ")
                 )));
             }
         }

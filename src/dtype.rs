@@ -3,13 +3,17 @@
 
 use std::fmt;
 
+/// The element type of a tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum DType {
+    /// 32-bit float.
     F32,
+    /// 16-bit float (IEEE half); computed in f16 where the adapter has SHADER_F16, else in f32.
     F16,
 }
 
 impl DType {
+    /// Bytes per element.
     pub fn size(self) -> usize {
         match self {
             DType::F32 => 4,
@@ -29,8 +33,11 @@ impl fmt::Display for DType {
 
 /// A host element type that maps to a [`DType`].
 pub trait Element: bytemuck::Pod + Copy + Send + Sync + 'static {
+    /// The dtype of this element type.
     const DTYPE: DType;
+    /// Converts from f32 (rounding to nearest for f16).
     fn from_f32(v: f32) -> Self;
+    /// Converts to f32 (exact).
     fn to_f32(self) -> f32;
 }
 

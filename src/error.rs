@@ -62,6 +62,7 @@ fn budget_text(budget: &Option<u64>) -> String {
     }
 }
 
+/// Everything that can go wrong, typed: each variant says what to change in its message.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// No adapter matched the request (or the machine has none).
@@ -78,7 +79,12 @@ pub enum Error {
 
     /// The adapter refused to create a device.
     #[error("could not open the device on adapter '{adapter}': {reason}")]
-    RequestDevice { adapter: String, reason: String },
+    RequestDevice {
+        /// The adapter's name.
+        adapter: String,
+        /// What the driver said.
+        reason: String,
+    },
 
     /// An allocation would pass the budget, or the driver reported out-of-memory.
     #[error(
@@ -88,9 +94,13 @@ pub enum Error {
         Bytes(*.requested), Bytes(*.in_use), Bytes(*.reserved), budget_text(.budget)
     )]
     OutOfMemory {
+        /// Bytes the failed allocation asked for.
         requested: u64,
+        /// Bytes held by live tensors at that moment.
         in_use: u64,
+        /// Bytes the arena had reserved from the driver (in use plus cached).
         reserved: u64,
+        /// The device's memory budget, if one was set.
         budget: Option<u64>,
     },
 
@@ -101,8 +111,11 @@ pub enum Error {
         Bytes(*.budget), Bytes(*.minimum)
     )]
     BudgetTooSmall {
+        /// The budget that was given.
         budget: u64,
+        /// The smallest budget that works (a run with exactly this budget succeeds).
         minimum: u64,
+        /// What needs it (the model, a step at micro-batch 1, ...).
         what: String,
     },
 
@@ -119,34 +132,53 @@ pub enum Error {
     /// Shapes that do not fit together for an op.
     #[error("{op}: shapes do not fit: {lhs:?} and {rhs:?}{}", if .reason.is_empty() { String::new() } else { format!(" ({})", .reason) })]
     Shape {
+        /// The op that refused.
         op: &'static str,
+        /// The first operand's dims.
         lhs: Vec<usize>,
+        /// The second operand's dims (or the shape asked for).
         rhs: Vec<usize>,
+        /// Which rule they break; may be empty.
         reason: String,
     },
 
     /// Tensors of different dtypes, or a host slice of the wrong element type.
     #[error("{op}: dtype mismatch: expected {expected}, got {got}")]
     DType {
+        /// The op that refused.
         op: &'static str,
+        /// The dtype it needed.
         expected: crate::DType,
+        /// The dtype it was given.
         got: crate::DType,
     },
 
     /// Any other argument that cannot be used (an axis out of range, a bad option).
     #[error("{op}: {reason}")]
-    InvalidArgument { op: &'static str, reason: String },
+    InvalidArgument {
+        /// The op, option or function that refused.
+        op: &'static str,
+        /// What is wrong and what to pass instead.
+        reason: String,
+    },
 
     /// Two tensors live on different devices.
     #[error("{op}: tensors are on different devices")]
-    DeviceMismatch { op: &'static str },
+    DeviceMismatch {
+        /// The op that refused.
+        op: &'static str,
+    },
 
     /// A limit of the adapter (buffer size, binding size, dispatch size) would be passed.
     #[error("{op}: {what} of {value} passes the adapter's limit of {limit}")]
     Limit {
+        /// The op that would pass it.
         op: &'static str,
+        /// Which limit (buffer size, binding size, workgroups per dimension).
         what: &'static str,
+        /// What was needed.
         value: u64,
+        /// The adapter's limit.
         limit: u64,
     },
 
@@ -164,19 +196,28 @@ pub enum Error {
 
     /// A data or checkpoint file that is malformed, truncated, or not what it claims to be.
     #[error("{path}: {reason}")]
-    Data { path: String, reason: String },
+    Data {
+        /// The file (or `<memory>` for bytes without one).
+        path: String,
+        /// What is wrong with it.
+        reason: String,
+    },
 
     /// A backward pass that cannot run: nothing requires grad, a graph already freed by an
     /// earlier backward, or a gradient of the wrong shape.
     #[error("autograd: {0}")]
     Autograd(String),
 
+    /// Reading or writing a file failed.
     #[error("I/O error on {path}: {source}")]
     Io {
+        /// The file.
         path: String,
+        /// The operating system's error.
         #[source]
         source: std::io::Error,
     },
 }
 
+/// `Result` with fitgrad's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -11,13 +11,16 @@
 //! # Ok(()) }
 //! ```
 
+#![warn(missing_docs)]
+
+mod activation;
 pub mod autograd;
 pub mod checkpoint;
 pub mod device;
 mod dtype;
 pub mod error;
-pub mod fsutil;
-pub mod kernels;
+mod fsutil;
+mod kernels;
 pub mod memory;
 pub mod nn;
 pub mod optim;
@@ -25,9 +28,19 @@ mod shape;
 pub mod tensor;
 pub mod train;
 
+pub use activation::Activation;
 pub use autograd::{is_grad_enabled, no_grad, NoGradGuard};
 pub use device::{AdapterSummary, Device, DeviceInfo, DeviceLimits, DeviceOptions};
 pub use error::{Bytes, Error, Result};
-pub use kernels::matmul::Activation;
+pub use fsutil::write_atomic;
 pub use memory::MemoryStats;
-pub use tensor::{DType, Element, MatmulOptions, Shape, SoftmaxOptions, Tensor};
+pub use tensor::{DType, Element, MatmulOptions, MatmulVariant, Shape, SoftmaxOptions, Tensor};
+/// The wgpu version fitgrad is built on, for the types in its signatures
+/// ([`Device::from_wgpu`], [`Device::wgpu_device`]).
+pub use wgpu;
+
+/// Validates every variant of every shader file with naga, without a GPU: one line per variant,
+/// with the error where one fails (`cargo xtask shaders`).
+pub fn validate_shaders() -> Vec<(String, std::result::Result<(), String>)> {
+    kernels::validate_all()
+}

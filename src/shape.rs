@@ -6,6 +6,7 @@ use std::fmt;
 /// Highest rank a tensor may have; kernels carry shapes as `vec4<u32>`.
 pub const MAX_RANK: usize = 4;
 
+/// A tensor's dims: rank 0 to [`MAX_RANK`], row-major, with at most 2^32 - 1 elements.
 #[derive(Clone, PartialEq, Eq, Hash, Default)]
 pub struct Shape(Vec<usize>);
 
@@ -34,18 +35,22 @@ impl Shape {
         Ok(Shape(dims.to_vec()))
     }
 
+    /// The rank-0 shape (one element).
     pub fn scalar() -> Self {
         Shape(Vec::new())
     }
 
+    /// The dims, outermost first.
     pub fn dims(&self) -> &[usize] {
         &self.0
     }
 
+    /// Number of dims.
     pub fn rank(&self) -> usize {
         self.0.len()
     }
 
+    /// Number of elements (1 for rank 0).
     pub fn numel(&self) -> usize {
         self.0.iter().product()
     }

@@ -381,6 +381,8 @@ impl Mm {
                         Activation::None => s,
                         Activation::Relu => s.max(0.0),
                         Activation::Gelu => gelu64(s),
+                        Activation::Tanh => s.tanh(),
+                        Activation::Sigmoid => 1.0 / (1.0 + (-s).exp()),
                     });
                 }
             }
@@ -944,7 +946,13 @@ fn check_matmul(
 }
 
 fn activation() -> impl Strategy<Value = Activation> {
-    prop::sample::select(vec![Activation::None, Activation::Relu, Activation::Gelu])
+    prop::sample::select(vec![
+        Activation::None,
+        Activation::Relu,
+        Activation::Gelu,
+        Activation::Tanh,
+        Activation::Sigmoid,
+    ])
 }
 
 fn batch_mode() -> impl Strategy<Value = Batch> {

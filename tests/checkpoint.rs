@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use fitgrad::checkpoint::{self, Checkpoint, HostTensor, ScalerState, TrainingState};
-use fitgrad::nn::{cross_entropy, Act, Mlp, Module};
+use fitgrad::nn::{cross_entropy, Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, Optimizer, Sgd};
 use fitgrad::{DType, Device, DeviceOptions, Error, Tensor};
 use std::collections::BTreeMap;
@@ -139,7 +139,7 @@ fn round_trip_model_optimizer_and_training_state() {
     for dev in devices() {
         for dtype in [DType::F32, DType::F16] {
             let what = format!("{} {dtype}", label(&dev));
-            let model = Mlp::with_dtype(&dev, &WIDTHS, Act::Relu, dtype, 1).unwrap();
+            let model = Mlp::with_dtype(&dev, &WIDTHS, Activation::Relu, dtype, 1).unwrap();
             let mut opt = adamw(&model);
             for i in 0..2 {
                 train_step(&dev, &model, &mut opt, i);
@@ -165,7 +165,7 @@ fn round_trip_model_optimizer_and_training_state() {
             }
 
             // Fresh objects from another seed, loaded from the file.
-            let fresh = Mlp::with_dtype(&dev, &WIDTHS, Act::Relu, dtype, 99).unwrap();
+            let fresh = Mlp::with_dtype(&dev, &WIDTHS, Activation::Relu, dtype, 99).unwrap();
             let mut fresh_opt = adamw(&fresh);
             ckpt.apply_model(&fresh).unwrap();
             ckpt.apply_optimizer(&mut fresh_opt).unwrap();
@@ -198,13 +198,13 @@ fn resume_from_checkpoint_matches_uninterrupted_run() {
     let tmp = TempDir::new("resume");
     for dev in devices() {
         let what = label(&dev);
-        let straight = Mlp::new(&dev, &WIDTHS, Act::Relu, 5).unwrap();
+        let straight = Mlp::new(&dev, &WIDTHS, Activation::Relu, 5).unwrap();
         let mut straight_opt = adamw(&straight);
         for i in 0..N {
             train_step(&dev, &straight, &mut straight_opt, i);
         }
 
-        let first = Mlp::new(&dev, &WIDTHS, Act::Relu, 5).unwrap();
+        let first = Mlp::new(&dev, &WIDTHS, Activation::Relu, 5).unwrap();
         let mut first_opt = adamw(&first);
         for i in 0..N / 2 {
             train_step(&dev, &first, &mut first_opt, i);
@@ -218,7 +218,7 @@ fn resume_from_checkpoint_matches_uninterrupted_run() {
         drop((first, first_opt));
 
         // A new process would start here: other weights, an optimizer without state.
-        let resumed = Mlp::new(&dev, &WIDTHS, Act::Relu, 77).unwrap();
+        let resumed = Mlp::new(&dev, &WIDTHS, Activation::Relu, 77).unwrap();
         let mut resumed_opt = adamw(&resumed);
         let ckpt = checkpoint::load(&path).unwrap();
         ckpt.apply_model(&resumed).unwrap();
@@ -242,7 +242,7 @@ fn mismatched_models_and_optimizers_are_data_errors() {
     let Some(dev) = devices().into_iter().next() else {
         return;
     };
-    let model = Mlp::new(&dev, &[4, 8, 3], Act::Relu, 1).unwrap();
+    let model = Mlp::new(&dev, &[4, 8, 3], Activation::Relu, 1).unwrap();
     let mut opt = adamw(&model);
     let (x, y) = (host_data(1, 2 * 4, -1.0, 1.0), [0u32, 2]);
     let x = Tensor::from_slice(&dev, &x, &[2, 4]).unwrap();
@@ -256,7 +256,7 @@ fn mismatched_models_and_optimizers_are_data_errors() {
     let ckpt = checkpoint::load(&path).unwrap();
 
     // Same shapes, another stored configuration (the activation): refused, nothing written.
-    let gelu = Mlp::new(&dev, &[4, 8, 3], Act::Gelu, 1).unwrap();
+    let gelu = Mlp::new(&dev, &[4, 8, 3], Activation::Gelu, 1).unwrap();
     let before = host(&gelu.layers[0].weight);
     let reason = data_reason(ckpt.apply_model(&gelu), &path, "config");
     assert!(
@@ -264,7 +264,7 @@ fn mismatched_models_and_optimizers_are_data_errors() {
         "{reason}"
     );
     assert_eq!(host(&gelu.layers[0].weight), before, "nothing written");
-    let wide = Mlp::new(&dev, &[4, 9, 3], Act::Relu, 1).unwrap();
+    let wide = Mlp::new(&dev, &[4, 9, 3], Activation::Relu, 1).unwrap();
     let before = host(&wide.layers[0].weight);
     // Without it (a file from a model that stores none), the tensors themselves are checked.
     let mut tensors_only = ckpt.clone();
@@ -282,12 +282,12 @@ fn mismatched_models_and_optimizers_are_data_errors() {
     assert_eq!(host(&wide.layers[0].weight), before, "nothing written");
 
     // Another dtype.
-    let half = Mlp::with_dtype(&dev, &[4, 8, 3], Act::Relu, DType::F16, 1).unwrap();
+    let half = Mlp::with_dtype(&dev, &[4, 8, 3], Activation::Relu, DType::F16, 1).unwrap();
     let reason = data_reason(ckpt.apply_model(&half), &path, "dtype");
     assert!(reason.contains("f16") && reason.contains("f32"), "{reason}");
 
     // A layer more: missing names; the layers that do fit are left alone.
-    let deeper = Mlp::new(&dev, &[4, 8, 3, 3], Act::Relu, 2).unwrap();
+    let deeper = Mlp::new(&dev, &[4, 8, 3, 3], Activation::Relu, 2).unwrap();
     let before = host(&deeper.layers[0].weight);
     let reason = data_reason(ckpt.apply_model(&deeper), &path, "missing");
     assert!(reason.contains("model.layers.2.weight"), "{reason}");
@@ -329,7 +329,7 @@ fn mismatched_models_and_optimizers_are_data_errors() {
     foreign.save(&fpath).unwrap();
     let foreign = checkpoint::load(&fpath).unwrap();
     assert!(!foreign.is_fitgrad());
-    let target = Mlp::new(&dev, &[4, 8, 3], Act::Relu, 3).unwrap();
+    let target = Mlp::new(&dev, &[4, 8, 3], Activation::Relu, 3).unwrap();
     foreign.apply_model(&target).unwrap();
     assert_same_params(&model, &target, "foreign");
     let reason = data_reason(foreign.training_state(), &fpath, "foreign state");
@@ -648,7 +648,7 @@ fn trainer_checkpoints_are_byte_for_byte_reproducible() {
     for dev in devices() {
         let what = label(&dev);
         let trainer = |seed| {
-            let model = Mlp::new(&dev, &WIDTHS, Act::Relu, seed).unwrap();
+            let model = Mlp::new(&dev, &WIDTHS, Activation::Relu, seed).unwrap();
             let opt = Box::new(adamw(&model));
             let config = TrainerConfig {
                 precision: Precision::Mixed, // a scaler's state too
@@ -698,7 +698,7 @@ fn concurrent_atomic_writes_to_one_path_never_mix() {
             let path = &path;
             s.spawn(move || {
                 for _ in 0..10 {
-                    fitgrad::fsutil::write_atomic(path, &vec![t; 64 << 10]).unwrap();
+                    fitgrad::write_atomic(path, &vec![t; 64 << 10]).unwrap();
                 }
             });
         }
@@ -747,7 +747,7 @@ fn kill_child_saver() {
     let Some(dev) = fresh_device(DeviceOptions::default()) else {
         return;
     };
-    let model = Mlp::new(&dev, &BIG, Act::Relu, 11).unwrap();
+    let model = Mlp::new(&dev, &BIG, Activation::Relu, 11).unwrap();
     let start = Instant::now();
     for step in first.. {
         let state = TrainingState {
@@ -940,7 +940,7 @@ fn python_safetensors_reads_the_checkpoint() {
     };
     let tmp = TempDir::new("python");
     let path = tmp.join("py.safetensors");
-    let model = Mlp::new(&dev, &[3, 5, 2], Act::Relu, 4).unwrap();
+    let model = Mlp::new(&dev, &[3, 5, 2], Activation::Relu, 4).unwrap();
     let mut opt = AdamW::new(model.parameters(), 1e-2).unwrap();
     let x = Tensor::from_slice(&dev, &host_data(5, 6, -1.0, 1.0), &[2, 3]).unwrap();
     cross_entropy(&model.forward(&x).unwrap(), &[1, 0])
@@ -951,7 +951,7 @@ fn python_safetensors_reads_the_checkpoint() {
     let mut state = sample_state();
     state.step = 1;
     checkpoint::save(&path, &model, Some(&opt), &state).unwrap();
-    let half_model = Mlp::with_dtype(&dev, &[3, 2], Act::Relu, DType::F16, 4).unwrap();
+    let half_model = Mlp::with_dtype(&dev, &[3, 2], Activation::Relu, DType::F16, 4).unwrap();
     let hpath = tmp.join("py16.safetensors");
     checkpoint::save(&hpath, &half_model, None, &TrainingState::default()).unwrap();
 

@@ -5,14 +5,21 @@
 mod common;
 
 use common::*;
-use fitgrad::nn::{Act, Mlp, Module};
+use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::Sgd;
 use fitgrad::train::{Precision, Trainer, TrainerConfig};
 use fitgrad::{DeviceOptions, Error};
 
 fn trainer(lr: f32, precision: Precision) -> Option<Trainer<Mlp>> {
     let dev = fresh_device(DeviceOptions::default())?;
-    let m = Mlp::with_dtype(&dev, &[8, 16, 4], Act::Relu, precision.param_dtype(), 1).unwrap();
+    let m = Mlp::with_dtype(
+        &dev,
+        &[8, 16, 4],
+        Activation::Relu,
+        precision.param_dtype(),
+        1,
+    )
+    .unwrap();
     let opt = Box::new(Sgd::new(m.parameters(), lr).unwrap());
     let cfg = TrainerConfig {
         precision,

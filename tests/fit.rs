@@ -19,7 +19,7 @@
 mod common;
 
 use common::*;
-use fitgrad::nn::{self, Act, Mlp, Module};
+use fitgrad::nn::{self, Activation, Mlp, Module};
 use fitgrad::optim::GradScaler;
 use fitgrad::train::data::{self, Dataset};
 use fitgrad::train::{HostRows, Precision, Trainer, TrainerConfig};
@@ -46,7 +46,7 @@ fn digits() -> &'static (Dataset, Dataset) {
 #[derive(Clone, Debug)]
 struct Setup {
     widths: Vec<usize>,
-    act: Act,
+    act: Activation,
     checkpoint: bool,
     precision: Precision,
     opt: Opt,
@@ -59,7 +59,7 @@ impl Setup {
     fn new(widths: &[usize], batch: usize) -> Setup {
         Setup {
             widths: widths.to_vec(),
-            act: Act::Relu,
+            act: Activation::Relu,
             checkpoint: false,
             precision: Precision::F32,
             opt: Opt::Sgd {
@@ -72,7 +72,7 @@ impl Setup {
         }
     }
 
-    fn act(mut self, act: Act) -> Setup {
+    fn act(mut self, act: Activation) -> Setup {
         self.act = act;
         self
     }
@@ -267,34 +267,34 @@ fn planner_within_2_percent() {
     let wide = [784, 128, 64, 10];
     let configs = [
         Setup::new(&small, 96).micro(32).opt(mom),
-        Setup::new(&small, 64).act(Act::Gelu).opt(adamw),
+        Setup::new(&small, 64).act(Activation::Gelu).opt(adamw),
         Setup::new(&small, 96)
-            .act(Act::Gelu)
+            .act(Activation::Gelu)
             .checkpoint(true)
             .micro(32)
             .opt(mom),
         Setup::new(&small, 48)
-            .act(Act::Gelu)
+            .act(Activation::Gelu)
             .checkpoint(true)
             .precision(Precision::Mixed)
             .opt(adamw),
         Setup::new(&small, 96)
-            .act(Act::Gelu)
+            .act(Activation::Gelu)
             .precision(Precision::Mixed)
             .micro(32)
             .opt(mom),
-        Setup::new(&wide, 20).act(Act::Tanh).opt(adamw),
+        Setup::new(&wide, 20).act(Activation::Tanh).opt(adamw),
         Setup::new(&wide, 40)
             .precision(Precision::Mixed)
             .micro(20)
             .opt(mom),
         Setup::new(&wide, 20)
-            .act(Act::Tanh)
+            .act(Activation::Tanh)
             .checkpoint(true)
             .precision(Precision::Mixed)
             .opt(mom),
         Setup::new(&wide, 20)
-            .act(Act::Gelu)
+            .act(Activation::Gelu)
             .checkpoint(true)
             .opt(adamw),
         Setup::new(&small, 96)
@@ -302,7 +302,7 @@ fn planner_within_2_percent() {
             .micro(32)
             .opt(mom),
         Setup::new(&small, 64)
-            .act(Act::Gelu)
+            .act(Activation::Gelu)
             .precision(Precision::F16)
             .opt(adamw),
         Setup::new(&small, 64).opt(Opt::Sgd {
@@ -338,7 +338,7 @@ fn planner_within_2_percent() {
     // Checkpointing where activations dominate: gelu keeps its pre-activation per layer. (In
     // [64, 512, 512, 512, 10] at batch 256 the peak is in the backward, where the 512 x 512
     // weight gradients outweigh the activations, and checkpointing does not move it.)
-    let base = Setup::new(&[32, 64, 64, 64, 64, 64, 10], 480).act(Act::Gelu);
+    let base = Setup::new(&[32, 64, 64, 64, 64, 64, 10], 480).act(Activation::Gelu);
     let (plan_off, meas_off) = planned_and_measured(&dev, &base, 1);
     let (plan_on, meas_on) = planned_and_measured(&dev, &base.clone().checkpoint(true), 1);
     note(&format!(
@@ -370,7 +370,7 @@ fn planner_within_2_percent() {
     let x = host_data(5, 480 * 32, -1.0, 1.0);
     let y: Vec<u32> = (0..480).map(|i| (i * 7 % 10) as u32).collect();
     let grads = |ckpt: bool| {
-        let mut m = Mlp::new(&dev, &base.widths, Act::Gelu, SEED).unwrap();
+        let mut m = Mlp::new(&dev, &base.widths, Activation::Gelu, SEED).unwrap();
         m.checkpoint_activations = ckpt;
         let xt = Tensor::from_slice(&dev, &x, &[480, 32]).unwrap();
         let loss = nn::cross_entropy(&m.forward_in(&xt, DType::F32).unwrap(), &y).unwrap();
@@ -730,7 +730,7 @@ fn oom_mid_step_is_retried() {
         return;
     };
     let setup = Setup::new(&[64, 96, 80, 10], 64)
-        .act(Act::Gelu)
+        .act(Activation::Gelu)
         .opt(Opt::AdamW { lr: 1e-2 });
     let b = host_batches(33, 5, 64, 64, 10);
     let mut clean = setup.build(&dev);
@@ -871,7 +871,7 @@ fn budget_too_small_is_a_clear_error() {
     assert!((1..=64).contains(&m), "micro-batch {m} at the minimum");
     assert_eq!(t.steps(), 0);
     // A run under exactly that budget succeeds and stays within it.
-    dev.set_memory_budget(Some(minimum));
+    dev.set_memory_budget(Some(minimum)).unwrap();
     t.step_rows(x, y).expect("a step under the minimum budget");
     t.step_rows(x, y)
         .expect("a second step under the minimum budget");
@@ -889,7 +889,7 @@ fn prealloc_creates_no_buffers_after_start() {
     let setups = [
         Setup::new(&[64, 128, 128, 10], 120).opt(Opt::AdamW { lr: 1e-3 }),
         Setup::new(&[64, 96, 80, 10], 96)
-            .act(Act::Gelu)
+            .act(Activation::Gelu)
             .checkpoint(true)
             .precision(Precision::Mixed)
             .micro(32)

@@ -9,7 +9,7 @@
 mod common;
 
 use common::*;
-use fitgrad::nn::{Act, Linear, Mlp, Module, Sequential};
+use fitgrad::nn::{Activation, Linear, Mlp, Module, Sequential};
 use fitgrad::optim::{AdamW, Optimizer, Sgd};
 use fitgrad::train::{
     BatchSource, StepContext, TensorBatch, TensorDataset, TrainModel, Trainer, TrainerConfig,
@@ -343,7 +343,7 @@ fn mlp_rebuilt_from_its_checkpoint() {
     let Some(dev) = fresh_with_budget(None) else {
         return;
     };
-    let mut m = Mlp::new(&dev, &[6, 10, 4], Act::Gelu, 3).unwrap();
+    let mut m = Mlp::new(&dev, &[6, 10, 4], Activation::Gelu, 3).unwrap();
     m.checkpoint_activations = true;
     let opt = Box::new(AdamW::new(m.parameters(), 1e-3).unwrap());
     let mut t = Trainer::new(m, opt, TrainerConfig::new(8, 1, 1e-3)).unwrap();
@@ -354,14 +354,27 @@ fn mlp_rebuilt_from_its_checkpoint() {
     let path = dir.join("mlp.safetensors");
     t.save_checkpoint(&path, 1).unwrap();
     let ckpt = fitgrad::checkpoint::load(&path).unwrap();
-    let back = Mlp::from_checkpoint(&dev, &ckpt).unwrap();
+    let back = ckpt.rebuild(|cfg| Mlp::from_config(&dev, cfg)).unwrap();
     assert_eq!(back.widths(), vec![6, 10, 4]);
-    assert_eq!(back.act, Act::Gelu);
+    assert_eq!(back.act, Activation::Gelu);
     assert!(back.checkpoint_activations);
     assert_eq!(param_values(&back), param_values(&t.model));
-    let other = Mlp::new(&dev, &[6, 10, 4], Act::Relu, 3).unwrap();
+    let other = Mlp::new(&dev, &[6, 10, 4], Activation::Relu, 3).unwrap();
     let err = ckpt.apply_model(&other).unwrap_err();
     assert!(err.to_string().contains("activation"), "{err}");
+    // A configuration the builder refuses is an error naming the file.
+    let err = ckpt
+        .rebuild(|cfg| {
+            let mut cfg = cfg.clone();
+            cfg.insert("kind".into(), "gpt".into());
+            Mlp::from_config(&dev, &cfg)
+        })
+        .err()
+        .expect("a gpt configuration is refused");
+    assert!(
+        matches!(&err, fitgrad::Error::Data { path, .. } if path.contains("mlp.safetensors")),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
 

@@ -4,7 +4,7 @@
 mod common;
 
 use common::*;
-use fitgrad::kernels::matmul::{self, Variant};
+use fitgrad::MatmulVariant as Variant;
 use fitgrad::{Activation, DType, Device, Error, MatmulOptions, Tensor};
 use proptest::prelude::*;
 
@@ -112,6 +112,8 @@ fn reference(c: &Case, a: &[f32], b: &[f32], bias: &[f32]) -> Vec<f32> {
                     Activation::None => s,
                     Activation::Relu => s.max(0.0),
                     Activation::Gelu => gelu(s),
+                    Activation::Tanh => s.tanh(),
+                    Activation::Sigmoid => 1.0 / (1.0 + (-s).exp()),
                 };
                 out.push(s as f32);
             }
@@ -174,10 +176,7 @@ fn check(
             f16_ulps: 2.0,
         },
     };
-    for &v in variants
-        .iter()
-        .filter(|&&v| matmul::supported(dev, v, dtype))
-    {
+    for &v in variants.iter().filter(|&&v| v.supported_on(dev, dtype)) {
         let what = format!("{} {dtype:?} {c:?} {v:?}", label(dev));
         let out = a
             .matmul_variant(&b, &opts, v)

@@ -214,11 +214,11 @@ fn budget_counts_what_is_in_use_and_frees_cached_segments() {
         still_works(&dev);
 
         // Lowering the budget below what is cached: the next allocation that needs room frees it.
-        dev.set_memory_budget(None);
+        dev.set_memory_budget(None).unwrap();
         let big = Tensor::zeros(&dev, &[1 << 20], DType::F32).unwrap(); // 4 MiB
         drop(big);
         assert!(dev.memory_stats().bytes_reserved >= 4 * MIB);
-        dev.set_memory_budget(Some(MIB));
+        dev.set_memory_budget(Some(MIB)).unwrap();
         assert!(matches!(
             Tensor::zeros(&dev, &[(5 * MIB / 4) as usize], DType::F32),
             Err(Error::OutOfMemory {
@@ -238,7 +238,7 @@ fn budget_counts_what_is_in_use_and_frees_cached_segments() {
             dev.reserve(2 * MIB),
             Err(Error::OutOfMemory { .. })
         ));
-        dev.set_memory_budget(None);
+        dev.set_memory_budget(None).unwrap();
         assert_eq!(dev.memory_stats().budget, None);
         drop(Tensor::zeros(&dev, &[1 << 20], DType::F32).unwrap());
         still_works(&dev);

@@ -4,7 +4,7 @@
 
 mod common;
 
-use fitgrad::nn::{Act, Mlp, Module};
+use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, Sgd};
 use fitgrad::train::data::Dataset;
 use fitgrad::train::epoch_permutation;
@@ -159,7 +159,7 @@ fn dataset_larger_than_the_budget_trains_in_shards() {
     // Long runs of consecutive rows are read in several bounded reads.
     let all: Vec<usize> = (0..40_000).collect();
     assert!(s.read_rows(&all).unwrap().features == data.features);
-    let model = Mlp::new(&dev, &[64, 32, 10], Act::Relu, 0).unwrap();
+    let model = Mlp::new(&dev, &[64, 32, 10], Activation::Relu, 0).unwrap();
     let opt = Sgd::new(model.parameters(), 0.01).unwrap();
     let config = TrainerConfig {
         batch_size: 500,
@@ -236,7 +236,7 @@ fn sharded_training_equals_in_memory_training() {
     };
     // The effective batch is 12: 4 steps per epoch, the last of 9 samples.
     let trainer = || {
-        let model = Mlp::new(&dev, &[6, 16, 10], Act::Relu, 5).unwrap();
+        let model = Mlp::new(&dev, &[6, 16, 10], Activation::Relu, 5).unwrap();
         let opt = AdamW::new(model.parameters(), 1e-2).unwrap();
         Trainer::new(model, Box::new(opt), config.clone()).unwrap()
     };

@@ -7,7 +7,7 @@
 mod common;
 
 use common::*;
-use fitgrad::nn::{Act, Mlp, Module};
+use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::train::data::{self, Dataset};
 use fitgrad::train::{Trainer, TrainerConfig};
 use fitgrad::{Device, DeviceOptions, Error, MemoryStats, Tensor};
@@ -40,7 +40,7 @@ fn config(batch_size: usize, accum_steps: usize, micro_batch: Option<usize>) -> 
 /// A relu MLP of `widths` seeded with `SEED`, its optimizer, and a trainer with `cfg` (whose
 /// learning rate is the optimizer's).
 fn trainer(dev: &Device, widths: &[usize], opt: Opt, cfg: TrainerConfig) -> Trainer<Mlp> {
-    let model = Mlp::new(dev, widths, Act::Relu, SEED).expect("model");
+    let model = Mlp::new(dev, widths, Activation::Relu, SEED).expect("model");
     let optimizer = opt.build(model.parameters());
     Trainer::new(
         model,
@@ -761,7 +761,7 @@ fn trainer_rejects_bad_config() {
         ("accum_steps 0", config(16, 0, None)),
         ("micro_batch Some(0)", config(16, 1, Some(0))),
     ] {
-        let model = Mlp::new(&dev, &widths, Act::Relu, SEED).unwrap();
+        let model = Mlp::new(&dev, &widths, Activation::Relu, SEED).unwrap();
         let optimizer = opt.build(model.parameters());
         match Trainer::new(model, optimizer, cfg).err() {
             Some(Error::InvalidArgument { op, .. }) => assert_eq!(op, "Trainer::new", "{what}"),

@@ -67,8 +67,7 @@ fn store4(base: u32, q: u32, y: vec4<f32>) {
 
 // Invocations per row in the first merge stage.
 const PARTS: u32 = 4u;
-// Rows per workgroup are at most WG / MIN_LANES.
-const MIN_LANES: u32 = 16u;
+// Rows per workgroup are at most WG / MIN_LANES (include/lanes.wgsl).
 
 var<workgroup> wm: array<f32, WG>;
 var<workgroup> ws: array<f32, WG>;

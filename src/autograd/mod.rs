@@ -1,4 +1,4 @@
-//! Reverse-mode autograd. A tensor that requires grad carries a [`Node`]; every op with such an
+//! Reverse-mode autograd. A tensor that requires grad carries a graph node; every op with such an
 //! input records a node holding its backward rule (a closure beside the op's forward, owning
 //! what the rule needs: detached saved tensors, shapes, scalars) and links to its inputs'
 //! nodes. `backward()` orders the nodes reachable from the loss (reverse topological order of

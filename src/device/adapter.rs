@@ -59,12 +59,19 @@ fn parse_backends(list: &str) -> Result<wgpu::Backends> {
 /// One adapter as the user sees it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AdapterSummary {
+    /// The adapter's name as the driver reports it (what `--adapter` matches).
     pub name: String,
+    /// The PCI vendor id (0 where the backend has none).
     pub vendor: u32,
+    /// The vendor's name, from the id ("NVIDIA", "AMD", ...).
     pub vendor_name: &'static str,
+    /// The wgpu backend: "vulkan", "metal", "dx12" or "gl".
     pub backend: String,
+    /// Discrete, integrated, virtual or CPU (a software rasterizer such as lavapipe).
     pub device_type: String,
+    /// The driver's name.
     pub driver: String,
+    /// The driver's version text.
     pub driver_info: String,
     /// Device-local memory in bytes where the backend reports it (Vulkan memory heaps); `None`
     /// elsewhere (wgpu has no portable query).

@@ -16,7 +16,7 @@ pub(crate) use pipelines::Kernel;
 pub use queue::{FLUSH_EVERY, MAX_GROUPS_PER_DIM};
 
 use crate::memory::{Arena, Block, Category, MemoryStats};
-use crate::{Error, Result};
+use crate::{Bytes, Error, Result};
 use adapter::adapter_memory;
 use queue::Pending;
 use std::any::{Any, TypeId};
@@ -28,20 +28,30 @@ use std::sync::{Arc, Mutex, MutexGuard};
 /// The limits that decide what fitgrad can run.
 #[derive(Clone, Debug)]
 pub struct DeviceLimits {
+    /// Largest storage buffer one binding may see, in bytes (bounds a tensor).
     pub max_storage_buffer_binding_size: u64,
+    /// Largest buffer, in bytes (bounds an arena segment).
     pub max_buffer_size: u64,
+    /// Workgroup memory per workgroup, in bytes (bounds the tiles).
     pub max_compute_workgroup_storage_size: u32,
+    /// Invocations per workgroup.
     pub max_compute_invocations_per_workgroup: u32,
+    /// Workgroups per dispatch dimension (large dispatches fold into 2-D grids).
     pub max_compute_workgroups_per_dimension: u32,
+    /// Storage buffers one kernel may bind.
     pub max_storage_buffers_per_shader_stage: u32,
+    /// Alignment of a storage binding's offset, in bytes (arena blocks are aligned to it).
     pub min_storage_buffer_offset_alignment: u32,
+    /// Alignment of a uniform binding's offset, in bytes (the parameter ring's slots).
     pub min_uniform_buffer_offset_alignment: u32,
 }
 
 /// What [`Device::info`] reports.
 #[derive(Clone, Debug)]
 pub struct DeviceInfo {
+    /// The adapter the device runs on.
     pub adapter: AdapterSummary,
+    /// The limits granted to the device.
     pub limits: DeviceLimits,
     /// f16 math runs in f16 (SHADER_F16); otherwise f16 is stored packed and computed in f32.
     pub f16_native: bool,
@@ -221,6 +231,7 @@ impl Device {
                 *lock(&lost_sink) = Some(format!("{reason:?}: {msg}"));
             });
         }
+        check_budget(options.memory_budget, &info.adapter)?;
         let param_ring = queue::param_ring(&device);
         let arena = Arena::new(
             info.limits.max_buffer_size,
@@ -405,16 +416,37 @@ impl Device {
         lock(&self.inner.arena).release_free_segments();
     }
 
-    /// Preallocates `bytes` so allocations up to that total create no buffers.
+    /// Preallocates `bytes` so allocations up to that total create no buffers. Over the budget
+    /// it is an [`Error::OutOfMemory`]; past the device memory the adapter reports (where it
+    /// reports one), an [`Error::InvalidArgument`] before anything is allocated.
     pub fn reserve(&self, bytes: u64) -> Result<()> {
+        if let Some(memory) = self.inner.info.adapter.memory {
+            let total = self.memory_stats().bytes_reserved.saturating_add(bytes);
+            if total > memory {
+                return Err(Error::InvalidArgument {
+                    op: "Device::reserve",
+                    reason: format!(
+                        "reserving {} (on top of {} held) passes the {} of device memory that \
+                         '{}' reports; reserve less, or use a smaller batch or model",
+                        Bytes(bytes),
+                        Bytes(total - bytes),
+                        Bytes(memory),
+                        self.inner.info.adapter.name
+                    ),
+                });
+            }
+        }
         let dev = &self.inner.device;
         self.with_arena(|a| a.reserve(dev, bytes))
     }
 
     /// Sets or clears the hard memory budget. Lowering it below what is reserved frees cached
-    /// segments at the next allocation that needs room.
-    pub fn set_memory_budget(&self, budget: Option<u64>) {
+    /// segments at the next allocation that needs room. A budget of 0, or one above the device
+    /// memory the adapter reports, is an [`Error::InvalidArgument`] (and changes nothing).
+    pub fn set_memory_budget(&self, budget: Option<u64>) -> Result<()> {
+        check_budget(budget, &self.inner.info.adapter)?;
         lock(&self.inner.arena).set_budget(budget);
+        Ok(())
     }
 
     /// Whether a tensor of `bytes` bytes could exist on this device (one storage binding
@@ -543,6 +575,31 @@ pub struct PhaseScope {
 impl Drop for PhaseScope {
     fn drop(&mut self) {
         self.device.with_arena(|a| a.set_phase(None));
+    }
+}
+
+/// A budget must be positive and, where the adapter reports its device memory, no larger than
+/// it: a bigger one would promise what the driver cannot give and fail later as a driver error.
+fn check_budget(budget: Option<u64>, adapter: &AdapterSummary) -> Result<()> {
+    match (budget, adapter.memory) {
+        (Some(0), _) => Err(Error::InvalidArgument {
+            op: "memory budget",
+            reason: "a budget of 0 bytes leaves no room for any tensor; give a positive size \
+                     (e.g. 512MiB), or none for no limit"
+                .into(),
+        }),
+        (Some(b), Some(m)) if b > m => Err(Error::InvalidArgument {
+            op: "memory budget",
+            reason: format!(
+                "a budget of {} is more than the {} of device memory that '{}' reports; give at \
+                 most {}, or none to use what the driver allows",
+                Bytes(b),
+                Bytes(m),
+                adapter.name,
+                Bytes(m)
+            ),
+        }),
+        _ => Ok(()),
     }
 }
 

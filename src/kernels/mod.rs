@@ -34,6 +34,37 @@ use std::sync::Arc;
 /// accepts (wgpu's default `max_compute_invocations_per_workgroup`).
 pub(crate) const WG: u32 = 256;
 
+/// The fewest invocations sharing one row or output in the row kernels' mode 0 (softmax,
+/// cross-entropy, max/argmax), read from shaders/include/lanes.wgsl so the shaders' workgroup
+/// arrays and the dispatch's lane counts cannot disagree.
+pub(crate) const MIN_LANES: usize = wgsl_const(include_str!("../../shaders/include/lanes.wgsl"));
+
+/// The value of the first `const NAME: u32 = 123u;` line in `src`: the digits after its `=`.
+const fn wgsl_const(src: &str) -> usize {
+    let b = src.as_bytes();
+    let mut i = 0;
+    // Skip comment lines, then find the '=' of the const.
+    while i < b.len() && b[i] != b'=' {
+        if b[i] == b'/' && i + 1 < b.len() && b[i + 1] == b'/' {
+            while i < b.len() && b[i] != b'\n' {
+                i += 1;
+            }
+        }
+        i += 1;
+    }
+    i += 1;
+    while i < b.len() && b[i] == b' ' {
+        i += 1;
+    }
+    let mut v = 0;
+    while i < b.len() && b[i].is_ascii_digit() {
+        v = v * 10 + (b[i] - b'0') as usize;
+        i += 1;
+    }
+    assert!(v > 0, "no `const NAME: u32 = N;` line");
+    v
+}
+
 /// How a tensor's elements are stored as the shader sees them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Storage {
@@ -235,7 +266,8 @@ pub const WHERE: ShaderFile = ShaderFile {
     name: "where",
     body: concat!(
         include_str!("../../shaders/include/broadcast.wgsl"),
-        include_str!("../../shaders/where.wgsl")
+        include_str!("../../shaders/where.wgsl"),
+        include_str!("../../shaders/include/pairs.wgsl")
     ),
     bindings: &[("c", false), ("a", false), ("b", false), ("out", true)],
 };
@@ -243,7 +275,8 @@ pub const PERMUTE: ShaderFile = ShaderFile {
     name: "permute",
     body: concat!(
         include_str!("../../shaders/include/broadcast.wgsl"),
-        include_str!("../../shaders/permute.wgsl")
+        include_str!("../../shaders/permute.wgsl"),
+        include_str!("../../shaders/include/pairs.wgsl")
     ),
     bindings: &[("x", false), ("out", true)],
 };
@@ -264,17 +297,24 @@ pub const REDUCE: ShaderFile = ShaderFile {
 };
 pub const TRANSPOSE: ShaderFile = ShaderFile {
     name: "transpose",
-    body: include_str!("../../shaders/transpose.wgsl"),
+    body: concat!(
+        include_str!("../../shaders/transpose.wgsl"),
+        include_str!("../../shaders/include/pairs.wgsl")
+    ),
     bindings: &[("x", false), ("out", true)],
 };
 pub const REDUCE_MAX: ShaderFile = ShaderFile {
     name: "reduce_max",
-    body: include_str!("../../shaders/reduce_max.wgsl"),
+    body: concat!(
+        include_str!("../../shaders/include/lanes.wgsl"),
+        include_str!("../../shaders/reduce_max.wgsl")
+    ),
     bindings: &[("x", false), ("out", true), ("idx", true)],
 };
 pub const SOFTMAX: ShaderFile = ShaderFile {
     name: "softmax",
     body: concat!(
+        include_str!("../../shaders/include/lanes.wgsl"),
         include_str!("../../shaders/include/softmax_rows.wgsl"),
         include_str!("../../shaders/include/softmax_mask.wgsl"),
         include_str!("../../shaders/softmax.wgsl")
@@ -285,6 +325,7 @@ pub const SOFTMAX: ShaderFile = ShaderFile {
 pub const SOFTMAX_SG: ShaderFile = ShaderFile {
     name: "softmax_sg",
     body: concat!(
+        include_str!("../../shaders/include/lanes.wgsl"),
         include_str!("../../shaders/include/softmax_rows.wgsl"),
         include_str!("../../shaders/include/softmax_mask.wgsl"),
         include_str!("../../shaders/softmax_sg.wgsl")
@@ -295,6 +336,7 @@ pub const SOFTMAX_SG: ShaderFile = ShaderFile {
 pub const CROSS_ENTROPY: ShaderFile = ShaderFile {
     name: "cross_entropy",
     body: concat!(
+        include_str!("../../shaders/include/lanes.wgsl"),
         include_str!("../../shaders/include/softmax_rows.wgsl"),
         include_str!("../../shaders/cross_entropy.wgsl")
     ),
@@ -355,7 +397,10 @@ pub const MATMUL_NAIVE: ShaderFile = ShaderFile {
 };
 pub const INDEX_SELECT: ShaderFile = ShaderFile {
     name: "index_select",
-    body: include_str!("../../shaders/index_select.wgsl"),
+    body: concat!(
+        include_str!("../../shaders/index_select.wgsl"),
+        include_str!("../../shaders/include/pairs.wgsl")
+    ),
     bindings: &[("idx", false), ("x", false), ("out", true)],
 };
 pub const LAYER_NORM: ShaderFile = ShaderFile {
@@ -402,7 +447,10 @@ pub const LAYER_NORM_DWDB: ShaderFile = ShaderFile {
 };
 pub const DROPOUT: ShaderFile = ShaderFile {
     name: "dropout",
-    body: include_str!("../../shaders/dropout.wgsl"),
+    body: concat!(
+        include_str!("../../shaders/dropout.wgsl"),
+        include_str!("../../shaders/include/pairs.wgsl")
+    ),
     bindings: &[("x", false), ("out", true)],
 };
 

@@ -1,7 +1,7 @@
 //! Dispatch for max and argmax along an axis.
 
 use super::Operand;
-use super::{assemble, specialize, Storage, REDUCE_MAX, WG};
+use super::{assemble, specialize, Storage, MIN_LANES, REDUCE_MAX, WG};
 use crate::Result;
 
 /// Rows at least this long are shared by several invocations (mode 0); shorter rows get one
@@ -9,12 +9,9 @@ use crate::Result;
 const ROW_PER_WORKGROUP: usize = 64;
 
 /// Elements each invocation of mode 0 aims to scan: with fewer invocations per output, several
-/// outputs share a workgroup and its two barriers (on lavapipe an argmax over 4096 rows of 100
-/// took 27 ms with a workgroup per row).
+/// outputs share a workgroup and its two barriers (ARCHITECTURE.md, "Measurements behind the
+/// constants").
 const PER_LANE: usize = 32;
-
-/// Fewest invocations per output in mode 0 (MIN_LANES in the shader).
-const MIN_LANES: usize = 16;
 
 /// With x viewed as (outer, len, inner), `max` and `idx` (both f32, outer * inner elements) get
 /// the max along the middle dim and the first index where it is found. `len` >= 1.

@@ -4,7 +4,8 @@
 
 use super::Operand;
 use super::{
-    assemble, specialize, Binding, ShaderFile, Storage, CROSS_ENTROPY, SOFTMAX, SOFTMAX_SG, WG,
+    assemble, specialize, Binding, ShaderFile, Storage, CROSS_ENTROPY, MIN_LANES, SOFTMAX,
+    SOFTMAX_SG, WG,
 };
 use crate::device::Kernel;
 use crate::{DType, Device, Result};
@@ -17,12 +18,9 @@ const ROW_PER_WORKGROUP: usize = 64;
 /// Quads per invocation held in registers (CHUNKS in the shaders), which is also what a row aims
 /// for: rows up to 4 * 256 * 8 = 8192 elements are read from memory once, and with fewer
 /// invocations per row more elements share each invocation's fixed costs (the merge and its
-/// exps) and each workgroup's two barriers. On lavapipe a 4096 x 1024 f32 softmax took ~57 ms
-/// with 256 invocations per row, ~43 ms with 64 and ~30 ms with 32 (this value's choice).
+/// exps) and each workgroup's two barriers (ARCHITECTURE.md, "Measurements behind the
+/// constants").
 const CHUNKS: usize = 8;
-
-/// Fewest invocations per row (a row of 64 elements has 16 quads); MIN_LANES in the shaders.
-const MIN_LANES: usize = 16;
 
 /// Quads per lane held in registers by the subgroup kernel at most (CHUNKS in softmax_sg.wgsl):
 /// with lavapipe's 8 lanes, rows up to 1024 elements are read once.

@@ -7,9 +7,13 @@ use std::fmt;
 /// from the driver (in use + cached free blocks). Peaks are since creation or `reset_peak()`.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct MemoryStats {
+    /// Bytes held by live tensors.
     pub bytes_in_use: u64,
+    /// The most bytes held by live tensors at once.
     pub peak_bytes_in_use: u64,
+    /// Bytes of the segments the arena holds from the driver (in use + cached).
     pub bytes_reserved: u64,
+    /// The most bytes reserved at once.
     pub peak_bytes_reserved: u64,
     /// Blocks handed out.
     pub allocations: u64,
@@ -27,6 +31,7 @@ pub struct MemoryStats {
     pub segments: usize,
     /// The largest free range in any segment (what one more tensor could get without a new buffer).
     pub largest_free_block: u64,
+    /// The hard budget on reserved bytes, if one is set.
     pub budget: Option<u64>,
     /// Bytes in use now, by what they hold.
     pub in_use_by_category: ByCategory,

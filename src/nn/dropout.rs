@@ -7,6 +7,7 @@ use crate::tensor::Rng;
 use crate::{Error, Result, Tensor};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
+/// Dropout layer: a seeded mask per training call, the identity in evaluation.
 pub struct Dropout {
     /// Probability of dropping an element, in [0, 1).
     pub p: f32,

@@ -5,11 +5,14 @@
 use super::Module;
 use crate::{DType, Device, Error, Result, Tensor};
 
+/// A lookup table of learned rows, like torch's `nn.Embedding`.
 #[derive(Clone)]
 pub struct Embedding {
     /// (num_embeddings, dim)
     pub weight: Tensor,
+    /// Rows in the table (ids must be below it).
     pub num_embeddings: usize,
+    /// Width of each row.
     pub dim: usize,
 }
 

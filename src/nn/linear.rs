@@ -3,16 +3,18 @@
 //! in its epilogue) that reads W transposed in place.
 
 use super::Module;
-use crate::kernels::matmul::Activation;
-use crate::{DType, Device, Error, MatmulOptions, Result, Tensor};
+use crate::{Activation, DType, Device, Error, MatmulOptions, Result, Tensor};
 
+/// A fully connected layer, `y = x · Wᵀ + b`.
 #[derive(Clone)]
 pub struct Linear {
     /// (out_features, in_features)
     pub weight: Tensor,
     /// (out_features)
     pub bias: Option<Tensor>,
+    /// Width of the input.
     pub in_features: usize,
+    /// Width of the output.
     pub out_features: usize,
 }
 

@@ -1,51 +1,14 @@
 //! `Mlp`: Linear layers with an activation between them (none after the last).
 
 use super::{Linear, Module};
-use crate::kernels::matmul::Activation;
-use crate::{DType, Device, Error, Result, Tensor};
-use std::str::FromStr;
+use crate::{Activation, DType, Device, Error, Result, Tensor};
 
-/// The activation between layers. Relu and gelu are fused into the matmul's epilogue.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
-pub enum Act {
-    #[default]
-    Relu,
-    Gelu,
-    Tanh,
-    Sigmoid,
-}
-
-impl Act {
-    /// The name `FromStr` reads.
-    pub fn name(self) -> &'static str {
-        match self {
-            Act::Relu => "relu",
-            Act::Gelu => "gelu",
-            Act::Tanh => "tanh",
-            Act::Sigmoid => "sigmoid",
-        }
-    }
-}
-
-impl FromStr for Act {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Act> {
-        match s.to_ascii_lowercase().as_str() {
-            "relu" => Ok(Act::Relu),
-            "gelu" => Ok(Act::Gelu),
-            "tanh" => Ok(Act::Tanh),
-            "sigmoid" => Ok(Act::Sigmoid),
-            _ => Err(Error::InvalidArgument {
-                op: "Act",
-                reason: format!("unknown activation '{s}' (relu, gelu, tanh, sigmoid)"),
-            }),
-        }
-    }
-}
-
+/// A multi-layer perceptron: [`Linear`] layers with an activation between them.
 pub struct Mlp {
+    /// The layers, input first.
     pub layers: Vec<Linear>,
-    pub act: Act,
+    /// The activation after every layer but the last.
+    pub act: Activation,
     /// Recompute each gelu layer in backward instead of keeping its pre-activation (see
     /// [`crate::autograd::checkpoint`]). Relu, tanh and sigmoid layers keep only their output,
     /// which the next layer needs anyway, so recomputing them would save nothing and cost a
@@ -56,14 +19,15 @@ pub struct Mlp {
 impl Mlp {
     /// Layers `widths[0] -> widths[1] -> ... -> widths[last]`, e.g. `[784, 512, 512, 10]`, f32,
     /// layer i seeded from `seed` and i.
-    pub fn new(device: &Device, widths: &[usize], act: Act, seed: u64) -> Result<Mlp> {
+    pub fn new(device: &Device, widths: &[usize], act: Activation, seed: u64) -> Result<Mlp> {
         Mlp::with_dtype(device, widths, act, DType::F32, seed)
     }
 
+    /// [`Mlp::new`] with parameters stored in `dtype`.
     pub fn with_dtype(
         device: &Device,
         widths: &[usize],
-        act: Act,
+        act: Activation,
         dtype: DType,
         seed: u64,
     ) -> Result<Mlp> {
@@ -102,7 +66,7 @@ impl Mlp {
         for (i, layer) in self.layers.iter().enumerate() {
             h = if i == last {
                 layer.forward_in(&h, Activation::None, dtype)?
-            } else if self.checkpoint_activations && self.act == Act::Gelu {
+            } else if self.checkpoint_activations && self.act == Activation::Gelu {
                 let (l, act) = (layer.clone(), self.act);
                 let params: Vec<Tensor> =
                     layer.named_parameters().into_iter().map(|p| p.1).collect();
@@ -119,24 +83,25 @@ impl Mlp {
         }
     }
 
-    /// Rebuilds the model a checkpoint was saved from (its configuration and weights), on
-    /// `device`: no flags needed.
-    pub fn from_checkpoint(device: &Device, ckpt: &crate::checkpoint::Checkpoint) -> Result<Mlp> {
-        let cfg = ckpt.model_config();
-        let bad = |reason: String| Error::Data {
-            path: ckpt.source.clone(),
+    /// Builds an untrained model from a configuration that [`Module::config`] wrote (what a
+    /// checkpoint stores; see [`Checkpoint::rebuild`](crate::checkpoint::Checkpoint::rebuild),
+    /// which also loads the weights). A missing or malformed key is an
+    /// [`Error::InvalidArgument`] naming it.
+    pub fn from_config(
+        device: &Device,
+        cfg: &std::collections::BTreeMap<String, String>,
+    ) -> Result<Mlp> {
+        let bad = |reason: String| Error::InvalidArgument {
+            op: "Mlp::from_config",
             reason,
         };
         let get = |k: &str| {
-            cfg.get(k).ok_or_else(|| {
-                bad(format!(
-                    "no model configuration '{k}' (not an Mlp checkpoint)"
-                ))
-            })
+            cfg.get(k)
+                .ok_or_else(|| bad(format!("no model configuration '{k}' (not an Mlp)")))
         };
         if get("kind")? != "mlp" {
             return Err(bad(format!(
-                "the file holds a '{}' model, not an mlp",
+                "the configuration is of a '{}' model, not an mlp",
                 get("kind")?
             )));
         }
@@ -147,7 +112,7 @@ impl Mlp {
                     .map_err(|_| bad(format!("bad width '{w}'")))
             })
             .collect::<Result<Vec<_>>>()?;
-        let act: Act = get("activation")?.parse()?;
+        let act: Activation = get("activation")?.parse()?;
         let dtype = match get("dtype")?.as_str() {
             "f32" => DType::F32,
             "f16" => DType::F16,
@@ -155,7 +120,6 @@ impl Mlp {
         };
         let mut m = Mlp::with_dtype(device, &widths, act, dtype, 0)?;
         m.checkpoint_activations = get("checkpoint_activations")? == "true";
-        ckpt.apply_model(&m)?;
         Ok(m)
     }
 
@@ -168,13 +132,8 @@ impl Mlp {
 }
 
 /// One hidden layer: `act(h · Wᵀ + b)` in `dtype`, relu and gelu fused into the matmul.
-fn hidden(layer: &Linear, act: Act, h: &Tensor, dtype: DType) -> Result<Tensor> {
-    match act {
-        Act::Relu => layer.forward_in(h, Activation::Relu, dtype),
-        Act::Gelu => layer.forward_in(h, Activation::Gelu, dtype),
-        Act::Tanh => layer.forward_in(h, Activation::None, dtype)?.tanh(),
-        Act::Sigmoid => layer.forward_in(h, Activation::None, dtype)?.sigmoid(),
-    }
+fn hidden(layer: &Linear, act: Activation, h: &Tensor, dtype: DType) -> Result<Tensor> {
+    layer.forward_in(h, act, dtype)
 }
 
 impl Module for Mlp {

@@ -11,11 +11,12 @@ mod mlp;
 mod norm;
 mod sequential;
 
+pub use crate::Activation;
 pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use linear::Linear;
 pub use loss::{accuracy, correct, cross_entropy, mse_loss};
-pub use mlp::{Act, Mlp};
+pub use mlp::Mlp;
 pub use norm::{LayerNorm, LAYER_NORM_EPS};
 pub use sequential::Sequential;
 
@@ -23,6 +24,7 @@ use crate::{Result, Tensor};
 
 /// What optimizers, checkpoints and the trainer need from a model.
 pub trait Module {
+    /// The model's output for a batch `x` (recorded for autograd where grad is enabled).
     fn forward(&self, x: &Tensor) -> Result<Tensor>;
 
     /// Parameters with stable names (`layers.0.weight`, ...), in a fixed order.
@@ -38,7 +40,8 @@ pub trait Module {
 
     /// The model's configuration as key-value pairs, where it has one: checkpoints store it
     /// (`model.config.KEY` in the file's metadata) so the model can be rebuilt from the file
-    /// alone (see [`Mlp::from_checkpoint`]). Empty by default.
+    /// alone (see [`Mlp::from_config`] and
+    /// [`Checkpoint::rebuild`](crate::checkpoint::Checkpoint::rebuild)). Empty by default.
     fn config(&self) -> Vec<(String, String)> {
         Vec::new()
     }

@@ -7,13 +7,17 @@ use crate::{DType, Device, Error, Result, Tensor};
 /// torch's default eps.
 pub const LAYER_NORM_EPS: f32 = 1e-5;
 
+/// Layer normalization over the last dim with a learned scale and shift, like torch's
+/// `nn.LayerNorm`.
 #[derive(Clone)]
 pub struct LayerNorm {
     /// (dim), initialized to ones.
     pub weight: Tensor,
     /// (dim), initialized to zeros.
     pub bias: Tensor,
+    /// The normalized (last) dim's size.
     pub dim: usize,
+    /// Added to the variance before the square root.
     pub eps: f32,
 }
 

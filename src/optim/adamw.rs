@@ -138,6 +138,17 @@ impl Optimizer for AdamW {
         "adamw"
     }
 
+    fn hyperparameters(&self) -> Vec<(String, String)> {
+        let mut hp = vec![
+            ("beta1".to_string(), self.beta1.to_string()),
+            ("beta2".to_string(), self.beta2.to_string()),
+            ("eps".to_string(), self.eps.to_string()),
+            ("weight_decay".to_string(), self.weight_decay.to_string()),
+        ];
+        hp.extend(self.groups.hyperparameters());
+        hp
+    }
+
     fn step(&mut self) -> Result<()> {
         self.check_hyperparameters()?;
         let grads = self

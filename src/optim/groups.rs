@@ -11,6 +11,7 @@ use crate::{Result, Tensor};
 /// [`Sgd::with_groups`]: super::Sgd::with_groups
 #[derive(Clone, Debug)]
 pub struct ParamGroup {
+    /// The group's parameters.
     pub params: Vec<Tensor>,
     /// This group's weight decay (>= 0); `None` takes the optimizer's (its builder's
     /// `weight_decay`, or its default).
@@ -83,6 +84,18 @@ pub(super) struct Groups {
 }
 
 impl Groups {
+    /// Each group's hyperparameters as text (`"0.weight_decay"`, `"0.lr_scale"`; an override
+    /// of none is `"default"`), for checkpoints; f32s in their shortest exact form.
+    pub fn hyperparameters(&self) -> Vec<(String, String)> {
+        let mut out = vec![("groups".to_string(), self.hyper.len().to_string())];
+        for (i, (wd, scale)) in self.hyper.iter().enumerate() {
+            let wd = wd.map_or("default".to_string(), |w| w.to_string());
+            out.push((format!("{i}.weight_decay"), wd));
+            out.push((format!("{i}.lr_scale"), scale.to_string()));
+        }
+        out
+    }
+
     /// Checks every group's hyperparameters and the flattened parameter list (non-empty, leaves
     /// that require grad, one device, no tensor twice, also across groups).
     pub fn new(op: &'static str, groups: Vec<ParamGroup>) -> Result<Groups> {

@@ -59,9 +59,11 @@ pub trait Optimizer: Send {
             p.zero_grad();
         }
     }
+    /// The learning rate the next step uses.
     fn lr(&self) -> f32;
     /// Sets the learning rate for the next steps (checked by `step`).
     fn set_lr(&mut self, lr: f32);
+    /// The parameters it updates, in order.
     fn params(&self) -> &[Tensor];
     /// `step()` calls that succeeded.
     fn step_count(&self) -> u64;
@@ -74,6 +76,12 @@ pub trait Optimizer: Send {
             .iter()
             .map(|(_, t)| t.allocated_bytes())
             .sum()
+    }
+    /// The hyperparameters that change the math of a step besides the learning rate (which
+    /// schedules move), as key-value pairs: checkpoints store them (`optim.hp.KEY`) and a
+    /// resume with other values is refused. Empty by default.
+    fn hyperparameters(&self) -> Vec<(String, String)> {
+        Vec::new()
     }
     /// Everything a checkpoint needs besides the hyperparameters.
     fn state(&self) -> OptimizerState;

@@ -7,6 +7,9 @@
 use crate::kernels::elementwise::{self, UnaryOp};
 use crate::{Device, Error, Result, Tensor};
 
+/// Dynamic loss scaling for f16 gradients, as torch's `GradScaler`: the loss is multiplied by the
+/// scale before backward, gradients are unscaled before the step, and a step with non-finite
+/// gradients is skipped and the scale halved.
 #[derive(Clone, Debug)]
 pub struct GradScaler {
     scale: f32,
@@ -34,6 +37,7 @@ impl Default for GradScaler {
 }
 
 impl GradScaler {
+    /// A scaler with torch's defaults (see [`Default`]).
     pub fn new() -> GradScaler {
         GradScaler::default()
     }
@@ -55,10 +59,12 @@ impl GradScaler {
         })
     }
 
+    /// The current scale.
     pub fn scale(&self) -> f32 {
         self.scale
     }
 
+    /// Clean steps since the scale last changed.
     pub fn growth_tracker(&self) -> u64 {
         self.growth_tracker
     }

@@ -24,8 +24,11 @@ pub enum LrSchedule {
     /// s / warmup_steps), then a half cosine from the base rate at `warmup_steps` down to
     /// base * `min_lr_ratio` at `total_steps`, then flat at that floor.
     WarmupCosine {
+        /// Steps of linear warm-up (0 for none).
         warmup_steps: u64,
+        /// The step at which the cosine reaches its floor.
         total_steps: u64,
+        /// The floor, as a fraction of the base rate, in [0, 1].
         min_lr_ratio: f32,
     },
 }
@@ -50,7 +53,8 @@ impl LrSchedule {
                 }
                 // warmup_steps <= step < total_steps, so the span is at least 1.
                 let progress = (step - warmup_steps) as f64 / (total_steps - warmup_steps) as f64;
-                let cos = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+                // libm, not the platform's cos: the same rates, bit for bit, on every OS.
+                let cos = 0.5 * (1.0 + libm::cos(std::f64::consts::PI * progress));
                 (floor + (base - floor) * cos) as f32
             }
         }
@@ -81,6 +85,23 @@ impl LrSchedule {
             }
         }
         Ok(())
+    }
+}
+
+impl std::fmt::Display for LrSchedule {
+    /// `constant`, or `warmup-cosine(warmup, total, min_lr_ratio)`: what checkpoints store.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LrSchedule::Constant => f.write_str("constant"),
+            LrSchedule::WarmupCosine {
+                warmup_steps,
+                total_steps,
+                min_lr_ratio,
+            } => write!(
+                f,
+                "warmup-cosine({warmup_steps}, {total_steps}, {min_lr_ratio})"
+            ),
+        }
     }
 }
 

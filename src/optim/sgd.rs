@@ -154,6 +154,17 @@ impl Optimizer for Sgd {
         "sgd"
     }
 
+    fn hyperparameters(&self) -> Vec<(String, String)> {
+        let mut hp = vec![
+            ("momentum".to_string(), self.momentum.to_string()),
+            ("dampening".to_string(), self.dampening.to_string()),
+            ("weight_decay".to_string(), self.weight_decay.to_string()),
+            ("nesterov".to_string(), self.nesterov.to_string()),
+        ];
+        hp.extend(self.groups.hyperparameters());
+        hp
+    }
+
     fn has_momentum(&self) -> bool {
         self.momentum != 0.0
     }

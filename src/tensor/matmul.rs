@@ -4,8 +4,8 @@ use super::operand::staged_f32;
 use super::{Shape, Tensor};
 use crate::autograd::{self, grad_if, record};
 use crate::kernels::elementwise::{self, BinaryOp};
-use crate::kernels::matmul::{self, Activation, Problem, Variant};
-use crate::{Error, Result};
+use crate::kernels::matmul::{self, Epilogue, Problem, Variant};
+use crate::{Activation, Error, Result};
 
 /// Options of [`Tensor::matmul_with`].
 #[derive(Clone, Copy, Debug, Default)]
@@ -16,6 +16,7 @@ pub struct MatmulOptions<'a> {
     pub trans_b: bool,
     /// Added to every row of the result; shape (N).
     pub bias: Option<&'a Tensor>,
+    /// Applied to the result (after the bias); relu and gelu are fused into the kernel's store.
     pub activation: Activation,
 }
 
@@ -29,7 +30,8 @@ impl Tensor {
     }
 
     /// `matmul` with transposed operands (read in place, never copied), a bias and an
-    /// activation fused into the same kernel.
+    /// activation: relu and gelu are fused into the same kernel, tanh and sigmoid run as their
+    /// own op after it.
     ///
     /// Recorded for autograd with a fused relu (its backward needs only the output). A fused
     /// gelu's backward needs the pre-activation, so while recording it runs as matmul + bias,
@@ -39,15 +41,20 @@ impl Tensor {
             && (self.requires_grad()
                 || other.requires_grad()
                 || opts.bias.is_some_and(|b| b.requires_grad()));
-        if recording && opts.activation == Activation::Gelu {
-            let pre = self.matmul_with(
+        let plain = || {
+            self.matmul_with(
                 other,
                 &MatmulOptions {
                     activation: Activation::None,
                     ..*opts
                 },
-            )?;
-            return pre.gelu();
+            )
+        };
+        match opts.activation {
+            Activation::Gelu if recording => return plain()?.gelu(),
+            Activation::Tanh => return plain()?.tanh(),
+            Activation::Sigmoid => return plain()?.sigmoid(),
+            _ => {}
         }
         let (pb, out_dims) = self.matmul_problem(other, opts)?;
         let out = Tensor::uninit(self.device(), Shape::new(&out_dims)?, self.dtype())?;
@@ -79,7 +86,11 @@ impl Tensor {
         let (pb, out_dims) = self.matmul_problem(other, opts)?;
         let out = Tensor::uninit(self.device(), Shape::new(&out_dims)?, self.dtype())?;
         run_variant(variant, &pb, self, other, opts.bias, &out)?;
-        Ok(out)
+        match opts.activation {
+            Activation::Tanh => out.tanh(),
+            Activation::Sigmoid => out.sigmoid(),
+            _ => Ok(out),
+        }
     }
 
     /// The kernel variant `self.matmul_with(other, opts)` runs now: the autotuner's choice,
@@ -168,7 +179,12 @@ impl Tensor {
             a_batch: if single(a_lead) { 0 } else { m * k },
             b_batch: if single(b_lead) { 0 } else { k * n },
             bias: opts.bias.is_some(),
-            activation: opts.activation,
+            epilogue: match opts.activation {
+                Activation::Relu => Epilogue::Relu,
+                Activation::Gelu => Epilogue::Gelu,
+                // Applied by matmul_with as their own ops.
+                Activation::None | Activation::Tanh | Activation::Sigmoid => Epilogue::None,
+            },
         };
         Ok((pb, out_dims))
     }

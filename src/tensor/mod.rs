@@ -13,6 +13,7 @@ mod select;
 mod softmax;
 
 pub use crate::dtype::{DType, Element};
+pub use crate::kernels::matmul::Variant as MatmulVariant;
 pub use crate::shape::{Shape, MAX_RANK};
 pub use matmul::MatmulOptions;
 pub use random::Rng;
@@ -27,20 +28,22 @@ use std::fmt;
 use std::sync::Arc;
 
 /// A block owned by tensors; returned to the arena when the last tensor using it is dropped.
-struct Storage {
+struct Allocation {
     block: Block,
     device: Device,
 }
 
-impl Drop for Storage {
+impl Drop for Allocation {
     fn drop(&mut self) {
         self.device.free(&self.block);
     }
 }
 
+/// An n-dimensional array on a [`Device`]: contiguous, row-major, f32 or f16. Clones share the
+/// memory; the block goes back to the arena when the last clone drops.
 #[derive(Clone)]
 pub struct Tensor {
-    storage: Arc<Storage>,
+    alloc: Arc<Allocation>,
     shape: Shape,
     dtype: DType,
     /// Autograd: set on leaves that require grad and on outputs of ops recorded from them.
@@ -62,7 +65,7 @@ impl Tensor {
     pub(crate) fn uninit(device: &Device, shape: Shape, dtype: DType) -> Result<Tensor> {
         let block = device.alloc(bytes_for(&shape, dtype))?;
         Ok(Tensor {
-            storage: Arc::new(Storage {
+            alloc: Arc::new(Allocation {
                 block,
                 device: device.clone(),
             }),
@@ -93,12 +96,14 @@ impl Tensor {
         Tensor::from_slice(device, &[value], &[])
     }
 
+    /// A tensor of zeros.
     pub fn zeros(device: &Device, dims: &[usize], dtype: DType) -> Result<Tensor> {
         let t = Tensor::uninit(device, Shape::new(dims)?, dtype)?;
         device.clear(t.block())?;
         Ok(t)
     }
 
+    /// A tensor of ones.
     pub fn ones(device: &Device, dims: &[usize], dtype: DType) -> Result<Tensor> {
         Tensor::full(device, dims, 1.0, dtype)
     }
@@ -223,7 +228,7 @@ impl Tensor {
             });
         }
         let out = Tensor {
-            storage: self.storage.clone(),
+            alloc: self.alloc.clone(),
             shape,
             dtype: self.dtype,
             node: None,
@@ -234,42 +239,48 @@ impl Tensor {
         }))
     }
 
+    /// The shape.
     pub fn shape(&self) -> &Shape {
         &self.shape
     }
 
+    /// The dims, outermost first.
     pub fn dims(&self) -> &[usize] {
         self.shape.dims()
     }
 
+    /// Number of dims.
     pub fn rank(&self) -> usize {
         self.shape.rank()
     }
 
+    /// Number of elements.
     pub fn numel(&self) -> usize {
         self.shape.numel()
     }
 
+    /// The element type.
     pub fn dtype(&self) -> DType {
         self.dtype
     }
 
+    /// The device the tensor lives on.
     pub fn device(&self) -> &Device {
-        &self.storage.device
+        &self.alloc.device
     }
 
     /// Bytes of arena memory this tensor's block takes (aligned).
     pub fn allocated_bytes(&self) -> u64 {
-        self.storage.block.size
+        self.alloc.block.size
     }
 
     pub(crate) fn block(&self) -> &Block {
-        &self.storage.block
+        &self.alloc.block
     }
 
     /// Whether no other tensor (clone or reshape) shares this tensor's memory.
     pub(crate) fn storage_is_unique(&self) -> bool {
-        Arc::strong_count(&self.storage) == 1
+        Arc::strong_count(&self.alloc) == 1
     }
 
     pub(crate) fn node(&self) -> Option<&Arc<Node>> {
@@ -307,7 +318,7 @@ impl Tensor {
     /// The same memory without the graph: ops on it are not recorded and backward stops there.
     pub fn detach(&self) -> Tensor {
         Tensor {
-            storage: self.storage.clone(),
+            alloc: self.alloc.clone(),
             shape: self.shape.clone(),
             dtype: self.dtype,
             node: None,

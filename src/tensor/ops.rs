@@ -51,6 +51,7 @@ impl Tensor {
         }))
     }
 
+    /// `self - other`, broadcast as [`Tensor::add`].
     pub fn sub(&self, other: &Tensor) -> Result<Tensor> {
         let out = self.binary(BinaryOp::Sub, "sub", other)?;
         let (da, db) = (self.dims().to_vec(), other.dims().to_vec());
@@ -64,6 +65,7 @@ impl Tensor {
         }))
     }
 
+    /// `self * other`, elementwise, broadcast as [`Tensor::add`].
     pub fn mul(&self, other: &Tensor) -> Result<Tensor> {
         let out = self.binary(BinaryOp::Mul, "mul", other)?;
         Ok(record("mul", out, &[self, other], || {
@@ -77,6 +79,7 @@ impl Tensor {
         }))
     }
 
+    /// `self / other`, elementwise, broadcast as [`Tensor::add`].
     pub fn div(&self, other: &Tensor) -> Result<Tensor> {
         let out = self.binary(BinaryOp::Div, "div", other)?;
         let saved = out.detach();
@@ -141,18 +144,22 @@ impl Tensor {
         }))
     }
 
+    /// `self + s`.
     pub fn add_scalar(&self, s: f32) -> Result<Tensor> {
         self.linear_unary("add_scalar", UnaryOp::AddScalar, s, 1.0)
     }
 
+    /// `self - s`.
     pub fn sub_scalar(&self, s: f32) -> Result<Tensor> {
         self.linear_unary("sub_scalar", UnaryOp::SubScalar, s, 1.0)
     }
 
+    /// `self * s`.
     pub fn mul_scalar(&self, s: f32) -> Result<Tensor> {
         self.linear_unary("mul_scalar", UnaryOp::MulScalar, s, s)
     }
 
+    /// `self / s`.
     pub fn div_scalar(&self, s: f32) -> Result<Tensor> {
         self.linear_unary("div_scalar", UnaryOp::DivScalar, s, 1.0 / s)
     }
@@ -173,10 +180,12 @@ impl Tensor {
         }))
     }
 
+    /// `-self`.
     pub fn neg(&self) -> Result<Tensor> {
         self.linear_unary("neg", UnaryOp::Neg, 0.0, -1.0)
     }
 
+    /// `max(self, 0)`; NaN stays NaN.
     pub fn relu(&self) -> Result<Tensor> {
         self.saving_unary("relu", UnaryOp::Relu, 0.0, true, |g, y, _| {
             Tensor::activation_backward(BinaryOp::ReluBackward, g, y)
@@ -205,6 +214,7 @@ impl Tensor {
         })
     }
 
+    /// `e^self`.
     pub fn exp(&self) -> Result<Tensor> {
         self.saving_unary("exp", UnaryOp::Exp, 0.0, true, |g, y, _| g.mul(y))
     }

@@ -13,6 +13,7 @@ use crate::{Error, Result};
 pub struct Rng(u64);
 
 impl Rng {
+    /// A generator seeded with `seed`.
     pub fn new(seed: u64) -> Self {
         Rng(seed)
     }
@@ -28,6 +29,7 @@ impl Rng {
         Rng(state)
     }
 
+    /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;

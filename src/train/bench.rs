@@ -3,7 +3,7 @@
 //! alone, so the report can say what the non-matmul work costs.
 
 use super::{Trainer, TrainerConfig};
-use crate::nn::{Act, Mlp, Module};
+use crate::nn::{Mlp, Module};
 use crate::optim::AdamW;
 use crate::tensor::Rng;
 use crate::{Activation, DType, Device, MatmulOptions, Result, Tensor};
@@ -14,7 +14,7 @@ pub fn step_fixture(
     widths: &[usize],
     batch: usize,
 ) -> Result<(Trainer<Mlp>, Vec<f32>, Vec<u32>)> {
-    let model = Mlp::new(dev, widths, Act::Relu, 0)?;
+    let model = Mlp::new(dev, widths, Activation::Relu, 0)?;
     let opt = AdamW::new(model.parameters(), 1e-3)?;
     let config = TrainerConfig {
         batch_size: batch,

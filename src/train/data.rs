@@ -30,11 +30,13 @@ const TEST_FRACTION: f64 = 0.2;
 /// A labelled dataset held on the host: `features` is (len, dim) row-major, one label per row.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Dataset {
+    /// A name for reports (the file or the built-in set).
     pub name: String,
     /// (len, dim), row-major.
     pub features: Vec<f32>,
     /// One per row, each < `classes`.
     pub labels: Vec<u32>,
+    /// Features per row.
     pub dim: usize,
     /// The model's output width. A split keeps its parent's, so train and test agree even when
     /// one of them happens to miss a class.
@@ -47,6 +49,7 @@ impl Dataset {
         self.labels.len()
     }
 
+    /// No rows.
     pub fn is_empty(&self) -> bool {
         self.labels.is_empty()
     }

@@ -17,7 +17,7 @@ use super::Trainer;
 use crate::error::Bytes;
 use crate::memory::Category;
 use crate::nn::Module;
-use crate::{Error, Result, Tensor};
+use crate::{Device, Error, Result, Tensor};
 use std::fmt;
 
 /// The planned peak of a training step and what it is made of.
@@ -208,6 +208,54 @@ impl<M: Module> Trainer<M> {
                     ),
                 })
             }
+        }
+    }
+
+    /// Builds the model, its optimizer and the trainer with `build` on `device`, then fits the
+    /// micro-batch to the device's budget (when it has one) with [`Trainer::fit_to_budget`]:
+    /// the budget logic covers the model too. When the model itself does not fit the budget,
+    /// it is built once more without the budget (so its exact needs are known), the smallest
+    /// budget for the model and a step of one-sample micro-batches is planned, everything is
+    /// dropped again, and the result is an [`Error::BudgetTooSmall`] naming that figure, not
+    /// a bare out-of-memory. A model too big for the device at all keeps the driver's error.
+    pub fn build_within_budget<D>(
+        device: &Device,
+        data: &D,
+        build: impl Fn() -> Result<Trainer<M>>,
+    ) -> Result<Trainer<M>>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let Some(budget) = device.memory_stats().budget else {
+            return build();
+        };
+        match build() {
+            Ok(mut t) => {
+                t.fit_to_budget(data, budget)?;
+                Ok(t)
+            }
+            Err(Error::OutOfMemory { .. }) => {
+                device.empty_cache();
+                device.set_memory_budget(None)?;
+                let minimum = build().and_then(|mut t| {
+                    let idx = t.plan_indices(data)?;
+                    let minimum = t.smallest_budget(data, &idx)?;
+                    Ok((minimum, t.model.num_parameters()))
+                });
+                device.empty_cache();
+                device.set_memory_budget(Some(budget))?;
+                let (minimum, params) = minimum?;
+                Err(Error::BudgetTooSmall {
+                    budget,
+                    minimum,
+                    what: format!(
+                        "the model ({params} parameters) with its optimizer and a training step \
+                         of one-sample micro-batches"
+                    ),
+                })
+            }
+            Err(e) => Err(e),
         }
     }
 

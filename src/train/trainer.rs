@@ -249,6 +249,18 @@ impl<M: Module> Trainer<M> {
         }
     }
 
+    /// The trainer's settings that change the math of a step (checkpoints store them and
+    /// resume checks them): precision, base learning rate, its schedule and the effective
+    /// batch. The optimizer's own hyperparameters are checked by the checkpoint.
+    fn run_settings(&self) -> Vec<(String, String)> {
+        vec![
+            ("precision".into(), self.precision_name().into()),
+            ("lr".into(), self.config.lr.to_string()),
+            ("schedule".into(), self.config.schedule.to_string()),
+            ("effective_batch".into(), self.effective_batch().to_string()),
+        ]
+    }
+
     pub(super) fn context(&self, training: bool) -> StepContext {
         StepContext {
             device: self.device.clone(),
@@ -283,7 +295,7 @@ impl<M: Module> Trainer<M> {
                     scale: s.scale(),
                     growth_tracker: s.growth_tracker(),
                 }),
-            extra: [("precision".to_string(), self.precision_name().to_string())].into(),
+            extra: self.run_settings().into_iter().collect(),
         };
         crate::checkpoint::save(path, &self.model, Some(self.optimizer.as_ref()), &state)
     }
@@ -294,15 +306,18 @@ impl<M: Module> Trainer<M> {
     pub fn resume_from(&mut self, path: &std::path::Path) -> Result<u64> {
         let ckpt = crate::checkpoint::load(path)?;
         let state = ckpt.training_state()?;
-        if let Some(p) = state.extra.get("precision") {
-            if p != self.precision_name() {
-                return Err(Error::Data {
-                    path: path.display().to_string(),
-                    reason: format!(
-                        "the checkpoint was trained with precision {p}, this run uses {}",
-                        self.precision_name()
-                    ),
-                });
+        // Files from before a setting was stored lack it and are not refused for it.
+        for (key, now) in self.run_settings() {
+            if let Some(saved) = state.extra.get(&key) {
+                if *saved != now {
+                    return Err(Error::Data {
+                        path: path.display().to_string(),
+                        reason: format!(
+                            "the checkpoint was trained with {key} {saved}, this run uses {now}; \
+                             resume with the same setting, or start a new run"
+                        ),
+                    });
+                }
             }
         }
         ckpt.apply_model(&self.model)?;

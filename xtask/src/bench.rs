@@ -6,7 +6,7 @@
 //! matmul on the same adapter, and a single-threaded CPU sgemm (the `matrixmultiply` crate).
 //! Softmax is compared with a plain buffer copy of the same bytes on the same adapter.
 
-use fitgrad::kernels::matmul::Variant;
+use fitgrad::MatmulVariant as Variant;
 use fitgrad::{DType, Device, DeviceOptions, MatmulOptions, Tensor};
 use serde_json::json;
 use std::time::Instant;
@@ -391,11 +391,9 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/bench");
     let dir = std::path::Path::new(dir);
     let report = json!({ "quick": o.quick, "profile": PROFILE, "seconds": started.elapsed().as_secs_f64(), "results": records });
-    fitgrad::fsutil::write_atomic(&dir.join("report.md"), md.as_bytes())
-        .map_err(|e| e.to_string())?;
+    fitgrad::write_atomic(&dir.join("report.md"), md.as_bytes()).map_err(|e| e.to_string())?;
     let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
-    fitgrad::fsutil::write_atomic(&dir.join("report.json"), text.as_bytes())
-        .map_err(|e| e.to_string())?;
+    fitgrad::write_atomic(&dir.join("report.json"), text.as_bytes()).map_err(|e| e.to_string())?;
     println!("{md}");
     println!(
         "wrote {} and report.json in {:.0} s",

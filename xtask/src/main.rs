@@ -77,7 +77,7 @@ fn release_bench(args: &[String]) -> ExitCode {
 
 fn shaders() -> ExitCode {
     let mut failed = 0;
-    for (name, result) in fitgrad::kernels::validate_all() {
+    for (name, result) in fitgrad::validate_shaders() {
         match result {
             Ok(()) => println!("ok    {name}"),
             Err(e) => {

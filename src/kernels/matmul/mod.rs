@@ -26,14 +26,14 @@ mod tune;
 pub use codegen::expand_subgroup;
 pub use policy::{candidates, default_variant, supported};
 pub(crate) use tune::select;
-pub use tune::time_variant;
 
 use super::{Operand, Storage};
 use crate::{DType, Device, Result};
 
-/// An activation fused into the matmul's store.
+/// What the matmul's store applies after the optional bias: the activations it can fuse
+/// (the caller applies the others as their own ops).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Activation {
+pub enum Epilogue {
     #[default]
     None,
     Relu,
@@ -55,37 +55,54 @@ pub struct Problem {
     pub a_batch: usize,
     pub b_batch: usize,
     pub bias: bool,
-    pub activation: Activation,
+    pub epilogue: Epilogue,
 }
 
 /// A kernel choice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Variant {
+    /// One output per invocation, straight from memory: the reference.
     Naive,
     /// Register-blocked: TM rows x TN columns per invocation, a WG_X x WG_Y workgroup.
     Reg {
+        /// Rows per invocation.
         tm: u32,
+        /// Columns per invocation (in vec4s for the register kernel).
         tn: u32,
+        /// Workgroup width, in invocations.
         wg_x: u32,
+        /// Workgroup height, in invocations.
         wg_y: u32,
     },
     /// Workgroup-tiled: a BM x BN block of C per workgroup, BK of k per stage.
     Tiled {
+        /// Rows of C per workgroup.
         bm: u32,
+        /// Columns of C per workgroup.
         bn: u32,
+        /// Depth of one staged tile of A and B.
         bk: u32,
     },
     /// Subgroup broadcast: TM rows x (SG * TN) columns per subgroup of SG lanes, WGS subgroups
     /// per workgroup.
     Subgroup {
+        /// Subgroup size the kernel is written for.
         sg: u32,
+        /// Rows per lane.
         tm: u32,
+        /// Columns per lane, in vec4s.
         tn: u32,
+        /// Subgroups per workgroup.
         wgs: u32,
     },
 }
 
 impl Variant {
+    /// Whether this variant runs on `dev` for `dtype` (the autotuner only tries those).
+    pub fn supported_on(self, dev: &Device, dtype: DType) -> bool {
+        supported(dev, self, dtype)
+    }
+
     /// A stable text form (cache files, benchmark reports).
     pub fn name(&self) -> String {
         match *self {
@@ -96,6 +113,7 @@ impl Variant {
         }
     }
 
+    /// Reads [`Variant::name`]'s form back.
     pub fn parse(s: &str) -> Option<Variant> {
         let nums =
             |t: &str| -> Option<Vec<u32>> { t.split(['x', '-']).map(|n| n.parse().ok()).collect() };
@@ -121,11 +139,11 @@ impl Variant {
     }
 }
 
-fn act_code(a: Activation) -> u32 {
-    match a {
-        Activation::None => 0,
-        Activation::Relu => 1,
-        Activation::Gelu => 2,
+fn act_code(e: Epilogue) -> u32 {
+    match e {
+        Epilogue::None => 0,
+        Epilogue::Relu => 1,
+        Epilogue::Gelu => 2,
     }
 }
 
@@ -155,7 +173,7 @@ pub(crate) fn run<T: Operand>(
         !needs_f32_staging(dev, variant, pb, out.dtype()),
         "stage packed rows"
     );
-    let epilogue = u32::from(bias.is_some()) | (act_code(pb.activation) << 1);
+    let epilogue = u32::from(bias.is_some()) | (act_code(pb.epilogue) << 1);
     let params = [
         pb.m as u32,
         pb.n as u32,

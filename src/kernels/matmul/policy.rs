@@ -11,8 +11,8 @@ fn is_cpu(dev: &Device) -> bool {
 
 /// Whether `v` is practical on this device for `dtype`: within its workgroup limits, and a
 /// register block small enough to compile in reasonable time where compilers struggle with
-/// large ones: Mesa's GLSL path needs 1.6 s for an 8 x 8 block, 7 s for 16 x 8 and minutes
-/// beyond; lavapipe's f16 code for a 32 x 16 block does not finish in minutes either.
+/// large ones (Mesa's GLSL path and lavapipe's f16 code: compile times in ARCHITECTURE.md,
+/// "Measurements behind the constants").
 pub fn supported(dev: &Device, v: Variant, dtype: DType) -> bool {
     let l = &dev.info().limits;
     let small_only = dev.info().adapter.backend == "gl" || (dtype == DType::F16 && is_cpu(dev));
@@ -41,11 +41,10 @@ pub fn supported(dev: &Device, v: Variant, dtype: DType) -> bool {
 pub fn default_variant(dev: &Device, pb: &Problem, dtype: DType) -> Variant {
     let rows = pb.m.next_power_of_two().clamp(1, 32) as u32;
     if is_cpu(dev) {
-        // With subgroups, a 16 x 4 subgroup block (under a second to compile) beats the
-        // register blocks on every shape of 16 rows or more: 2-3x on training-sized problems,
-        // 25x on transposed-A ones such as a last layer's weight gradient (512 x 10 x 128:
-        // 9.7 ms against 0.38 ms on lavapipe), where a register block's scalar loads of A
-        // along M are slow.
+        // With subgroups, a 16 x 4 subgroup block (quick to compile) beats the register blocks
+        // on every shape of 16 rows or more, most of all on transposed-A ones such as a last
+        // layer's weight gradient, where a register block's scalar loads of A along M are slow
+        // (figures in ARCHITECTURE.md).
         if let Some(sg) = dev.info().subgroup_size {
             let v = Variant::Subgroup {
                 sg,

@@ -1,0 +1,90 @@
+//! Budgets against the model and the adapter: a budget too small for the model itself gets the
+//! smallest budget that works (and a run with exactly that budget succeeds); a budget of 0 or
+//! above the adapter's reported memory, and a reservation past it, are typed errors.
+
+mod common;
+
+use common::*;
+use fitgrad::nn::{Activation, Mlp, Module};
+use fitgrad::optim::{AdamW, Optimizer};
+use fitgrad::train::{HostRows, Trainer, TrainerConfig};
+use fitgrad::{Device, Error, Result};
+
+fn build(dev: &Device) -> Result<Trainer<Mlp>> {
+    let model = Mlp::new(dev, &[16, 256, 256, 4], Activation::Relu, 3)?;
+    let opt: Box<dyn Optimizer> = Box::new(AdamW::new(model.parameters(), 1e-3)?);
+    Trainer::new(model, opt, TrainerConfig::new(8, 1, 1e-3))
+}
+
+#[test]
+fn a_budget_too_small_for_the_model_names_a_budget_that_works() {
+    let x = host_data(1, 8 * 16, -1.0, 1.0);
+    let y: Vec<u32> = (0..8).map(|i| i % 4).collect();
+    let rows = HostRows::new(&x, &y).unwrap();
+    // 64 KiB cannot hold the model's ~137k parameters (548 KiB in f32).
+    let Some(dev) = fresh_with_budget(Some(64 << 10)) else {
+        return;
+    };
+    let err = Trainer::build_within_budget(&dev, &rows, || build(&dev))
+        .err()
+        .expect("64 KiB cannot hold the model");
+    let Error::BudgetTooSmall {
+        budget, minimum, ..
+    } = err
+    else {
+        panic!("expected BudgetTooSmall, got {err}");
+    };
+    assert_eq!(budget, 64 << 10);
+    assert!(minimum > 548 << 10, "{minimum}");
+    // Nothing stays behind, and the budget is back.
+    let stats = dev.memory_stats();
+    assert_eq!(stats.bytes_in_use, 0);
+    assert_eq!(stats.budget, Some(64 << 10));
+
+    // A fresh run with exactly that budget builds, fits and trains.
+    let dev = fresh_with_budget(Some(minimum)).unwrap();
+    let mut t = Trainer::build_within_budget(&dev, &rows, || build(&dev))
+        .expect("the minimum budget builds the model");
+    t.step_rows(&x, &y)
+        .expect("a step under the minimum budget");
+    t.step_rows(&x, &y).expect("a second step");
+    assert!(dev.memory_stats().peak_bytes_reserved <= minimum);
+}
+
+#[test]
+fn budgets_and_reservations_are_checked_against_the_adapter() {
+    let Some(dev) = fresh_with_budget(None) else {
+        return;
+    };
+    assert!(matches!(
+        dev.set_memory_budget(Some(0)),
+        Err(Error::InvalidArgument { .. })
+    ));
+    let Some(memory) = dev.info().adapter.memory else {
+        // The adapter reports no memory (not Vulkan): nothing to check against.
+        return;
+    };
+    let err = dev.set_memory_budget(Some(memory + 1)).unwrap_err();
+    assert!(
+        err.to_string().contains("device memory"),
+        "the error says why: {err}"
+    );
+    assert_eq!(
+        dev.memory_stats().budget,
+        None,
+        "a refused budget changed it"
+    );
+    let opts = fitgrad::DeviceOptions {
+        memory_budget: Some(memory.saturating_mul(2)),
+        ..Default::default()
+    };
+    assert!(matches!(
+        Device::with_options(opts),
+        Err(Error::InvalidArgument { .. })
+    ));
+    let err = dev.reserve(memory + (1 << 20)).unwrap_err();
+    assert!(matches!(err, Error::InvalidArgument { .. }), "{err}");
+    assert_eq!(dev.memory_stats().bytes_reserved, 0, "nothing was reserved");
+    dev.set_memory_budget(Some(memory))
+        .expect("the adapter's own size is a valid budget");
+}
