@@ -13,13 +13,13 @@
 mod common;
 
 use common::*;
-use fitgrad::nn::{Act, Mlp, Module};
+use fitgrad::nn::{Mlp, Module};
 use fitgrad::optim::Sgd;
 use fitgrad::train::{
     BatchSource, FitChoice, Precision, StepContext, TensorBatch, TensorDataset, TrainModel,
     Trainer, TrainerConfig,
 };
-use fitgrad::{Bytes, Device, DeviceOptions, Error, Result, Tensor};
+use fitgrad::{Activation, Bytes, Device, DeviceOptions, Error, Result, Tensor};
 use std::io::Write;
 
 fn note(msg: &str) {
@@ -77,7 +77,7 @@ impl Case {
     /// A trainer on a device of its own, like `dev` (same backend and f16 storage).
     fn trainer(&self, dev: &Device, precision: Precision) -> Trainer<RowMlp> {
         let own = device_like(dev);
-        let mlp = Mlp::new(&own, &self.widths, Act::Gelu, 7).unwrap();
+        let mlp = Mlp::new(&own, &self.widths, Activation::Gelu, 7).unwrap();
         let opt = Sgd::new(mlp.parameters(), 0.01).unwrap();
         let mut config = TrainerConfig::new(self.batch, 1, 0.01);
         config.precision = precision;

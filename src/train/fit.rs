@@ -105,16 +105,8 @@ fn describe(batch: usize, micro: usize, checkpointing: bool, precision: Precisio
     format!(
         "{split}{}, {}",
         if checkpointing { ", checkpointing" } else { "" },
-        precision_name(precision)
+        precision.name()
     )
-}
-
-fn precision_name(p: Precision) -> &'static str {
-    match p {
-        Precision::F32 => "f32",
-        Precision::F16 => "f16",
-        Precision::Mixed => "mixed",
-    }
 }
 
 impl<M: Module> Trainer<M> {
@@ -212,6 +204,40 @@ impl<M: Module> Trainer<M> {
             precision: chosen.2,
             candidates,
         })
+    }
+
+    /// Builds the trainer with `build` on `device` and runs [`Trainer::fit_auto`] under the
+    /// device's budget ([`Error::InvalidArgument`] when it has none): what
+    /// [`Trainer::build_within_budget`] is for a micro-batch alone. The model is built with the
+    /// budget lifted, so a model over the budget is one more configuration that does not fit and
+    /// the error names the smallest budget for the model and a step together; the budget is set
+    /// again before returning, error or not.
+    pub fn build_fit_auto<D>(
+        device: &crate::Device,
+        data: &D,
+        build: impl FnOnce() -> Result<Trainer<M>>,
+    ) -> Result<(Trainer<M>, FitChoice)>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let Some(budget) = device.memory_stats().budget else {
+            return Err(Error::InvalidArgument {
+                op: "Trainer::build_fit_auto",
+                reason: "fit auto needs a memory budget to fit (set one on the device)".into(),
+            });
+        };
+        device.set_memory_budget(None)?;
+        let built = build().and_then(|mut t| {
+            let choice = t.fit_auto(data, budget)?;
+            Ok((t, choice))
+        });
+        if built.is_err() {
+            // The failed trainer is dropped: give its segments back before the budget returns.
+            device.empty_cache();
+        }
+        device.set_memory_budget(Some(budget))?;
+        built
     }
 
     /// Sets the model's checkpointing and the trainer's precision (F32 and Mixed only differ in

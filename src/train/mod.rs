@@ -48,6 +48,15 @@ impl Precision {
         }
     }
 
+    /// The name [`FromStr`](std::str::FromStr) reads: "f32", "f16" or "mixed".
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::F16 => "f16",
+            Precision::Mixed => "mixed",
+        }
+    }
+
     /// The dtype of parameters and gradients.
     pub fn param_dtype(self) -> DType {
         match self {

@@ -205,7 +205,7 @@ impl TrainModel<ClassBatch> for Mlp {
     /// Sets [`Mlp::checkpoint_activations`]; only gelu layers have activations to drop.
     fn set_checkpointing(&mut self, on: bool) -> bool {
         self.checkpoint_activations = on;
-        self.act == nn::Act::Gelu
+        self.act == crate::Activation::Gelu
     }
 }
 
