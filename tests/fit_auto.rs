@@ -236,7 +236,7 @@ fn budget_error_minimum_runs(dev: &Device) {
         "one sample per micro-batch alone needs more on this model"
     );
     let all: Vec<usize> = (0..data.len()).collect();
-    t.device().set_memory_budget(Some(minimum));
+    t.device().set_memory_budget(Some(minimum)).unwrap();
     for i in 0..2 {
         t.step(&data, &all)
             .unwrap_or_else(|e| panic!("step {i} under the minimum {minimum}: {e}"));
