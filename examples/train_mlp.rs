@@ -121,20 +121,21 @@ fn run(args: Args) -> fitgrad::Result<()> {
         .batch_size
         .checked_mul(args.accum_steps)
         .ok_or_else(|| invalid("--batch-size x --accum-steps overflows".into()))?;
-    let fit_auto = match args.fit.as_deref() {
-        None => false,
-        Some("auto") if budget.is_none() => {
-            return Err(invalid("--fit auto fits a budget: add --memory-budget".into()))
-        }
-        Some("auto") if args.checkpoint_activations => {
-            return Err(invalid(
+    let fit_auto =
+        match args.fit.as_deref() {
+            None => false,
+            Some("auto") if budget.is_none() => {
+                return Err(invalid(
+                    "--fit auto fits a budget: add --memory-budget".into(),
+                ))
+            }
+            Some("auto") if args.checkpoint_activations => return Err(invalid(
                 "--fit auto chooses activation checkpointing itself: drop --checkpoint-activations"
                     .into(),
-            ))
-        }
-        Some("auto") => true,
-        Some(other) => return Err(invalid(format!("--fit {other}: the one mode is 'auto'"))),
-    };
+            )),
+            Some("auto") => true,
+            Some(other) => return Err(invalid(format!("--fit {other}: the one mode is 'auto'"))),
+        };
     if budget == Some(0) {
         return Err(invalid("--memory-budget must be more than 0 bytes".into()));
     }

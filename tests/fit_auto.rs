@@ -45,7 +45,9 @@ impl TrainModel<TensorBatch> for RowMlp {
         let (x, y) = b.to_device(&ctx.device)?;
         // x is (n, rows, in): every row through the MLP at once, (n * rows, in).
         let (n, rows, width) = (b.x_dims[0], b.x_dims[1], b.x_dims[2]);
-        let out = self.mlp.forward_in(&x.reshape(&[n * rows, width])?, ctx.dtype)?;
+        let out = self
+            .mlp
+            .forward_in(&x.reshape(&[n * rows, width])?, ctx.dtype)?;
         fitgrad::nn::mse_loss(&out, &y.reshape(&[n * rows, b.y_dims[2]])?)
     }
 
@@ -86,6 +88,9 @@ impl Case {
 }
 
 /// A fresh device of `dev`'s backend, f16 stored as `dev` stores it.
+// Options are built from `default()` and assigned: the option structs are becoming
+// `#[non_exhaustive]`, which rules out struct literals outside the crate.
+#[allow(clippy::field_reassign_with_default)]
 fn device_like(dev: &Device) -> Device {
     let info = dev.info();
     let mut o = DeviceOptions::default();

@@ -11,15 +11,15 @@ mod model;
 mod plan;
 mod rows;
 pub mod shard;
-pub mod text;
 mod summary;
+pub mod text;
 mod trainer;
 
+pub use fit::{Candidate, FitChoice};
 pub use model::{
     epoch_permutation, Batch, BatchSource, ClassBatch, EvalBatch, Features, StepContext,
     TensorBatch, TensorDataset, TrainModel,
 };
-pub use fit::{Candidate, FitChoice};
 pub use plan::Plan;
 pub use rows::HostRows;
 pub use summary::{Evaluation, MemorySummary};

@@ -143,9 +143,7 @@ impl TextCorpus {
         let text = std::str::from_utf8(&raw).map_err(|e| {
             data_err(
                 path,
-                format!(
-                    "not UTF-8 text: {e} (save the file as UTF-8; the model reads characters)"
-                ),
+                format!("not UTF-8 text: {e} (save the file as UTF-8; the model reads characters)"),
             )
         })?;
         TextCorpus::from_text(name, text)
