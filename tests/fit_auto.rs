@@ -180,6 +180,13 @@ fn budget_walks_the_strategies(dev: &Device) {
         "the whole batch, then the largest micro-batch that fits"
     );
     assert!(c.candidates[0].planned_reserved > half);
+    let shown = c.to_string();
+    assert!(
+        shown.contains(&c.candidates[1].description)
+            && shown.contains("does not fit")
+            && shown.contains(&Bytes(c.candidates[0].planned_reserved).to_string()),
+        "the report names each candidate, its planned figure and whether it fits: {shown}"
+    );
 
     let (t, c) = fit(dev, &case, ckpt_one);
     let (_, ckpt, precision) = chosen(&c);
