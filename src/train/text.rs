@@ -2,7 +2,8 @@
 //! of a text), a [`TextCorpus`] (a text encoded and split into train and validation parts; the
 //! Shakespeare plays embedded in the crate, or any UTF-8 file), [`TextDataset`] (windows of
 //! `context + 1` tokens as [`TokenBatch`]es for next-character prediction, a [`BatchSource`]
-//! for the trainer) and [`bigram_baseline`], the figure a model must beat.
+//! for the trainer) and [`bigram_baseline`], the figure a model must beat. [`Gpt`] trains on
+//! [`TokenBatch`]es through the trainer (its `TrainModel` implementation is here).
 //!
 //! Everything here is host code and checked before any device work: an empty or non-UTF-8
 //! text, a split shorter than one window, a context of 0 are typed errors.
@@ -10,8 +11,9 @@
 use std::path::Path;
 
 use super::data::{data_err, gunzip_if_gz, read_maybe_gz};
-use super::model::{check_indices, Batch, BatchSource};
-use crate::{Error, Result};
+use super::model::{check_indices, Batch, BatchSource, StepContext, TrainModel};
+use crate::nn::Gpt;
+use crate::{Error, Result, Tensor};
 
 /// Eight Shakespeare plays (1,055,118 characters, 76 distinct), gzipped; see data/README.md.
 const SHAKESPEARE_GZ: &[u8] = include_bytes!("../../data/shakespeare.txt.gz");
@@ -349,4 +351,18 @@ pub fn bigram_baseline(train: &[u32], valid: &[u32], vocab: usize) -> Result<f64
         })
         .sum();
     Ok(nats / (valid.len() - 1) as f64)
+}
+
+impl TrainModel<TokenBatch> for Gpt {
+    /// The mean next-token cross-entropy of the batch's (batch, t) windows, with the matmuls in
+    /// the step's dtype (f16 under mixed precision; the loss is f32).
+    fn forward_loss(&self, b: &TokenBatch, ctx: &StepContext) -> Result<Tensor> {
+        self.loss_in(&b.ids, &b.targets, b.batch, b.t, ctx.dtype)
+    }
+
+    /// Sets [`Gpt::set_checkpoint_blocks`]: every block can be checkpointed.
+    fn set_checkpointing(&mut self, on: bool) -> bool {
+        self.set_checkpoint_blocks(on);
+        true
+    }
 }
