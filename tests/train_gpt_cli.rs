@@ -24,7 +24,7 @@ fn text_file(text: &[u8]) -> tempfile::NamedTempFile {
     f
 }
 
-/// The flags of a tiny run on `path`, then `extra`.
+/// The flags of a tiny run on `path`, with `extra` added or replacing the tiny run's.
 fn args(path: &std::path::Path, extra: &[&str]) -> Args {
     let mut all = vec![
         "train_gpt".to_string(),
@@ -42,10 +42,15 @@ fn args(path: &std::path::Path, extra: &[&str]) -> Args {
         ("--sample-len", "12"),
         ("--lr", "0.01"),
     ] {
-        all.extend([flag.to_string(), value.to_string()]);
+        let replaced = extra
+            .iter()
+            .any(|e| e.split('=').next() == Some(flag));
+        if !replaced {
+            all.extend([flag.to_string(), value.to_string()]);
+        }
     }
     all.extend(extra.iter().map(|s| s.to_string()));
-    Args::try_parse_from(all).expect("valid flags")
+    Args::try_parse_from(&all).unwrap_or_else(|e| panic!("{all:?}: {e}"))
 }
 
 /// `prepare`'s error for `extra` on `text`, with a substring its message must hold.
@@ -83,7 +88,7 @@ fn bad_configurations_are_refused_before_any_device_work() {
     assert!(is_arg(&refused(t, &["--steps", "0"], "--steps")));
     assert!(is_arg(&refused(t, &["--dropout", "1"], "dropout")));
     assert!(is_arg(&refused(t, &["--temperature", "0"], "--temperature")));
-    assert!(is_arg(&refused(t, &["--lr", "-1"], "--lr")));
+    assert!(is_arg(&refused(t, &["--lr=-1"], "--lr")));
     assert!(is_arg(&refused(t, &["--precision", "f64"], "f64")));
     assert!(is_arg(&refused(t, &["--attention", "sparse"], "sparse")));
     assert!(is_arg(&refused(t, &["--fit", "manual"], "auto")));
