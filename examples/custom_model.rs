@@ -294,11 +294,10 @@ fn run(args: Args) -> Result<()> {
         .as_deref()
         .map(|b| b.parse::<Bytes>().map(|b| b.0))
         .transpose()?;
-    let device = Device::with_options(DeviceOptions {
-        adapter: args.adapter.clone(),
-        memory_budget: budget,
-        ..Default::default()
-    })?;
+    let mut options = DeviceOptions::default();
+    options.adapter = args.adapter.clone();
+    options.memory_budget = budget;
+    let device = Device::with_options(options)?;
     let info = device.info();
     println!("adapter: {}", info.adapter);
     let spec = match args.dataset.as_str() {
@@ -335,13 +334,7 @@ fn run(args: Args) -> Result<()> {
     )?;
     let lr = args.lr as f32;
     let optimizer: Box<dyn Optimizer> = Box::new(AdamW::new(model.parameters(), lr)?);
-    let config = TrainerConfig {
-        batch_size: args.batch_size,
-        accum_steps: args.accum_steps,
-        lr,
-        precision,
-        ..Default::default()
-    };
+    let config = TrainerConfig::new(args.batch_size, args.accum_steps, lr).precision(precision);
     let mut trainer = Trainer::new(model, optimizer, config)?;
     println!(
         "model: residual MLP {} -> {} x {} blocks (dropout {}) -> {} ({} parameters), AdamW lr {}, {}, batch {} x {} accumulation steps",

@@ -169,11 +169,10 @@ fn run(args: Args) -> fitgrad::Result<()> {
             train.dim, test.dim
         )));
     }
-    let device = Device::with_options(DeviceOptions {
-        adapter: args.adapter.clone(),
-        memory_budget: budget,
-        ..Default::default()
-    })?;
+    let mut options = DeviceOptions::default();
+    options.adapter = args.adapter.clone();
+    options.memory_budget = budget;
+    let device = Device::with_options(options)?;
     let info = device.info();
     println!("adapter: {}", info.adapter);
     println!(
@@ -206,16 +205,10 @@ fn run(args: Args) -> fitgrad::Result<()> {
     } else {
         LrSchedule::Constant
     };
-    let config = TrainerConfig {
-        batch_size: args.batch_size,
-        accum_steps: args.accum_steps,
-        micro_batch: None,
-        lr,
-        schedule,
-        precision,
-        clip_grad_norm: args.clip_grad_norm,
-        ..Default::default()
-    };
+    let mut config = TrainerConfig::new(args.batch_size, args.accum_steps, lr)
+        .schedule(schedule)
+        .precision(precision);
+    config.clip_grad_norm = args.clip_grad_norm;
     // The model is built inside the budget logic: a budget too small for the model itself gets
     // the smallest budget that works, like one too small for a step.
     let build = || {

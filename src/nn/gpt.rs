@@ -1,7 +1,7 @@
 //! `Gpt`: a GPT-2 style decoder-only transformer (nanoGPT's layout): token and position
 //! embeddings, embedding dropout, pre-LayerNorm blocks, a final LayerNorm and a head tied to
-//! the token embedding. Each block can run under [`checkpoint`](crate::autograd::checkpoint)
-//! (only its input kept; exact with dropout, see src/autograd/replay.rs). Generation with a KV
+//! the token embedding. Each block can run under [`checkpoint`](crate::tensor::autograd::checkpoint)
+//! (only its input kept; exact with dropout, see src/tensor/autograd/replay.rs). Generation with a KV
 //! cache is in src/nn/generate.rs.
 
 use super::attention::CausalSelfAttention;
@@ -493,7 +493,9 @@ impl Gpt {
                 let params = block.parameters();
                 let refs: Vec<&Tensor> = params.iter().collect();
                 let b = block.clone();
-                crate::autograd::checkpoint(&[&x], &refs, move |xs| b.forward_in(&xs[0], dtype))?
+                crate::tensor::autograd::checkpoint(&[&x], &refs, move |xs| {
+                    b.forward_in(&xs[0], dtype)
+                })?
             } else {
                 block.forward_in(&x, dtype)?
             };

@@ -150,11 +150,7 @@ fn bench_adapter(dev: &Device, o: &Opts) -> fitgrad::Result<Vec<Row>> {
             let bd = if s.tb { [s.n, s.k] } else { [s.k, s.n] };
             let a = Tensor::randn(dev, &ad, 0.0, 1.0, 1, dtype)?;
             let b = Tensor::randn(dev, &bd, 0.0, 1.0, 2, dtype)?;
-            let opts = MatmulOptions {
-                trans_a: s.ta,
-                trans_b: s.tb,
-                ..Default::default()
-            };
+            let opts = MatmulOptions::new().trans_a(s.ta).trans_b(s.tb);
             let flops = 2.0 * (s.m * s.n * s.k) as f64;
             // The first call tunes (or reads the tuning cache); the timed calls reuse the winner.
             let t = median_secs(reps, || {
@@ -265,11 +261,11 @@ fn bench_train_step(shared: &Device, reps: usize) -> fitgrad::Result<Vec<Row>> {
     // A device of its own on the same adapter: segments cached by the other benchmarks would
     // otherwise count as the step's reserved memory.
     let a = &shared.info().adapter;
-    let fresh = Device::with_options(DeviceOptions {
-        backend: Some(a.backend.clone()),
-        adapter: Some(a.name.clone()),
-        ..Default::default()
-    })?;
+    let fresh = Device::with_options(
+        DeviceOptions::default()
+            .backend(a.backend.clone())
+            .adapter(a.name.clone()),
+    )?;
     let dev = &fresh;
     const B: usize = 128;
     let widths = [784, 512, 512, 10];
@@ -356,11 +352,11 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let mut records = Vec::new();
     for a in &adapters {
         eprintln!("benchmarking {a}");
-        let dev = Device::with_options(DeviceOptions {
-            backend: Some(a.backend.clone()),
-            adapter: Some(a.name.clone()),
-            ..Default::default()
-        })
+        let dev = Device::with_options(
+            DeviceOptions::default()
+                .backend(a.backend.clone())
+                .adapter(a.name.clone()),
+        )
         .map_err(|e| e.to_string())?;
         let rows = bench_adapter(&dev, &o).map_err(|e| format!("{}: {e}", a.name))?;
         for r in rows {

@@ -72,7 +72,7 @@ pub fn enable_grad() -> NoGradGuard {
 ///
 /// Exact with dropout: the seeds the first forward draws through [`replayable_seed`] (every
 /// `nn::Dropout` call) are recorded and handed out again, in order, to the recomputation, so it
-/// applies the same masks (see src/autograd/replay.rs).
+/// applies the same masks (see src/tensor/autograd/replay.rs).
 pub fn checkpoint<F>(inputs: &[&Tensor], params: &[&Tensor], f: F) -> Result<Tensor>
 where
     F: Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
