@@ -194,7 +194,9 @@ pub fn prepare(args: &Args) -> Result<Setup> {
     let fit_auto = match args.fit.as_deref() {
         None => false,
         Some("auto") if budget.is_none() => {
-            return Err(invalid("--fit auto fits a budget: add --memory-budget".into()))
+            return Err(invalid(
+                "--fit auto fits a budget: add --memory-budget".into(),
+            ))
         }
         Some("auto") if args.checkpoint_activations => {
             return Err(invalid(
@@ -206,7 +208,10 @@ pub fn prepare(args: &Args) -> Result<Setup> {
         Some(other) => return Err(invalid(format!("--fit {other}: the one mode is 'auto'"))),
     };
     if !(args.lr.is_finite() && args.lr > 0.0) {
-        return Err(invalid(format!("--lr must be a number > 0, got {}", args.lr)));
+        return Err(invalid(format!(
+            "--lr must be a number > 0, got {}",
+            args.lr
+        )));
     }
     if !(args.clip_grad_norm.is_finite() && args.clip_grad_norm >= 0.0) {
         return Err(invalid(format!(
@@ -226,8 +231,8 @@ pub fn prepare(args: &Args) -> Result<Setup> {
     };
     let (train, valid) = corpus.datasets(args.context)?;
     let head_len = (EVAL_WINDOWS * args.context + 1).min(corpus.valid.len());
-    let valid_head =
-        TextDataset::new(corpus.valid[..head_len].to_vec(), args.context)?.with_stride(args.context)?;
+    let valid_head = TextDataset::new(corpus.valid[..head_len].to_vec(), args.context)?
+        .with_stride(args.context)?;
     let mut cfg = GptConfig::new(
         corpus.vocab.len(),
         args.context,
@@ -291,9 +296,7 @@ fn check_resume(path: &std::path::Path, cfg: &GptConfig) -> Result<()> {
     Ok(())
 }
 
-/// Opens the device the flags ask for. (Options are built from `default()` and assigned: the
-/// option structs are becoming `#[non_exhaustive]`, which rules out struct literals here.)
-#[allow(clippy::field_reassign_with_default)]
+/// Opens the device the flags ask for.
 pub fn open_device(args: &Args, setup: &Setup) -> Result<Device> {
     let mut o = DeviceOptions::default();
     o.adapter = args.adapter.clone();

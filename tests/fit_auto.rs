@@ -88,9 +88,6 @@ impl Case {
 }
 
 /// A fresh device of `dev`'s backend, f16 stored as `dev` stores it.
-// Options are built from `default()` and assigned: the option structs are becoming
-// `#[non_exhaustive]`, which rules out struct literals outside the crate.
-#[allow(clippy::field_reassign_with_default)]
 fn device_like(dev: &Device) -> Device {
     let info = dev.info();
     let mut o = DeviceOptions::default();

@@ -42,9 +42,7 @@ fn args(path: &std::path::Path, extra: &[&str]) -> Args {
         ("--sample-len", "12"),
         ("--lr", "0.01"),
     ] {
-        let replaced = extra
-            .iter()
-            .any(|e| e.split('=').next() == Some(flag));
+        let replaced = extra.iter().any(|e| e.split('=').next() == Some(flag));
         if !replaced {
             all.extend([flag.to_string(), value.to_string()]);
         }
@@ -87,7 +85,11 @@ fn bad_configurations_are_refused_before_any_device_work() {
     }
     assert!(is_arg(&refused(t, &["--steps", "0"], "--steps")));
     assert!(is_arg(&refused(t, &["--dropout", "1"], "dropout")));
-    assert!(is_arg(&refused(t, &["--temperature", "0"], "--temperature")));
+    assert!(is_arg(&refused(
+        t,
+        &["--temperature", "0"],
+        "--temperature"
+    )));
     assert!(is_arg(&refused(t, &["--lr=-1"], "--lr")));
     assert!(is_arg(&refused(t, &["--precision", "f64"], "f64")));
     assert!(is_arg(&refused(t, &["--attention", "sparse"], "sparse")));
@@ -122,9 +124,6 @@ fn bad_configurations_are_refused_before_any_device_work() {
 
 /// A fresh device of `dev`'s backend, f16 stored as `dev` stores it (budgets and memory
 /// statistics are the test's own).
-// Options are built from `default()` and assigned: the option structs are becoming
-// `#[non_exhaustive]`, which rules out struct literals outside the crate.
-#[allow(clippy::field_reassign_with_default)]
 fn device_like(dev: &Device) -> Device {
     let info = dev.info();
     let mut o = DeviceOptions::default();
@@ -176,7 +175,10 @@ fn tiny_run_saves_resumes_and_samples(dev: &Device) {
 /// chooses, trains within the budget, and reports a finite loss.
 fn tiny_run_fits_a_budget(dev: &Device) {
     let f = text_file(TEXT.repeat(20).as_bytes());
-    let a = args(f.path(), &["--steps", "2", "--sample-len", "0", "--eval-every", "0"]);
+    let a = args(
+        f.path(),
+        &["--steps", "2", "--sample-len", "0", "--eval-every", "0"],
+    );
     let fresh = device_like(dev);
     let report = train(&a, prepare(&a).unwrap(), &fresh).unwrap();
     let plain = fresh.memory_stats().peak_bytes_reserved;
