@@ -99,7 +99,7 @@ impl GptConfig {
     }
 
     /// Every check [`Gpt::new`] makes before any device work.
-    fn validate(&self) -> Result<()> {
+    pub fn validate(&self) -> Result<()> {
         let bad = |reason: String| Error::InvalidArgument {
             op: "Gpt::new",
             reason,

@@ -302,11 +302,7 @@ impl<M: Module> Trainer<M> {
     }
 
     fn precision_name(&self) -> &'static str {
-        match self.config.precision {
-            Precision::F32 => "f32",
-            Precision::F16 => "f16",
-            Precision::Mixed => "mixed",
-        }
+        self.config.precision.name()
     }
 
     /// The trainer's settings that change the math of a step (checkpoints store them and
