@@ -12,9 +12,9 @@ use crate::device::{DeviceLimits, Kernel};
 use crate::{Device, Result};
 use std::sync::Arc;
 
-/// Rows per workgroup, one per invocation (R in shaders/include/attention_tiles.wgsl): a
-/// warp on most GPUs, four 8-lane vectors on lavapipe. Causal workgroups compute the masked
-/// half of their last R keys, so more rows would waste more.
+/// Invocations per workgroup (R in shaders/include/attention_tiles.wgsl): a warp on most GPUs,
+/// four 8-lane vectors on lavapipe. Causal workgroups compute the masked half of their last
+/// rows' keys, so more rows per workgroup would waste more.
 const ROWS: u32 = 32;
 
 /// The largest head dim the kernels hold: a row is at most 128 / 4 quads in registers.
@@ -175,9 +175,9 @@ impl Dims {
                 row_tiles as u32,
                 self.t as u32,
                 self.d as u32,
-                self.d.div_ceil(4) as u32,
                 u32::from(self.causal),
                 scale(self.d).to_bits(),
+                0,
                 0,
             ],
             groups,
