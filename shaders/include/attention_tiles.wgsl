@@ -3,23 +3,23 @@
 // causal rule and the edges of a row. q, k, v, o and their gradients are (BH, T, D) contiguous
 // (BH = batch * heads); lse and delta are (BH, T) f32.
 //
-// Each invocation owns one row (a query in the forward and dQ, a key in dK / dV): it holds its
-// row and its accumulators in registers and walks the other side in tiles of C rows, which the
+// Each invocation owns RB rows (queries in the forward and dQ, keys in dK / dV): it holds them
+// and their accumulators in registers and walks the other side in tiles of C rows, which the
 // workgroup stages in workgroup memory as f32 quads, zero past T and past D. Every invocation
-// reads the same staged element at the same time (the tile row and quad are loop counters), so
-// the reads are broadcasts on GPUs and single loads on CPU adapters, where an address that
-// differs across lanes costs a load per lane. An invocation adds in a fixed order and writes
-// only its own row: no atomics, bitwise reproducible.
+// reads the same staged quad at the same time (the tile row and quad are loop counters), a
+// broadcast on GPUs (RB = 1 there); CPU adapters load it once per lane whatever the address,
+// so there RB > 1 lets each load serve several rows. An invocation adds in a fixed order and
+// writes only its own rows: no atomics, bitwise reproducible.
 
 struct Params {
     groups: u32,   // workgroups with work: tiles * BH (a 2-D grid may have spare ones)
     tiles: u32,    // row tiles per matrix: ceil(T / (R RB))
     t: u32,        // sequence length (T_q = T_k)
     d: u32,        // head dim
-    d4: u32,       // ceil(D / 4): quads of a row that hold elements
     causal: u32,   // 1: query i sees keys j <= i only
     scale: f32,    // 1 / sqrt(D)
-    _pad: u32,
+    _pad0: u32,
+    _pad1: u32,
 }
 @group(0) @binding(0) var<uniform> p: Params;
 

@@ -12,9 +12,9 @@ use crate::device::{DeviceLimits, Kernel};
 use crate::{Device, Result};
 use std::sync::Arc;
 
-/// Rows per workgroup, one per invocation (R in shaders/include/attention_tiles.wgsl): a
-/// warp on most GPUs, four 8-lane vectors on lavapipe. Causal workgroups compute the masked
-/// half of their last R keys, so more rows would waste more.
+/// Invocations per workgroup (R in shaders/include/attention_tiles.wgsl): a warp on most GPUs,
+/// four 8-lane vectors on lavapipe. Causal workgroups compute the masked half of their last
+/// rows' keys, so more rows per workgroup would waste more.
 const ROWS: u32 = 32;
 
 /// The largest head dim the kernels hold: a row is at most 128 / 4 quads in registers.
@@ -53,14 +53,15 @@ fn bucket(d: usize) -> Option<u32> {
 }
 
 /// Rows each invocation holds. GPUs keep one: a row and its accumulators already take 2-4 x D
-/// registers. CPU adapters (lavapipe) load a workgroup-memory value once per lane, whatever the
-/// address, and spill registers cheaply, so there each staged quad serves several rows: at
-/// T = 256, D = 64 four rows ran the forward 2.5x faster than one (eight: slower again).
+/// registers. CPU adapters (lavapipe) load a workgroup-memory value once per lane whatever the
+/// address and spill registers cheaply, so there each staged quad serves two rows up to D = 64:
+/// at (4, 4, 256, 64) that ran forward + backward 1.5x faster than one row. Four were another
+/// 1.25x faster but took 88 s instead of 16 s to compile (cold, the three kernels), and two
+/// rows at D = 128 took 60 s.
 fn rows_per_invocation(cpu: bool, quads: u32) -> u32 {
     match (cpu, quads) {
-        (false, _) => 1,
-        (true, ..=16) => 4,
-        (true, _) => 2,
+        (true, ..=16) => 2,
+        _ => 1,
     }
 }
 
@@ -175,9 +176,9 @@ impl Dims {
                 row_tiles as u32,
                 self.t as u32,
                 self.d as u32,
-                self.d.div_ceil(4) as u32,
                 u32::from(self.causal),
                 scale(self.d).to_bits(),
+                0,
                 0,
             ],
             groups,
@@ -409,8 +410,9 @@ mod tests {
         let l = limits(32 << 10);
         assert_eq!(plan(&l, 64, None, false).unwrap().per_invocation, 1);
         assert_eq!(plan(&l, 128, None, false).unwrap().per_invocation, 1);
-        assert_eq!(plan(&l, 64, None, true).unwrap().per_invocation, 4);
-        assert_eq!(plan(&l, 128, None, true).unwrap().per_invocation, 2);
+        assert_eq!(plan(&l, 32, None, true).unwrap().per_invocation, 2);
+        assert_eq!(plan(&l, 64, None, true).unwrap().per_invocation, 2);
+        assert_eq!(plan(&l, 128, None, true).unwrap().per_invocation, 1);
     }
 
     /// Every tile specialization the plans can choose parses and validates, in every storage.
