@@ -32,11 +32,7 @@ fn bench(c: &mut Criterion) {
             let bd = if tb { [n, k] } else { [k, n] };
             let a = Tensor::randn(&dev, &ad, 0.0, 1.0, 1, dtype).unwrap();
             let b = Tensor::randn(&dev, &bd, 0.0, 1.0, 2, dtype).unwrap();
-            let opts = MatmulOptions {
-                trans_a: ta,
-                trans_b: tb,
-                ..Default::default()
-            };
+            let opts = MatmulOptions::new().trans_a(ta).trans_b(tb);
             g.throughput(Throughput::Elements((2 * m * n * k) as u64));
             g.bench_function(BenchmarkId::new(name, format!("{m}x{n}x{k}")), |bch| {
                 bch.iter(|| {

@@ -303,16 +303,15 @@ fn run(args: Args) -> Result<()> {
     if let Some(cfg) = &prune {
         cfg.validate()?;
     }
-    let device = Device::with_options(DeviceOptions {
-        adapter: args.adapter.clone(),
-        memory_budget: budget,
-        ..Default::default()
-    })?;
+    let mut options = DeviceOptions::default();
+    options.adapter = args.adapter.clone();
+    options.memory_budget = budget;
+    let device = Device::with_options(options)?;
     let info = device.info();
     println!("adapter: {}", info.adapter);
     let spec = match args.dataset.as_str() {
         "auto" if !Path::new(FASHION_MNIST_DIR).is_dir() => "digits",
-        "auto" if info.adapter.device_type == "Cpu" => {
+        "auto" if info.adapter.is_cpu() => {
             println!("(a CPU adapter: training on the digits; --dataset fashion-mnist for more)");
             "digits"
         }
@@ -344,13 +343,7 @@ fn run(args: Args) -> Result<()> {
     )?;
     let lr = args.lr as f32;
     let optimizer: Box<dyn Optimizer> = Box::new(AdamW::new(model.parameters(), lr)?);
-    let config = TrainerConfig {
-        batch_size: args.batch_size,
-        accum_steps: args.accum_steps,
-        lr,
-        precision,
-        ..Default::default()
-    };
+    let config = TrainerConfig::new(args.batch_size, args.accum_steps, lr).precision(precision);
     let mut trainer = Trainer::new(model, optimizer, config)?;
     println!(
         "model: residual MLP {} -> {} x {} blocks (dropout {}) -> {} ({} parameters), AdamW lr {}, {}, batch {} x {} accumulation steps",

@@ -67,6 +67,10 @@ struct Args {
     /// gradient accumulation keeping the effective batch.
     #[arg(long)]
     memory_budget: Option<String>,
+    /// `auto`: let --memory-budget choose the micro-batch, activation checkpointing and mixed
+    /// precision (cheapest first), and print each planned candidate.
+    #[arg(long)]
+    fit: Option<String>,
     /// Print the planned peak memory of a training step, by category, and exit.
     #[arg(long)]
     plan: bool,
@@ -126,6 +130,21 @@ fn run(args: Args) -> fitgrad::Result<()> {
         .batch_size
         .checked_mul(args.accum_steps)
         .ok_or_else(|| invalid("--batch-size x --accum-steps overflows".into()))?;
+    let fit_auto =
+        match args.fit.as_deref() {
+            None => false,
+            Some("auto") if budget.is_none() => {
+                return Err(invalid(
+                    "--fit auto fits a budget: add --memory-budget".into(),
+                ))
+            }
+            Some("auto") if args.checkpoint_activations => return Err(invalid(
+                "--fit auto chooses activation checkpointing itself: drop --checkpoint-activations"
+                    .into(),
+            )),
+            Some("auto") => true,
+            Some(other) => return Err(invalid(format!("--fit {other}: the one mode is 'auto'"))),
+        };
     if budget == Some(0) {
         return Err(invalid("--memory-budget must be more than 0 bytes".into()));
     }
@@ -163,11 +182,10 @@ fn run(args: Args) -> fitgrad::Result<()> {
             train.dim, test.dim
         )));
     }
-    let device = Device::with_options(DeviceOptions {
-        adapter: args.adapter.clone(),
-        memory_budget: budget,
-        ..Default::default()
-    })?;
+    let mut options = DeviceOptions::default();
+    options.adapter = args.adapter.clone();
+    options.memory_budget = budget;
+    let device = Device::with_options(options)?;
     let info = device.info();
     println!("adapter: {}", info.adapter);
     println!(
@@ -200,16 +218,10 @@ fn run(args: Args) -> fitgrad::Result<()> {
     } else {
         LrSchedule::Constant
     };
-    let config = TrainerConfig {
-        batch_size: args.batch_size,
-        accum_steps: args.accum_steps,
-        micro_batch: None,
-        lr,
-        schedule,
-        precision,
-        clip_grad_norm: args.clip_grad_norm,
-        ..Default::default()
-    };
+    let mut config = TrainerConfig::new(args.batch_size, args.accum_steps, lr)
+        .schedule(schedule)
+        .precision(precision);
+    config.clip_grad_norm = args.clip_grad_norm;
     // The model is built inside the budget logic: a budget too small for the model itself gets
     // the smallest budget that works, like one too small for a step.
     let build = || {
@@ -223,7 +235,13 @@ fn run(args: Args) -> fitgrad::Result<()> {
         };
         Trainer::new(model, optimizer, config.clone())
     };
-    let mut trainer = Trainer::build_within_budget(&device, &train, build)?;
+    let mut trainer = if fit_auto {
+        let (trainer, choice) = Trainer::build_fit_auto(&device, &train, build)?;
+        print!("{choice}");
+        trainer
+    } else {
+        Trainer::build_within_budget(&device, &train, build)?
+    };
     if let Some(b) = budget {
         let micro = trainer.micro_batch();
         println!(
@@ -251,10 +269,10 @@ fn run(args: Args) -> fitgrad::Result<()> {
         "model: MLP {widths:?} ({} parameters), {}, {}, batch {} x {} accumulation steps{}",
         trainer.model.num_parameters(),
         args.optimizer,
-        args.precision,
+        trainer.config().precision.name(),
         args.batch_size,
         args.accum_steps,
-        if args.checkpoint_activations {
+        if trainer.model.checkpoint_activations {
             ", activation checkpointing"
         } else {
             ""
@@ -429,8 +447,8 @@ fn run(args: Args) -> fitgrad::Result<()> {
             "batch_size": args.batch_size,
             "accum_steps": args.accum_steps,
             "micro_batch": trainer.micro_batch(),
-            "precision": args.precision,
-            "checkpoint_activations": args.checkpoint_activations,
+            "precision": trainer.config().precision.name(),
+            "checkpoint_activations": trainer.model.checkpoint_activations,
             "memory_budget": budget,
             "planned_peak_bytes": plan.peak,
             "planned_peak_reserved": plan.peak_reserved,

@@ -30,7 +30,7 @@
 //! let model = Mlp::new(dev, &[784, 128, 10], Activation::Relu, 0)?;
 //! let mut opt = AdamW::new(model.parameters(), 1e-3)?;
 //! let path = std::path::Path::new("run/last.safetensors");
-//! checkpoint::save(path, &model, Some(&opt), &TrainingState { step: 100, ..Default::default() })?;
+//! checkpoint::save(path, &model, Some(&opt), &TrainingState::default().step(100))?;
 //!
 //! let ckpt = checkpoint::load(path)?;
 //! ckpt.apply_model(&model)?; // in place: the optimizer keeps the same tensors
@@ -71,17 +71,30 @@ const MAX_NUMBER: u64 = if usize::BITS >= 64 {
     usize::MAX as u64 / 4
 };
 
-/// The loss scaler's state (mixed precision).
+/// The loss scaler's state (mixed precision), built with [`ScalerState::new`].
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct ScalerState {
-    /// The current loss scale.
+    /// The factor the loss is multiplied by.
     pub scale: f32,
     /// Steps since the scale last changed.
     pub growth_tracker: u64,
 }
 
-/// Where training stands, besides the model and the optimizer.
+impl ScalerState {
+    /// The state of a scaler at `scale` that last changed it `growth_tracker` steps ago.
+    pub fn new(scale: f32, growth_tracker: u64) -> ScalerState {
+        ScalerState {
+            scale,
+            growth_tracker,
+        }
+    }
+}
+
+/// Where training stands, besides the model and the optimizer. Built from [`Default`] with the
+/// chained setters (new fields may be added).
 #[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
 pub struct TrainingState {
     /// Optimizer steps taken.
     pub step: u64,
@@ -89,10 +102,42 @@ pub struct TrainingState {
     pub epoch: u64,
     /// The host generator's position ([`Rng::state`](crate::tensor::Rng::state)).
     pub rng_state: u64,
-    /// The loss scaler, when mixed precision scales the loss.
+    /// The loss scaler's state, when training uses one.
     pub scaler: Option<ScalerState>,
     /// Anything else the application wants back (stored as `extra.<key>`).
     pub extra: BTreeMap<String, String>,
+}
+
+impl TrainingState {
+    /// Sets the optimizer steps taken.
+    pub fn step(mut self, step: u64) -> Self {
+        self.step = step;
+        self
+    }
+
+    /// Sets the epochs completed.
+    pub fn epoch(mut self, epoch: u64) -> Self {
+        self.epoch = epoch;
+        self
+    }
+
+    /// Sets the host generator's position.
+    pub fn rng_state(mut self, rng_state: u64) -> Self {
+        self.rng_state = rng_state;
+        self
+    }
+
+    /// Sets the loss scaler's state.
+    pub fn scaler(mut self, scaler: ScalerState) -> Self {
+        self.scaler = Some(scaler);
+        self
+    }
+
+    /// Adds (or replaces) one application entry of [`extra`](Self::extra).
+    pub fn extra(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.extra.insert(key.into(), value.into());
+        self
+    }
 }
 
 /// A tensor's bytes on the host: little-endian, row-major.
@@ -185,12 +230,15 @@ impl safetensors::View for &HostTensor {
     }
 }
 
-/// A checkpoint on the host: tensors by name and string metadata, as in the file.
+/// A checkpoint on the host: tensors by name and string metadata, as in the file. Read with
+/// [`load`], captured with [`Checkpoint::capture`], or built from [`Default`] by filling the
+/// maps (new fields may be added).
 #[derive(Clone, Debug, Default)]
+#[non_exhaustive]
 pub struct Checkpoint {
-    /// Tensors by name (`model.*`, `optim.*`).
+    /// The tensors by their names in the file (`model.layers.0.weight`, `optim.0.exp_avg`).
     pub tensors: BTreeMap<String, HostTensor>,
-    /// String metadata (format version, model configuration, training state).
+    /// The string metadata (the table of the module docs).
     pub metadata: BTreeMap<String, String>,
     /// The file it was read from, for error messages (empty for one captured in memory).
     pub source: String,

@@ -62,8 +62,10 @@ fn budget_text(budget: &Option<u64>) -> String {
     }
 }
 
-/// Everything that can go wrong, typed: each variant says what to change in its message.
+/// Everything a fitgrad call can fail with, each kind with the op and the values that were wrong.
+/// New kinds may be added, so a `match` outside the crate needs a `_` arm.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// No adapter matched the request (or the machine has none).
     #[error("no GPU adapter found{}: {reason}. {hint}", if .wanted.is_empty() { String::new() } else { format!(" for {}", .wanted) })]

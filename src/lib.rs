@@ -14,7 +14,6 @@
 #![warn(missing_docs)]
 
 mod activation;
-pub mod autograd;
 pub mod checkpoint;
 pub mod compress;
 pub mod device;
@@ -30,11 +29,13 @@ pub mod tensor;
 pub mod train;
 
 pub use activation::Activation;
-pub use autograd::{is_grad_enabled, no_grad, NoGradGuard};
 pub use device::{AdapterSummary, Device, DeviceInfo, DeviceLimits, DeviceOptions};
 pub use error::{Bytes, Error, Result};
 pub use fsutil::write_atomic;
 pub use memory::MemoryStats;
+pub use tensor::autograd;
+pub use tensor::autograd::{is_grad_enabled, no_grad, NoGradGuard};
+pub use tensor::{AttentionKind, AttentionOptions};
 pub use tensor::{DType, Element, MatmulOptions, MatmulVariant, Shape, SoftmaxOptions, Tensor};
 /// The wgpu version fitgrad is built on, for the types in its signatures
 /// ([`Device::from_wgpu`], [`Device::wgpu_device`]).

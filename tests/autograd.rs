@@ -21,6 +21,8 @@ use common::*;
 use fitgrad::{Activation, DType, Device, DeviceOptions, Error, MatmulOptions, Tensor};
 use proptest::prelude::*;
 
+device_tests!(binary_broadcast_every_device, mlp_every_device);
+
 /// Cases per property (lavapipe and GL run on the CPU, and every case reads gradients back).
 const CASES: u32 = 12;
 /// Cases of the properties that run on every device.
@@ -484,17 +486,16 @@ fn binary_broadcast_fixed_shapes() {
     }
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(CASES_ALL_DEVICES))]
-
-    /// Broadcast binary ops on every device.
-    #[test]
-    fn binary_broadcast_every_device((ad, bd) in small_broadcast_pair(), bits in any::<u64>(), seed in any::<u64>()) {
-        for dev in devices() {
-            let mask = grad_mask(bits, 2);
-            check_binary(&dev, &ad, &bd, &mask, seed).map_err(TestCaseError::fail)?;
-        }
-    }
+/// Broadcast binary ops on every device.
+fn binary_broadcast_every_device(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(CASES_ALL_DEVICES), |(
+        (ad, bd) in small_broadcast_pair(),
+        bits in any::<u64>(),
+        seed in any::<u64>(),
+    )| {
+        let mask = grad_mask(bits, 2);
+        check_binary(dev, &ad, &bd, &mask, seed).map_err(TestCaseError::fail)?;
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -929,15 +930,9 @@ fn check_matmul(
         &inputs,
         seed,
         &|t| {
-            let out = t[0].matmul_with(
-                &t[1],
-                &MatmulOptions {
-                    trans_a: ta,
-                    trans_b: tb,
-                    bias: t.get(2),
-                    activation: act,
-                },
-            )?;
+            let mut opts = MatmulOptions::new().trans_a(ta).trans_b(tb).activation(act);
+            opts.bias = t.get(2);
+            let out = t[0].matmul_with(&t[1], &opts)?;
             assert_eq!(out.dims(), out_dims.as_slice(), "{what}: output dims");
             Ok(out)
         },
@@ -1143,20 +1138,11 @@ fn check_mlp(dev: &Device, (b, i, h, c): (usize, usize, usize, usize), seed: u64
         &|t| {
             let hid = t[0].matmul_with(
                 &t[1],
-                &MatmulOptions {
-                    bias: Some(&t[2]),
-                    activation: Activation::Gelu,
-                    ..Default::default()
-                },
+                &MatmulOptions::new()
+                    .bias(&t[2])
+                    .activation(Activation::Gelu),
             )?;
-            let logits = hid.matmul_with(
-                &t[3],
-                &MatmulOptions {
-                    trans_b: true,
-                    bias: Some(&t[4]),
-                    ..Default::default()
-                },
-            )?;
+            let logits = hid.matmul_with(&t[3], &MatmulOptions::new().trans_b(true).bias(&t[4]))?;
             logits.cross_entropy_loss(&targets)
         },
         &|x| {
@@ -1167,21 +1153,16 @@ fn check_mlp(dev: &Device, (b, i, h, c): (usize, usize, usize, usize), seed: u64
     )
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(CASES_ALL_DEVICES))]
-
-    #[test]
-    fn mlp_every_device(
+fn mlp_every_device(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(CASES_ALL_DEVICES), |(
         b in 1usize..=5,
         i in small_dim(),
         h in small_dim(),
         c in 2usize..=5,
         seed in any::<u64>(),
-    ) {
-        for dev in devices() {
-            check_mlp(&dev, (b, i, h, c), seed).map_err(TestCaseError::fail)?;
-        }
-    }
+    )| {
+        check_mlp(dev, (b, i, h, c), seed).map_err(TestCaseError::fail)?;
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1429,16 +1410,7 @@ fn matmul_of_a_tensor_with_itself() {
             &format!("x.matmul_with(x) trans ({ta}, {tb})"),
             &[input(data, &[d, d], true)],
             22,
-            &|t| {
-                t[0].matmul_with(
-                    &t[0],
-                    &MatmulOptions {
-                        trans_a: ta,
-                        trans_b: tb,
-                        ..Default::default()
-                    },
-                )
-            },
+            &|t| t[0].matmul_with(&t[0], &MatmulOptions::new().trans_a(ta).trans_b(tb)),
             &|x| mm.reference(&x[0], &x[0], None, Activation::None),
         );
         if let Err(e) = r {
@@ -1452,9 +1424,11 @@ const DEEP_CHILD_ENV: &str = "FITGRAD_AUTOGRAD_DEEP_GRAPH_CHILD";
 /// Recorded ops in the deep graph (a long loop accumulating a loss without `no_grad`).
 const DEEP_GRAPH_OPS: usize = 50_000;
 
-/// The body of `deep_graph_backward_and_drop`; a no-op unless run as its child process, since a
-/// stack overflow aborts the whole process.
+/// The body of `deep_graph_backward_and_drop`, run as its child process, since a stack overflow
+/// aborts the whole process. Still a no-op without the variable, so that `--ignored` runs in
+/// one process cannot take the other tests down with it.
 #[test]
+#[ignore = "child process of deep_graph_backward_and_drop: set FITGRAD_AUTOGRAD_DEEP_GRAPH_CHILD=1"]
 fn deep_graph_child() {
     if std::env::var_os(DEEP_CHILD_ENV).is_none() {
         return;
@@ -1496,6 +1470,7 @@ fn deep_graph_backward_and_drop() {
         .args([
             "deep_graph_child",
             "--exact",
+            "--ignored",
             "--nocapture",
             "--test-threads=1",
         ])
@@ -1512,6 +1487,11 @@ fn deep_graph_backward_and_drop() {
         out.status.success(),
         "a graph of {DEEP_GRAPH_OPS} recorded ops failed ({}): {stages:#?}",
         out.status
+    );
+    // The child is #[ignore]d: a missing `--ignored` would pass without running it.
+    assert!(
+        stages.contains(&"deep graph: dropped without backward"),
+        "the child did not run the deep graph: {stages:#?}"
     );
 }
 
@@ -1534,14 +1514,8 @@ fn no_grad_records_nothing() {
             x.copy().unwrap(),
             x.cross_entropy_loss(&[0, 1]).unwrap(),
             x.cross_entropy(&[0, 1]).unwrap().0,
-            x.matmul_with(
-                &x,
-                &MatmulOptions {
-                    activation: Activation::Gelu,
-                    ..Default::default()
-                },
-            )
-            .unwrap(),
+            x.matmul_with(&x, &MatmulOptions::new().activation(Activation::Gelu))
+                .unwrap(),
         ];
         for (i, o) in outs.iter().enumerate() {
             assert!(!o.requires_grad(), "output {i} under no_grad requires grad");
@@ -1702,11 +1676,9 @@ fn ops_on_tensors_without_grad_are_not_recorded() {
             "matmul gelu",
             a.matmul_with(
                 &b,
-                &MatmulOptions {
-                    bias: Some(&bias),
-                    activation: Activation::Gelu,
-                    ..Default::default()
-                },
+                &MatmulOptions::new()
+                    .bias(&bias)
+                    .activation(Activation::Gelu),
             )
             .unwrap(),
         ),
@@ -1736,11 +1708,7 @@ fn ops_on_tensors_without_grad_are_not_recorded() {
     let out = a
         .matmul_with(
             &b,
-            &MatmulOptions {
-                bias: Some(&bg),
-                activation: Activation::Gelu,
-                ..Default::default()
-            },
+            &MatmulOptions::new().bias(&bg).activation(Activation::Gelu),
         )
         .unwrap();
     assert!(out.requires_grad());
@@ -1766,11 +1734,7 @@ fn saved_activations_are_freed_after_backward() {
         let h = x
             .matmul_with(
                 &w1,
-                &MatmulOptions {
-                    bias: Some(&b1),
-                    activation: Activation::Relu,
-                    ..Default::default()
-                },
+                &MatmulOptions::new().bias(&b1).activation(Activation::Relu),
             )
             .unwrap();
         let h = h.gelu().unwrap().tanh().unwrap().exp().unwrap();

@@ -74,10 +74,7 @@ fn budgets_and_reservations_are_checked_against_the_adapter() {
         None,
         "a refused budget changed it"
     );
-    let opts = fitgrad::DeviceOptions {
-        memory_budget: Some(memory.saturating_mul(2)),
-        ..Default::default()
-    };
+    let opts = fitgrad::DeviceOptions::default().memory_budget(memory.saturating_mul(2));
     assert!(matches!(
         Device::with_options(opts),
         Err(Error::InvalidArgument { .. })

@@ -9,6 +9,12 @@ use common::*;
 use fitgrad::optim::{clip_grad_norm, clip_grad_norm_tensor};
 use fitgrad::{DType, Device, Error, Tensor};
 
+device_tests!(
+    clips_like_the_reference,
+    no_clip_leaves_gradients_unchanged,
+    norm_tensor_repeatable_and_empty_cases
+);
+
 /// One element, odd, empty, multiples of 4 (quads), 2-D, and 20001 elements (two slots).
 const SHAPES: [&[usize]; 8] = [
     &[1],
@@ -111,39 +117,33 @@ fn check(dev: &Device, shapes: &[&[usize]], no_grad: Option<usize>, dtype: DType
     }
 }
 
-#[test]
-fn clips_like_the_reference() {
-    for dev in devices() {
-        for dtype in [DType::F32, DType::F16] {
-            // The norm is about 82: clipped to 1, and to 10.
-            check(&dev, &SHAPES, Some(NO_GRAD), dtype, 1.0);
-            check(&dev, &SHAPES, Some(NO_GRAD), dtype, 10.0);
-            // A single parameter, clipped.
-            check(&dev, &[&[3, 7]], None, dtype, 0.5);
-        }
+fn clips_like_the_reference(dev: &Device) {
+    for dtype in [DType::F32, DType::F16] {
+        // The norm is about 82: clipped to 1, and to 10.
+        check(dev, &SHAPES, Some(NO_GRAD), dtype, 1.0);
+        check(dev, &SHAPES, Some(NO_GRAD), dtype, 10.0);
+        // A single parameter, clipped.
+        check(dev, &[&[3, 7]], None, dtype, 0.5);
     }
 }
 
 /// Below max_norm nothing is written: the gradients keep their bits.
-#[test]
-fn no_clip_leaves_gradients_unchanged() {
-    for dev in devices() {
-        for dtype in [DType::F32, DType::F16] {
-            let (params, host) = setup(&dev, &SHAPES, Some(NO_GRAD), dtype, 1.0, 9);
-            let (want_norm, _) = ref_clip(&host, 1.0, dtype);
-            let norm = clip_grad_norm(&params, 1000.0).unwrap();
-            assert!((norm as f64 - want_norm).abs() <= 1e-5 * want_norm);
-            for (i, (p, h)) in params.iter().zip(&host).enumerate() {
-                if let Some(h) = h {
-                    let got = p.grad().unwrap().to_vec_f32().unwrap();
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                    assert_eq!(
-                        bits(&got),
-                        bits(h),
-                        "gradient {i} {dtype} on {}",
-                        label(&dev)
-                    );
-                }
+fn no_clip_leaves_gradients_unchanged(dev: &Device) {
+    for dtype in [DType::F32, DType::F16] {
+        let (params, host) = setup(dev, &SHAPES, Some(NO_GRAD), dtype, 1.0, 9);
+        let (want_norm, _) = ref_clip(&host, 1.0, dtype);
+        let norm = clip_grad_norm(&params, 1000.0).unwrap();
+        assert!((norm as f64 - want_norm).abs() <= 1e-5 * want_norm);
+        for (i, (p, h)) in params.iter().zip(&host).enumerate() {
+            if let Some(h) = h {
+                let got = p.grad().unwrap().to_vec_f32().unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got),
+                    bits(h),
+                    "gradient {i} {dtype} on {}",
+                    label(dev)
+                );
             }
         }
     }
@@ -151,42 +151,39 @@ fn no_clip_leaves_gradients_unchanged() {
 
 /// The tensor form gives the same norm, rank 0 f32, and clips the same way; two runs on the same
 /// gradients give the same bits; no gradient at all gives 0.
-#[test]
-fn norm_tensor_repeatable_and_empty_cases() {
-    for dev in devices() {
-        let run = || {
-            let (params, _) = setup(&dev, &SHAPES, Some(NO_GRAD), DType::F32, 3.0, 1);
-            let t = clip_grad_norm_tensor(&params, 2.0).unwrap();
-            assert_eq!((t.dims(), t.dtype()), (&[][..], DType::F32));
-            let grads: Vec<Vec<u32>> = params
-                .iter()
-                .filter_map(|p| p.grad())
-                .map(|g| {
-                    g.to_vec_f32()
-                        .unwrap()
-                        .iter()
-                        .map(|x| x.to_bits())
-                        .collect()
-                })
-                .collect();
-            (t.item().unwrap().to_bits(), grads)
-        };
-        let a = run();
-        assert_eq!(a, run(), "{}", label(&dev));
-        let (params, _) = setup(&dev, &SHAPES, Some(NO_GRAD), DType::F32, 3.0, 1);
-        assert_eq!(clip_grad_norm(&params, 2.0).unwrap().to_bits(), a.0);
+fn norm_tensor_repeatable_and_empty_cases(dev: &Device) {
+    let run = || {
+        let (params, _) = setup(dev, &SHAPES, Some(NO_GRAD), DType::F32, 3.0, 1);
+        let t = clip_grad_norm_tensor(&params, 2.0).unwrap();
+        assert_eq!((t.dims(), t.dtype()), (&[][..], DType::F32));
+        let grads: Vec<Vec<u32>> = params
+            .iter()
+            .filter_map(|p| p.grad())
+            .map(|g| {
+                g.to_vec_f32()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect()
+            })
+            .collect();
+        (t.item().unwrap().to_bits(), grads)
+    };
+    let a = run();
+    assert_eq!(a, run(), "{}", label(dev));
+    let (params, _) = setup(dev, &SHAPES, Some(NO_GRAD), DType::F32, 3.0, 1);
+    assert_eq!(clip_grad_norm(&params, 2.0).unwrap().to_bits(), a.0);
 
-        // No gradients, or only empty ones: 0, nothing changes.
-        let (params, _) = setup(&dev, &[&[3]], Some(0), DType::F32, 1.0, 1);
-        assert_eq!(clip_grad_norm(&params, 1.0).unwrap(), 0.0);
-        assert_eq!(
-            clip_grad_norm_tensor(&params, 1.0).unwrap().item().unwrap(),
-            0.0
-        );
-        let (params, _) = setup(&dev, &[&[0], &[2, 0]], None, DType::F16, 1.0, 1);
-        assert_eq!(clip_grad_norm(&params, 1.0).unwrap(), 0.0);
-        assert_eq!(clip_grad_norm(&[], 1.0).unwrap(), 0.0);
-    }
+    // No gradients, or only empty ones: 0, nothing changes.
+    let (params, _) = setup(dev, &[&[3]], Some(0), DType::F32, 1.0, 1);
+    assert_eq!(clip_grad_norm(&params, 1.0).unwrap(), 0.0);
+    assert_eq!(
+        clip_grad_norm_tensor(&params, 1.0).unwrap().item().unwrap(),
+        0.0
+    );
+    let (params, _) = setup(dev, &[&[0], &[2, 0]], None, DType::F16, 1.0, 1);
+    assert_eq!(clip_grad_norm(&params, 1.0).unwrap(), 0.0);
+    assert_eq!(clip_grad_norm(&[], 1.0).unwrap(), 0.0);
 }
 
 #[test]

@@ -158,10 +158,7 @@ fn dataset(n: usize, seed: u64) -> Dataset {
 fn trainer(dev: &Device, dropout: f32, precision: Precision) -> Trainer<ResMlp> {
     let m = model(dev, dropout);
     let opt = Box::new(AdamW::new(m.parameters(), 3e-3).unwrap());
-    let config = TrainerConfig {
-        precision,
-        ..TrainerConfig::new(BATCH, 1, 3e-3)
-    };
+    let config = TrainerConfig::new(BATCH, 1, 3e-3).precision(precision);
     Trainer::new(m, opt, config).unwrap()
 }
 

@@ -7,6 +7,8 @@ use common::*;
 use fitgrad::{DType, Device, DeviceOptions, Tensor};
 use half::f16;
 
+device_tests!(sync_and_flush_after_work);
+
 fn backend_of(name: &str) -> wgpu::Backends {
     match name {
         "vulkan" => wgpu::Backends::VULKAN,
@@ -63,35 +65,32 @@ fn adapter_by_name() {
     };
     let name = first.info().adapter.name.to_uppercase();
     let want: String = name.chars().take(5).collect();
-    let dev = fresh_device(DeviceOptions {
-        adapter: Some(want.clone()),
-        backend: Some(first.info().adapter.backend.clone()),
-        ..Default::default()
-    })
+    let dev = fresh_device(
+        DeviceOptions::default()
+            .adapter(want.clone())
+            .backend(first.info().adapter.backend.clone()),
+    )
     .expect("the adapter devices() opened");
     assert!(dev.info().adapter.name.to_uppercase().contains(&want));
     let t = Tensor::full(&dev, &[3], 2.0, DType::F32).unwrap();
     assert_eq!(t.to_vec::<f32>().unwrap(), vec![2.0; 3]);
 }
 
-#[test]
-fn sync_and_flush_after_work() {
-    for dev in devices() {
-        let x = Tensor::ones(&dev, &[1000], DType::F32).unwrap();
-        let mut y = x.clone();
-        for _ in 0..10 {
-            y = y.add(&x).unwrap();
-        }
-        dev.flush().unwrap();
-        dev.sync().unwrap();
-        dev.sync().unwrap(); // nothing pending
-        assert_eq!(
-            y.to_vec::<f32>().unwrap(),
-            vec![11.0; 1000],
-            "{}",
-            label(&dev)
-        );
+fn sync_and_flush_after_work(dev: &Device) {
+    let x = Tensor::ones(dev, &[1000], DType::F32).unwrap();
+    let mut y = x.clone();
+    for _ in 0..10 {
+        y = y.add(&x).unwrap();
     }
+    dev.flush().unwrap();
+    dev.sync().unwrap();
+    dev.sync().unwrap(); // nothing pending
+    assert_eq!(
+        y.to_vec::<f32>().unwrap(),
+        vec![11.0; 1000],
+        "{}",
+        label(dev)
+    );
 }
 
 /// fitgrad on a wgpu device and queue the application created, with and without SHADER_F16.

@@ -21,10 +21,7 @@ fn trainer(lr: f32, precision: Precision) -> Option<Trainer<Mlp>> {
     )
     .unwrap();
     let opt = Box::new(Sgd::new(m.parameters(), lr).unwrap());
-    let cfg = TrainerConfig {
-        precision,
-        ..TrainerConfig::new(16, 1, lr)
-    };
+    let cfg = TrainerConfig::new(16, 1, lr).precision(precision);
     Some(Trainer::new(m, opt, cfg).unwrap())
 }
 

@@ -14,6 +14,13 @@ use fitgrad::nn::{Dropout, Module};
 use fitgrad::{DType, Device, DeviceOptions, Error, Tensor};
 use proptest::prelude::*;
 
+device_tests!(
+    dropout_matches_reference,
+    dropout_fixed_shapes,
+    dropout_seeds_and_p_zero,
+    dropout_layer
+);
+
 const DTYPES: [DType; 2] = [DType::F32, DType::F16];
 
 /// lowbias32.
@@ -77,26 +84,20 @@ fn check(dev: &Device, dtype: DType, dims: &[usize], p: f32, seed: u64) -> Resul
     check_close(&format!("{what}: dx"), &got, &want, Tol::elementwise(dtype))
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(16))]
-
-    #[test]
-    fn dropout_matches_reference(
+fn dropout_matches_reference(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(16), |(
         dims in shape(),
         p in prop::sample::select(vec![1e-6f32, 0.1, 0.5, 0.9, 0.999]),
         seed in any::<u64>(),
-    ) {
-        for dev in devices() {
-            for dtype in DTYPES {
-                check(&dev, dtype, &dims, p, seed).map_err(TestCaseError::fail)?;
-            }
+    )| {
+        for dtype in DTYPES {
+            check(dev, dtype, &dims, p, seed).map_err(TestCaseError::fail)?;
         }
-    }
+    });
 }
 
 /// Rank 0, one element, empty, odd counts and counts around the workgroup's 512 elements.
-#[test]
-fn dropout_fixed_shapes() {
+fn dropout_fixed_shapes(dev: &Device) {
     let shapes: &[&[usize]] = &[
         &[],
         &[1],
@@ -108,12 +109,10 @@ fn dropout_fixed_shapes() {
         &[513],
         &[3, 5, 7],
     ];
-    for dev in devices() {
-        for dtype in DTYPES {
-            for (k, dims) in shapes.iter().enumerate() {
-                check(&dev, dtype, dims, 0.3, 0xDEAD_BEEF_0000_0000 + k as u64)
-                    .unwrap_or_else(|e| panic!("{e}"));
-            }
+    for dtype in DTYPES {
+        for (k, dims) in shapes.iter().enumerate() {
+            check(dev, dtype, dims, 0.3, 0xDEAD_BEEF_0000_0000 + k as u64)
+                .unwrap_or_else(|e| panic!("{e}"));
         }
     }
 }
@@ -174,30 +173,27 @@ fn dropout_keeps_about_one_minus_p() {
 
 /// The same seed gives the same bits; another seed (either half) another mask; p = 0 is the
 /// input itself.
-#[test]
-fn dropout_seeds_and_p_zero() {
-    for dev in devices() {
-        for dtype in DTYPES {
-            let host = host_data(8, 1001, -2.0, 2.0);
-            let x = upload(&dev, &host, &[7, 143], dtype);
-            let bits = |t: Tensor| {
-                t.to_vec_f32()
-                    .unwrap()
-                    .into_iter()
-                    .map(f32::to_bits)
-                    .collect::<Vec<_>>()
-            };
-            let a = bits(x.dropout(0.5, 42).unwrap());
-            assert_eq!(
-                a,
-                bits(x.dropout(0.5, 42).unwrap()),
-                "{dtype} on {}",
-                label(&dev)
-            );
-            assert_ne!(a, bits(x.dropout(0.5, 43).unwrap()));
-            assert_ne!(a, bits(x.dropout(0.5, 42 | 1 << 40).unwrap()));
-            assert_eq!(bits(x.dropout(0.0, 42).unwrap()), bits(x.clone()));
-        }
+fn dropout_seeds_and_p_zero(dev: &Device) {
+    for dtype in DTYPES {
+        let host = host_data(8, 1001, -2.0, 2.0);
+        let x = upload(dev, &host, &[7, 143], dtype);
+        let bits = |t: Tensor| {
+            t.to_vec_f32()
+                .unwrap()
+                .into_iter()
+                .map(f32::to_bits)
+                .collect::<Vec<_>>()
+        };
+        let a = bits(x.dropout(0.5, 42).unwrap());
+        assert_eq!(
+            a,
+            bits(x.dropout(0.5, 42).unwrap()),
+            "{dtype} on {}",
+            label(dev)
+        );
+        assert_ne!(a, bits(x.dropout(0.5, 43).unwrap()));
+        assert_ne!(a, bits(x.dropout(0.5, 42 | 1 << 40).unwrap()));
+        assert_eq!(bits(x.dropout(0.0, 42).unwrap()), bits(x.clone()));
     }
 }
 
@@ -225,54 +221,51 @@ fn dropout_errors_come_before_device_work() {
 /// `nn::Dropout`: training by default with a new mask per call, the same sequence of masks
 /// from the same seed, replay through `next_seed` / `forward_with_seed`, the identity in eval
 /// mode (without using up a mask), and gradients through the layer.
-#[test]
-fn dropout_layer() {
-    for dev in devices() {
-        let host = host_data_away_from_zero(3, 600, 0.5, 2.0);
-        let x = upload(&dev, &host, &[20, 30], DType::F32);
-        let read = |t: Tensor| t.to_vec_f32().unwrap();
-        let d = Dropout::new(0.4, 9).unwrap();
-        assert!(d.is_training());
-        assert!(d.named_parameters().is_empty());
-        let s0 = d.peek_seed();
-        assert_eq!(d.peek_seed(), s0, "peek_seed does not use up a seed");
-        let y1 = read(d.forward(&x).unwrap());
-        let y2 = read(d.forward(&x).unwrap());
-        assert_ne!(y1, y2, "each training call draws a new mask");
-        assert_eq!(d.calls(), 2);
-        assert_eq!(y1, ref_dropout(&host, 0.4, s0, DType::F32));
-        assert_eq!(y2, ref_dropout(&host, 0.4, d.seed_for_call(1), DType::F32));
+fn dropout_layer(dev: &Device) {
+    let host = host_data_away_from_zero(3, 600, 0.5, 2.0);
+    let x = upload(dev, &host, &[20, 30], DType::F32);
+    let read = |t: Tensor| t.to_vec_f32().unwrap();
+    let d = Dropout::new(0.4, 9).unwrap();
+    assert!(d.is_training());
+    assert!(d.named_parameters().is_empty());
+    let s0 = d.peek_seed();
+    assert_eq!(d.peek_seed(), s0, "peek_seed does not use up a seed");
+    let y1 = read(d.forward(&x).unwrap());
+    let y2 = read(d.forward(&x).unwrap());
+    assert_ne!(y1, y2, "each training call draws a new mask");
+    assert_eq!(d.calls(), 2);
+    assert_eq!(y1, ref_dropout(&host, 0.4, s0, DType::F32));
+    assert_eq!(y2, ref_dropout(&host, 0.4, d.seed_for_call(1), DType::F32));
 
-        // The same seed replays the same sequence.
-        let e = Dropout::new(0.4, 9).unwrap();
-        assert_eq!(read(e.forward(&x).unwrap()), y1);
-        assert_eq!(read(e.forward(&x).unwrap()), y2);
-        assert_ne!(Dropout::new(0.4, 10).unwrap().peek_seed(), s0);
+    // The same seed replays the same sequence.
+    let e = Dropout::new(0.4, 9).unwrap();
+    assert_eq!(read(e.forward(&x).unwrap()), y1);
+    assert_eq!(read(e.forward(&x).unwrap()), y2);
+    assert_ne!(Dropout::new(0.4, 10).unwrap().peek_seed(), s0);
 
-        // A mask taken once can be applied again (what checkpointing needs).
-        let s = d.next_seed();
-        let r1 = read(d.forward_with_seed(&x, s).unwrap());
-        assert_eq!(read(d.forward_with_seed(&x, s).unwrap()), r1);
-        assert_eq!(d.calls(), 3);
+    // A mask taken once can be applied again (what checkpointing needs).
+    let s = d.next_seed();
+    let r1 = read(d.forward_with_seed(&x, s).unwrap());
+    assert_eq!(read(d.forward_with_seed(&x, s).unwrap()), r1);
+    assert_eq!(d.calls(), 3);
 
-        // Eval: the identity, and no mask is used up.
-        d.set_training(false);
-        assert!(!d.is_training());
-        assert_eq!(read(d.forward(&x).unwrap()), host);
-        assert_eq!(read(d.forward_with_seed(&x, s).unwrap()), host);
-        assert_eq!(d.calls(), 3);
-        d.set_training(true);
-        let y4 = read(d.forward(&x).unwrap());
-        assert_eq!(y4, ref_dropout(&host, 0.4, d.seed_for_call(3), DType::F32));
+    // Eval: the identity, and no mask is used up.
+    d.set_training(false);
+    assert!(!d.is_training());
+    assert_eq!(read(d.forward(&x).unwrap()), host);
+    assert_eq!(read(d.forward_with_seed(&x, s).unwrap()), host);
+    assert_eq!(d.calls(), 3);
+    d.set_training(true);
+    let y4 = read(d.forward(&x).unwrap());
+    assert_eq!(y4, ref_dropout(&host, 0.4, d.seed_for_call(3), DType::F32));
 
-        // Gradients flow through the mask.
-        let xg = x.detach().with_requires_grad();
-        let seed = d.peek_seed();
-        d.forward(&xg).unwrap().sum().unwrap().backward().unwrap();
-        let ones = vec![1.0f32; 600];
-        assert_eq!(
-            read(xg.grad().unwrap()),
-            ref_dropout(&ones, 0.4, seed, DType::F32)
-        );
-    }
+    // Gradients flow through the mask.
+    let xg = x.detach().with_requires_grad();
+    let seed = d.peek_seed();
+    d.forward(&xg).unwrap().sum().unwrap().backward().unwrap();
+    let ones = vec![1.0f32; 600];
+    assert_eq!(
+        read(xg.grad().unwrap()),
+        ref_dropout(&ones, 0.4, seed, DType::F32)
+    );
 }

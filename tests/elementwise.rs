@@ -8,6 +8,18 @@ use common::*;
 use fitgrad::{DType, Device, Tensor};
 use proptest::prelude::*;
 
+device_tests!(
+    binary_ops_broadcast_like_numpy,
+    scalar_and_unary_ops,
+    binary_edge_shapes,
+    unary_edge_shapes,
+    relu_special_values,
+    relu_keeps_nan,
+    division_by_zero_gives_inf_and_nan,
+    long_op_chain_crosses_flushes,
+    ops_from_several_threads
+);
+
 const DTYPES: [DType; 2] = [DType::F32, DType::F16];
 
 type BinFn = fn(&Tensor, &Tensor) -> fitgrad::Result<Tensor>;
@@ -104,36 +116,32 @@ fn check_unary(
     Ok(())
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(24))]
-
-    #[test]
-    fn binary_ops_broadcast_like_numpy((ad, bd) in broadcast_pair(), seed in any::<u64>()) {
-        for dev in devices() {
-            for dtype in DTYPES {
-                check_binary(&dev, dtype, &ad, &bd, seed).map_err(TestCaseError::fail)?;
-            }
+fn binary_ops_broadcast_like_numpy(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(24), |(
+        (ad, bd) in broadcast_pair(),
+        seed in any::<u64>(),
+    )| {
+        for dtype in DTYPES {
+            check_binary(dev, dtype, &ad, &bd, seed).map_err(TestCaseError::fail)?;
         }
-    }
+    });
+}
 
-    #[test]
-    fn scalar_and_unary_ops(
+fn scalar_and_unary_ops(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(24), |(
         dims in shape(),
         s in prop_oneof![Just(0.5f32), Just(-3.0f32), 0.25f32..4.0],
         seed in any::<u64>(),
-    ) {
-        for dev in devices() {
-            for dtype in DTYPES {
-                check_unary(&dev, dtype, &dims, s, seed).map_err(TestCaseError::fail)?;
-            }
+    )| {
+        for dtype in DTYPES {
+            check_unary(dev, dtype, &dims, s, seed).map_err(TestCaseError::fail)?;
         }
-    }
+    });
 }
 
 /// Fixed shapes the random ones might miss: both sides broadcasting, rank 0 with rank 4, empty
 /// with broadcast, and sizes around the 512 elements one workgroup handles.
-#[test]
-fn binary_edge_shapes() {
+fn binary_edge_shapes(dev: &Device) {
     let cases: &[(&[usize], &[usize])] = &[
         (&[3, 1, 5], &[4, 1]),
         (&[4, 1], &[3, 1, 5]),
@@ -156,17 +164,14 @@ fn binary_edge_shapes() {
         (&[1, 1, 1, 1], &[9, 1, 1, 1]),
         (&[4000], &[4000]),
     ];
-    for dev in devices() {
-        for dtype in DTYPES {
-            for (i, (ad, bd)) in cases.iter().enumerate() {
-                check_binary(&dev, dtype, ad, bd, 100 + i as u64).unwrap_or_else(|e| panic!("{e}"));
-            }
+    for dtype in DTYPES {
+        for (i, (ad, bd)) in cases.iter().enumerate() {
+            check_binary(dev, dtype, ad, bd, 100 + i as u64).unwrap_or_else(|e| panic!("{e}"));
         }
     }
 }
 
-#[test]
-fn unary_edge_shapes() {
+fn unary_edge_shapes(dev: &Device) {
     let shapes: &[&[usize]] = &[
         &[],
         &[0],
@@ -182,18 +187,15 @@ fn unary_edge_shapes() {
         &[1025],
         &[3, 5, 7, 11],
     ];
-    for dev in devices() {
-        for dtype in DTYPES {
-            for (i, dims) in shapes.iter().enumerate() {
-                check_unary(&dev, dtype, dims, 1.5, 7 + i as u64).unwrap_or_else(|e| panic!("{e}"));
-            }
+    for dtype in DTYPES {
+        for (i, dims) in shapes.iter().enumerate() {
+            check_unary(dev, dtype, dims, 1.5, 7 + i as u64).unwrap_or_else(|e| panic!("{e}"));
         }
     }
 }
 
 /// relu maps -0.0 and negatives to 0 and keeps infinities' signs apart (-inf -> 0, inf -> inf).
-#[test]
-fn relu_special_values() {
+fn relu_special_values(dev: &Device) {
     let xs = [
         -1.0,
         -0.0,
@@ -203,116 +205,86 @@ fn relu_special_values() {
         f32::NEG_INFINITY,
         -1e-3,
     ];
-    for dev in devices() {
-        for dtype in DTYPES {
-            let what = format!("relu special values {dtype} on {}", label(&dev));
-            let x = upload(&dev, &xs, &[xs.len()], dtype);
-            let got = download(&x.relu().unwrap(), &[xs.len()], dtype).unwrap();
-            assert_close(
-                &what,
-                &got,
-                &[0.0, 0.0, 0.0, 2.5, f32::INFINITY, 0.0, 0.0],
-                Tol::EXACT,
-            );
-        }
+    for dtype in DTYPES {
+        let what = format!("relu special values {dtype} on {}", label(dev));
+        let x = upload(dev, &xs, &[xs.len()], dtype);
+        let got = download(&x.relu().unwrap(), &[xs.len()], dtype).unwrap();
+        assert_close(
+            &what,
+            &got,
+            &[0.0, 0.0, 0.0, 2.5, f32::INFINITY, 0.0, 0.0],
+            Tol::EXACT,
+        );
     }
 }
 
-/// relu keeps NaN, as torch.relu does. `Err` names the first device and dtype that lost it.
-fn check_relu_keeps_nan(dev: &Device) -> Result<(), String> {
+/// relu keeps NaN, as torch.relu does. Regression: on GL (Mesa llvmpipe) `select(x, 0.0, x <
+/// 0.0)`, emitted as GLSL `(x < 0.0) ? 0.0 : x`, was optimised into `max(x, 0.0)` and NaN became
+/// 0 (`relu_keeps_nan::gl`).
+fn relu_keeps_nan(dev: &Device) {
     let xs = [f32::NAN, -1.0, 3.0, f32::NAN];
     for dtype in DTYPES {
         let x = upload(dev, &xs, &[4], dtype);
-        let got = download(&x.relu().unwrap(), &[4], dtype)?;
-        check_close(
+        let got = download(&x.relu().unwrap(), &[4], dtype).unwrap_or_else(|e| panic!("{e}"));
+        assert_close(
             &format!("relu of NaN {dtype} on {}", label(dev)),
             &got,
             &[f32::NAN, 0.0, 3.0, f32::NAN],
             Tol::EXACT,
-        )?;
-    }
-    Ok(())
-}
-
-fn is_gl(dev: &Device) -> bool {
-    dev.info().adapter.backend == "gl"
-}
-
-#[test]
-fn relu_keeps_nan() {
-    for dev in devices().iter().filter(|d| !is_gl(d)) {
-        check_relu_keeps_nan(dev).unwrap_or_else(|e| panic!("{e}"));
-    }
-}
-
-/// Regression: on GL (Mesa llvmpipe) `select(x, 0.0, x < 0.0)`, emitted as GLSL
-/// `(x < 0.0) ? 0.0 : x`, was optimised into `max(x, 0.0)` and NaN became 0.
-#[test]
-fn relu_keeps_nan_on_gl() {
-    for dev in devices().iter().filter(|d| is_gl(d)) {
-        check_relu_keeps_nan(dev).unwrap_or_else(|e| panic!("{e}"));
+        );
     }
 }
 
 /// Division follows IEEE: x / 0 is +-inf, 0 / 0 is NaN; f16 results overflow to inf.
-#[test]
-fn division_by_zero_gives_inf_and_nan() {
-    for dev in devices() {
-        for dtype in DTYPES {
-            let what = format!("div by zero {dtype} on {}", label(&dev));
-            let a = upload(&dev, &[1.0, -2.0, 0.0], &[3], dtype);
-            let b = upload(&dev, &[0.0, 0.0, 0.0], &[3], dtype);
-            let got = download(&a.div(&b).unwrap(), &[3], dtype).unwrap();
-            assert_close(
-                &what,
-                &got,
-                &[f32::INFINITY, f32::NEG_INFINITY, f32::NAN],
-                Tol::EXACT,
-            );
-        }
+fn division_by_zero_gives_inf_and_nan(dev: &Device) {
+    for dtype in DTYPES {
+        let what = format!("div by zero {dtype} on {}", label(dev));
+        let a = upload(dev, &[1.0, -2.0, 0.0], &[3], dtype);
+        let b = upload(dev, &[0.0, 0.0, 0.0], &[3], dtype);
+        let got = download(&a.div(&b).unwrap(), &[3], dtype).unwrap();
+        assert_close(
+            &what,
+            &got,
+            &[f32::INFINITY, f32::NEG_INFINITY, f32::NAN],
+            Tol::EXACT,
+        );
     }
 }
 
 /// A chain of many ops (more than the 256 dispatches after which the device flushes on its own)
 /// gives the same result as the host.
-#[test]
-fn long_op_chain_crosses_flushes() {
-    for dev in devices() {
-        let host = host_data(5, 300, -1.0, 1.0);
-        let mut t = upload(&dev, &host, &[300], DType::F32);
-        let mut want = host.clone();
-        for step in 0..300 {
-            let s = (step % 7) as f32 * 0.25;
-            t = t.add_scalar(s).unwrap().mul_scalar(0.5).unwrap();
-            for v in want.iter_mut() {
-                *v = (*v + s) * 0.5;
-            }
+fn long_op_chain_crosses_flushes(dev: &Device) {
+    let host = host_data(5, 300, -1.0, 1.0);
+    let mut t = upload(dev, &host, &[300], DType::F32);
+    let mut want = host.clone();
+    for step in 0..300 {
+        let s = (step % 7) as f32 * 0.25;
+        t = t.add_scalar(s).unwrap().mul_scalar(0.5).unwrap();
+        for v in want.iter_mut() {
+            *v = (*v + s) * 0.5;
         }
-        let got = t.to_vec::<f32>().unwrap();
-        assert_close(
-            &format!("300-step chain on {}", label(&dev)),
-            &got,
-            &want,
-            Tol::elementwise(DType::F32),
-        );
     }
+    let got = t.to_vec::<f32>().unwrap();
+    assert_close(
+        &format!("300-step chain on {}", label(dev)),
+        &got,
+        &want,
+        Tol::elementwise(DType::F32),
+    );
 }
 
 /// Ops on the same device from several threads at once all give correct results.
-#[test]
-fn ops_from_several_threads() {
-    for dev in devices() {
-        std::thread::scope(|s| {
-            for th in 0..4u64 {
-                let dev = dev.clone();
-                s.spawn(move || {
-                    for round in 0..10u64 {
-                        let seed = th * 100 + round;
-                        check_binary(&dev, DType::F32, &[33, 7], &[7], seed)
-                            .unwrap_or_else(|e| panic!("thread {th}: {e}"));
-                    }
-                });
-            }
-        });
-    }
+fn ops_from_several_threads(dev: &Device) {
+    std::thread::scope(|s| {
+        for th in 0..4u64 {
+            let dev = dev.clone();
+            s.spawn(move || {
+                for round in 0..10u64 {
+                    let seed = th * 100 + round;
+                    check_binary(&dev, DType::F32, &[33, 7], &[7], seed)
+                        .unwrap_or_else(|e| panic!("thread {th}: {e}"));
+                }
+            });
+        }
+    });
 }

@@ -12,6 +12,13 @@ use fitgrad::nn::{Embedding, Module};
 use fitgrad::{DType, Device, DeviceOptions, Error, Tensor};
 use proptest::prelude::*;
 
+device_tests!(
+    index_select_matches_reference,
+    index_select_fixed_shapes,
+    index_select_is_bitwise_repeatable,
+    embedding_layer
+);
+
 const DTYPES: [DType; 2] = [DType::F32, DType::F16];
 
 /// out (n, d) = table rows `ids`; the table is (v, d) flattened.
@@ -72,34 +79,28 @@ fn ids_for(seed: u64, n: usize, v: usize, few: bool) -> Vec<u32> {
     (0..n).map(|_| (r.next_u64() % span) as u32).collect()
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(16))]
-
-    #[test]
-    fn index_select_matches_reference(
+fn index_select_matches_reference(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(16), |(
         v in prop_oneof![Just(1usize), 2usize..40, Just(257usize)],
         rest in prop::collection::vec(prop_oneof![Just(1usize), 2usize..9, Just(33usize), Just(257usize)], 0..=3),
         n in prop_oneof![Just(0usize), Just(1usize), 2usize..40, Just(513usize)],
         few in any::<bool>(),
         seed in any::<u64>(),
-    ) {
+    )| {
         let mut dims = vec![v];
         dims.extend(rest);
         let dims = cap(dims, 4000);
         let n = n.min(8000 / dims[1..].iter().product::<usize>().max(1)).max(usize::from(n > 0));
         let ids = ids_for(seed, n, dims[0], few);
-        for dev in devices() {
-            for dtype in DTYPES {
-                check(&dev, dtype, &dims, &ids, seed).map_err(TestCaseError::fail)?;
-            }
+        for dtype in DTYPES {
+            check(dev, dtype, &dims, &ids, seed).map_err(TestCaseError::fail)?;
         }
-    }
+    });
 }
 
 /// Edges the random cases may miss: one row of one element, empty id lists, a table with no
 /// columns, every id on one row (a long sum), and pairs of outputs that straddle rows.
-#[test]
-fn index_select_fixed_shapes() {
+fn index_select_fixed_shapes(dev: &Device) {
     let cases: &[(&[usize], &[u32])] = &[
         (&[1], &[0, 0, 0]),
         (&[1, 1], &[0]),
@@ -113,11 +114,9 @@ fn index_select_fixed_shapes() {
         (&[6, 3, 3], &[5, 0, 4, 0, 1]),
         (&[2, 2, 3, 1], &[1, 0, 1]),
     ];
-    for dev in devices() {
-        for dtype in DTYPES {
-            for (k, (dims, ids)) in cases.iter().enumerate() {
-                check(&dev, dtype, dims, ids, 40 + k as u64).unwrap_or_else(|e| panic!("{e}"));
-            }
+    for dtype in DTYPES {
+        for (k, (dims, ids)) in cases.iter().enumerate() {
+            check(dev, dtype, dims, ids, 40 + k as u64).unwrap_or_else(|e| panic!("{e}"));
         }
     }
 }
@@ -156,26 +155,23 @@ fn index_select_gradient_matches_finite_differences() {
 }
 
 /// The same lookup and backward twice give the same bits (many repeated ids: long sums).
-#[test]
-fn index_select_is_bitwise_repeatable() {
-    for dev in devices() {
-        for dtype in DTYPES {
-            let ids = ids_for(9, 700, 5, false);
-            let host = host_data(3, 5 * 37, -3.0, 3.0);
-            let g_host = host_data(4, 700 * 37, -1.0, 1.0);
-            let run = || {
-                let t = upload(&dev, &host, &[5, 37], dtype).with_requires_grad();
-                let out = t.index_select(&ids).unwrap();
-                out.backward_with(upload(&dev, &g_host, &[700, 37], dtype))
-                    .unwrap();
-                let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
-                (
-                    bits(out.to_vec_f32().unwrap()),
-                    bits(t.grad().unwrap().to_vec_f32().unwrap()),
-                )
-            };
-            assert_eq!(run(), run(), "index_select {dtype} on {}", label(&dev));
-        }
+fn index_select_is_bitwise_repeatable(dev: &Device) {
+    for dtype in DTYPES {
+        let ids = ids_for(9, 700, 5, false);
+        let host = host_data(3, 5 * 37, -3.0, 3.0);
+        let g_host = host_data(4, 700 * 37, -1.0, 1.0);
+        let run = || {
+            let t = upload(dev, &host, &[5, 37], dtype).with_requires_grad();
+            let out = t.index_select(&ids).unwrap();
+            out.backward_with(upload(dev, &g_host, &[700, 37], dtype))
+                .unwrap();
+            let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            (
+                bits(out.to_vec_f32().unwrap()),
+                bits(t.grad().unwrap().to_vec_f32().unwrap()),
+            )
+        };
+        assert_eq!(run(), run(), "index_select {dtype} on {}", label(dev));
     }
 }
 
@@ -235,40 +231,37 @@ fn index_select_errors_come_before_device_work() {
 
 /// `nn::Embedding`: N(0, 1) init from its seed, (dims.., D) outputs, gradients that add up for
 /// repeated ids and accumulate across backward calls.
-#[test]
-fn embedding_layer() {
-    for dev in devices() {
-        let (v, d) = (6, 5);
-        let emb = Embedding::new(&dev, v, d, 11).unwrap();
-        assert_eq!(emb.weight.dims(), [v, d]);
-        let want = Tensor::randn(&dev, &[v, d], 0.0, 1.0, 11, DType::F32).unwrap();
-        let table = emb.weight.to_vec_f32().unwrap();
-        assert_eq!(table, want.to_vec_f32().unwrap());
-        assert_eq!(emb.named_parameters()[0].0, "weight");
+fn embedding_layer(dev: &Device) {
+    let (v, d) = (6, 5);
+    let emb = Embedding::new(dev, v, d, 11).unwrap();
+    assert_eq!(emb.weight.dims(), [v, d]);
+    let want = Tensor::randn(dev, &[v, d], 0.0, 1.0, 11, DType::F32).unwrap();
+    let table = emb.weight.to_vec_f32().unwrap();
+    assert_eq!(table, want.to_vec_f32().unwrap());
+    assert_eq!(emb.named_parameters()[0].0, "weight");
 
-        // ids (2, 3) -> (2, 3, D); row 1 three times, row 4 twice, row 0 once.
-        let ids = [1u32, 4, 1, 0, 1, 4];
-        let out = emb.forward_ids(&ids, &[2, 3]).unwrap();
-        assert_eq!(out.dims(), [2, 3, d]);
-        assert_eq!(out.to_vec_f32().unwrap(), ref_gather(&table, d, &ids));
-        out.sum().unwrap().backward().unwrap();
-        let counts = [1.0f32, 3.0, 0.0, 0.0, 2.0, 0.0];
-        let want: Vec<f32> = counts.iter().flat_map(|&c| [c; 5]).collect();
-        assert_eq!(emb.weight.grad().unwrap().to_vec_f32().unwrap(), want);
-        // A second backward adds to the gradient.
-        emb.forward_ids(&[2, 1], &[2])
-            .unwrap()
-            .sum()
-            .unwrap()
-            .backward()
-            .unwrap();
-        let mut want2 = want.clone();
-        for j in 0..d {
-            want2[2 * d + j] += 1.0;
-            want2[d + j] += 1.0;
-        }
-        assert_eq!(emb.weight.grad().unwrap().to_vec_f32().unwrap(), want2);
-        emb.zero_grad();
-        assert!(emb.weight.grad().is_none());
+    // ids (2, 3) -> (2, 3, D); row 1 three times, row 4 twice, row 0 once.
+    let ids = [1u32, 4, 1, 0, 1, 4];
+    let out = emb.forward_ids(&ids, &[2, 3]).unwrap();
+    assert_eq!(out.dims(), [2, 3, d]);
+    assert_eq!(out.to_vec_f32().unwrap(), ref_gather(&table, d, &ids));
+    out.sum().unwrap().backward().unwrap();
+    let counts = [1.0f32, 3.0, 0.0, 0.0, 2.0, 0.0];
+    let want: Vec<f32> = counts.iter().flat_map(|&c| [c; 5]).collect();
+    assert_eq!(emb.weight.grad().unwrap().to_vec_f32().unwrap(), want);
+    // A second backward adds to the gradient.
+    emb.forward_ids(&[2, 1], &[2])
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let mut want2 = want.clone();
+    for j in 0..d {
+        want2[2 * d + j] += 1.0;
+        want2[d + j] += 1.0;
     }
+    assert_eq!(emb.weight.grad().unwrap().to_vec_f32().unwrap(), want2);
+    emb.zero_grad();
+    assert!(emb.weight.grad().is_none());
 }

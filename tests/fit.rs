@@ -28,6 +28,8 @@ use std::io::Write;
 use std::sync::OnceLock;
 use std::time::Instant;
 
+device_tests!(mixed_precision_lowers_the_loss);
+
 /// Seed of the digits split and of the models.
 const SEED: u64 = 11;
 
@@ -108,18 +110,9 @@ impl Setup {
         .expect("model");
         model.checkpoint_activations = self.checkpoint;
         let opt = self.opt.build(model.parameters());
-        Trainer::new(
-            model,
-            opt,
-            TrainerConfig {
-                batch_size: self.batch,
-                micro_batch: self.micro,
-                lr: self.opt.lr(),
-                precision: self.precision,
-                ..Default::default()
-            },
-        )
-        .expect("valid trainer")
+        let mut config = TrainerConfig::new(self.batch, 1, self.opt.lr()).precision(self.precision);
+        config.micro_batch = self.micro;
+        Trainer::new(model, opt, config).expect("valid trainer")
     }
 
     fn label(&self) -> String {
@@ -418,9 +411,8 @@ fn digits_accuracy(dev: &Device, precision: Precision, epochs: u64) -> f32 {
 }
 
 /// Mixed precision learns digits as well as f32 (within 2 points, at least 90%; pure f16 at least
-/// 90% too), takes at most
-/// 0.7x the f32 peak where activations dominate, and runs on every device (native and packed
-/// f16).
+/// 90% too) and takes at most 0.7x the f32 peak where activations dominate;
+/// `mixed_precision_lowers_the_loss` runs it on every device.
 #[test]
 fn mixed_precision_trains_and_saves_memory() {
     let Some(dev) = fresh_with_budget(None) else {
@@ -467,43 +459,45 @@ fn mixed_precision_trains_and_saves_memory() {
         "mixed precision peak is {ratio:.3}x the f32 one (want <= 0.7)"
     );
 
-    // Every device: a few mixed steps with finite losses, the loss going down.
-    let b = host_batches(3, 1, 32, 16, 4);
-    for d in devices() {
-        let mut t = Setup::new(&[16, 32, 4], 32)
-            .precision(Precision::Mixed)
-            .opt(Opt::Sgd {
-                lr: 0.5,
-                momentum: 0.0,
-            })
-            .build(&d);
-        let (x, y) = b.get(0);
-        t.step_rows(x, y).unwrap();
-        let first = t.take_loss().unwrap();
-        for _ in 0..10 {
-            t.step_rows(x, y).unwrap();
-        }
-        let later = t.take_loss().unwrap();
-        note(&format!(
-            "mixed on {}: loss {first:.4} then {later:.4} (mean of 10 steps)",
-            label(&d)
-        ));
-        assert!(
-            first.is_finite() && later.is_finite(),
-            "{}: non-finite loss",
-            label(&d)
-        );
-        assert!(
-            later < first,
-            "{}: mixed precision did not lower the loss ({first} -> {later})",
-            label(&d)
-        );
-        assert_eq!(t.steps(), 11, "{}: steps were skipped", label(&d));
-    }
     note(&format!(
         "mixed precision test took {:.1?}",
         started.elapsed()
     ));
+}
+
+/// A few mixed-precision steps on every device (native and packed f16): finite losses, the loss
+/// going down, no step skipped.
+fn mixed_precision_lowers_the_loss(dev: &Device) {
+    let b = host_batches(3, 1, 32, 16, 4);
+    let mut t = Setup::new(&[16, 32, 4], 32)
+        .precision(Precision::Mixed)
+        .opt(Opt::Sgd {
+            lr: 0.5,
+            momentum: 0.0,
+        })
+        .build(dev);
+    let (x, y) = b.get(0);
+    t.step_rows(x, y).unwrap();
+    let first = t.take_loss().unwrap();
+    for _ in 0..10 {
+        t.step_rows(x, y).unwrap();
+    }
+    let later = t.take_loss().unwrap();
+    note(&format!(
+        "mixed on {}: loss {first:.4} then {later:.4} (mean of 10 steps)",
+        label(dev)
+    ));
+    assert!(
+        first.is_finite() && later.is_finite(),
+        "{}: non-finite loss",
+        label(dev)
+    );
+    assert!(
+        later < first,
+        "{}: mixed precision did not lower the loss ({first} -> {later})",
+        label(dev)
+    );
+    assert_eq!(t.steps(), 11, "{}: steps were skipped", label(dev));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -420,11 +420,9 @@ fn trainer_clips_like_the_manual_loop() {
     // Through the trainer, in micro-batches.
     let m2 = regressor(&dev, 1);
     let o2 = optimizer(Kind::Sgd, m2.parameters());
-    let cfg = TrainerConfig {
-        clip_grad_norm: Some(0.05),
-        micro_batch: Some(10),
-        ..TrainerConfig::new(32, 1, 0.05)
-    };
+    let cfg = TrainerConfig::new(32, 1, 0.05)
+        .clip_grad_norm(0.05)
+        .micro_batch(10);
     let mut t = Trainer::new(m2, o2, cfg).unwrap();
     let plan = t.plan(&data).unwrap();
     dev.reset_peak();
@@ -444,10 +442,7 @@ fn trainer_clips_like_the_manual_loop() {
         Trainer::new(
             regressor(&dev, 2),
             optimizer(Kind::Sgd, regressor(&dev, 2).parameters()),
-            TrainerConfig {
-                clip_grad_norm: Some(0.0),
-                ..TrainerConfig::new(8, 1, 0.1)
-            }
+            TrainerConfig::new(8, 1, 0.1).clip_grad_norm(0.0)
         ),
         Err(Error::InvalidArgument { .. })
     ));

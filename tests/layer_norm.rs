@@ -13,6 +13,14 @@ use fitgrad::nn::{LayerNorm, Module};
 use fitgrad::{DType, Device, DeviceOptions, Error, Tensor};
 use proptest::prelude::*;
 
+device_tests!(
+    layer_norm_matches_reference,
+    layer_norm_fixed_shapes,
+    constant_rows_give_the_bias,
+    layer_norm_is_bitwise_repeatable,
+    layer_norm_layer
+);
+
 const DTYPES: [DType; 2] = [DType::F32, DType::F16];
 const EPS: f32 = 1e-5;
 
@@ -186,32 +194,26 @@ fn row_len() -> impl Strategy<Value = usize> {
     ]
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(16))]
-
-    #[test]
-    fn layer_norm_matches_reference(
+fn layer_norm_matches_reference(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(16), |(
         lead in shape_rank(0, 3),
         c in row_len(),
         affine in 0u8..4,
         offset in prop::sample::select(vec![0.0f32, 10.0]),
         seed in any::<u64>(),
-    ) {
+    )| {
         let mut dims = lead;
         dims.push(c);
         let dims = cap(dims, 8000);
-        for dev in devices() {
-            for dtype in DTYPES {
-                check(&dev, dtype, &dims, affine, offset, seed).map_err(TestCaseError::fail)?;
-            }
+        for dtype in DTYPES {
+            check(dev, dtype, &dims, affine, offset, seed).map_err(TestCaseError::fail)?;
         }
-    }
+    });
 }
 
 /// Shapes the random ones may miss: rows of one, empty inputs, tall inputs (several chunks of
 /// 64 rows in the weight and bias gradients, and a partial last chunk), one long row.
-#[test]
-fn layer_norm_fixed_shapes() {
+fn layer_norm_fixed_shapes(dev: &Device) {
     let shapes: &[&[usize]] = &[
         &[1],
         &[7],
@@ -225,33 +227,28 @@ fn layer_norm_fixed_shapes() {
         &[2, 65, 9],
         &[1, 5000],
     ];
-    for dev in devices() {
-        for dtype in DTYPES {
-            for (k, dims) in shapes.iter().enumerate() {
-                check(&dev, dtype, dims, 3, 1.0, 50 + k as u64).unwrap_or_else(|e| panic!("{e}"));
-            }
+    for dtype in DTYPES {
+        for (k, dims) in shapes.iter().enumerate() {
+            check(dev, dtype, dims, 3, 1.0, 50 + k as u64).unwrap_or_else(|e| panic!("{e}"));
         }
     }
 }
 
 /// A constant row has zero variance: (x - mean) is exactly 0, so the output is the bias.
-#[test]
-fn constant_rows_give_the_bias() {
-    for dev in devices() {
-        for dtype in DTYPES {
-            for c in [5usize, 100] {
-                let x = Tensor::full(&dev, &[3, c], 2.5, dtype).unwrap();
-                let b_host = as_dtype(&host_data(c as u64, c, -1.0, 1.0), dtype);
-                let w = Tensor::full(&dev, &[c], 3.0, dtype).unwrap();
-                let b = upload(&dev, &b_host, &[c], dtype);
-                let y = x.layer_norm(Some(&w), Some(&b), EPS).unwrap();
-                assert_eq!(
-                    y.to_vec_f32().unwrap(),
-                    b_host.repeat(3),
-                    "c {c} {dtype} on {}",
-                    label(&dev)
-                );
-            }
+fn constant_rows_give_the_bias(dev: &Device) {
+    for dtype in DTYPES {
+        for c in [5usize, 100] {
+            let x = Tensor::full(dev, &[3, c], 2.5, dtype).unwrap();
+            let b_host = as_dtype(&host_data(c as u64, c, -1.0, 1.0), dtype);
+            let w = Tensor::full(dev, &[c], 3.0, dtype).unwrap();
+            let b = upload(dev, &b_host, &[c], dtype);
+            let y = x.layer_norm(Some(&w), Some(&b), EPS).unwrap();
+            assert_eq!(
+                y.to_vec_f32().unwrap(),
+                b_host.repeat(3),
+                "c {c} {dtype} on {}",
+                label(dev)
+            );
         }
     }
 }
@@ -301,34 +298,30 @@ fn layer_norm_gradients_match_finite_differences() {
 }
 
 /// The same forward and backward twice give the same bits.
-#[test]
-fn layer_norm_is_bitwise_repeatable() {
-    for dev in devices() {
-        for dtype in DTYPES {
-            let dims = [150, 301];
-            let x_host = host_data(1, numel(&dims), -3.0, 3.0);
-            let g_host = host_data(2, numel(&dims), -1.0, 1.0);
-            let run = || {
-                let x = upload(&dev, &x_host, &dims, dtype).with_requires_grad();
-                let w = Tensor::full(&dev, &[301], 1.5, dtype)
-                    .unwrap()
-                    .with_requires_grad();
-                let b = Tensor::zeros(&dev, &[301], dtype)
-                    .unwrap()
-                    .with_requires_grad();
-                let y = x.layer_norm(Some(&w), Some(&b), EPS).unwrap();
-                y.backward_with(upload(&dev, &g_host, &dims, dtype))
-                    .unwrap();
-                [
-                    y.to_vec_f32(),
-                    x.grad().unwrap().to_vec_f32(),
-                    w.grad().unwrap().to_vec_f32(),
-                    b.grad().unwrap().to_vec_f32(),
-                ]
-                .map(|v| v.unwrap().into_iter().map(f32::to_bits).collect::<Vec<_>>())
-            };
-            assert_eq!(run(), run(), "layer_norm {dtype} on {}", label(&dev));
-        }
+fn layer_norm_is_bitwise_repeatable(dev: &Device) {
+    for dtype in DTYPES {
+        let dims = [150, 301];
+        let x_host = host_data(1, numel(&dims), -3.0, 3.0);
+        let g_host = host_data(2, numel(&dims), -1.0, 1.0);
+        let run = || {
+            let x = upload(dev, &x_host, &dims, dtype).with_requires_grad();
+            let w = Tensor::full(dev, &[301], 1.5, dtype)
+                .unwrap()
+                .with_requires_grad();
+            let b = Tensor::zeros(dev, &[301], dtype)
+                .unwrap()
+                .with_requires_grad();
+            let y = x.layer_norm(Some(&w), Some(&b), EPS).unwrap();
+            y.backward_with(upload(dev, &g_host, &dims, dtype)).unwrap();
+            [
+                y.to_vec_f32(),
+                x.grad().unwrap().to_vec_f32(),
+                w.grad().unwrap().to_vec_f32(),
+                b.grad().unwrap().to_vec_f32(),
+            ]
+            .map(|v| v.unwrap().into_iter().map(f32::to_bits).collect::<Vec<_>>())
+        };
+        assert_eq!(run(), run(), "layer_norm {dtype} on {}", label(dev));
     }
 }
 
@@ -378,38 +371,35 @@ fn layer_norm_errors_come_before_device_work() {
 
 /// `nn::LayerNorm`: ones and zeros, eps 1e-5, the functional op's bits, gradients for its
 /// parameters, and f32 parameters under an f16 input (mixed precision).
-#[test]
-fn layer_norm_layer() {
-    for dev in devices() {
-        let ln = LayerNorm::new(&dev, 9).unwrap();
-        assert_eq!(ln.eps, 1e-5);
-        assert_eq!(ln.weight.to_vec_f32().unwrap(), vec![1.0; 9]);
-        assert_eq!(ln.bias.to_vec_f32().unwrap(), vec![0.0; 9]);
-        let names: Vec<String> = ln.named_parameters().into_iter().map(|p| p.0).collect();
-        assert_eq!(names, ["weight", "bias"]);
-        let x_host = host_data(5, 4 * 9, -2.0, 2.0);
-        let x = upload(&dev, &x_host, &[4, 9], DType::F32);
-        let y = ln.forward(&x).unwrap();
-        let f = x
-            .layer_norm(Some(&ln.weight), Some(&ln.bias), 1e-5)
-            .unwrap();
-        assert_eq!(y.to_vec_f32().unwrap(), f.to_vec_f32().unwrap());
-        y.sum().unwrap().backward().unwrap();
-        // d sum(y) / d b = the row count; d / d w = the column sums of xhat (about 0).
-        assert_eq!(ln.bias.grad().unwrap().to_vec_f32().unwrap(), vec![4.0; 9]);
-        assert!(ln.weight.grad().is_some());
+fn layer_norm_layer(dev: &Device) {
+    let ln = LayerNorm::new(dev, 9).unwrap();
+    assert_eq!(ln.eps, 1e-5);
+    assert_eq!(ln.weight.to_vec_f32().unwrap(), vec![1.0; 9]);
+    assert_eq!(ln.bias.to_vec_f32().unwrap(), vec![0.0; 9]);
+    let names: Vec<String> = ln.named_parameters().into_iter().map(|p| p.0).collect();
+    assert_eq!(names, ["weight", "bias"]);
+    let x_host = host_data(5, 4 * 9, -2.0, 2.0);
+    let x = upload(dev, &x_host, &[4, 9], DType::F32);
+    let y = ln.forward(&x).unwrap();
+    let f = x
+        .layer_norm(Some(&ln.weight), Some(&ln.bias), 1e-5)
+        .unwrap();
+    assert_eq!(y.to_vec_f32().unwrap(), f.to_vec_f32().unwrap());
+    y.sum().unwrap().backward().unwrap();
+    // d sum(y) / d b = the row count; d / d w = the column sums of xhat (about 0).
+    assert_eq!(ln.bias.grad().unwrap().to_vec_f32().unwrap(), vec![4.0; 9]);
+    assert!(ln.weight.grad().is_some());
 
-        let xh = upload(&dev, &x_host, &[4, 9], DType::F16);
-        let yh = ln.forward(&xh).unwrap();
-        assert_eq!(yh.dtype(), DType::F16);
-        yh.to_dtype(DType::F32)
-            .unwrap()
-            .sum()
-            .unwrap()
-            .backward()
-            .unwrap();
-        let gb = ln.bias.grad().unwrap();
-        assert_eq!(gb.dtype(), DType::F32);
-        assert_eq!(gb.to_vec_f32().unwrap(), vec![8.0; 9]);
-    }
+    let xh = upload(dev, &x_host, &[4, 9], DType::F16);
+    let yh = ln.forward(&xh).unwrap();
+    assert_eq!(yh.dtype(), DType::F16);
+    yh.to_dtype(DType::F32)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
+    let gb = ln.bias.grad().unwrap();
+    assert_eq!(gb.dtype(), DType::F32);
+    assert_eq!(gb.to_vec_f32().unwrap(), vec![8.0; 9]);
 }

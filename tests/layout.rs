@@ -13,6 +13,15 @@ use common::*;
 use fitgrad::{DType, Device, Error, MatmulOptions, Tensor};
 use proptest::prelude::*;
 
+device_tests!(
+    narrow_matches_reference,
+    cat_matches_reference,
+    permute_matches_reference,
+    layout_edge_cases,
+    layout_ops_are_bitwise_repeatable,
+    attention_shaped_matmuls_match_reference
+);
+
 const DTYPES: [DType; 2] = [DType::F32, DType::F16];
 
 /// (axis, start, len) of a narrow.
@@ -209,42 +218,44 @@ fn permute_case() -> impl Strategy<Value = (Vec<usize>, Vec<usize>)> {
     })
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(16))]
-
-    #[test]
-    fn narrow_matches_reference(dims in shape_rank(1, 4), bits in any::<u64>(), seed in any::<u64>()) {
+fn narrow_matches_reference(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(16), |(
+        dims in shape_rank(1, 4),
+        bits in any::<u64>(),
+        seed in any::<u64>(),
+    )| {
         let args = narrow_args(&dims, bits);
-        for dev in devices() {
-            for dtype in DTYPES {
-                check_narrow(&dev, dtype, &dims, args, seed).map_err(TestCaseError::fail)?;
-            }
+        for dtype in DTYPES {
+            check_narrow(dev, dtype, &dims, args, seed).map_err(TestCaseError::fail)?;
         }
-    }
+    });
+}
 
-    #[test]
-    fn cat_matches_reference((shapes, axis) in cat_case(), seed in any::<u64>()) {
-        for dev in devices() {
-            for dtype in DTYPES {
-                check_cat(&dev, dtype, &shapes, axis, seed).map_err(TestCaseError::fail)?;
-            }
+fn cat_matches_reference(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(16), |(
+        (shapes, axis) in cat_case(),
+        seed in any::<u64>(),
+    )| {
+        for dtype in DTYPES {
+            check_cat(dev, dtype, &shapes, axis, seed).map_err(TestCaseError::fail)?;
         }
-    }
+    });
+}
 
-    #[test]
-    fn permute_matches_reference((dims, perm) in permute_case(), seed in any::<u64>()) {
-        for dev in devices() {
-            for dtype in DTYPES {
-                check_permute(&dev, dtype, &dims, &perm, seed).map_err(TestCaseError::fail)?;
-            }
+fn permute_matches_reference(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(16), |(
+        (dims, perm) in permute_case(),
+        seed in any::<u64>(),
+    )| {
+        for dtype in DTYPES {
+            check_permute(dev, dtype, &dims, &perm, seed).map_err(TestCaseError::fail)?;
         }
-    }
+    });
 }
 
 /// The edges: odd element offsets that split packed f16 words between cat inputs and narrow
 /// ranges, empty ranges and inputs, rank 1, the whole axis, workgroup-sized blocks.
-#[test]
-fn layout_edge_cases() {
+fn layout_edge_cases(dev: &Device) {
     let narrows: &[(&[usize], NarrowArgs)] = &[
         (&[1], (0, 0, 1)),
         (&[7], (0, 3, 3)),
@@ -279,42 +290,37 @@ fn layout_edge_cases() {
         (&[3, 0, 2], &[1, 2, 0]),
         (&[1, 513, 3], &[2, 1, 0]),
     ];
-    for dev in devices() {
-        for dtype in DTYPES {
-            for (i, (dims, args)) in narrows.iter().enumerate() {
-                check_narrow(&dev, dtype, dims, *args, i as u64).unwrap_or_else(|e| panic!("{e}"));
-            }
-            for (i, (shapes, axis)) in cats.iter().enumerate() {
-                let shapes: Vec<Vec<usize>> = shapes.iter().map(|s| s.to_vec()).collect();
-                check_cat(&dev, dtype, &shapes, *axis, i as u64).unwrap_or_else(|e| panic!("{e}"));
-            }
-            for (i, (dims, perm)) in perms.iter().enumerate() {
-                check_permute(&dev, dtype, dims, perm, i as u64).unwrap_or_else(|e| panic!("{e}"));
-            }
+    for dtype in DTYPES {
+        for (i, (dims, args)) in narrows.iter().enumerate() {
+            check_narrow(dev, dtype, dims, *args, i as u64).unwrap_or_else(|e| panic!("{e}"));
+        }
+        for (i, (shapes, axis)) in cats.iter().enumerate() {
+            let shapes: Vec<Vec<usize>> = shapes.iter().map(|s| s.to_vec()).collect();
+            check_cat(dev, dtype, &shapes, *axis, i as u64).unwrap_or_else(|e| panic!("{e}"));
+        }
+        for (i, (dims, perm)) in perms.iter().enumerate() {
+            check_permute(dev, dtype, dims, perm, i as u64).unwrap_or_else(|e| panic!("{e}"));
         }
     }
 }
 
 /// The same inputs give the same bits, run after run.
-#[test]
-fn layout_ops_are_bitwise_repeatable() {
-    for dev in devices() {
-        for dtype in DTYPES {
-            let host = host_data(3, 2 * 3 * 5 * 7, -10.0, 10.0);
-            let x = upload(&dev, &host, &[2, 3, 5, 7], dtype);
-            let run = || -> Vec<u32> {
-                let a = x.narrow(2, 1, 3).unwrap();
-                let b = x.narrow(2, 0, 1).unwrap();
-                let c = Tensor::cat(&[&a, &b], 2).unwrap();
-                let p = c.permute(&[3, 1, 0, 2]).unwrap();
-                p.to_vec_f32()
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect()
-            };
-            assert_eq!(run(), run(), "{dtype} on {}", label(&dev));
-        }
+fn layout_ops_are_bitwise_repeatable(dev: &Device) {
+    for dtype in DTYPES {
+        let host = host_data(3, 2 * 3 * 5 * 7, -10.0, 10.0);
+        let x = upload(dev, &host, &[2, 3, 5, 7], dtype);
+        let run = || -> Vec<u32> {
+            let a = x.narrow(2, 1, 3).unwrap();
+            let b = x.narrow(2, 0, 1).unwrap();
+            let c = Tensor::cat(&[&a, &b], 2).unwrap();
+            let p = c.permute(&[3, 1, 0, 2]).unwrap();
+            p.to_vec_f32()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        assert_eq!(run(), run(), "{dtype} on {}", label(dev));
     }
 }
 
@@ -552,14 +558,7 @@ impl Bmm {
     }
 
     fn run(&self, a: &Tensor, b: &Tensor) -> fitgrad::Result<Tensor> {
-        a.matmul_with(
-            b,
-            &MatmulOptions {
-                trans_a: self.ta,
-                trans_b: self.tb,
-                ..Default::default()
-            },
-        )
+        a.matmul_with(b, &MatmulOptions::new().trans_a(self.ta).trans_b(self.tb))
     }
 }
 
@@ -621,14 +620,11 @@ fn check_bmm(dev: &Device, dtype: DType, c: &Bmm, seed: u64) -> Res<()> {
     Ok(())
 }
 
-#[test]
-fn attention_shaped_matmuls_match_reference() {
-    for dev in devices() {
-        for dtype in DTYPES {
-            for (b, h, t, d) in [(2, 3, 5, 4), (2, 3, 1, 4), (1, 2, 9, 8)] {
-                for (i, c) in attention_cases(b, h, t, d).iter().enumerate() {
-                    check_bmm(&dev, dtype, c, i as u64).unwrap_or_else(|e| panic!("{e}"));
-                }
+fn attention_shaped_matmuls_match_reference(dev: &Device) {
+    for dtype in DTYPES {
+        for (b, h, t, d) in [(2, 3, 5, 4), (2, 3, 1, 4), (1, 2, 9, 8)] {
+            for (i, c) in attention_cases(b, h, t, d).iter().enumerate() {
+                check_bmm(dev, dtype, c, i as u64).unwrap_or_else(|e| panic!("{e}"));
             }
         }
     }
@@ -677,13 +673,7 @@ fn attention_transpose_forms_agree_and_bad_batches_fail() {
         DType::F32,
     );
     let in_place = q
-        .matmul_with(
-            &k,
-            &MatmulOptions {
-                trans_b: true,
-                ..Default::default()
-            },
-        )
+        .matmul_with(&k, &MatmulOptions::new().trans_b(true))
         .unwrap();
     let stored = q.matmul(&k.transpose_dims(2, 3).unwrap()).unwrap();
     assert_eq!(in_place.dims(), &[2, 3, 5, 5]);

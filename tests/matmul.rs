@@ -8,6 +8,14 @@ use fitgrad::MatmulVariant as Variant;
 use fitgrad::{Activation, DType, Device, Error, MatmulOptions, Tensor};
 use proptest::prelude::*;
 
+device_tests!(
+    kernels_match_the_reference_on_random_shapes,
+    every_variant_in_every_transposed_form,
+    edges_and_empty,
+    transposed_forms_match_explicit_transposes,
+    bad_shapes_are_errors
+);
+
 /// The variants under test: the reference, register blocks (skinny TM = 1 included), workgroup
 /// tiles and subgroup blocks (where the device has 8-lane subgroups, as lavapipe does).
 const VARIANTS: [Variant; 8] = [
@@ -156,12 +164,11 @@ fn check(
     let a = upload(dev, &a_host, &ad, dtype);
     let b = upload(dev, &b_host, &bd, dtype);
     let bias = upload(dev, &bias_host, &[c.n], dtype);
-    let opts = MatmulOptions {
-        trans_a: c.ta,
-        trans_b: c.tb,
-        bias: c.bias.then_some(&bias),
-        activation: c.act,
-    };
+    let mut opts = MatmulOptions::new()
+        .trans_a(c.ta)
+        .trans_b(c.tb)
+        .activation(c.act);
+    opts.bias = c.bias.then_some(&bias);
     let want = expect_in(reference(c, &a_host, &b_host, &bias_host), dtype);
     // Sums of k products of values in [-1, 1]: f32 accumulation error grows with k.
     let tol = match dtype {
@@ -227,46 +234,37 @@ fn case() -> impl Strategy<Value = Case> {
 /// these and the fixed cases below run all of VARIANTS.
 const SAMPLED: [Variant; 4] = [VARIANTS[1], VARIANTS[3], VARIANTS[5], VARIANTS[6]];
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(8))]
+fn kernels_match_the_reference_on_random_shapes(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(8), |(c in case(), seed in any::<u64>())| {
+        for dtype in [DType::F32, DType::F16] {
+            check(dev, dtype, &c, &SAMPLED, seed).map_err(TestCaseError::fail)?;
+        }
+    });
+}
 
-    #[test]
-    fn kernels_match_the_reference_on_random_shapes(c in case(), seed in any::<u64>()) {
-        for dev in devices() {
-            for dtype in [DType::F32, DType::F16] {
-                check(&dev, dtype, &c, &SAMPLED, seed).map_err(TestCaseError::fail)?;
-            }
+fn every_variant_in_every_transposed_form(dev: &Device) {
+    for (i, (ta, tb)) in [(false, false), (true, false), (false, true), (true, true)]
+        .into_iter()
+        .enumerate()
+    {
+        let c = Case {
+            batch_mode: i as u8,
+            batch: 2,
+            m: 37,
+            n: 20,
+            k: 24,
+            ta,
+            tb,
+            bias: true,
+            act: [Activation::Relu, Activation::Gelu][i % 2],
+        };
+        for dtype in [DType::F32, DType::F16] {
+            check(dev, dtype, &c, &VARIANTS, i as u64).unwrap_or_else(|e| panic!("{e}"));
         }
     }
 }
 
-#[test]
-fn every_variant_in_every_transposed_form() {
-    for dev in devices() {
-        for (i, (ta, tb)) in [(false, false), (true, false), (false, true), (true, true)]
-            .into_iter()
-            .enumerate()
-        {
-            let c = Case {
-                batch_mode: i as u8,
-                batch: 2,
-                m: 37,
-                n: 20,
-                k: 24,
-                ta,
-                tb,
-                bias: true,
-                act: [Activation::Relu, Activation::Gelu][i % 2],
-            };
-            for dtype in [DType::F32, DType::F16] {
-                check(&dev, dtype, &c, &VARIANTS, i as u64).unwrap_or_else(|e| panic!("{e}"));
-            }
-        }
-    }
-}
-
-#[test]
-fn edges_and_empty() {
+fn edges_and_empty(dev: &Device) {
     let plain = |m, n, k| Case {
         batch_mode: 0,
         batch: 1,
@@ -278,85 +276,62 @@ fn edges_and_empty() {
         bias: true,
         act: Activation::None,
     };
-    for dev in devices() {
-        // k = 0 gives the bias alone; m or n = 0 gives an empty result.
-        for c in [
-            plain(1, 1, 1),
-            plain(3, 5, 0),
-            plain(0, 4, 3),
-            plain(4, 0, 3),
-            plain(65, 67, 130),
-        ] {
-            for dtype in [DType::F32, DType::F16] {
-                check(&dev, dtype, &c, &VARIANTS, 5).unwrap_or_else(|e| panic!("{e}"));
-            }
+    // k = 0 gives the bias alone; m or n = 0 gives an empty result.
+    for c in [
+        plain(1, 1, 1),
+        plain(3, 5, 0),
+        plain(0, 4, 3),
+        plain(4, 0, 3),
+        plain(65, 67, 130),
+    ] {
+        for dtype in [DType::F32, DType::F16] {
+            check(dev, dtype, &c, &VARIANTS, 5).unwrap_or_else(|e| panic!("{e}"));
         }
     }
 }
 
-#[test]
-fn transposed_forms_match_explicit_transposes() {
-    for dev in devices() {
-        let x = Tensor::randn(&dev, &[7, 5], 0.0, 1.0, 1, DType::F32).unwrap();
-        let y = Tensor::randn(&dev, &[7, 6], 0.0, 1.0, 2, DType::F32).unwrap();
-        // xᵀ·y without materializing xᵀ, against the transpose kernel.
-        let tn = x
-            .matmul_with(
-                &y,
-                &MatmulOptions {
-                    trans_a: true,
-                    ..Default::default()
-                },
-            )
-            .unwrap();
-        let explicit = x.transpose().unwrap().matmul(&y).unwrap();
-        assert_close(
-            "xT.y",
-            &tn.to_vec_f32().unwrap(),
-            &explicit.to_vec_f32().unwrap(),
-            Tol::elementwise(DType::F32),
-        );
-        let z = Tensor::randn(&dev, &[6, 5], 0.0, 1.0, 3, DType::F32).unwrap();
-        let nt = x
-            .matmul_with(
-                &z,
-                &MatmulOptions {
-                    trans_b: true,
-                    ..Default::default()
-                },
-            )
-            .unwrap();
-        let explicit = x.matmul(&z.transpose().unwrap()).unwrap();
-        assert_close(
-            "x.zT",
-            &nt.to_vec_f32().unwrap(),
-            &explicit.to_vec_f32().unwrap(),
-            Tol::elementwise(DType::F32),
-        );
-    }
+fn transposed_forms_match_explicit_transposes(dev: &Device) {
+    let x = Tensor::randn(dev, &[7, 5], 0.0, 1.0, 1, DType::F32).unwrap();
+    let y = Tensor::randn(dev, &[7, 6], 0.0, 1.0, 2, DType::F32).unwrap();
+    // xᵀ·y without materializing xᵀ, against the transpose kernel.
+    let tn = x
+        .matmul_with(&y, &MatmulOptions::new().trans_a(true))
+        .unwrap();
+    let explicit = x.transpose().unwrap().matmul(&y).unwrap();
+    assert_close(
+        "xT.y",
+        &tn.to_vec_f32().unwrap(),
+        &explicit.to_vec_f32().unwrap(),
+        Tol::elementwise(DType::F32),
+    );
+    let z = Tensor::randn(dev, &[6, 5], 0.0, 1.0, 3, DType::F32).unwrap();
+    let nt = x
+        .matmul_with(&z, &MatmulOptions::new().trans_b(true))
+        .unwrap();
+    let explicit = x.matmul(&z.transpose().unwrap()).unwrap();
+    assert_close(
+        "x.zT",
+        &nt.to_vec_f32().unwrap(),
+        &explicit.to_vec_f32().unwrap(),
+        Tol::elementwise(DType::F32),
+    );
 }
 
-#[test]
-fn bad_shapes_are_errors() {
-    for dev in devices() {
-        let t = |d: &[usize]| Tensor::zeros(&dev, d, DType::F32).unwrap();
-        let shape_err = |r: fitgrad::Result<Tensor>| matches!(r, Err(Error::Shape { op, .. }) if op.starts_with("matmul"));
-        assert!(shape_err(t(&[2, 3]).matmul(&t(&[4, 5]))));
-        assert!(shape_err(t(&[3]).matmul(&t(&[3, 2]))));
-        assert!(shape_err(t(&[2, 2, 3]).matmul(&t(&[3, 3, 2]))));
-        let bias = t(&[3]);
-        let opts = MatmulOptions {
-            bias: Some(&bias),
-            ..Default::default()
-        };
-        assert!(shape_err(t(&[2, 3]).matmul_with(&t(&[3, 2]), &opts)));
-        let h = Tensor::zeros(&dev, &[3, 2], DType::F16).unwrap();
-        assert!(matches!(t(&[2, 3]).matmul(&h), Err(Error::DType { .. })));
-        // The device still works.
-        let ok = Tensor::ones(&dev, &[2, 3], DType::F32)
-            .unwrap()
-            .matmul(&t(&[3, 2]))
-            .unwrap();
-        assert_eq!(ok.to_vec::<f32>().unwrap(), vec![0.0; 4]);
-    }
+fn bad_shapes_are_errors(dev: &Device) {
+    let t = |d: &[usize]| Tensor::zeros(dev, d, DType::F32).unwrap();
+    let shape_err = |r: fitgrad::Result<Tensor>| matches!(r, Err(Error::Shape { op, .. }) if op.starts_with("matmul"));
+    assert!(shape_err(t(&[2, 3]).matmul(&t(&[4, 5]))));
+    assert!(shape_err(t(&[3]).matmul(&t(&[3, 2]))));
+    assert!(shape_err(t(&[2, 2, 3]).matmul(&t(&[3, 3, 2]))));
+    let bias = t(&[3]);
+    let opts = MatmulOptions::new().bias(&bias);
+    assert!(shape_err(t(&[2, 3]).matmul_with(&t(&[3, 2]), &opts)));
+    let h = Tensor::zeros(dev, &[3, 2], DType::F16).unwrap();
+    assert!(matches!(t(&[2, 3]).matmul(&h), Err(Error::DType { .. })));
+    // The device still works.
+    let ok = Tensor::ones(dev, &[2, 3], DType::F32)
+        .unwrap()
+        .matmul(&t(&[3, 2]))
+        .unwrap();
+    assert_eq!(ok.to_vec::<f32>().unwrap(), vec![0.0; 4]);
 }

@@ -20,10 +20,7 @@ fn fresh_devices(opts: DeviceOptions) -> Vec<Device> {
     backends.dedup();
     let mut out = Vec::new();
     for b in backends {
-        if let Some(d) = fresh_device(DeviceOptions {
-            backend: Some(b),
-            ..opts.clone()
-        }) {
+        if let Some(d) = fresh_device(opts.clone().backend(b)) {
             out.push(d);
         }
     }
@@ -131,10 +128,7 @@ fn same_size_alloc_and_drop_reuses_one_buffer() {
 
 #[test]
 fn budget_gives_typed_out_of_memory_and_the_device_keeps_working() {
-    for dev in fresh_devices(DeviceOptions {
-        memory_budget: Some(MIB),
-        ..Default::default()
-    }) {
+    for dev in fresh_devices(DeviceOptions::default().memory_budget(MIB)) {
         let what = label(&dev);
         let r = Tensor::zeros(&dev, &[512 * 1024], DType::F32);
         let err = match r {
@@ -174,10 +168,7 @@ fn budget_gives_typed_out_of_memory_and_the_device_keeps_working() {
 
 #[test]
 fn budget_counts_what_is_in_use_and_frees_cached_segments() {
-    for dev in fresh_devices(DeviceOptions {
-        memory_budget: Some(MIB),
-        ..Default::default()
-    }) {
+    for dev in fresh_devices(DeviceOptions::default().memory_budget(MIB)) {
         let what = label(&dev);
         let n600k = 150 * 1024; // 600 KiB of f32
         let a = Tensor::zeros(&dev, &[n600k], DType::F32).unwrap();

@@ -8,7 +8,16 @@ mod common;
 
 use common::*;
 use fitgrad::optim::{AdamW, Optimizer, OptimizerState, Sgd};
-use fitgrad::{DType, DeviceOptions, Error, Tensor};
+use fitgrad::{DType, Device, DeviceOptions, Error, Tensor};
+
+device_tests!(
+    matches_torch_reference_f32,
+    matches_torch_reference_f16_storage_and_f16_grads,
+    a_parameter_without_grad_is_untouched,
+    state_round_trips,
+    bad_hyperparameters_are_errors,
+    bad_parameter_lists_are_errors
+);
 
 /// Parameter shapes of every case: one element, odd, 1000+, 2-D, empty, and multiples of 4
 /// (updated four elements per invocation).
@@ -309,48 +318,39 @@ fn check_against_reference(dev: &fitgrad::Device, cfg: &Cfg, dtype: DType, grad_
     }
 }
 
-#[test]
-fn matches_torch_reference_f32() {
-    for dev in devices() {
-        for cfg in configs() {
-            check_against_reference(&dev, &cfg, DType::F32, DType::F32);
-        }
+fn matches_torch_reference_f32(dev: &Device) {
+    for cfg in configs() {
+        check_against_reference(dev, &cfg, DType::F32, DType::F32);
     }
 }
 
-#[test]
-fn matches_torch_reference_f16_storage_and_f16_grads() {
-    for dev in devices() {
-        for cfg in configs() {
-            check_against_reference(&dev, &cfg, DType::F16, DType::F16);
-            // Mixed precision: f32 master weights and state, f16 gradients.
-            check_against_reference(&dev, &cfg, DType::F32, DType::F16);
-        }
+fn matches_torch_reference_f16_storage_and_f16_grads(dev: &Device) {
+    for cfg in configs() {
+        check_against_reference(dev, &cfg, DType::F16, DType::F16);
+        // Mixed precision: f32 master weights and state, f16 gradients.
+        check_against_reference(dev, &cfg, DType::F32, DType::F16);
     }
 }
 
 /// A parameter that never gets a gradient is left as it was and gets no state.
-#[test]
-fn a_parameter_without_grad_is_untouched() {
-    for dev in devices() {
-        for cfg in configs() {
-            let a = upload(&dev, &[1.0, -2.0, 3.0], &[3], DType::F32).with_requires_grad();
-            let b = upload(&dev, &[0.5, 0.25], &[2], DType::F32).with_requires_grad();
-            let mut opt = cfg.build(vec![a.clone(), b.clone()]);
-            for _ in 0..2 {
-                b.set_grad(Some(upload(&dev, &[1.0, 1.0], &[2], DType::F32)))
-                    .unwrap();
-                opt.step().unwrap();
-            }
-            assert_eq!(a.to_vec::<f32>().unwrap(), vec![1.0, -2.0, 3.0], "{cfg:?}");
-            assert_ne!(b.to_vec::<f32>().unwrap(), vec![0.5, 0.25], "{cfg:?}");
-            let state = opt.state();
-            assert_eq!(state.param_steps, vec![0, 2], "{cfg:?}");
-            assert!(
-                state.tensors.iter().all(|(k, _)| k.starts_with("1.")),
-                "{cfg:?}"
-            );
+fn a_parameter_without_grad_is_untouched(dev: &Device) {
+    for cfg in configs() {
+        let a = upload(dev, &[1.0, -2.0, 3.0], &[3], DType::F32).with_requires_grad();
+        let b = upload(dev, &[0.5, 0.25], &[2], DType::F32).with_requires_grad();
+        let mut opt = cfg.build(vec![a.clone(), b.clone()]);
+        for _ in 0..2 {
+            b.set_grad(Some(upload(dev, &[1.0, 1.0], &[2], DType::F32)))
+                .unwrap();
+            opt.step().unwrap();
         }
+        assert_eq!(a.to_vec::<f32>().unwrap(), vec![1.0, -2.0, 3.0], "{cfg:?}");
+        assert_ne!(b.to_vec::<f32>().unwrap(), vec![0.5, 0.25], "{cfg:?}");
+        let state = opt.state();
+        assert_eq!(state.param_steps, vec![0, 2], "{cfg:?}");
+        assert!(
+            state.tensors.iter().all(|(k, _)| k.starts_with("1.")),
+            "{cfg:?}"
+        );
     }
 }
 
@@ -425,78 +425,75 @@ fn steps_after_the_first_allocate_nothing() {
 }
 
 /// A state taken from one optimizer and loaded into another continues the same trajectory.
-#[test]
-fn state_round_trips() {
-    for dev in devices() {
-        for cfg in configs() {
-            let what = format!("{cfg:?} on {}", label(&dev));
-            let mk = |seed: u64| {
-                SHAPES
-                    .iter()
-                    .enumerate()
-                    .map(|(i, d)| {
-                        let h = host_data(seed + i as u64, numel(d), -1.0, 1.0);
-                        upload(&dev, &h, d, DType::F32).with_requires_grad()
-                    })
-                    .collect::<Vec<_>>()
-            };
-            let pa = mk(1);
-            let mut a = cfg.build(pa.clone());
-            let grad_step = |params: &[Tensor], step: u64| {
-                for (i, (p, d)) in params.iter().zip(SHAPES).enumerate() {
-                    let g = host_grad(i, step, numel(d)).map(|g| upload(&dev, &g, d, DType::F32));
-                    p.set_grad(g).unwrap();
-                }
-            };
-            for step in 0..3 {
-                grad_step(&pa, step);
-                a.step().unwrap();
-            }
-            // B: copies of A's parameters and state.
-            let pb: Vec<Tensor> = pa
+fn state_round_trips(dev: &Device) {
+    for cfg in configs() {
+        let what = format!("{cfg:?} on {}", label(dev));
+        let mk = |seed: u64| {
+            SHAPES
                 .iter()
-                .map(|p| p.detach().copy().unwrap().with_requires_grad())
-                .collect();
-            let mut b = cfg.build(pb.clone());
+                .enumerate()
+                .map(|(i, d)| {
+                    let h = host_data(seed + i as u64, numel(d), -1.0, 1.0);
+                    upload(dev, &h, d, DType::F32).with_requires_grad()
+                })
+                .collect::<Vec<_>>()
+        };
+        let pa = mk(1);
+        let mut a = cfg.build(pa.clone());
+        let grad_step = |params: &[Tensor], step: u64| {
+            for (i, (p, d)) in params.iter().zip(SHAPES).enumerate() {
+                let g = host_grad(i, step, numel(d)).map(|g| upload(dev, &g, d, DType::F32));
+                p.set_grad(g).unwrap();
+            }
+        };
+        for step in 0..3 {
+            grad_step(&pa, step);
+            a.step().unwrap();
+        }
+        // B: copies of A's parameters and state.
+        let pb: Vec<Tensor> = pa
+            .iter()
+            .map(|p| p.detach().copy().unwrap().with_requires_grad())
+            .collect();
+        let mut b = cfg.build(pb.clone());
+        let mut st = a.state();
+        st.tensors = st
+            .tensors
+            .into_iter()
+            .map(|(k, t)| (k, t.copy().unwrap()))
+            .collect();
+        b.load_state(st).unwrap();
+        assert_eq!(b.step_count(), 3, "{what}");
+        for step in 3..5 {
+            grad_step(&pa, step);
+            grad_step(&pb, step);
+            a.step().unwrap();
+            b.step().unwrap();
+        }
+        for (x, y) in pa.iter().zip(&pb) {
+            assert_eq!(
+                x.to_vec::<f32>().unwrap(),
+                y.to_vec::<f32>().unwrap(),
+                "{what}"
+            );
+        }
+        // A state that does not fit is refused.
+        let mut bad = |s: OptimizerState| b.load_state(s).is_err();
+        let mut st = a.state();
+        st.param_steps.pop();
+        assert!(bad(st), "{what}: steps of too few parameters");
+        if !cfg.state_names().is_empty() {
             let mut st = a.state();
-            st.tensors = st
-                .tensors
-                .into_iter()
-                .map(|(k, t)| (k, t.copy().unwrap()))
-                .collect();
-            b.load_state(st).unwrap();
-            assert_eq!(b.step_count(), 3, "{what}");
-            for step in 3..5 {
-                grad_step(&pa, step);
-                grad_step(&pb, step);
-                a.step().unwrap();
-                b.step().unwrap();
-            }
-            for (x, y) in pa.iter().zip(&pb) {
-                assert_eq!(
-                    x.to_vec::<f32>().unwrap(),
-                    y.to_vec::<f32>().unwrap(),
-                    "{what}"
-                );
-            }
-            // A state that does not fit is refused.
-            let mut bad = |s: OptimizerState| b.load_state(s).is_err();
+            st.tensors[0].0 = "99.exp_avg".into();
+            assert!(bad(st), "{what}: unknown parameter");
             let mut st = a.state();
-            st.param_steps.pop();
-            assert!(bad(st), "{what}: steps of too few parameters");
-            if !cfg.state_names().is_empty() {
-                let mut st = a.state();
-                st.tensors[0].0 = "99.exp_avg".into();
-                assert!(bad(st), "{what}: unknown parameter");
-                let mut st = a.state();
-                st.tensors.pop();
-                if cfg.state_names().len() == 2 {
-                    assert!(bad(st), "{what}: half a state");
-                }
-                let mut st = a.state();
-                st.tensors[0].1 = Tensor::zeros(&dev, &[2, 2], DType::F32).unwrap();
-                assert!(bad(st), "{what}: wrong shape");
+            st.tensors.pop();
+            if cfg.state_names().len() == 2 {
+                assert!(bad(st), "{what}: half a state");
             }
+            let mut st = a.state();
+            st.tensors[0].1 = Tensor::zeros(dev, &[2, 2], DType::F32).unwrap();
+            assert!(bad(st), "{what}: wrong shape");
         }
     }
 }
@@ -505,88 +502,82 @@ fn invalid<T>(r: fitgrad::Result<T>) -> bool {
     matches!(r, Err(Error::InvalidArgument { .. }))
 }
 
-#[test]
-fn bad_hyperparameters_are_errors() {
-    for dev in devices() {
-        let p = upload(&dev, &[1.0, 2.0], &[2], DType::F32).with_requires_grad();
-        p.set_grad(Some(upload(&dev, &[1.0, 1.0], &[2], DType::F32)))
-            .unwrap();
-        let ps = || vec![p.clone()];
-        for lr in [-0.1, f32::NAN, f32::INFINITY] {
-            assert!(invalid(Sgd::new(ps(), lr)), "sgd lr {lr}");
-            assert!(invalid(AdamW::new(ps(), lr)), "adamw lr {lr}");
-        }
-        // Builders check their own value at once.
-        let sgd = || Sgd::new(ps(), 0.1).unwrap();
-        assert!(invalid(sgd().momentum(-0.5)));
-        assert!(invalid(sgd().momentum(f32::NAN)));
-        assert!(invalid(sgd().weight_decay(-1.0)));
-        assert!(invalid(sgd().weight_decay(f32::INFINITY)));
-        assert!(invalid(sgd().dampening(f32::INFINITY)));
-        let adamw = || AdamW::new(ps(), 0.1).unwrap();
-        assert!(invalid(adamw().betas(1.0, 0.999)));
-        assert!(invalid(adamw().betas(0.9, 1.0)));
-        assert!(invalid(adamw().betas(-0.1, 0.999)));
-        assert!(invalid(adamw().betas(0.9, f32::NAN)));
-        assert!(invalid(adamw().eps(0.0)));
-        assert!(invalid(adamw().eps(-1e-8)));
-        assert!(invalid(adamw().eps(f32::NAN)));
-        assert!(invalid(adamw().weight_decay(-0.01)));
-        // Nesterov needs momentum and no dampening (as torch): checked by the step, whatever
-        // the order of the builder calls.
-        for mut o in [
-            sgd().nesterov(true).unwrap(),
-            sgd()
-                .nesterov(true)
-                .and_then(|o| o.momentum(0.9))
-                .and_then(|o| o.dampening(0.1))
-                .unwrap(),
-        ] {
-            assert!(invalid(o.step()));
-        }
-        // A bad learning rate set later is caught by the next step, before any update.
-        let mut o = sgd();
-        o.set_lr(-1.0);
-        assert_eq!(o.lr(), -1.0);
-        assert!(invalid(o.step()));
-        let mut o = adamw();
-        o.set_lr(f32::NAN);
-        assert!(invalid(o.step()));
-        assert_eq!(o.step_count(), 0);
-        assert!(o.state_tensors().is_empty());
-        assert_eq!(p.to_vec::<f32>().unwrap(), vec![1.0, 2.0]);
-        // Boundary values that are fine.
-        let mut o = sgd().nesterov(true).and_then(|o| o.momentum(0.9)).unwrap();
-        o.step().unwrap();
-        let mut o = adamw()
-            .betas(0.0, 0.0)
-            .and_then(|o| o.weight_decay(0.0))
-            .unwrap();
-        o.step().unwrap();
-        Sgd::new(ps(), 0.0).unwrap().step().unwrap();
+fn bad_hyperparameters_are_errors(dev: &Device) {
+    let p = upload(dev, &[1.0, 2.0], &[2], DType::F32).with_requires_grad();
+    p.set_grad(Some(upload(dev, &[1.0, 1.0], &[2], DType::F32)))
+        .unwrap();
+    let ps = || vec![p.clone()];
+    for lr in [-0.1, f32::NAN, f32::INFINITY] {
+        assert!(invalid(Sgd::new(ps(), lr)), "sgd lr {lr}");
+        assert!(invalid(AdamW::new(ps(), lr)), "adamw lr {lr}");
     }
+    // Builders check their own value at once.
+    let sgd = || Sgd::new(ps(), 0.1).unwrap();
+    assert!(invalid(sgd().momentum(-0.5)));
+    assert!(invalid(sgd().momentum(f32::NAN)));
+    assert!(invalid(sgd().weight_decay(-1.0)));
+    assert!(invalid(sgd().weight_decay(f32::INFINITY)));
+    assert!(invalid(sgd().dampening(f32::INFINITY)));
+    let adamw = || AdamW::new(ps(), 0.1).unwrap();
+    assert!(invalid(adamw().betas(1.0, 0.999)));
+    assert!(invalid(adamw().betas(0.9, 1.0)));
+    assert!(invalid(adamw().betas(-0.1, 0.999)));
+    assert!(invalid(adamw().betas(0.9, f32::NAN)));
+    assert!(invalid(adamw().eps(0.0)));
+    assert!(invalid(adamw().eps(-1e-8)));
+    assert!(invalid(adamw().eps(f32::NAN)));
+    assert!(invalid(adamw().weight_decay(-0.01)));
+    // Nesterov needs momentum and no dampening (as torch): checked by the step, whatever
+    // the order of the builder calls.
+    for mut o in [
+        sgd().nesterov(true).unwrap(),
+        sgd()
+            .nesterov(true)
+            .and_then(|o| o.momentum(0.9))
+            .and_then(|o| o.dampening(0.1))
+            .unwrap(),
+    ] {
+        assert!(invalid(o.step()));
+    }
+    // A bad learning rate set later is caught by the next step, before any update.
+    let mut o = sgd();
+    o.set_lr(-1.0);
+    assert_eq!(o.lr(), -1.0);
+    assert!(invalid(o.step()));
+    let mut o = adamw();
+    o.set_lr(f32::NAN);
+    assert!(invalid(o.step()));
+    assert_eq!(o.step_count(), 0);
+    assert!(o.state_tensors().is_empty());
+    assert_eq!(p.to_vec::<f32>().unwrap(), vec![1.0, 2.0]);
+    // Boundary values that are fine.
+    let mut o = sgd().nesterov(true).and_then(|o| o.momentum(0.9)).unwrap();
+    o.step().unwrap();
+    let mut o = adamw()
+        .betas(0.0, 0.0)
+        .and_then(|o| o.weight_decay(0.0))
+        .unwrap();
+    o.step().unwrap();
+    Sgd::new(ps(), 0.0).unwrap().step().unwrap();
 }
 
-#[test]
-fn bad_parameter_lists_are_errors() {
-    for dev in devices() {
-        let plain = upload(&dev, &[1.0], &[1], DType::F32);
-        let leaf = plain.copy().unwrap().with_requires_grad();
-        let non_leaf = leaf.mul_scalar(2.0).unwrap();
-        assert!(non_leaf.requires_grad());
-        for params in [
-            vec![],
-            vec![plain.clone()],
-            vec![leaf.clone(), plain.clone()],
-            vec![non_leaf.clone()],
-            // The same tensor twice would be updated twice per step.
-            vec![leaf.clone(), leaf.clone()],
-        ] {
-            assert!(invalid(Sgd::new(params.clone(), 0.1)), "{params:?}");
-            assert!(invalid(AdamW::new(params.clone(), 0.1)), "{params:?}");
-        }
-        let ok = Sgd::new(vec![leaf.clone()], 0.1).unwrap();
-        assert_eq!(ok.params().len(), 1);
-        assert_eq!(ok.lr(), 0.1);
+fn bad_parameter_lists_are_errors(dev: &Device) {
+    let plain = upload(dev, &[1.0], &[1], DType::F32);
+    let leaf = plain.copy().unwrap().with_requires_grad();
+    let non_leaf = leaf.mul_scalar(2.0).unwrap();
+    assert!(non_leaf.requires_grad());
+    for params in [
+        vec![],
+        vec![plain.clone()],
+        vec![leaf.clone(), plain.clone()],
+        vec![non_leaf.clone()],
+        // The same tensor twice would be updated twice per step.
+        vec![leaf.clone(), leaf.clone()],
+    ] {
+        assert!(invalid(Sgd::new(params.clone(), 0.1)), "{params:?}");
+        assert!(invalid(AdamW::new(params.clone(), 0.1)), "{params:?}");
     }
+    let ok = Sgd::new(vec![leaf.clone()], 0.1).unwrap();
+    assert_eq!(ok.params().len(), 1);
+    assert_eq!(ok.lr(), 0.1);
 }

@@ -9,6 +9,13 @@ use common::*;
 use fitgrad::{DType, Device, Tensor};
 use proptest::prelude::*;
 
+device_tests!(
+    reductions_match_reference,
+    reductions_fixed_shapes,
+    empty_mean_is_nan_and_empty_sum_is_zero,
+    sum_is_deterministic
+);
+
 const DTYPES: [DType; 2] = [DType::F32, DType::F16];
 
 /// Per-element tolerance of a reduction whose terms have absolute sum `abs_sum` over `len`
@@ -108,23 +115,17 @@ fn check_all(dev: &Device, dtype: DType, dims: &[usize], seed: u64) -> Result<()
     Ok(())
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(24))]
-
-    #[test]
-    fn reductions_match_reference(dims in shape(), seed in any::<u64>()) {
-        for dev in devices() {
-            for dtype in DTYPES {
-                check_all(&dev, dtype, &dims, seed).map_err(TestCaseError::fail)?;
-            }
+fn reductions_match_reference(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(24), |(dims in shape(), seed in any::<u64>())| {
+        for dtype in DTYPES {
+            check_all(dev, dtype, &dims, seed).map_err(TestCaseError::fail)?;
         }
-    }
+    });
 }
 
 /// Long rows (tree reduction) and short rows (serial loop), contiguous and strided, around the
 /// 64-element switch and the 256-invocation workgroup, and empty axes.
-#[test]
-fn reductions_fixed_shapes() {
+fn reductions_fixed_shapes(dev: &Device) {
     let shapes: &[&[usize]] = &[
         &[1000],
         &[3],
@@ -155,79 +156,71 @@ fn reductions_fixed_shapes() {
         &[2, 0, 70],
         &[1, 0],
     ];
-    for dev in devices() {
-        for dtype in DTYPES {
-            for (i, dims) in shapes.iter().enumerate() {
-                check_all(&dev, dtype, dims, 40 + i as u64).unwrap_or_else(|e| panic!("{e}"));
-            }
+    for dtype in DTYPES {
+        for (i, dims) in shapes.iter().enumerate() {
+            check_all(dev, dtype, dims, 40 + i as u64).unwrap_or_else(|e| panic!("{e}"));
         }
     }
 }
 
 /// The mean of an empty tensor, or along an empty axis, is NaN (PyTorch); the sum is 0.
-#[test]
-fn empty_mean_is_nan_and_empty_sum_is_zero() {
-    for dev in devices() {
-        for dtype in DTYPES {
-            let what = format!("{dtype} on {}", label(&dev));
-            let x = Tensor::zeros(&dev, &[0, 4], dtype).unwrap();
-            let m = x.mean().unwrap();
-            assert_eq!(m.dims(), &[] as &[usize], "{what}");
-            assert!(m.item().unwrap().is_nan(), "mean of empty, {what}");
-            assert_eq!(
-                x.sum().unwrap().item().unwrap(),
-                0.0,
-                "sum of empty, {what}"
-            );
-            let ma = x.mean_axis(0, false).unwrap();
-            let got = download(&ma, &[4], dtype).unwrap();
-            assert!(
-                got.iter().all(|v| v.is_nan()),
-                "mean over empty axis 0 of [0, 4], {what}: {got:?}"
-            );
-            let ma = x.mean_axis(0, true).unwrap();
-            assert_eq!(ma.dims(), &[1, 4], "{what}");
-            let sa = x.sum_axis(0, false).unwrap();
-            assert_eq!(download(&sa, &[4], dtype).unwrap(), vec![0.0; 4], "{what}");
-            // Along the non-empty axis the result itself is empty.
-            let e = x.mean_axis(1, false).unwrap();
-            assert_eq!(e.dims(), &[0], "{what}");
-            assert!(e.to_vec_f32().unwrap().is_empty(), "{what}");
-        }
+fn empty_mean_is_nan_and_empty_sum_is_zero(dev: &Device) {
+    for dtype in DTYPES {
+        let what = format!("{dtype} on {}", label(dev));
+        let x = Tensor::zeros(dev, &[0, 4], dtype).unwrap();
+        let m = x.mean().unwrap();
+        assert_eq!(m.dims(), &[] as &[usize], "{what}");
+        assert!(m.item().unwrap().is_nan(), "mean of empty, {what}");
+        assert_eq!(
+            x.sum().unwrap().item().unwrap(),
+            0.0,
+            "sum of empty, {what}"
+        );
+        let ma = x.mean_axis(0, false).unwrap();
+        let got = download(&ma, &[4], dtype).unwrap();
+        assert!(
+            got.iter().all(|v| v.is_nan()),
+            "mean over empty axis 0 of [0, 4], {what}: {got:?}"
+        );
+        let ma = x.mean_axis(0, true).unwrap();
+        assert_eq!(ma.dims(), &[1, 4], "{what}");
+        let sa = x.sum_axis(0, false).unwrap();
+        assert_eq!(download(&sa, &[4], dtype).unwrap(), vec![0.0; 4], "{what}");
+        // Along the non-empty axis the result itself is empty.
+        let e = x.mean_axis(1, false).unwrap();
+        assert_eq!(e.dims(), &[0], "{what}");
+        assert!(e.to_vec_f32().unwrap().is_empty(), "{what}");
     }
 }
 
 /// Summing the same 100k-element tensor twice gives bitwise the same value (the order of the
 /// additions is fixed by the shape).
-#[test]
-fn sum_is_deterministic() {
-    for dev in devices() {
-        for dtype in DTYPES {
-            let host = host_data(99, 100_000, -1.0, 1.0);
-            let x = upload(&dev, &host, &[100_000], dtype);
-            let a = x.sum().unwrap().item().unwrap();
-            let b = x.sum().unwrap().item().unwrap();
-            assert_eq!(
-                a.to_bits(),
-                b.to_bits(),
-                "{dtype} on {}: {a} vs {b}",
-                label(&dev)
-            );
-            let x2 = x.reshape(&[100, 1000]).unwrap();
-            let r1 = x2.sum_axis(1, false).unwrap().to_vec_f32().unwrap();
-            let r2 = x2.sum_axis(1, false).unwrap().to_vec_f32().unwrap();
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&r1), bits(&r2), "{dtype} on {}", label(&dev));
-            // And it is right.
-            let host = as_dtype(&host, dtype);
-            let want = ref_sum(&host) as f32;
-            let abs: f32 = host.iter().map(|v| v.abs()).sum();
-            let tol = reduce_tol(dtype, abs, host.len(), false, want) + f16_ulp(want);
-            assert!(
-                (a - want).abs() <= tol,
-                "{dtype} on {}: sum {a}, expected {want}",
-                label(&dev)
-            );
-        }
+fn sum_is_deterministic(dev: &Device) {
+    for dtype in DTYPES {
+        let host = host_data(99, 100_000, -1.0, 1.0);
+        let x = upload(dev, &host, &[100_000], dtype);
+        let a = x.sum().unwrap().item().unwrap();
+        let b = x.sum().unwrap().item().unwrap();
+        assert_eq!(
+            a.to_bits(),
+            b.to_bits(),
+            "{dtype} on {}: {a} vs {b}",
+            label(dev)
+        );
+        let x2 = x.reshape(&[100, 1000]).unwrap();
+        let r1 = x2.sum_axis(1, false).unwrap().to_vec_f32().unwrap();
+        let r2 = x2.sum_axis(1, false).unwrap().to_vec_f32().unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&r1), bits(&r2), "{dtype} on {}", label(dev));
+        // And it is right.
+        let host = as_dtype(&host, dtype);
+        let want = ref_sum(&host) as f32;
+        let abs: f32 = host.iter().map(|v| v.abs()).sum();
+        let tol = reduce_tol(dtype, abs, host.len(), false, want) + f16_ulp(want);
+        assert!(
+            (a - want).abs() <= tol,
+            "{dtype} on {}: sum {a}, expected {want}",
+            label(dev)
+        );
     }
 }

@@ -13,6 +13,15 @@ use common::*;
 use fitgrad::{DType, Device, Error, Tensor};
 use proptest::prelude::*;
 
+device_tests!(
+    abs_matches_reference,
+    maximum_and_minimum_match_reference,
+    where_matches_reference,
+    masked_fill_matches_reference,
+    selection_edge_shapes,
+    selection_ops_are_bitwise_repeatable
+);
+
 const DTYPES: [DType; 2] = [DType::F32, DType::F16];
 
 /// maximum or minimum, and its f64 reference for the gradient check.
@@ -248,56 +257,51 @@ const DTYPE_PAIRS: [(DType, DType); 4] = [
     (DType::F16, DType::F32),
 ];
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(16))]
-
-    #[test]
-    fn abs_matches_reference(dims in shape(), seed in any::<u64>()) {
-        for dev in devices() {
-            for dtype in DTYPES {
-                check_abs(&dev, dtype, &dims, seed).map_err(TestCaseError::fail)?;
-            }
+fn abs_matches_reference(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(16), |(dims in shape(), seed in any::<u64>())| {
+        for dtype in DTYPES {
+            check_abs(dev, dtype, &dims, seed).map_err(TestCaseError::fail)?;
         }
-    }
+    });
+}
 
-    #[test]
-    fn maximum_and_minimum_match_reference(
+fn maximum_and_minimum_match_reference(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(16), |(
         (ad, bd) in common::strategies::broadcast_pair(),
         seed in any::<u64>(),
-    ) {
-        for dev in devices() {
-            for dtype in DTYPES {
-                check_extrema(&dev, dtype, &ad, &bd, seed).map_err(TestCaseError::fail)?;
-            }
+    )| {
+        for dtype in DTYPES {
+            check_extrema(dev, dtype, &ad, &bd, seed).map_err(TestCaseError::fail)?;
         }
-    }
+    });
+}
 
-    #[test]
-    fn where_matches_reference(shapes in broadcast_triple(), pair in 0usize..4, seed in any::<u64>()) {
-        for dev in devices() {
-            check_where(&dev, DTYPE_PAIRS[pair], &shapes, seed).map_err(TestCaseError::fail)?;
-        }
-    }
+fn where_matches_reference(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(16), |(
+        shapes in broadcast_triple(),
+        pair in 0usize..4,
+        seed in any::<u64>(),
+    )| {
+        check_where(dev, DTYPE_PAIRS[pair], &shapes, seed).map_err(TestCaseError::fail)?;
+    });
+}
 
-    #[test]
-    fn masked_fill_matches_reference(
+fn masked_fill_matches_reference(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(16), |(
         [dims, md, _] in broadcast_triple(),
         pair in 0usize..4,
         value in prop_oneof![Just(f32::NEG_INFINITY), Just(f32::NAN), -1e4f32..1e4],
         seed in any::<u64>(),
-    ) {
+    )| {
         // The mask must broadcast to the tensor: pin the tensor to the full shape.
         let full = broadcast_dims(&dims, &md).unwrap();
-        for dev in devices() {
-            check_masked_fill(&dev, DTYPE_PAIRS[pair], &full, &md, value, seed)
-                .map_err(TestCaseError::fail)?;
-        }
-    }
+        check_masked_fill(dev, DTYPE_PAIRS[pair], &full, &md, value, seed)
+            .map_err(TestCaseError::fail)?;
+    });
 }
 
 /// Sizes around the pair and the workgroup, and empty tensors.
-#[test]
-fn selection_edge_shapes() {
+fn selection_edge_shapes(dev: &Device) {
     let shapes: &[&[usize]] = &[
         &[],
         &[1],
@@ -309,45 +313,39 @@ fn selection_edge_shapes() {
         &[3, 0, 2],
         &[7, 37],
     ];
-    for dev in devices() {
-        for dtype in DTYPES {
-            for (i, &d) in shapes.iter().enumerate() {
-                let seed = i as u64;
-                check_abs(&dev, dtype, d, seed).unwrap_or_else(|e| panic!("{e}"));
-                check_extrema(&dev, dtype, d, d, seed).unwrap_or_else(|e| panic!("{e}"));
-                check_extrema(&dev, dtype, d, &[], seed).unwrap_or_else(|e| panic!("{e}"));
-                let three = [d.to_vec(), d.to_vec(), vec![]];
-                for pair in DTYPE_PAIRS {
-                    check_where(&dev, pair, &three, seed).unwrap_or_else(|e| panic!("{e}"));
-                    check_masked_fill(&dev, pair, d, d, -1.5, seed)
-                        .unwrap_or_else(|e| panic!("{e}"));
-                }
+    for dtype in DTYPES {
+        for (i, &d) in shapes.iter().enumerate() {
+            let seed = i as u64;
+            check_abs(dev, dtype, d, seed).unwrap_or_else(|e| panic!("{e}"));
+            check_extrema(dev, dtype, d, d, seed).unwrap_or_else(|e| panic!("{e}"));
+            check_extrema(dev, dtype, d, &[], seed).unwrap_or_else(|e| panic!("{e}"));
+            let three = [d.to_vec(), d.to_vec(), vec![]];
+            for pair in DTYPE_PAIRS {
+                check_where(dev, pair, &three, seed).unwrap_or_else(|e| panic!("{e}"));
+                check_masked_fill(dev, pair, d, d, -1.5, seed).unwrap_or_else(|e| panic!("{e}"));
             }
         }
     }
 }
 
-#[test]
-fn selection_ops_are_bitwise_repeatable() {
-    for dev in devices() {
-        for dtype in DTYPES {
-            let a = upload(&dev, &host_data(1, 60, -3.0, 3.0), &[3, 4, 5], dtype);
-            let b = upload(&dev, &host_data(2, 5, -3.0, 3.0), &[5], dtype);
-            let c = upload(&dev, &cond_data(3, 20), &[4, 5], DType::F32);
-            let run = || -> Vec<u32> {
-                let m = a.maximum(&b).unwrap().minimum(&a.abs().unwrap()).unwrap();
-                let w = Tensor::where_(&c, &m, &b)
-                    .unwrap()
-                    .masked_fill(&c, 0.5)
-                    .unwrap();
-                w.to_vec_f32()
-                    .unwrap()
-                    .iter()
-                    .map(|v| v.to_bits())
-                    .collect()
-            };
-            assert_eq!(run(), run(), "{dtype} on {}", label(&dev));
-        }
+fn selection_ops_are_bitwise_repeatable(dev: &Device) {
+    for dtype in DTYPES {
+        let a = upload(dev, &host_data(1, 60, -3.0, 3.0), &[3, 4, 5], dtype);
+        let b = upload(dev, &host_data(2, 5, -3.0, 3.0), &[5], dtype);
+        let c = upload(dev, &cond_data(3, 20), &[4, 5], DType::F32);
+        let run = || -> Vec<u32> {
+            let m = a.maximum(&b).unwrap().minimum(&a.abs().unwrap()).unwrap();
+            let w = Tensor::where_(&c, &m, &b)
+                .unwrap()
+                .masked_fill(&c, 0.5)
+                .unwrap();
+            w.to_vec_f32()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        };
+        assert_eq!(run(), run(), "{dtype} on {}", label(dev));
     }
 }
 

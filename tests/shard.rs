@@ -4,14 +4,17 @@
 
 mod common;
 
+use common::device_tests;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, Sgd};
 use fitgrad::train::data::Dataset;
 use fitgrad::train::epoch_permutation;
 use fitgrad::train::shard::ShardedDataset;
 use fitgrad::train::{Trainer, TrainerConfig};
-use fitgrad::{DType, DeviceOptions, Error, Tensor};
+use fitgrad::{DType, Device, DeviceOptions, Error, Tensor};
 use std::path::PathBuf;
+
+device_tests!(rows_match_the_host);
 
 fn temp(name: &str) -> PathBuf {
     std::env::temp_dir().join(format!("fitgrad-test-{}-{name}", std::process::id()))
@@ -135,10 +138,7 @@ fn epoch_order_is_the_in_memory_order() {
 fn dataset_larger_than_the_budget_trains_in_shards() {
     // 40,000 x 64 f32 = 10 MiB of features under a 4 MiB budget.
     let budget = 4 << 20;
-    let Some(dev) = common::fresh_device(DeviceOptions {
-        memory_budget: Some(budget),
-        ..Default::default()
-    }) else {
+    let Some(dev) = common::fresh_device(DeviceOptions::default().memory_budget(budget)) else {
         return;
     };
     let mut data = synthetic(40_000, 64);
@@ -161,10 +161,7 @@ fn dataset_larger_than_the_budget_trains_in_shards() {
     assert!(s.read_rows(&all).unwrap().features == data.features);
     let model = Mlp::new(&dev, &[64, 32, 10], Activation::Relu, 0).unwrap();
     let opt = Sgd::new(model.parameters(), 0.01).unwrap();
-    let config = TrainerConfig {
-        batch_size: 500,
-        ..Default::default()
-    };
+    let config = TrainerConfig::default().batch_size(500);
     let mut trainer = Trainer::new(model, Box::new(opt), config).unwrap();
     let mut steps = 0;
     trainer
@@ -227,13 +224,7 @@ fn sharded_training_equals_in_memory_training() {
         .for_each(|v| *v /= n as f32);
     let path = temp("exact.fgshard");
     ShardedDataset::create(&data, &path).unwrap();
-    let config = TrainerConfig {
-        batch_size: 4,
-        accum_steps: 3,
-        micro_batch: Some(3),
-        lr: 1e-2,
-        ..Default::default()
-    };
+    let config = TrainerConfig::new(4, 3, 1e-2).micro_batch(3);
     // The effective batch is 12: 4 steps per epoch, the last of 9 samples.
     let trainer = || {
         let model = Mlp::new(&dev, &[6, 16, 10], Activation::Relu, 5).unwrap();
@@ -351,24 +342,21 @@ fn a_file_changed_after_open_is_a_data_error() {
 
 /// `Tensor::rows` against the host: f32 rows (the copy engine) and f16 rows of odd width, whose
 /// byte ranges are not 4-byte aligned (the host path); bad ranges are errors.
-#[test]
-fn rows_match_the_host() {
-    for dev in common::devices() {
-        for (dtype, cols) in [(DType::F32, 3usize), (DType::F16, 3), (DType::F16, 4)] {
-            let host: Vec<f32> = (0..7 * cols).map(|i| i as f32).collect();
-            let t = common::upload(&dev, &host, &[7, cols], dtype);
-            for (a, b) in [(0, 7), (1, 4), (3, 3), (5, 7), (6, 7)] {
-                let r = t.rows(a, b).unwrap();
-                assert_eq!(r.dims(), [b - a, cols]);
-                assert_eq!(
-                    r.to_vec_f32().unwrap(),
-                    host[a * cols..b * cols],
-                    "{} {dtype} cols {cols} rows {a}..{b}",
-                    common::label(&dev)
-                );
-            }
-            assert!(matches!(t.rows(5, 8), Err(Error::Shape { .. })));
-            assert!(matches!(t.rows(4, 3), Err(Error::Shape { .. })));
+fn rows_match_the_host(dev: &Device) {
+    for (dtype, cols) in [(DType::F32, 3usize), (DType::F16, 3), (DType::F16, 4)] {
+        let host: Vec<f32> = (0..7 * cols).map(|i| i as f32).collect();
+        let t = common::upload(dev, &host, &[7, cols], dtype);
+        for (a, b) in [(0, 7), (1, 4), (3, 3), (5, 7), (6, 7)] {
+            let r = t.rows(a, b).unwrap();
+            assert_eq!(r.dims(), [b - a, cols]);
+            assert_eq!(
+                r.to_vec_f32().unwrap(),
+                host[a * cols..b * cols],
+                "{} {dtype} cols {cols} rows {a}..{b}",
+                common::label(dev)
+            );
         }
+        assert!(matches!(t.rows(5, 8), Err(Error::Shape { .. })));
+        assert!(matches!(t.rows(4, 3), Err(Error::Shape { .. })));
     }
 }

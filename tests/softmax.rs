@@ -10,6 +10,15 @@ use common::*;
 use fitgrad::{DType, Device, Error, Tensor};
 use proptest::prelude::*;
 
+device_tests!(
+    softmax_matches_reference,
+    cross_entropy_matches_reference,
+    softmax_fixed_shapes,
+    softmax_edge_values,
+    softmax_is_deterministic,
+    cross_entropy_errors_and_empty_batch
+);
+
 const DTYPES: [DType; 2] = [DType::F32, DType::F16];
 
 /// Tolerance of a softmax output `want` (f32: exp is a few ulp off on GPUs; f16: the rounding of
@@ -90,50 +99,43 @@ fn row_len() -> impl Strategy<Value = usize> {
     ]
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(20))]
-
-    #[test]
-    fn softmax_matches_reference(
+fn softmax_matches_reference(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(20), |(
         lead in shape_rank(0, 3),
         c in row_len(),
         scale in prop::sample::select(vec![1.0f32, 10.0, 100.0]),
         seed in any::<u64>(),
-    ) {
+    )| {
         let mut dims = lead;
         dims.push(c);
         let dims = cap(dims, MAX_NUMEL);
         let host = host_data(seed, numel(&dims), -scale, scale);
-        for dev in devices() {
-            for dtype in DTYPES {
-                check_softmax(&dev, dtype, &dims, &as_dtype(&host, dtype)).map_err(TestCaseError::fail)?;
-            }
+        for dtype in DTYPES {
+            check_softmax(dev, dtype, &dims, &as_dtype(&host, dtype)).map_err(TestCaseError::fail)?;
         }
-    }
+    });
+}
 
-    #[test]
-    fn cross_entropy_matches_reference(
+fn cross_entropy_matches_reference(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(20), |(
         b in prop_oneof![Just(1usize), 1usize..40, Just(0usize)],
         c in row_len(),
         scale in prop::sample::select(vec![1.0f32, 5.0, 30.0]),
         seed in any::<u64>(),
-    ) {
+    )| {
         let b = b.min(MAX_NUMEL / c).max(usize::from(b > 0));
         let host = host_data(seed, b * c, -scale, scale);
         let mut r = HostRng::new(seed ^ 7);
         let targets: Vec<u32> = (0..b).map(|_| (r.next_u64() % c as u64) as u32).collect();
-        for dev in devices() {
-            for dtype in DTYPES {
-                check_ce(&dev, dtype, b, c, &as_dtype(&host, dtype), &targets).map_err(TestCaseError::fail)?;
-            }
+        for dtype in DTYPES {
+            check_ce(dev, dtype, b, c, &as_dtype(&host, dtype), &targets).map_err(TestCaseError::fail)?;
         }
-    }
+    });
 }
 
 /// Shapes the random ones may miss: rank 0 and 1, empty, rows of 1, rows too long for the
 /// registers (streamed), and the sizes around each switch.
-#[test]
-fn softmax_fixed_shapes() {
+fn softmax_fixed_shapes(dev: &Device) {
     let shapes: &[&[usize]] = &[
         &[],
         &[1],
@@ -154,169 +156,158 @@ fn softmax_fixed_shapes() {
         &[2, 9999],
         &[257, 66],
     ];
-    for dev in devices() {
-        for dtype in DTYPES {
-            for (i, dims) in shapes.iter().enumerate() {
-                let host = as_dtype(&host_data(70 + i as u64, numel(dims), -8.0, 8.0), dtype);
-                check_softmax(&dev, dtype, dims, &host).unwrap_or_else(|e| panic!("{e}"));
-            }
+    for dtype in DTYPES {
+        for (i, dims) in shapes.iter().enumerate() {
+            let host = as_dtype(&host_data(70 + i as u64, numel(dims), -8.0, 8.0), dtype);
+            check_softmax(dev, dtype, dims, &host).unwrap_or_else(|e| panic!("{e}"));
         }
     }
 }
 
 /// Rows with -inf entries, all -inf (NaN, as in torch), NaN, +inf, and huge values, at short
 /// (one invocation per row), medium and streamed row lengths.
-#[test]
-fn softmax_edge_values() {
+fn softmax_edge_values(dev: &Device) {
     let ninf = f32::NEG_INFINITY;
-    for dev in devices() {
-        for dtype in DTYPES {
-            let huge = if dtype == DType::F32 { 1e30 } else { 6e4 };
-            for c in [10usize, 100, 1000, 9000] {
-                let mut rows: Vec<Vec<f32>> = Vec::new();
-                let base = host_data(c as u64, c, -3.0, 3.0);
-                // Half -inf.
-                rows.push(
-                    base.iter()
-                        .enumerate()
-                        .map(|(i, &v)| if i % 2 == 0 { ninf } else { v })
-                        .collect(),
-                );
-                // All -inf but the last entry (for c = 9000 it sits past the registers).
-                rows.push(
-                    (0..c)
-                        .map(|i| if i + 1 == c { 1.5 } else { ninf })
-                        .collect(),
-                );
-                // All -inf: NaN.
-                rows.push(vec![ninf; c]);
-                // One NaN: NaN.
-                rows.push(
-                    base.iter()
-                        .enumerate()
-                        .map(|(i, &v)| if i == c / 3 { f32::NAN } else { v })
-                        .collect(),
-                );
-                // One +inf: NaN (inf - inf).
-                rows.push(
-                    base.iter()
-                        .enumerate()
-                        .map(|(i, &v)| if i == c / 2 { f32::INFINITY } else { v })
-                        .collect(),
-                );
-                // Huge values of both signs.
-                rows.push(
-                    base.iter()
-                        .enumerate()
-                        .map(|(i, &v)| {
-                            if i % 3 == 0 {
-                                huge
-                            } else if i % 3 == 1 {
-                                -huge
-                            } else {
-                                v
-                            }
-                        })
-                        .collect(),
-                );
-                rows.push(vec![huge; c]);
-                rows.push(vec![-huge; c]);
-                let host: Vec<f32> = as_dtype(&rows.concat(), dtype);
-                let dims = [rows.len(), c];
-                check_softmax(&dev, dtype, &dims, &host).unwrap_or_else(|e| panic!("{e}"));
-                // And the same rows as logits of cross-entropy (targets on finite entries).
-                let targets: Vec<u32> = vec![1, c as u32 - 1, 0, 1, 1, 2, 0, 0];
-                let x = upload(&dev, &host, &dims, dtype);
-                let (_, grad) = x.cross_entropy(&targets).unwrap();
-                let got = grad.to_vec_f32().unwrap();
-                let (_, want) = ref_cross_entropy(&host, dims[0], c, &targets);
-                let want = expect_in(want, dtype);
-                check_close_by(
-                    &format!(
-                        "cross_entropy grad of edge rows, c {c} {dtype} on {}",
-                        label(&dev)
-                    ),
-                    &got,
-                    &want,
-                    |i| {
-                        let w = want[i].abs();
-                        6.2e-5 + 1e-3 * w + 2.0 * f16_ulp(w)
-                    },
-                )
-                .unwrap_or_else(|e| panic!("{e}"));
-            }
+    for dtype in DTYPES {
+        let huge = if dtype == DType::F32 { 1e30 } else { 6e4 };
+        for c in [10usize, 100, 1000, 9000] {
+            let mut rows: Vec<Vec<f32>> = Vec::new();
+            let base = host_data(c as u64, c, -3.0, 3.0);
+            // Half -inf.
+            rows.push(
+                base.iter()
+                    .enumerate()
+                    .map(|(i, &v)| if i % 2 == 0 { ninf } else { v })
+                    .collect(),
+            );
+            // All -inf but the last entry (for c = 9000 it sits past the registers).
+            rows.push(
+                (0..c)
+                    .map(|i| if i + 1 == c { 1.5 } else { ninf })
+                    .collect(),
+            );
+            // All -inf: NaN.
+            rows.push(vec![ninf; c]);
+            // One NaN: NaN.
+            rows.push(
+                base.iter()
+                    .enumerate()
+                    .map(|(i, &v)| if i == c / 3 { f32::NAN } else { v })
+                    .collect(),
+            );
+            // One +inf: NaN (inf - inf).
+            rows.push(
+                base.iter()
+                    .enumerate()
+                    .map(|(i, &v)| if i == c / 2 { f32::INFINITY } else { v })
+                    .collect(),
+            );
+            // Huge values of both signs.
+            rows.push(
+                base.iter()
+                    .enumerate()
+                    .map(|(i, &v)| {
+                        if i % 3 == 0 {
+                            huge
+                        } else if i % 3 == 1 {
+                            -huge
+                        } else {
+                            v
+                        }
+                    })
+                    .collect(),
+            );
+            rows.push(vec![huge; c]);
+            rows.push(vec![-huge; c]);
+            let host: Vec<f32> = as_dtype(&rows.concat(), dtype);
+            let dims = [rows.len(), c];
+            check_softmax(dev, dtype, &dims, &host).unwrap_or_else(|e| panic!("{e}"));
+            // And the same rows as logits of cross-entropy (targets on finite entries).
+            let targets: Vec<u32> = vec![1, c as u32 - 1, 0, 1, 1, 2, 0, 0];
+            let x = upload(dev, &host, &dims, dtype);
+            let (_, grad) = x.cross_entropy(&targets).unwrap();
+            let got = grad.to_vec_f32().unwrap();
+            let (_, want) = ref_cross_entropy(&host, dims[0], c, &targets);
+            let want = expect_in(want, dtype);
+            check_close_by(
+                &format!(
+                    "cross_entropy grad of edge rows, c {c} {dtype} on {}",
+                    label(dev)
+                ),
+                &got,
+                &want,
+                |i| {
+                    let w = want[i].abs();
+                    6.2e-5 + 1e-3 * w + 2.0 * f16_ulp(w)
+                },
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
         }
     }
 }
 
 /// The same input gives bitwise the same softmax, log_softmax and cross-entropy twice.
-#[test]
-fn softmax_is_deterministic() {
-    for dev in devices() {
-        for dtype in DTYPES {
-            for dims in [[64usize, 1000], [4, 9000], [300, 10]] {
-                let host = host_data(5, numel(&dims), -20.0, 20.0);
-                let x = upload(&dev, &host, &dims, dtype);
-                let bits = |t: Tensor| -> Vec<u32> {
-                    t.to_vec_f32()
-                        .unwrap()
-                        .iter()
-                        .map(|v| v.to_bits())
-                        .collect()
-                };
-                assert_eq!(
-                    bits(x.softmax().unwrap()),
-                    bits(x.softmax().unwrap()),
-                    "{dims:?} {dtype} on {}",
-                    label(&dev)
-                );
-                assert_eq!(
-                    bits(x.log_softmax().unwrap()),
-                    bits(x.log_softmax().unwrap()),
-                    "{dims:?} {dtype} on {}",
-                    label(&dev)
-                );
-                let t: Vec<u32> = (0..dims[0] as u32).map(|i| i % dims[1] as u32).collect();
-                let (l1, g1) = x.cross_entropy(&t).unwrap();
-                let (l2, g2) = x.cross_entropy(&t).unwrap();
-                assert_eq!(bits(l1), bits(l2), "{dims:?} {dtype} on {}", label(&dev));
-                assert_eq!(bits(g1), bits(g2), "{dims:?} {dtype} on {}", label(&dev));
-            }
+fn softmax_is_deterministic(dev: &Device) {
+    for dtype in DTYPES {
+        for dims in [[64usize, 1000], [4, 9000], [300, 10]] {
+            let host = host_data(5, numel(&dims), -20.0, 20.0);
+            let x = upload(dev, &host, &dims, dtype);
+            let bits = |t: Tensor| -> Vec<u32> {
+                t.to_vec_f32()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            };
+            assert_eq!(
+                bits(x.softmax().unwrap()),
+                bits(x.softmax().unwrap()),
+                "{dims:?} {dtype} on {}",
+                label(dev)
+            );
+            assert_eq!(
+                bits(x.log_softmax().unwrap()),
+                bits(x.log_softmax().unwrap()),
+                "{dims:?} {dtype} on {}",
+                label(dev)
+            );
+            let t: Vec<u32> = (0..dims[0] as u32).map(|i| i % dims[1] as u32).collect();
+            let (l1, g1) = x.cross_entropy(&t).unwrap();
+            let (l2, g2) = x.cross_entropy(&t).unwrap();
+            assert_eq!(bits(l1), bits(l2), "{dims:?} {dtype} on {}", label(dev));
+            assert_eq!(bits(g1), bits(g2), "{dims:?} {dtype} on {}", label(dev));
         }
     }
 }
 
 /// Out-of-range targets, a wrong number of targets and logits that are not (B, C) are errors;
 /// an empty batch has a NaN loss, as in torch.
-#[test]
-fn cross_entropy_errors_and_empty_batch() {
-    for dev in devices() {
-        let x = Tensor::zeros(&dev, &[3, 5], DType::F32).unwrap();
-        for bad in [[0u32, 5, 1], [0, 1, u32::MAX]] {
-            match x.cross_entropy(&bad) {
-                Err(Error::InvalidArgument {
-                    op: "cross_entropy",
-                    reason,
-                }) => {
-                    assert!(reason.contains("out of range"), "{reason}")
-                }
-                other => panic!("target out of range: {other:?}"),
+fn cross_entropy_errors_and_empty_batch(dev: &Device) {
+    let x = Tensor::zeros(dev, &[3, 5], DType::F32).unwrap();
+    for bad in [[0u32, 5, 1], [0, 1, u32::MAX]] {
+        match x.cross_entropy(&bad) {
+            Err(Error::InvalidArgument {
+                op: "cross_entropy",
+                reason,
+            }) => {
+                assert!(reason.contains("out of range"), "{reason}")
             }
-            assert!(matches!(
-                x.cross_entropy_loss(&bad),
-                Err(Error::InvalidArgument { .. })
-            ));
+            other => panic!("target out of range: {other:?}"),
         }
-        assert!(matches!(x.cross_entropy(&[0, 1]), Err(Error::Shape { .. })));
-        let v = Tensor::zeros(&dev, &[5], DType::F32).unwrap();
-        assert!(matches!(v.cross_entropy(&[0]), Err(Error::Shape { .. })));
-        let e = Tensor::zeros(&dev, &[0, 5], DType::F16).unwrap();
-        let (loss, grad) = e.cross_entropy(&[]).unwrap();
-        assert!(loss.item().unwrap().is_nan());
-        assert_eq!(loss.dtype(), DType::F16);
-        assert_eq!(grad.dims(), &[0, 5]);
-        // Uniform logits: the loss is ln(C).
-        let (loss, _) = x.cross_entropy(&[0, 1, 4]).unwrap();
-        assert!((loss.item().unwrap() - 5f32.ln()).abs() < 1e-6);
+        assert!(matches!(
+            x.cross_entropy_loss(&bad),
+            Err(Error::InvalidArgument { .. })
+        ));
     }
+    assert!(matches!(x.cross_entropy(&[0, 1]), Err(Error::Shape { .. })));
+    let v = Tensor::zeros(dev, &[5], DType::F32).unwrap();
+    assert!(matches!(v.cross_entropy(&[0]), Err(Error::Shape { .. })));
+    let e = Tensor::zeros(dev, &[0, 5], DType::F16).unwrap();
+    let (loss, grad) = e.cross_entropy(&[]).unwrap();
+    assert!(loss.item().unwrap().is_nan());
+    assert_eq!(loss.dtype(), DType::F16);
+    assert_eq!(grad.dims(), &[0, 5]);
+    // Uniform logits: the loss is ln(C).
+    let (loss, _) = x.cross_entropy(&[0, 1, 4]).unwrap();
+    assert!((loss.item().unwrap() - 5f32.ln()).abs() < 1e-6);
 }

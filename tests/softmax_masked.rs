@@ -11,6 +11,12 @@ use common::*;
 use fitgrad::{DType, Device, Error, SoftmaxOptions, Tensor};
 use proptest::prelude::*;
 
+device_tests!(
+    softmax_masked_matches_reference,
+    softmax_masked_edges,
+    default_options_match_softmax_bitwise
+);
+
 const DTYPES: [DType; 2] = [DType::F32, DType::F16];
 
 /// How the mask of a case is shaped, relative to the input (.., T_q, T_k).
@@ -159,11 +165,8 @@ fn check_case(
     let host = as_dtype(host, dtype);
     let mask_host = mask.map(|(m, d)| (as_dtype(m, dtype), d));
     let x = upload(dev, &host, dims, dtype);
-    let opts = SoftmaxOptions {
-        scale,
-        causal,
-        mask: mask_host.as_ref().map(|(m, d)| upload(dev, m, d, dtype)),
-    };
+    let mut opts = SoftmaxOptions::new().scale(scale).causal(causal);
+    opts.mask = mask_host.as_ref().map(|(m, d)| upload(dev, m, d, dtype));
     let run = || -> Result<Vec<f32>, String> {
         let y = x
             .softmax_masked(opts.clone())
@@ -215,11 +218,8 @@ fn mask_form() -> impl Strategy<Value = MaskForm> {
     ])
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(16))]
-
-    #[test]
-    fn softmax_masked_matches_reference(
+fn softmax_masked_matches_reference(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(16), |(
         lead in prop::collection::vec(prop_oneof![Just(1usize), 2usize..4], 0..3),
         tq in prop_oneof![Just(1usize), 2usize..12, Just(33usize)],
         tk in keys(),
@@ -228,7 +228,7 @@ proptest! {
         dead_row in any::<bool>(),
         scale in prop::sample::select(vec![1.0f32, 0.125, 3.0]),
         seed in any::<u64>(),
-    ) {
+    )| {
         let mut dims = lead;
         dims.extend([tq, tk]);
         // Keep the case small for lavapipe: drop leading dims, then halve T_q.
@@ -241,20 +241,17 @@ proptest! {
         let host = host_data(seed, numel(&dims), -4.0, 4.0);
         let md = mask_dims(form, &dims);
         let mh = md.as_ref().map(|d| mask_data(seed ^ 3, d, dead_row));
-        for dev in devices() {
-            for dtype in DTYPES {
-                let mask = mh.as_deref().zip(md.as_deref());
-                check_case(&dev, dtype, &dims, &host, scale, causal, mask).map_err(TestCaseError::fail)?;
-            }
+        for dtype in DTYPES {
+            let mask = mh.as_deref().zip(md.as_deref());
+            check_case(dev, dtype, &dims, &host, scale, causal, mask).map_err(TestCaseError::fail)?;
         }
-    }
+    });
 }
 
 /// Edges the random shapes may miss: T = 1, causal with T_q > T_k (the first queries see
 /// nothing: zero rows), a KV-cache block (T_q < T_k), rows masked entirely by the mask, a rank-1
 /// input with a mask, an input of all -inf (zeros, where plain softmax gives NaN), empty tensors.
-#[test]
-fn softmax_masked_edges() {
+fn softmax_masked_edges(dev: &Device) {
     type Case = (Vec<usize>, bool, Option<Vec<usize>>);
     let cases: Vec<Case> = vec![
         (vec![1, 1], true, None),
@@ -267,41 +264,36 @@ fn softmax_masked_edges() {
         (vec![0, 5], true, None),
         (vec![3, 0], false, None),
     ];
-    for dev in devices() {
-        for dtype in DTYPES {
-            for (k, (dims, causal, md)) in cases.iter().enumerate() {
-                let host = host_data(k as u64, numel(dims), -3.0, 3.0);
-                let mh = md.as_ref().map(|d| mask_data(k as u64 + 9, d, true));
-                let mask = mh.as_deref().zip(md.as_deref());
-                check_case(&dev, dtype, dims, &host, 0.5, *causal, mask)
-                    .unwrap_or_else(|e| panic!("{e}"));
-            }
-            // Every row all -inf: zeros, not NaN.
-            let x = upload(&dev, &[f32::NEG_INFINITY; 6], &[2, 3], dtype);
-            let y = x.softmax_masked(SoftmaxOptions::new()).unwrap();
-            assert_eq!(y.to_vec_f32().unwrap(), vec![0.0; 6], "{}", label(&dev));
+    for dtype in DTYPES {
+        for (k, (dims, causal, md)) in cases.iter().enumerate() {
+            let host = host_data(k as u64, numel(dims), -3.0, 3.0);
+            let mh = md.as_ref().map(|d| mask_data(k as u64 + 9, d, true));
+            let mask = mh.as_deref().zip(md.as_deref());
+            check_case(dev, dtype, dims, &host, 0.5, *causal, mask)
+                .unwrap_or_else(|e| panic!("{e}"));
         }
+        // Every row all -inf: zeros, not NaN.
+        let x = upload(dev, &[f32::NEG_INFINITY; 6], &[2, 3], dtype);
+        let y = x.softmax_masked(SoftmaxOptions::new()).unwrap();
+        assert_eq!(y.to_vec_f32().unwrap(), vec![0.0; 6], "{}", label(dev));
     }
 }
 
 /// With the default options the kernels compute exactly what plain softmax computes (scale 1 is
 /// exact), bit for bit, on every path: one invocation per row, subgroups, streamed rows.
-#[test]
-fn default_options_match_softmax_bitwise() {
-    for dev in devices() {
-        for dtype in DTYPES {
-            for dims in [[5usize, 7], [9, 64], [3, 1030], [2, 4096]] {
-                let host = host_data(11, numel(&dims), -5.0, 5.0);
-                let x = upload(&dev, &host, &dims, dtype);
-                let a = x.softmax().unwrap().to_vec_f32().unwrap();
-                let b = x
-                    .softmax_masked(SoftmaxOptions::default())
-                    .unwrap()
-                    .to_vec_f32()
-                    .unwrap();
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&a), bits(&b), "{dims:?} {dtype} on {}", label(&dev));
-            }
+fn default_options_match_softmax_bitwise(dev: &Device) {
+    for dtype in DTYPES {
+        for dims in [[5usize, 7], [9, 64], [3, 1030], [2, 4096]] {
+            let host = host_data(11, numel(&dims), -5.0, 5.0);
+            let x = upload(dev, &host, &dims, dtype);
+            let a = x.softmax().unwrap().to_vec_f32().unwrap();
+            let b = x
+                .softmax_masked(SoftmaxOptions::default())
+                .unwrap()
+                .to_vec_f32()
+                .unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&a), bits(&b), "{dims:?} {dtype} on {}", label(dev));
         }
     }
 }
@@ -327,11 +319,12 @@ fn softmax_masked_gradient_matches_finite_differences() {
         let mask = upload(&dev, &mh, &md, DType::F32).with_requires_grad();
         let w = upload(&dev, &wh, &dims, DType::F32);
         let y = x
-            .softmax_masked(SoftmaxOptions {
-                scale,
-                causal,
-                mask: Some(mask.clone()),
-            })
+            .softmax_masked(
+                SoftmaxOptions::new()
+                    .scale(scale)
+                    .causal(causal)
+                    .mask(mask.clone()),
+            )
             .unwrap();
         y.mul(&w).unwrap().sum().unwrap().backward().unwrap();
         let got = x.grad().expect("x gets a gradient").to_vec_f32().unwrap();

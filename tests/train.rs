@@ -13,6 +13,8 @@ use fitgrad::train::{Trainer, TrainerConfig};
 use fitgrad::{Device, DeviceOptions, Error, MemoryStats, Tensor};
 use std::sync::OnceLock;
 
+device_tests!(one_step_matches_cpu_reference);
+
 /// Seed of the digits split, the models and the epoch orders.
 const SEED: u64 = 7;
 
@@ -29,12 +31,11 @@ fn first_device() -> Option<Device> {
 
 /// Batching of a trainer; `trainer()` sets the learning rate from the optimizer.
 fn config(batch_size: usize, accum_steps: usize, micro_batch: Option<usize>) -> TrainerConfig {
-    TrainerConfig {
-        batch_size,
-        accum_steps,
-        micro_batch,
-        ..Default::default()
-    }
+    let mut config = TrainerConfig::default()
+        .batch_size(batch_size)
+        .accum_steps(accum_steps);
+    config.micro_batch = micro_batch;
+    config
 }
 
 /// A relu MLP of `widths` seeded with `SEED`, its optimizer, and a trainer with `cfg` (whose
@@ -42,15 +43,7 @@ fn config(batch_size: usize, accum_steps: usize, micro_batch: Option<usize>) -> 
 fn trainer(dev: &Device, widths: &[usize], opt: Opt, cfg: TrainerConfig) -> Trainer<Mlp> {
     let model = Mlp::new(dev, widths, Activation::Relu, SEED).expect("model");
     let optimizer = opt.build(model.parameters());
-    Trainer::new(
-        model,
-        optimizer,
-        TrainerConfig {
-            lr: opt.lr(),
-            ..cfg
-        },
-    )
-    .expect("trainer")
+    Trainer::new(model, optimizer, cfg.lr(opt.lr())).expect("trainer")
 }
 
 /// Every parameter by name, read back.
@@ -354,11 +347,11 @@ fn same_seed_same_loss_bitwise() {
         "{what}: final weights of two runs on one device differ"
     );
     let info = dev.info();
-    if let Some(fresh) = fresh_device(DeviceOptions {
-        backend: Some(info.adapter.backend.clone()),
-        adapter: Some(info.adapter.name.clone()),
-        ..Default::default()
-    }) {
+    if let Some(fresh) = fresh_device(
+        DeviceOptions::default()
+            .backend(info.adapter.backend.clone())
+            .adapter(info.adapter.name.clone()),
+    ) {
         let (l3, w3) = two_epochs(&fresh);
         assert_eq!(l1, l3, "{what}: epoch losses on a fresh device");
         assert!(w1 == w3, "{what}: final weights on a fresh device differ");
@@ -553,8 +546,7 @@ const GRAD_NOISE: f64 = 1e-5;
 /// is therefore also allowed the spread of the reference's result when every gradient element
 /// is shifted by +-GRAD_NOISE of its rounding scale; fewer than 5% of the elements may need more
 /// than the plain tolerance.
-#[test]
-fn one_step_matches_cpu_reference() {
+fn one_step_matches_cpu_reference(dev: &Device) {
     const STEPS: usize = 3;
     const N: usize = 48;
     let (train, _) = digits();
@@ -571,105 +563,103 @@ fn one_step_matches_cpu_reference() {
         (adamw, config(N, 1, None)),
         (adamw, config(N, 1, Some(24))),
     ];
-    for dev in devices() {
-        for (opt, cfg) in &cases {
-            let what = format!(
-                "{opt:?}, batch {} x accum {}, micro {:?} on {}",
-                cfg.batch_size,
-                cfg.accum_steps,
-                cfg.micro_batch,
-                label(&dev)
-            );
-            let mut t = trainer(&dev, &widths, *opt, cfg.clone());
-            let init = weights(&t);
-            let layers: Vec<RefLayer> = init
-                .chunks(2)
-                .zip(widths.windows(2))
-                .map(|(wb, io)| {
-                    assert_eq!(wb[0].1.len(), io[0] * io[1], "{}", wb[0].0);
-                    RefLayer {
-                        w: wb[0].1.iter().map(|&v| v as f64).collect(),
-                        b: wb[1].1.iter().map(|&v| v as f64).collect(),
-                        inp: io[0],
-                        out: io[1],
-                    }
-                })
-                .collect();
-            // The reference, and two copies updated with gradients shifted by -+GRAD_NOISE.
-            let mut runs: Vec<(Vec<RefLayer>, RefOptimizer)> = (0..3)
-                .map(|_| (layers.clone(), RefOptimizer::new(*opt, &layers)))
-                .collect();
-            let mut ref_loss = 0.0f64;
-            for s in 0..STEPS {
-                let (x, y) = batches.get(s);
-                t.step_rows(x, y)
-                    .unwrap_or_else(|e| panic!("{what}: step {s}: {e}"));
-                let (loss, grads) = ref_loss_and_grads(&runs[0].0, x, y);
-                ref_loss += loss / STEPS as f64;
-                for (i, (l, o)) in runs.iter_mut().enumerate() {
-                    o.step(l, &grads, [0.0, -GRAD_NOISE, GRAD_NOISE][i]);
+    for (opt, cfg) in &cases {
+        let what = format!(
+            "{opt:?}, batch {} x accum {}, micro {:?} on {}",
+            cfg.batch_size,
+            cfg.accum_steps,
+            cfg.micro_batch,
+            label(dev)
+        );
+        let mut t = trainer(dev, &widths, *opt, cfg.clone());
+        let init = weights(&t);
+        let layers: Vec<RefLayer> = init
+            .chunks(2)
+            .zip(widths.windows(2))
+            .map(|(wb, io)| {
+                assert_eq!(wb[0].1.len(), io[0] * io[1], "{}", wb[0].0);
+                RefLayer {
+                    w: wb[0].1.iter().map(|&v| v as f64).collect(),
+                    b: wb[1].1.iter().map(|&v| v as f64).collect(),
+                    inp: io[0],
+                    out: io[1],
                 }
+            })
+            .collect();
+        // The reference, and two copies updated with gradients shifted by -+GRAD_NOISE.
+        let mut runs: Vec<(Vec<RefLayer>, RefOptimizer)> = (0..3)
+            .map(|_| (layers.clone(), RefOptimizer::new(*opt, &layers)))
+            .collect();
+        let mut ref_loss = 0.0f64;
+        for s in 0..STEPS {
+            let (x, y) = batches.get(s);
+            t.step_rows(x, y)
+                .unwrap_or_else(|e| panic!("{what}: step {s}: {e}"));
+            let (loss, grads) = ref_loss_and_grads(&runs[0].0, x, y);
+            ref_loss += loss / STEPS as f64;
+            for (i, (l, o)) in runs.iter_mut().enumerate() {
+                o.step(l, &grads, [0.0, -GRAD_NOISE, GRAD_NOISE][i]);
             }
-            let loss = t.take_loss().expect("loss");
-            assert!(
-                ((loss as f64 - ref_loss) / ref_loss).abs() < 1e-5,
-                "{what}: mean loss {loss}, reference {ref_loss}"
-            );
-            let got = weights(&t);
-            let mut widened = 0usize;
-            let mut total = 0usize;
-            let mut worst = 0.0f64;
-            for l in 0..layers.len() {
-                for k in 0..2 {
-                    let part = |r: &RefLayer| -> Vec<f64> {
-                        if k == 0 {
-                            r.w.clone()
-                        } else {
-                            r.b.clone()
-                        }
-                    };
-                    let want = part(&runs[0].0[l]);
-                    let (lo, hi) = (part(&runs[1].0[l]), part(&runs[2].0[l]));
-                    let (name, g) = &got[2 * l + k];
-                    let (_, start) = &init[2 * l + k];
-                    let scale = want.iter().map(|v| v.abs()).fold(0.0, f64::max);
-                    let tol = 1e-4 * scale;
-                    let moved = want
-                        .iter()
-                        .zip(start)
-                        .map(|(w, s)| (w - *s as f64).abs())
-                        .fold(0.0, f64::max);
-                    assert!(
-                        moved > 20.0 * tol,
-                        "{what}: {name} barely moved ({moved:e})"
-                    );
-                    for e in 0..want.len() {
-                        total += 1;
-                        let spread = (lo[e] - want[e]).abs().max((hi[e] - want[e]).abs());
-                        let allowed = tol + 2.0 * spread;
-                        let d = (g[e] as f64 - want[e]).abs();
-                        widened += (d > tol) as usize;
-                        worst = worst.max(d / scale);
-                        assert!(
-                            d <= allowed,
-                            "{what}: {name}[{e}] = {}, reference {} (|diff| {d:e}, allowed \
-                             {allowed:e}: 1e-4 of the tensor's largest weight {scale:e} plus \
-                             twice the noise spread {spread:e})",
-                            g[e],
-                            want[e]
-                        );
-                    }
-                }
-            }
-            assert!(
-                widened * 20 < total,
-                "{what}: {widened} of {total} elements needed more than 1e-4 relative"
-            );
-            eprintln!(
-                "{what}: worst |diff| / max |w| {worst:e}; {widened} of {total} elements beyond \
-                 1e-4 relative, within noise"
-            );
         }
+        let loss = t.take_loss().expect("loss");
+        assert!(
+            ((loss as f64 - ref_loss) / ref_loss).abs() < 1e-5,
+            "{what}: mean loss {loss}, reference {ref_loss}"
+        );
+        let got = weights(&t);
+        let mut widened = 0usize;
+        let mut total = 0usize;
+        let mut worst = 0.0f64;
+        for l in 0..layers.len() {
+            for k in 0..2 {
+                let part = |r: &RefLayer| -> Vec<f64> {
+                    if k == 0 {
+                        r.w.clone()
+                    } else {
+                        r.b.clone()
+                    }
+                };
+                let want = part(&runs[0].0[l]);
+                let (lo, hi) = (part(&runs[1].0[l]), part(&runs[2].0[l]));
+                let (name, g) = &got[2 * l + k];
+                let (_, start) = &init[2 * l + k];
+                let scale = want.iter().map(|v| v.abs()).fold(0.0, f64::max);
+                let tol = 1e-4 * scale;
+                let moved = want
+                    .iter()
+                    .zip(start)
+                    .map(|(w, s)| (w - *s as f64).abs())
+                    .fold(0.0, f64::max);
+                assert!(
+                    moved > 20.0 * tol,
+                    "{what}: {name} barely moved ({moved:e})"
+                );
+                for e in 0..want.len() {
+                    total += 1;
+                    let spread = (lo[e] - want[e]).abs().max((hi[e] - want[e]).abs());
+                    let allowed = tol + 2.0 * spread;
+                    let d = (g[e] as f64 - want[e]).abs();
+                    widened += (d > tol) as usize;
+                    worst = worst.max(d / scale);
+                    assert!(
+                        d <= allowed,
+                        "{what}: {name}[{e}] = {}, reference {} (|diff| {d:e}, allowed \
+                         {allowed:e}: 1e-4 of the tensor's largest weight {scale:e} plus \
+                         twice the noise spread {spread:e})",
+                        g[e],
+                        want[e]
+                    );
+                }
+            }
+        }
+        assert!(
+            widened * 20 < total,
+            "{what}: {widened} of {total} elements needed more than 1e-4 relative"
+        );
+        eprintln!(
+            "{what}: worst |diff| / max |w| {worst:e}; {widened} of {total} elements beyond \
+             1e-4 relative, within noise"
+        );
     }
 }
 

@@ -9,6 +9,15 @@ use fitgrad::{DType, Device, Tensor};
 use half::f16;
 use proptest::prelude::*;
 
+device_tests!(
+    transpose_matches_reference,
+    casts_round_like_half,
+    transpose_fixed_shapes,
+    casts_of_special_values,
+    casts_of_subnormals_and_overflow,
+    cast_of_nan_stays_nan
+);
+
 const DTYPES: [DType; 2] = [DType::F32, DType::F16];
 
 fn check_transpose(dev: &Device, dtype: DType, dims: &[usize], seed: u64) -> Result<(), String> {
@@ -106,31 +115,24 @@ fn cast_values(seed: u64, n: usize) -> Vec<f32> {
         .collect()
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(24))]
-
-    #[test]
-    fn transpose_matches_reference(dims in shape_rank(2, 4), seed in any::<u64>()) {
-        for dev in devices() {
-            for dtype in DTYPES {
-                check_transpose(&dev, dtype, &dims, seed).map_err(TestCaseError::fail)?;
-            }
+fn transpose_matches_reference(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(24), |(dims in shape_rank(2, 4), seed in any::<u64>())| {
+        for dtype in DTYPES {
+            check_transpose(dev, dtype, &dims, seed).map_err(TestCaseError::fail)?;
         }
-    }
+    });
+}
 
-    #[test]
-    fn casts_round_like_half(dims in shape(), seed in any::<u64>()) {
+fn casts_round_like_half(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(24), |(dims in shape(), seed in any::<u64>())| {
         let xs = cast_values(seed, numel(&dims) * 2);
         let xs = &xs[..numel(&dims).min(xs.len())];
         prop_assume!(xs.len() == numel(&dims));
-        for dev in devices() {
-            check_casts(&dev, xs, &dims).map_err(TestCaseError::fail)?;
-        }
-    }
+        check_casts(dev, xs, &dims).map_err(TestCaseError::fail)?;
+    });
 }
 
-#[test]
-fn transpose_fixed_shapes() {
+fn transpose_fixed_shapes(dev: &Device) {
     let shapes: &[&[usize]] = &[
         &[1, 1],
         &[1, 7],
@@ -150,19 +152,16 @@ fn transpose_fixed_shapes() {
         &[2, 0, 3],
         &[100, 100],
     ];
-    for dev in devices() {
-        for dtype in DTYPES {
-            for (i, dims) in shapes.iter().enumerate() {
-                check_transpose(&dev, dtype, dims, i as u64).unwrap_or_else(|e| panic!("{e}"));
-            }
+    for dtype in DTYPES {
+        for (i, dims) in shapes.iter().enumerate() {
+            check_transpose(dev, dtype, dims, i as u64).unwrap_or_else(|e| panic!("{e}"));
         }
     }
 }
 
 /// Casting specific values: ties to even, signed zeros, the largest f16, and lengths around the
 /// packed pairs and the workgroup.
-#[test]
-fn casts_of_special_values() {
+fn casts_of_special_values(dev: &Device) {
     let xs: Vec<f32> = vec![
         0.0,
         -0.0,
@@ -178,17 +177,15 @@ fn casts_of_special_values() {
         6.1035156e-5, // smallest normal f16
         3.3,
     ];
-    for dev in devices() {
-        for len in [1usize, 2, 3, xs.len()] {
-            check_casts(&dev, &xs[..len], &[len]).unwrap_or_else(|e| panic!("{e}"));
-        }
-        for n in [255usize, 256, 257, 511, 512, 513, 1025] {
-            let v = cast_values(n as u64, n * 2);
-            check_casts(&dev, &v[..n], &[n]).unwrap_or_else(|e| panic!("{e}"));
-        }
-        check_casts(&dev, &[], &[0]).unwrap_or_else(|e| panic!("{e}"));
-        check_casts(&dev, &[2.5], &[]).unwrap_or_else(|e| panic!("{e}"));
+    for len in [1usize, 2, 3, xs.len()] {
+        check_casts(dev, &xs[..len], &[len]).unwrap_or_else(|e| panic!("{e}"));
     }
+    for n in [255usize, 256, 257, 511, 512, 513, 1025] {
+        let v = cast_values(n as u64, n * 2);
+        check_casts(dev, &v[..n], &[n]).unwrap_or_else(|e| panic!("{e}"));
+    }
+    check_casts(dev, &[], &[0]).unwrap_or_else(|e| panic!("{e}"));
+    check_casts(dev, &[2.5], &[]).unwrap_or_else(|e| panic!("{e}"));
 }
 
 /// f32 values outside f16's normal range: subnormal results and overflow to infinity also round
@@ -208,29 +205,23 @@ fn check_cast_edge(dev: &Device) -> Result<(), String> {
     check_casts(dev, &xs, &[xs.len()])
 }
 
-#[test]
-fn casts_of_subnormals_and_overflow() {
-    for dev in devices() {
-        check_cast_edge(&dev).unwrap_or_else(|e| panic!("{e}"));
-    }
+fn casts_of_subnormals_and_overflow(dev: &Device) {
+    check_cast_edge(dev).unwrap_or_else(|e| panic!("{e}"));
 }
 
-#[test]
-fn cast_of_nan_stays_nan() {
-    for dev in devices() {
-        let x = Tensor::from_slice(&dev, &[f32::NAN, 1.0, f32::NAN], &[3]).unwrap();
-        let h = x.to_dtype(DType::F16).unwrap().to_vec::<f16>().unwrap();
-        assert!(
-            h[0].is_nan() && h[2].is_nan() && h[1] == f16::ONE,
-            "on {}: {h:?}",
-            label(&dev)
-        );
-        let hx = Tensor::from_slice(&dev, &[f16::NAN, f16::ONE, f16::NAN], &[3]).unwrap();
-        let f = hx.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
-        assert!(
-            f[0].is_nan() && f[2].is_nan() && f[1] == 1.0,
-            "on {}: {f:?}",
-            label(&dev)
-        );
-    }
+fn cast_of_nan_stays_nan(dev: &Device) {
+    let x = Tensor::from_slice(dev, &[f32::NAN, 1.0, f32::NAN], &[3]).unwrap();
+    let h = x.to_dtype(DType::F16).unwrap().to_vec::<f16>().unwrap();
+    assert!(
+        h[0].is_nan() && h[2].is_nan() && h[1] == f16::ONE,
+        "on {}: {h:?}",
+        label(dev)
+    );
+    let hx = Tensor::from_slice(dev, &[f16::NAN, f16::ONE, f16::NAN], &[3]).unwrap();
+    let f = hx.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+    assert!(
+        f[0].is_nan() && f[2].is_nan() && f[1] == 1.0,
+        "on {}: {f:?}",
+        label(dev)
+    );
 }

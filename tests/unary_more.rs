@@ -9,6 +9,14 @@ use common::*;
 use fitgrad::{DType, Device, Error, Tensor};
 use proptest::prelude::*;
 
+device_tests!(
+    activations_match_reference,
+    activations_at_the_edges,
+    pow_follows_torch,
+    bad_scalars_are_errors,
+    tanh_is_accurate_near_zero
+);
+
 const DTYPES: [DType; 2] = [DType::F32, DType::F16];
 
 /// Tolerance of a transcendental op computed in f32 (exp, log and friends are a few ulp off on
@@ -99,23 +107,18 @@ fn check_all(
     )
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig::with_cases(16))]
-
-    #[test]
-    fn activations_match_reference(
+fn activations_match_reference(dev: &Device) {
+    proptest!(ProptestConfig::with_cases(16), |(
         dims in shape(),
         seed in any::<u64>(),
         p in prop::sample::select(vec![0.0f32, 1.0, 2.0, 3.0, -1.0, -2.0, 0.5, 1.5, 2.5, -0.5]),
         lo in -3.0f32..1.0,
         hi in -1.0f32..3.0,
-    ) {
-        for dev in devices() {
-            for dtype in DTYPES {
-                check_all(&dev, dtype, &dims, seed, p, lo, hi).map_err(TestCaseError::fail)?;
-            }
+    )| {
+        for dtype in DTYPES {
+            check_all(dev, dtype, &dims, seed, p, lo, hi).map_err(TestCaseError::fail)?;
         }
-    }
+    });
 }
 
 /// Values at the edges of every op's domain.
@@ -155,72 +158,68 @@ fn edge_values() -> Vec<f32> {
 
 /// Every op on the edge values matches the reference (NaN where it gives NaN, infinities of the
 /// right sign), and gelu, tanh and sigmoid never give NaN for a finite input.
-#[test]
-fn activations_at_the_edges() {
+fn activations_at_the_edges(dev: &Device) {
     let vals = edge_values();
-    for dev in devices() {
-        for dtype in DTYPES {
-            let host = as_dtype(&vals, dtype);
-            let dims = [host.len()];
-            for (name, op, f, _) in activations() {
-                run_one(&dev, dtype, &dims, &host, name, &op, &f).unwrap_or_else(|e| panic!("{e}"));
+    for dtype in DTYPES {
+        let host = as_dtype(&vals, dtype);
+        let dims = [host.len()];
+        for (name, op, f, _) in activations() {
+            run_one(dev, dtype, &dims, &host, name, &op, &f).unwrap_or_else(|e| panic!("{e}"));
+        }
+        for (name, op) in [
+            ("gelu", Tensor::gelu as Op),
+            ("tanh", Tensor::tanh),
+            ("sigmoid", Tensor::sigmoid),
+        ] {
+            let got = op(&upload(dev, &host, &dims, dtype))
+                .unwrap()
+                .to_vec_f32()
+                .unwrap();
+            for (x, y) in host.iter().zip(&got) {
+                assert!(
+                    !x.is_finite() || !y.is_nan(),
+                    "{name}({x}) = NaN, {dtype} on {}",
+                    label(dev)
+                );
             }
-            for (name, op) in [
-                ("gelu", Tensor::gelu as Op),
-                ("tanh", Tensor::tanh),
-                ("sigmoid", Tensor::sigmoid),
-            ] {
-                let got = op(&upload(&dev, &host, &dims, dtype))
-                    .unwrap()
-                    .to_vec_f32()
-                    .unwrap();
-                for (x, y) in host.iter().zip(&got) {
-                    assert!(
-                        !x.is_finite() || !y.is_nan(),
-                        "{name}({x}) = NaN, {dtype} on {}",
-                        label(&dev)
-                    );
-                }
-            }
-            for p in [
-                0.0f32, 1.0, 2.0, 3.0, -1.0, -2.0, -3.0, 0.5, -0.5, 1.5, 1e-3, 40.0, -40.0,
-            ] {
-                run_one(
-                    &dev,
-                    dtype,
-                    &dims,
-                    &host,
-                    &format!("pow_scalar({p})"),
-                    &|t| t.pow_scalar(p),
-                    &|x| ref_pow(x, p),
-                )
-                .unwrap_or_else(|e| panic!("{e}"));
-            }
-            for (lo, hi) in [
-                (-1.0f32, 1.0f32),
-                (0.0, 0.0),
-                (2.0, -2.0),
-                (f32::NEG_INFINITY, 5.0),
-                (-5.0, f32::INFINITY),
-            ] {
-                run_one(
-                    &dev,
-                    dtype,
-                    &dims,
-                    &host,
-                    &format!("clamp({lo}, {hi})"),
-                    &|t| t.clamp(lo, hi),
-                    &|x| ref_clamp(x, lo, hi),
-                )
-                .unwrap_or_else(|e| panic!("{e}"));
-            }
+        }
+        for p in [
+            0.0f32, 1.0, 2.0, 3.0, -1.0, -2.0, -3.0, 0.5, -0.5, 1.5, 1e-3, 40.0, -40.0,
+        ] {
+            run_one(
+                dev,
+                dtype,
+                &dims,
+                &host,
+                &format!("pow_scalar({p})"),
+                &|t| t.pow_scalar(p),
+                &|x| ref_pow(x, p),
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
+        }
+        for (lo, hi) in [
+            (-1.0f32, 1.0f32),
+            (0.0, 0.0),
+            (2.0, -2.0),
+            (f32::NEG_INFINITY, 5.0),
+            (-5.0, f32::INFINITY),
+        ] {
+            run_one(
+                dev,
+                dtype,
+                &dims,
+                &host,
+                &format!("clamp({lo}, {hi})"),
+                &|t| t.clamp(lo, hi),
+                &|x| ref_clamp(x, lo, hi),
+            )
+            .unwrap_or_else(|e| panic!("{e}"));
         }
     }
 }
 
 /// A few values torch users know by heart, exactly.
-#[test]
-fn pow_follows_torch() {
+fn pow_follows_torch(dev: &Device) {
     let cases: &[(f32, f32, f32)] = &[
         (-2.0, 3.0, -8.0),
         (-2.0, 2.0, 4.0),
@@ -234,74 +233,66 @@ fn pow_follows_torch() {
         (f32::INFINITY, -1.0, 0.0),
         (4.0, 0.5, 2.0),
     ];
-    for dev in devices() {
-        for dtype in DTYPES {
-            for &(x, p, want) in cases {
-                let t = upload(&dev, &[x], &[1], dtype);
-                let got = t.pow_scalar(p).unwrap().to_vec_f32().unwrap()[0];
-                assert!(
-                    got == want && got.is_sign_negative() == want.is_sign_negative(),
-                    "({x})^{p} = {got}, expected {want}, {dtype} on {}",
-                    label(&dev)
-                );
-            }
-            for (x, p) in [(-8.0f32, 1.0f32 / 3.0), (-1.0, 0.5), (f32::NAN, 2.0)] {
-                let t = upload(&dev, &[x], &[1], dtype);
-                let got = t.pow_scalar(p).unwrap().to_vec_f32().unwrap()[0];
-                assert!(
-                    got.is_nan(),
-                    "({x})^{p} = {got}, expected NaN, {dtype} on {}",
-                    label(&dev)
-                );
-            }
+    for dtype in DTYPES {
+        for &(x, p, want) in cases {
+            let t = upload(dev, &[x], &[1], dtype);
+            let got = t.pow_scalar(p).unwrap().to_vec_f32().unwrap()[0];
+            assert!(
+                got == want && got.is_sign_negative() == want.is_sign_negative(),
+                "({x})^{p} = {got}, expected {want}, {dtype} on {}",
+                label(dev)
+            );
+        }
+        for (x, p) in [(-8.0f32, 1.0f32 / 3.0), (-1.0, 0.5), (f32::NAN, 2.0)] {
+            let t = upload(dev, &[x], &[1], dtype);
+            let got = t.pow_scalar(p).unwrap().to_vec_f32().unwrap()[0];
+            assert!(
+                got.is_nan(),
+                "({x})^{p} = {got}, expected NaN, {dtype} on {}",
+                label(dev)
+            );
         }
     }
 }
 
-#[test]
-fn bad_scalars_are_errors() {
-    for dev in devices() {
-        let t = Tensor::ones(&dev, &[3], DType::F32).unwrap();
-        for p in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-            assert!(matches!(
-                t.pow_scalar(p),
-                Err(Error::InvalidArgument {
-                    op: "pow_scalar",
-                    ..
-                })
-            ));
-        }
+fn bad_scalars_are_errors(dev: &Device) {
+    let t = Tensor::ones(dev, &[3], DType::F32).unwrap();
+    for p in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
         assert!(matches!(
-            t.clamp(f32::NAN, 1.0),
-            Err(Error::InvalidArgument { op: "clamp", .. })
-        ));
-        assert!(matches!(
-            t.clamp(0.0, f32::NAN),
-            Err(Error::InvalidArgument { op: "clamp", .. })
+            t.pow_scalar(p),
+            Err(Error::InvalidArgument {
+                op: "pow_scalar",
+                ..
+            })
         ));
     }
+    assert!(matches!(
+        t.clamp(f32::NAN, 1.0),
+        Err(Error::InvalidArgument { op: "clamp", .. })
+    ));
+    assert!(matches!(
+        t.clamp(0.0, f32::NAN),
+        Err(Error::InvalidArgument { op: "clamp", .. })
+    ));
 }
 
 /// tanh keeps its relative accuracy near 0, where 1 - exp(-2|x|) would cancel (tanh(1e-8) must
 /// be 1e-8, not 0), on both sides of the switch to the polynomial.
-#[test]
-fn tanh_is_accurate_near_zero() {
+fn tanh_is_accurate_near_zero(dev: &Device) {
     let xs = [
         1e-8f32, -1e-8, 1e-5, -3e-3, 0.05, 0.1, -0.124, 0.126, 0.2, -0.5, 1.0,
     ];
-    for dev in devices() {
-        let got = upload(&dev, &xs, &[xs.len()], DType::F32)
-            .tanh()
-            .unwrap()
-            .to_vec_f32()
-            .unwrap();
-        for (x, g) in xs.iter().zip(&got) {
-            let want = ref_tanh(*x);
-            assert!(
-                (g - want).abs() <= 2e-6 * want.abs(),
-                "tanh({x}) = {g}, expected {want} on {}",
-                label(&dev)
-            );
-        }
+    let got = upload(dev, &xs, &[xs.len()], DType::F32)
+        .tanh()
+        .unwrap()
+        .to_vec_f32()
+        .unwrap();
+    for (x, g) in xs.iter().zip(&got) {
+        let want = ref_tanh(*x);
+        assert!(
+            (g - want).abs() <= 2e-6 * want.abs(),
+            "tanh({x}) = {g}, expected {want} on {}",
+            label(dev)
+        );
     }
 }

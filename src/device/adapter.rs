@@ -9,7 +9,17 @@ use std::fmt;
 /// What to ask of [`Device::with_options`]. Where a field is `None`, the environment fills it:
 /// `FITGRAD_BACKEND` (vulkan, gl, metal, dx12; a comma list is allowed) and `FITGRAD_ADAPTER`
 /// (a case-insensitive substring of the adapter name). An explicit option beats the variable.
+///
+/// Built from [`Default`] with the chained setters (new options may be added):
+///
+/// ```no_run
+/// use fitgrad::{Device, DeviceOptions};
+/// let opts = DeviceOptions::default().backend("vulkan").memory_budget(64 << 20);
+/// let dev = Device::with_options(opts)?;
+/// # Ok::<(), fitgrad::Error>(())
+/// ```
 #[derive(Clone, Debug, Default)]
+#[non_exhaustive]
 pub struct DeviceOptions {
     /// Backends to consider, as a comma list ("vulkan", "gl", ...); `None` means all.
     pub backend: Option<String>,
@@ -23,6 +33,31 @@ pub struct DeviceOptions {
 }
 
 impl DeviceOptions {
+    /// Sets the backends to consider, a comma list ("vulkan", "gl,vulkan"; checked when the
+    /// device opens).
+    pub fn backend(mut self, backend: impl Into<String>) -> Self {
+        self.backend = Some(backend.into());
+        self
+    }
+
+    /// Sets the case-insensitive substring the adapter name must contain.
+    pub fn adapter(mut self, adapter: impl Into<String>) -> Self {
+        self.adapter = Some(adapter.into());
+        self
+    }
+
+    /// Sets the hard limit on the bytes the arena may hold from the driver.
+    pub fn memory_budget(mut self, bytes: u64) -> Self {
+        self.memory_budget = Some(bytes);
+        self
+    }
+
+    /// Stores f16 packed in u32 and computes in f32 even where the adapter has SHADER_F16.
+    pub fn force_packed_f16(mut self, force: bool) -> Self {
+        self.force_packed_f16 = force;
+        self
+    }
+
     fn with_env(mut self) -> Self {
         let var = |name| std::env::var(name).ok().filter(|s: &String| !s.is_empty());
         if self.backend.is_none() {
@@ -67,8 +102,13 @@ pub struct AdapterSummary {
     pub vendor_name: &'static str,
     /// The wgpu backend: "vulkan", "metal", "dx12" or "gl".
     pub backend: String,
-    /// Discrete, integrated, virtual or CPU (a software rasterizer such as lavapipe).
+    /// Discrete, integrated, virtual or CPU (a software rasterizer such as lavapipe), for
+    /// display; code decides on [`AdapterSummary::kind`].
     pub device_type: String,
+    /// The backend, typed (what code compares; `backend` is its display form).
+    pub wgpu_backend: wgpu::Backend,
+    /// The kind of device, typed.
+    pub kind: wgpu::DeviceType,
     /// The driver's name.
     pub driver: String,
     /// The driver's version text.
@@ -79,6 +119,12 @@ pub struct AdapterSummary {
 }
 
 impl AdapterSummary {
+    /// A CPU adapter (lavapipe, llvmpipe, WARP): kernels compile for seconds and run on the
+    /// host's cores, which changes the kernel choices.
+    pub fn is_cpu(&self) -> bool {
+        self.kind == wgpu::DeviceType::Cpu
+    }
+
     fn from_adapter(adapter: &wgpu::Adapter) -> Self {
         AdapterSummary {
             memory: adapter_memory(adapter),
@@ -94,6 +140,8 @@ impl AdapterSummary {
             vendor_name: vendor_name(info.vendor),
             backend: format!("{:?}", info.backend).to_lowercase(),
             device_type: format!("{:?}", info.device_type),
+            wgpu_backend: info.backend,
+            kind: info.device_type,
             driver: info.driver.clone(),
             driver_info: info.driver_info.clone(),
         }

@@ -9,6 +9,7 @@
 //! Elementwise kernels therefore compute two outputs per invocation: packed f16 stores whole
 //! 32-bit words, and two invocations never write halves of the same word.
 
+pub(crate) mod attention;
 pub(crate) mod dropout;
 pub(crate) mod elementwise;
 pub(crate) mod grad_norm;
@@ -482,6 +483,54 @@ pub const QMATMUL_SG: ShaderFile = ShaderFile {
     ),
     bindings: QMATMUL.bindings,
 };
+pub const ATTENTION_FWD: ShaderFile = ShaderFile {
+    name: "attention_fwd",
+    body: concat!(
+        include_str!("../../shaders/include/attention_tiles.wgsl"),
+        include_str!("../../shaders/attention_fwd.wgsl")
+    ),
+    bindings: &[
+        ("q", false),
+        ("k", false),
+        ("v", false),
+        ("o", true),
+        ("lse", true),
+    ],
+};
+pub const ATTENTION_BWD_DQ: ShaderFile = ShaderFile {
+    name: "attention_bwd_dq",
+    body: concat!(
+        include_str!("../../shaders/include/attention_tiles.wgsl"),
+        include_str!("../../shaders/attention_bwd_dq.wgsl")
+    ),
+    bindings: &[
+        ("q", false),
+        ("k", false),
+        ("v", false),
+        ("o", false),
+        ("dy", false),
+        ("lse", false),
+        ("dq", true),
+        ("delta", true),
+    ],
+};
+pub const ATTENTION_BWD_DKV: ShaderFile = ShaderFile {
+    name: "attention_bwd_dkv",
+    body: concat!(
+        include_str!("../../shaders/include/attention_tiles.wgsl"),
+        include_str!("../../shaders/attention_bwd_dkv.wgsl")
+    ),
+    bindings: &[
+        ("q", false),
+        ("k", false),
+        ("v", false),
+        ("dy", false),
+        ("lse", false),
+        ("delta", false),
+        ("dk", true),
+        ("dv", true),
+    ],
+};
 
 /// Every shader file, for validation without a GPU (unit test and `cargo xtask shaders`).
 pub const SHADERS: &[ShaderFile] = &[
@@ -511,6 +560,9 @@ pub const SHADERS: &[ShaderFile] = &[
     GRAD_NORM,
     QMATMUL,
     QMATMUL_SG,
+    ATTENTION_FWD,
+    ATTENTION_BWD_DQ,
+    ATTENTION_BWD_DKV,
 ];
 
 impl ShaderFile {
@@ -684,6 +736,10 @@ fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
             .iter()
             .map(|&s| vec![s, s, F32, F32, F32, F32])
             .collect(),
+        // Attention's row statistics are f32; packed f16 outputs with D odd are written to f32.
+        "attention_fwd" | "attention_bwd_dq" | "attention_bwd_dkv" => {
+            attention::storage_variants(file.name)
+        }
         _ => [F32, F16, F16Packed].iter().map(|&s| vec![s; n]).collect(),
     }
 }

@@ -76,15 +76,21 @@ impl Dropout {
 impl Module for Dropout {
     /// Training: a new mask per call (the counter advances, except on a planning device, whose
     /// dry run must leave the real step's masks alone). Evaluation: `x` unchanged.
+    ///
+    /// The seed goes through [`crate::tensor::autograd::replayable_seed`]: when a checkpointed segment
+    /// recomputes this call in the backward pass it gets the first forward's seed back, and the
+    /// counter does not move a second time.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         if !self.is_training() {
             return Ok(x.clone());
         }
-        let seed = if x.device().is_planning() {
-            self.peek_seed()
-        } else {
-            self.next_seed()
-        };
+        let seed = crate::tensor::autograd::replayable_seed(|| {
+            if x.device().is_planning() {
+                self.peek_seed()
+            } else {
+                self.next_seed()
+            }
+        })?;
         x.dropout(self.p, seed)
     }
 

@@ -10,7 +10,7 @@ pub struct Mlp {
     /// The activation after every layer but the last.
     pub act: Activation,
     /// Recompute each gelu layer in backward instead of keeping its pre-activation (see
-    /// [`crate::autograd::checkpoint`]). Relu, tanh and sigmoid layers keep only their output,
+    /// [`crate::tensor::autograd::checkpoint`]). Relu, tanh and sigmoid layers keep only their output,
     /// which the next layer needs anyway, so recomputing them would save nothing and cost a
     /// forward: they run as usual (the planner shows the difference).
     pub checkpoint_activations: bool,
@@ -71,7 +71,9 @@ impl Mlp {
                 let params: Vec<Tensor> =
                     layer.named_parameters().into_iter().map(|p| p.1).collect();
                 let refs: Vec<&Tensor> = params.iter().collect();
-                crate::autograd::checkpoint(&[&h], &refs, move |xs| hidden(&l, act, &xs[0], dtype))?
+                crate::tensor::autograd::checkpoint(&[&h], &refs, move |xs| {
+                    hidden(&l, act, &xs[0], dtype)
+                })?
             } else {
                 hidden(layer, self.act, &h, dtype)?
             };

@@ -1,10 +1,14 @@
 //! Layers and losses: [`Linear`], [`Mlp`], [`Embedding`], [`LayerNorm`], [`Dropout`],
-//! [`Sequential`] (and the [`module!`](crate::module) macro for custom models), cross-entropy,
-//! mse, accuracy. Parameters are leaf
+//! [`Sequential`] (and the [`module!`](crate::module) macro for custom models), the [`Gpt`]
+//! transformer, cross-entropy, mse, accuracy. Parameters are leaf
 //! tensors that require grad; a [`Module`] lists them for optimizers and checkpoints.
 
+mod attention;
+mod block;
 mod dropout;
 mod embedding;
+mod generate;
+mod gpt;
 mod linear;
 mod loss;
 mod mlp;
@@ -12,8 +16,13 @@ mod norm;
 mod sequential;
 
 pub use crate::Activation;
+pub use crate::AttentionKind;
+pub use attention::CausalSelfAttention;
+pub use block::{FeedForward, GptBlock};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
+pub use generate::KvCache;
+pub use gpt::{Gpt, GptConfig};
 pub use linear::Linear;
 pub use loss::{accuracy, correct, cross_entropy, mse_loss};
 pub use mlp::Mlp;

@@ -5,13 +5,15 @@ use super::{check, check_params};
 use crate::{Result, Tensor};
 
 /// Parameters that share hyperparameters within an optimizer ([`AdamW::with_groups`],
-/// [`Sgd::with_groups`]).
+/// [`Sgd::with_groups`]), built with [`ParamGroup::new`] and the chained setters (new options
+/// may be added).
 ///
 /// [`AdamW::with_groups`]: super::AdamW::with_groups
 /// [`Sgd::with_groups`]: super::Sgd::with_groups
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ParamGroup {
-    /// The group's parameters.
+    /// The group's parameters (leaves that require grad).
     pub params: Vec<Tensor>,
     /// This group's weight decay (>= 0); `None` takes the optimizer's (its builder's
     /// `weight_decay`, or its default).

@@ -15,8 +15,10 @@
 
 use crate::{Error, Result};
 
-/// How the learning rate moves over training. Steps count from 0 (the first `step()`).
+/// How the learning rate moves over training. Steps count from 0 (the first `step()`). More
+/// schedules may be added, so a `match` outside the crate needs a `_` arm.
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
 pub enum LrSchedule {
     /// The base rate at every step.
     Constant,
@@ -24,11 +26,11 @@ pub enum LrSchedule {
     /// s / warmup_steps), then a half cosine from the base rate at `warmup_steps` down to
     /// base * `min_lr_ratio` at `total_steps`, then flat at that floor.
     WarmupCosine {
-        /// Steps of linear warm-up (0 for none).
+        /// Steps of the linear warm-up (0: none).
         warmup_steps: u64,
-        /// The step at which the cosine reaches its floor.
+        /// The step where the cosine reaches its floor (>= `warmup_steps`).
         total_steps: u64,
-        /// The floor, as a fraction of the base rate, in [0, 1].
+        /// The floor as a fraction of the base rate, in [0, 1].
         min_lr_ratio: f32,
     },
 }

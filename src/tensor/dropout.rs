@@ -2,8 +2,8 @@
 //! src/kernels/dropout.rs.
 
 use super::Tensor;
-use crate::autograd::record;
 use crate::kernels::dropout::{self, Mask};
+use crate::tensor::autograd::record;
 use crate::{Error, Result};
 
 impl Tensor {

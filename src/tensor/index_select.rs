@@ -2,8 +2,8 @@
 //! scatter-add: validation and autograd here, kernels in src/kernels/index_select.rs.
 
 use super::{DType, Shape, Tensor};
-use crate::autograd::record;
 use crate::kernels::index_select;
+use crate::tensor::autograd::record;
 use crate::{Device, Error, Result};
 
 impl Tensor {

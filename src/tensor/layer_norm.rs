@@ -3,9 +3,9 @@
 
 use super::operand::staged_f32;
 use super::{DType, Shape, Tensor};
-use crate::autograd::{self, record};
 use crate::kernels::layer_norm;
 use crate::kernels::softmax::needs_f32_staging;
+use crate::tensor::autograd::{self, record};
 use crate::{Error, Result};
 
 impl Tensor {

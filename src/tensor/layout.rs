@@ -2,8 +2,8 @@
 //! their validation and backward rules. Each writes a new contiguous tensor.
 
 use super::{Shape, Tensor, MAX_RANK};
-use crate::autograd::{grad_if, record};
 use crate::kernels::layout::{self, Span};
+use crate::tensor::autograd::{grad_if, record};
 use crate::{Error, Result};
 
 /// `dims` seen as (outer, dims[axis], inner) around `axis`.

@@ -2,13 +2,24 @@
 
 use super::operand::staged_f32;
 use super::{Shape, Tensor};
-use crate::autograd::{self, grad_if, record};
 use crate::kernels::elementwise::{self, BinaryOp};
 use crate::kernels::matmul::{self, Epilogue, Problem, Variant};
+use crate::tensor::autograd::{self, grad_if, record};
 use crate::{Activation, Error, Result};
 
-/// Options of [`Tensor::matmul_with`].
+/// Options of [`Tensor::matmul_with`], built from [`Default`] with the chained setters (new
+/// options may be added):
+///
+/// ```no_run
+/// # fn f(x: &fitgrad::Tensor, w: &fitgrad::Tensor, b: &fitgrad::Tensor) -> fitgrad::Result<()> {
+/// use fitgrad::{Activation, MatmulOptions};
+/// // x is (B, IN), w is (OUT, IN) as torch stores it, b is (OUT): relu(x · wᵀ + b) is (B, OUT).
+/// let opts = MatmulOptions::new().trans_b(true).bias(b).activation(Activation::Relu);
+/// let y = x.matmul_with(w, &opts)?;
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, Default)]
+#[non_exhaustive]
 pub struct MatmulOptions<'a> {
     /// Use Aᵀ: `self` is stored (.., K, M).
     pub trans_a: bool,
@@ -18,6 +29,37 @@ pub struct MatmulOptions<'a> {
     pub bias: Option<&'a Tensor>,
     /// Applied to the result (after the bias); relu and gelu are fused into the kernel's store.
     pub activation: Activation,
+}
+
+impl<'a> MatmulOptions<'a> {
+    /// A plain product (as `Default`).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Reads `self` transposed: it is stored (.., K, M).
+    pub fn trans_a(mut self, trans_a: bool) -> Self {
+        self.trans_a = trans_a;
+        self
+    }
+
+    /// Reads `other` transposed: it is stored (.., N, K).
+    pub fn trans_b(mut self, trans_b: bool) -> Self {
+        self.trans_b = trans_b;
+        self
+    }
+
+    /// Adds `bias` (shape (N)) to every row of the result.
+    pub fn bias(mut self, bias: &'a Tensor) -> Self {
+        self.bias = Some(bias);
+        self
+    }
+
+    /// Applies `activation` to the result (with the bias added).
+    pub fn activation(mut self, activation: Activation) -> Self {
+        self.activation = activation;
+        self
+    }
 }
 
 impl Tensor {

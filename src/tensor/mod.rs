@@ -1,6 +1,8 @@
 //! Tensors: a shape, a dtype, and a block of arena memory on one device. Always contiguous and
 //! row-major; `reshape` shares the block, every op writes a new one.
 
+mod attention;
+pub mod autograd;
 mod dropout;
 mod index_select;
 mod layer_norm;
@@ -15,15 +17,16 @@ mod softmax;
 pub use crate::dtype::{DType, Element};
 pub use crate::kernels::matmul::Variant as MatmulVariant;
 pub use crate::shape::{Shape, MAX_RANK};
+pub use attention::{AttentionKind, AttentionOptions};
 pub use matmul::MatmulOptions;
 pub use random::Rng;
 pub use softmax::SoftmaxOptions;
 
-use crate::autograd::{self, Node};
 use crate::device::Device;
 use crate::kernels::elementwise;
 use crate::memory::Block;
 use crate::{Error, Result};
+use autograd::Node;
 use std::fmt;
 use std::sync::Arc;
 

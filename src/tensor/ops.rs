@@ -1,9 +1,9 @@
 //! The ops a user calls on tensors: validation here, kernels in src/kernels/.
 
 use super::{DType, Shape, Tensor};
-use crate::autograd::{self, expand, grad_if, record, sum_to};
 use crate::kernels::elementwise::{self, BinaryOp, UnaryOp};
 use crate::kernels::{nonfinite, reduce, reduce_max, transpose};
+use crate::tensor::autograd::{self, expand, grad_if, record, sum_to};
 use crate::{Device, Error, Result};
 
 /// Largest axis length whose indices f32 holds exactly (argmax returns f32 indices).

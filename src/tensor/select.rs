@@ -2,8 +2,8 @@
 //! `masked_fill`, with their validation and backward rules.
 
 use super::{Shape, Tensor};
-use crate::autograd::{grad_if, record, sum_to};
 use crate::kernels::elementwise::{self, BinaryOp, UnaryOp};
+use crate::tensor::autograd::{grad_if, record, sum_to};
 use crate::{Error, Result};
 
 /// `c ? a : b` with all three broadcast (no validation, no recording): out is the broadcast shape.

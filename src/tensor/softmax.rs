@@ -3,8 +3,8 @@
 
 use super::operand::staged_f32;
 use super::{DType, Shape, Tensor};
-use crate::autograd::{self, expand, record};
 use crate::kernels::softmax::{self, Fused};
+use crate::tensor::autograd::{self, expand, record};
 use crate::{Error, Result};
 
 /// Largest class count whose indices f32 holds exactly (targets travel to the GPU as f32).
@@ -229,6 +229,7 @@ impl Tensor {
 
 /// The options of [`Tensor::softmax_masked`]: `y = softmax(scale * x + mask)` with an optional
 /// causal mask. The default is a plain softmax (scale 1, no mask) whose all -inf rows give 0.
+/// Built from [`SoftmaxOptions::new`] with the chained setters (new options may be added).
 ///
 /// ```no_run
 /// # fn f(scores: &fitgrad::Tensor) -> fitgrad::Result<()> {
@@ -238,6 +239,7 @@ impl Tensor {
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct SoftmaxOptions {
     /// Multiplies the input before the mask is added; finite and > 0 (default 1).
     pub scale: f32,

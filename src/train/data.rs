@@ -420,12 +420,12 @@ fn io_err(path: &Path, source: io::Error) -> Error {
 
 /// The file's bytes, gunzipped when it starts with the gzip magic. The name is not trusted:
 /// browsers and proxies often store decompressed files under a .gz name.
-fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
+pub(super) fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
     let raw = fs::read(path).map_err(|e| io_err(path, e))?;
     gunzip_if_gz(path, raw)
 }
 
-fn gunzip_if_gz(path: &Path, raw: Vec<u8>) -> Result<Vec<u8>> {
+pub(super) fn gunzip_if_gz(path: &Path, raw: Vec<u8>) -> Result<Vec<u8>> {
     if !raw.starts_with(&GZIP_MAGIC) {
         return Ok(raw);
     }

@@ -6,13 +6,16 @@
 pub mod bench;
 mod csv_file;
 pub mod data;
+mod fit;
 mod model;
 mod plan;
 mod rows;
 pub mod shard;
 mod summary;
+pub mod text;
 mod trainer;
 
+pub use fit::{Candidate, FitChoice};
 pub use model::{
     epoch_permutation, Batch, BatchSource, ClassBatch, EvalBatch, Features, StepContext,
     TensorBatch, TensorDataset, TrainModel,
@@ -42,6 +45,15 @@ impl Precision {
         match self {
             Precision::F32 => DType::F32,
             Precision::F16 | Precision::Mixed => DType::F16,
+        }
+    }
+
+    /// The name [`FromStr`](std::str::FromStr) reads: "f32", "f16" or "mixed".
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::F16 => "f16",
+            Precision::Mixed => "mixed",
         }
     }
 

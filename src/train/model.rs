@@ -103,6 +103,14 @@ pub trait TrainModel<B>: Module {
             correct: None,
         })
     }
+
+    /// Turns activation checkpointing on or off (recompute forward pieces in backward instead
+    /// of keeping their activations) and says whether the model has any to checkpoint: `false`
+    /// (the default) means the call did nothing and [`Trainer::fit_auto`](super::Trainer::fit_auto)
+    /// will not try it.
+    fn set_checkpointing(&mut self, _on: bool) -> bool {
+        false
+    }
 }
 
 /// Features of a batch: on the host, or rows already on the device (a dataset shard).
@@ -167,7 +175,7 @@ impl BatchSource for Dataset {
 }
 
 /// An index out of range is a typed error, not a panic.
-fn check_indices(op: &'static str, indices: &[usize], len: usize) -> Result<()> {
+pub(super) fn check_indices(op: &'static str, indices: &[usize], len: usize) -> Result<()> {
     match indices.iter().find(|&&i| i >= len) {
         Some(i) => Err(Error::InvalidArgument {
             op,
@@ -192,6 +200,12 @@ impl TrainModel<ClassBatch> for Mlp {
             loss: nn::cross_entropy(&logits, &b.y)?.item()?,
             correct: Some(nn::correct(&logits, &b.y)?),
         })
+    }
+
+    /// Sets [`Mlp::checkpoint_activations`]; only gelu layers have activations to drop.
+    fn set_checkpointing(&mut self, on: bool) -> bool {
+        self.checkpoint_activations = on;
+        self.act == crate::Activation::Gelu
     }
 }
 

@@ -72,7 +72,7 @@ impl fmt::Display for Plan {
 impl<M: Module> Trainer<M> {
     /// The samples a plan runs: the first effective batch of `data` (or all of it, if
     /// smaller).
-    fn plan_indices<D: BatchSource>(&self, data: &D) -> Result<Vec<usize>> {
+    pub(super) fn plan_indices<D: BatchSource>(&self, data: &D) -> Result<Vec<usize>> {
         let n = self.effective_batch().min(data.len());
         if n == 0 {
             return Err(Error::InvalidArgument {
@@ -263,7 +263,7 @@ impl<M: Module> Trainer<M> {
     /// it is now: between the plan's peak in use (nothing fits below it) and its peak reserved
     /// without a budget (which fits), found by bisection on whole 256-byte blocks. A run with
     /// exactly this budget succeeds.
-    fn smallest_budget<D>(&mut self, data: &D, indices: &[usize]) -> Result<u64>
+    pub(super) fn smallest_budget<D>(&mut self, data: &D, indices: &[usize]) -> Result<u64>
     where
         D: BatchSource,
         M: TrainModel<D::Batch>,
@@ -272,12 +272,7 @@ impl<M: Module> Trainer<M> {
         let align = crate::memory::BLOCK_ALIGN;
         let (mut lo, mut hi) = (free.peak / align, free.peak_reserved.div_ceil(align));
         let fits = |t: &mut Self, blocks: u64| {
-            let budget = blocks * align;
-            match t.plan_at(data, indices, 1, Some(budget), 0) {
-                Ok(p) => Ok(p.peak_reserved <= budget),
-                Err(Error::OutOfMemory { .. }) => Ok(false),
-                Err(e) => Err(e),
-            }
+            Ok::<_, Error>(t.plan_within(data, indices, 1, blocks * align)?.is_some())
         };
         if !fits(self, hi)? {
             return Ok(free.peak_reserved);
@@ -293,6 +288,28 @@ impl<M: Module> Trainer<M> {
         Ok(hi * align)
     }
 
+    /// The plan of a step over `indices` at micro-batch `micro` under `budget`, or `None` when
+    /// it does not fit.
+    pub(super) fn plan_within<D>(
+        &mut self,
+        data: &D,
+        indices: &[usize],
+        micro: usize,
+        budget: u64,
+    ) -> Result<Option<Plan>>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        match self.plan_at(data, indices, micro, Some(budget), 0) {
+            // The arena checks the budget only when it creates a segment: what it already
+            // holds may be over it.
+            Ok(p) if p.peak_reserved <= budget => Ok(Some(p)),
+            Ok(_) | Err(Error::OutOfMemory { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// The largest micro-batch up to `max` whose step over `indices` fits `budget` in the
     /// arena as it is now; `None` when not even one sample fits.
     pub(super) fn largest_fitting<D>(
@@ -306,14 +323,9 @@ impl<M: Module> Trainer<M> {
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
-        let fits =
-            |t: &mut Self, micro: usize| match t.plan_at(data, indices, micro, Some(budget), 0) {
-                // The arena checks the budget only when it creates a segment: what it already
-                // holds may be over it.
-                Ok(p) => Ok(p.peak_reserved <= budget),
-                Err(Error::OutOfMemory { .. }) => Ok(false),
-                Err(e) => Err(e),
-            };
+        let fits = |t: &mut Self, micro: usize| {
+            Ok::<_, Error>(t.plan_within(data, indices, micro, budget)?.is_some())
+        };
         let max = max.min(indices.len()).max(1);
         if fits(self, max)? {
             return Ok(Some(max));

@@ -17,8 +17,19 @@ use crate::nn::Module;
 use crate::optim::{GradScaler, LrSchedule, Optimizer};
 use crate::{DType, Device, Error, Result, Tensor};
 
-/// How batches are formed and the learning rate moves.
+/// How batches are formed and the learning rate moves. Built with [`TrainerConfig::new`] (or
+/// [`Default`]) and the chained setters (new options may be added):
+///
+/// ```
+/// use fitgrad::train::{Precision, TrainerConfig};
+/// let config = TrainerConfig::new(64, 4, 1e-3)
+///     .micro_batch(16)
+///     .precision(Precision::Mixed)
+///     .clip_grad_norm(1.0);
+/// assert_eq!(config.micro_batch, Some(16));
+/// ```
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct TrainerConfig {
     /// Samples per batch (the data loader's batch).
     pub batch_size: usize,
@@ -66,6 +77,55 @@ impl TrainerConfig {
             lr,
             ..Default::default()
         }
+    }
+
+    /// Sets the samples per batch (the data loader's batch).
+    pub fn batch_size(mut self, batch_size: usize) -> Self {
+        self.batch_size = batch_size;
+        self
+    }
+
+    /// Sets how many batches add their gradients up before one optimizer step.
+    pub fn accum_steps(mut self, accum_steps: usize) -> Self {
+        self.accum_steps = accum_steps;
+        self
+    }
+
+    /// Sets the samples per forward/backward (at most `batch_size`).
+    pub fn micro_batch(mut self, micro_batch: usize) -> Self {
+        self.micro_batch = Some(micro_batch);
+        self
+    }
+
+    /// Sets the learning rate the schedule scales.
+    pub fn lr(mut self, lr: f32) -> Self {
+        self.lr = lr;
+        self
+    }
+
+    /// Sets how the learning rate moves with the step.
+    pub fn schedule(mut self, schedule: LrSchedule) -> Self {
+        self.schedule = schedule;
+        self
+    }
+
+    /// Sets the precision (f32, f16, or mixed with loss scaling).
+    pub fn precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
+        self
+    }
+
+    /// Sets how often (in steps) an unscaled run checks the loss and gradients for NaN or
+    /// infinity; 0 turns the check off.
+    pub fn check_finite_every(mut self, steps: u64) -> Self {
+        self.check_finite_every = steps;
+        self
+    }
+
+    /// Clips the gradients' total L2 norm to `max_norm` before each update.
+    pub fn clip_grad_norm(mut self, max_norm: f32) -> Self {
+        self.clip_grad_norm = Some(max_norm);
+        self
     }
 }
 
@@ -242,11 +302,7 @@ impl<M: Module> Trainer<M> {
     }
 
     fn precision_name(&self) -> &'static str {
-        match self.config.precision {
-            Precision::F32 => "f32",
-            Precision::F16 => "f16",
-            Precision::Mixed => "mixed",
-        }
+        self.config.precision.name()
     }
 
     /// The trainer's settings that change the math of a step (checkpoints store them and

@@ -87,10 +87,7 @@ fn open_all() -> Result<Vec<(String, Device)>, String> {
         }
     } else {
         for b in BACKENDS {
-            match Device::with_options(DeviceOptions {
-                backend: Some(b.into()),
-                ..Default::default()
-            }) {
+            match Device::with_options(DeviceOptions::default().backend(b)) {
                 Ok(d) => devs.push((key(b, false), d)),
                 Err(e) => failures.push(format!("{b}: {e}")),
             }
@@ -103,11 +100,11 @@ fn open_all() -> Result<Vec<(String, Device)>, String> {
         .map(|(_, d)| d.info().adapter.backend.clone())
         .collect();
     for backend in natives {
-        match Device::with_options(DeviceOptions {
-            backend: Some(backend.clone()),
-            force_packed_f16: true,
-            ..Default::default()
-        }) {
+        match Device::with_options(
+            DeviceOptions::default()
+                .backend(backend.clone())
+                .force_packed_f16(true),
+        ) {
             Ok(d) => devs.push((key(&backend, true), d)),
             Err(e) => failures.push(format!("{backend} with force_packed_f16: {e}")),
         }
@@ -216,10 +213,9 @@ pub fn fresh_device(opts: DeviceOptions) -> Option<Device> {
 
 /// A device of its own (its arena's statistics are the test's alone) with `budget`.
 pub fn fresh_with_budget(budget: Option<u64>) -> Option<Device> {
-    fresh_device(DeviceOptions {
-        memory_budget: budget,
-        ..Default::default()
-    })
+    let mut opts = DeviceOptions::default();
+    opts.memory_budget = budget;
+    fresh_device(opts)
 }
 
 /// Every parameter of `m`, read back as f32.

@@ -4,7 +4,8 @@
 //! writes target/bench/report.md and target/bench/report.json. Each matmul figure comes with two
 //! references measured in the same run, so it reads as a ratio: a naive one-invocation-per-output
 //! matmul on the same adapter, and a single-threaded CPU sgemm (the `matrixmultiply` crate).
-//! Softmax is compared with a plain buffer copy of the same bytes on the same adapter.
+//! Softmax is compared with a plain buffer copy of the same bytes on the same adapter, fused
+//! attention with the same math composed from matmul and softmax.
 
 use fitgrad::MatmulVariant as Variant;
 use fitgrad::{DType, Device, DeviceOptions, MatmulOptions, Tensor};
@@ -150,11 +151,7 @@ fn bench_adapter(dev: &Device, o: &Opts) -> fitgrad::Result<Vec<Row>> {
             let bd = if s.tb { [s.n, s.k] } else { [s.k, s.n] };
             let a = Tensor::randn(dev, &ad, 0.0, 1.0, 1, dtype)?;
             let b = Tensor::randn(dev, &bd, 0.0, 1.0, 2, dtype)?;
-            let opts = MatmulOptions {
-                trans_a: s.ta,
-                trans_b: s.tb,
-                ..Default::default()
-            };
+            let opts = MatmulOptions::new().trans_a(s.ta).trans_b(s.tb);
             let flops = 2.0 * (s.m * s.n * s.k) as f64;
             // The first call tunes (or reads the tuning cache); the timed calls reuse the winner.
             let t = median_secs(reps, || {
@@ -254,7 +251,55 @@ fn bench_adapter(dev: &Device, o: &Opts) -> fitgrad::Result<Vec<Row>> {
         vs: vec![],
     });
     drop((a, b));
+    rows.extend(bench_attention(dev, reps)?);
     rows.extend(bench_train_step(dev, reps)?);
+    Ok(rows)
+}
+
+/// Causal self-attention forward + backward at (B, H, T, D) = (4, 4, 256, 64), fused against
+/// the composed ops (matmul, softmax_masked, matmul), with each one's peak memory above the
+/// inputs.
+fn bench_attention(dev: &Device, reps: usize) -> fitgrad::Result<Vec<Row>> {
+    use fitgrad::{AttentionKind, AttentionOptions, Bytes};
+    let dims = [4usize, 4, 256, 64];
+    let scores = (dims[0] * dims[1] * dims[2] * (dims[2] + 1) / 2) as f64;
+    let mut rows = Vec::new();
+    for dtype in [DType::F32, DType::F16] {
+        let qkv = [6, 7, 8].map(|seed| {
+            Tensor::randn(dev, &dims, 0.0, 1.0, seed, dtype).map(|t| t.with_requires_grad())
+        });
+        let [q, k, v] = qkv;
+        let (q, k, v) = (q?, k?, v?);
+        let mut times = Vec::new();
+        for kind in [AttentionKind::Fused, AttentionKind::Composed] {
+            let opts = AttentionOptions::new().kind(kind);
+            let step = || -> fitgrad::Result<()> {
+                q.attention_with(&k, &v, &opts)?.sum()?.backward()?;
+                for t in [&q, &k, &v] {
+                    t.zero_grad();
+                }
+                dev.sync()
+            };
+            step()?;
+            dev.reset_peak();
+            let before = dev.memory_stats().bytes_in_use;
+            let t = median_secs(reps, step)?;
+            let peak = dev.memory_stats().peak_bytes_in_use - before;
+            times.push(t);
+            rows.push(Row {
+                op: format!("attention fwd+bwd causal, {kind:?}").to_lowercase(),
+                shape: "4x4x256x64".into(),
+                dtype: dtype.to_string(),
+                variant: format!("peak {} above the inputs", Bytes(peak)),
+                ms: t * 1e3,
+                rate: scores / t / 1e6,
+                unit: "M scores/s",
+                vs: vec![],
+            });
+        }
+        let n = rows.len();
+        rows[n - 2].vs = vec![("composed (time ratio)".into(), times[0] / times[1])];
+    }
     Ok(rows)
 }
 
@@ -265,11 +310,11 @@ fn bench_train_step(shared: &Device, reps: usize) -> fitgrad::Result<Vec<Row>> {
     // A device of its own on the same adapter: segments cached by the other benchmarks would
     // otherwise count as the step's reserved memory.
     let a = &shared.info().adapter;
-    let fresh = Device::with_options(DeviceOptions {
-        backend: Some(a.backend.clone()),
-        adapter: Some(a.name.clone()),
-        ..Default::default()
-    })?;
+    let fresh = Device::with_options(
+        DeviceOptions::default()
+            .backend(a.backend.clone())
+            .adapter(a.name.clone()),
+    )?;
     let dev = &fresh;
     const B: usize = 128;
     let widths = [784, 512, 512, 10];
@@ -338,6 +383,11 @@ pub fn run(args: &[String]) -> Result<(), String> {
             }
         }
     }
+    // A benchmark measures tuned kernels on every adapter, CPU ones included (where a normal
+    // run tunes only on request, as their candidates compile for seconds each).
+    if std::env::var_os("FITGRAD_AUTOTUNE_BUDGET").is_none() {
+        std::env::set_var("FITGRAD_AUTOTUNE_BUDGET", "1e9");
+    }
     let mut adapters = Device::adapters();
     if let Some(want) = &o.adapter {
         adapters.retain(|a| a.name.to_lowercase().contains(&want.to_lowercase()));
@@ -356,11 +406,11 @@ pub fn run(args: &[String]) -> Result<(), String> {
     let mut records = Vec::new();
     for a in &adapters {
         eprintln!("benchmarking {a}");
-        let dev = Device::with_options(DeviceOptions {
-            backend: Some(a.backend.clone()),
-            adapter: Some(a.name.clone()),
-            ..Default::default()
-        })
+        let dev = Device::with_options(
+            DeviceOptions::default()
+                .backend(a.backend.clone())
+                .adapter(a.name.clone()),
+        )
         .map_err(|e| e.to_string())?;
         let rows = bench_adapter(&dev, &o).map_err(|e| format!("{}: {e}", a.name))?;
         for r in rows {

@@ -6,7 +6,7 @@ use super::{Problem, Variant};
 use crate::{DType, Device};
 
 fn is_cpu(dev: &Device) -> bool {
-    dev.info().adapter.device_type == "Cpu"
+    dev.info().adapter.is_cpu()
 }
 
 /// Whether `v` is practical on this device for `dtype`: within its workgroup limits, and a
@@ -15,7 +15,8 @@ fn is_cpu(dev: &Device) -> bool {
 /// "Measurements behind the constants").
 pub fn supported(dev: &Device, v: Variant, dtype: DType) -> bool {
     let l = &dev.info().limits;
-    let small_only = dev.info().adapter.backend == "gl" || (dtype == DType::F16 && is_cpu(dev));
+    let small_only = dev.info().adapter.wgpu_backend == wgpu::Backend::Gl
+        || (dtype == DType::F16 && is_cpu(dev));
     match v {
         Variant::Reg { tm, tn, wg_x, wg_y } => {
             wg_x * wg_y <= l.max_compute_invocations_per_workgroup && (!small_only || tm * tn <= 32)
@@ -44,7 +45,8 @@ pub fn default_variant(dev: &Device, pb: &Problem, dtype: DType) -> Variant {
         // With subgroups, a 16 x 4 subgroup block (quick to compile) beats the register blocks
         // on every shape of 16 rows or more, most of all on transposed-A ones such as a last
         // layer's weight gradient, where a register block's scalar loads of A along M are slow
-        // (figures in ARCHITECTURE.md).
+        // (figures in ARCHITECTURE.md). Taller blocks win some classes when timed but lose
+        // others badly (ARCHITECTURE.md), so they are left to the autotuner.
         if let Some(sg) = dev.info().subgroup_size {
             let v = Variant::Subgroup {
                 sg,
@@ -105,7 +107,13 @@ pub fn candidates(dev: &Device, pb: &Problem, dtype: DType) -> Vec<Variant> {
         // register blocks (minutes to compile) are only tried without it; the small ones stay
         // for skinny shapes.
         let blocks: &[(u32, u32)] = if dev.info().subgroup_size.is_some() {
-            &[(1, 16), (8, 4), (8, 8), (8, 16)]
+            if pb.m >= 16 {
+                // No register block comes near the subgroup kernel here; timing them would
+                // only cost first-run compile time.
+                &[]
+            } else {
+                &[(1, 16), (8, 4), (8, 8), (8, 16)]
+            }
         } else {
             &[
                 (1, 16),
@@ -169,7 +177,9 @@ pub fn candidates(dev: &Device, pb: &Problem, dtype: DType) -> Vec<Variant> {
         // TM x TN accumulators, so one block of SG x 4 (128 registers at 32 lanes), two
         // subgroups per workgroup, where subgroups are at most 32 wide.
         if is_cpu(dev) {
-            let blocks = [(16, 4), (32, 4), (64, 4), (32, 8), (64, 8)];
+            // The winners measured on digits-sized training steps are 32 x 4, 64 x 4 and
+            // 64 x 8; 32 x 8 never won, and every candidate is a cold compile on a first run.
+            let blocks = [(16, 4), (32, 4), (64, 4), (64, 8)];
             v.extend(
                 blocks
                     .iter()

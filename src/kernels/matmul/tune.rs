@@ -8,7 +8,9 @@
 //! f16 and the crate version, so a driver or fitgrad upgrade tunes again; FNV-1a is written out
 //! here because std's `DefaultHasher` may change between Rust releases, which would orphan every
 //! cache file. It is rewritten atomically (temporary file, then rename). `FITGRAD_AUTOTUNE=0`
-//! turns tuning off (the built-in choice is used).
+//! turns tuning off (the built-in choice is used); `FITGRAD_AUTOTUNE_BUDGET` bounds the seconds
+//! one run spends tuning (default 15), so a first run on a CPU adapter, where every candidate
+//! compiles for seconds, starts quickly and later runs finish the tuning.
 //!
 //! Diagnostics go through the `log` crate: each tuned class and its winner at `info`, a cache
 //! that cannot be written at `warn`.
@@ -65,6 +67,25 @@ pub(crate) fn select(
         // No timing while planning: a cached winner or the built-in choice.
         return Ok(fallback);
     }
+    let budget = budget_seconds(dev);
+    let spent = dev.with_ext(|c: &mut TuneCache| c.spent);
+    if spent >= budget {
+        // The budget is spent: the built-in choice, and the class is tuned in a later run.
+        dev.with_ext(|c: &mut TuneCache| {
+            if !c.budget_logged {
+                c.budget_logged = true;
+                log::info!(
+                    "matmul autotune: this run's tuning budget ({budget:.0} s, \
+                     FITGRAD_AUTOTUNE_BUDGET) is spent; further shape classes use the built-in \
+                     kernel choice now and are tuned in later runs"
+                );
+            }
+        });
+        return Ok(fallback);
+    }
+    // A class is tuned whole once started (a cut-short result would be no better next run),
+    // so a run overruns its budget by at most one class.
+    let start = std::time::Instant::now();
     let mut best = (f64::INFINITY, fallback);
     for cand in candidates(dev, pb, dtype) {
         if let Ok(t) = time_variant(dev, || run(cand)) {
@@ -73,9 +94,38 @@ pub(crate) fn select(
             }
         }
     }
-    dev.with_ext(|c: &mut TuneCache| c.put(path.as_ref(), class, best.1));
+    let took = start.elapsed().as_secs_f64();
+    dev.with_ext(|c: &mut TuneCache| {
+        c.spent += took;
+        c.put(path.as_ref(), class, best.1);
+    });
     Ok(best.1)
 }
+
+/// Seconds of autotuning one device may spend per process before it stops starting new shape
+/// classes (`FITGRAD_AUTOTUNE_BUDGET`, default [`DEFAULT_BUDGET_S`]): on a CPU adapter each
+/// candidate kernel compiles for up to seconds, and a first run must not wait minutes for its
+/// tuning. Classes left over run the built-in choice and are tuned by later runs.
+fn budget_seconds(dev: &Device) -> f64 {
+    // A CPU adapter compiles each candidate for seconds (one shape class costs tens of
+    // seconds cold), more than a short run gains: tuning there is opt-in, and the built-in
+    // choice carries the measured winners.
+    let default = if dev.info().adapter.is_cpu() {
+        0.0
+    } else {
+        DEFAULT_BUDGET_S
+    };
+    match std::env::var("FITGRAD_AUTOTUNE_BUDGET") {
+        Ok(v) => v.trim().parse::<f64>().ok().filter(|b| *b >= 0.0).unwrap_or_else(|| {
+            log::warn!("FITGRAD_AUTOTUNE_BUDGET={v:?} is not a number of seconds >= 0; using {default}");
+            default
+        }),
+        Err(_) => default,
+    }
+}
+
+/// The default tuning budget per device and process, in seconds.
+const DEFAULT_BUDGET_S: f64 = 15.0;
 
 /// Seconds one `run` of a variant takes: a warm-up run (which compiles the kernel), then the
 /// median of 1 or, for quick kernels, 3 timed runs.
@@ -102,6 +152,10 @@ pub fn time_variant(dev: &Device, mut run: impl FnMut() -> Result<()>) -> Result
 struct TuneCache {
     /// class -> winner; `None` until the disk file was read.
     entries: Option<HashMap<String, Variant>>,
+    /// Seconds spent tuning on this device in this process.
+    spent: f64,
+    /// Whether the spent budget was reported.
+    budget_logged: bool,
 }
 
 /// Whether tuning is on (`FITGRAD_AUTOTUNE=0` or `off` turns it off).

@@ -15,6 +15,9 @@ use std::cell::Cell;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+mod replay;
+pub use replay::replayable_seed;
+
 thread_local! {
     static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
 }
@@ -66,14 +69,20 @@ pub fn enable_grad() -> NoGradGuard {
 /// Trades one extra forward of the segment for its activations: worth it where a segment keeps
 /// more than its input alive (gelu layers keep their pre-activation; deep stacks keep one
 /// activation per layer).
+///
+/// Exact with dropout: the seeds the first forward draws through [`replayable_seed`] (every
+/// `nn::Dropout` call) are recorded and handed out again, in order, to the recomputation, so it
+/// applies the same masks (see src/tensor/autograd/replay.rs).
 pub fn checkpoint<F>(inputs: &[&Tensor], params: &[&Tensor], f: F) -> Result<Tensor>
 where
     F: Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
 {
     let detached: Vec<Tensor> = inputs.iter().map(|t| t.detach()).collect();
-    let out = {
+    let (out, seeds) = {
         let _g = no_grad();
-        f(&detached)?
+        let tape = replay::record_seeds();
+        let out = f(&detached)?;
+        (out, tape.finish())
     };
     let n_inputs = inputs.len();
     let n_params = params.len();
@@ -93,7 +102,9 @@ where
                     }
                 })
                 .collect();
+            let tape = replay::replay_seeds(seeds.clone());
             let out = f(&xs)?;
+            tape.finish()?;
             // Only the recomputed graph is needed: the output's memory goes before backward
             // (a rule that needs it, like relu's mask, keeps its own reference).
             if let Some(node) = out.node().cloned() {

@@ -1,0 +1,594 @@
+//! `cargo run --release --example train_gpt` — train a small GPT on Shakespeare, one character
+//! at a time.
+//!
+//! With no arguments it trains a 2-layer, 64-wide, 4-head GPT with a context of 64 characters on
+//! the eight plays embedded in the crate (the last 10% held out), and prints the adapter, a
+//! progress bar with the training loss and tokens/s, the validation loss in nats per character
+//! beside the bigram baseline of the same split, where the device memory went, and a seeded
+//! sample of generated text. `--help` lists the flags; `--json` ends stdout with one JSON
+//! object. Every flag is checked before any device work.
+//!
+//! tests/train_gpt_cli.rs includes this file as a module and calls [`prepare`] and [`train`].
+
+use clap::Parser;
+use fitgrad::nn::{AttentionKind, Gpt, GptConfig, Module};
+use fitgrad::optim::{decay_groups, AdamW, LrSchedule};
+use fitgrad::train::text::{TextCorpus, TextDataset};
+use fitgrad::train::{BatchSource, Precision, Trainer, TrainerConfig};
+use fitgrad::{Bytes, Device, DeviceOptions, Error, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Instant;
+
+/// Validation windows of the evaluations during training (the whole validation part at the
+/// end): 64 windows of the default context are 4,096 characters.
+const EVAL_WINDOWS: usize = 64;
+
+/// The flags.
+#[derive(Parser, Debug, Clone)]
+#[command(about = "Train a character-level GPT with fitgrad")]
+pub struct Args {
+    /// A UTF-8 text file (optionally gzipped) to train on instead of the embedded plays; the
+    /// vocabulary is its characters.
+    #[arg(long)]
+    pub text: Option<PathBuf>,
+    /// Transformer blocks.
+    #[arg(long, default_value_t = 2)]
+    pub layers: usize,
+    /// Attention heads per block (must divide --dim).
+    #[arg(long, default_value_t = 4)]
+    pub heads: usize,
+    /// Model width.
+    #[arg(long, default_value_t = 64)]
+    pub dim: usize,
+    /// Characters a prediction sees (the position table's length).
+    #[arg(long, default_value_t = 64)]
+    pub context: usize,
+    /// Windows per batch.
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+    /// Batches whose gradients add up before each optimizer step.
+    #[arg(long, default_value_t = 1)]
+    pub accum_steps: usize,
+    /// Optimizer steps in all (a resumed run goes on to this many).
+    #[arg(long, default_value_t = 300)]
+    pub steps: u64,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 3e-3)]
+    pub lr: f32,
+    /// Cosine decay to 10% with 5% linear warm-up instead of a constant learning rate.
+    #[arg(long)]
+    pub cosine: bool,
+    /// Dropout after the embeddings and on each residual branch, in [0, 1).
+    #[arg(long, default_value_t = 0.0)]
+    pub dropout: f32,
+    /// Clip the gradients' total L2 norm to this before each update (0: no clipping).
+    #[arg(long, default_value_t = 1.0)]
+    pub clip_grad_norm: f32,
+    /// f32, f16, or mixed (f32 master weights and optimizer state, f16 activations and
+    /// matmuls, dynamic loss scaling).
+    #[arg(long, default_value = "f32")]
+    pub precision: String,
+    /// Hard limit on device memory (e.g. 64MiB). The micro-batch is chosen to fit, with
+    /// gradient accumulation keeping the effective batch.
+    #[arg(long)]
+    pub memory_budget: Option<String>,
+    /// `auto`: let --memory-budget choose the micro-batch, block checkpointing and mixed
+    /// precision (cheapest first), and print each planned candidate.
+    #[arg(long)]
+    pub fit: Option<String>,
+    /// Recompute each block in backward instead of keeping its activations.
+    #[arg(long)]
+    pub checkpoint_activations: bool,
+    /// fused, composed or auto (fused where the adapter runs it).
+    #[arg(long, default_value = "auto")]
+    pub attention: String,
+    /// Print the planned peak memory of a training step, by category, and exit.
+    #[arg(long)]
+    pub plan: bool,
+    /// Reserve the planned peak before training, so no buffer is created afterwards.
+    #[arg(long)]
+    pub prealloc: bool,
+    /// Save a checkpoint (safetensors, written atomically) at every evaluation and at the end.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Resume from a checkpoint written by --save (same model and training flags).
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+    /// Seed of the weights, the window order, dropout and the sample.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Substring of the adapter name to use.
+    #[arg(long)]
+    pub adapter: Option<String>,
+    /// End stdout with one JSON object describing the run.
+    #[arg(long)]
+    pub json: bool,
+    /// Evaluate on the first 64 validation windows every this many steps (0: only at the end,
+    /// on the whole validation part).
+    #[arg(long, default_value_t = 100)]
+    pub eval_every: u64,
+    /// Characters to generate at the end (0: no sample).
+    #[arg(long, default_value_t = 300)]
+    pub sample_len: usize,
+    /// Sampling temperature (> 0; lower is more conservative).
+    #[arg(long, default_value_t = 0.8)]
+    pub temperature: f32,
+}
+
+/// What a run ends with.
+#[derive(Clone, Debug)]
+pub struct Report {
+    /// Mean training loss of the last steps (nats per character).
+    pub train_loss: f32,
+    /// Loss on the whole validation part (nats per character).
+    pub valid_loss: f32,
+    /// The add-one bigram model's validation loss on the same split.
+    pub bigram: f64,
+    /// Optimizer steps done.
+    pub steps: u64,
+    /// The generated sample (empty with --sample-len 0).
+    pub sample: String,
+}
+
+/// Everything the flags ask for, checked on the host.
+pub struct Setup {
+    corpus: TextCorpus,
+    train: TextDataset,
+    valid: TextDataset,
+    /// The first validation windows, for evaluations during training.
+    valid_head: TextDataset,
+    cfg: GptConfig,
+    precision: Precision,
+    budget: Option<u64>,
+    fit_auto: bool,
+}
+
+/// An [`Error::InvalidArgument`] of this command.
+fn invalid(reason: String) -> Error {
+    Error::InvalidArgument {
+        op: "train_gpt",
+        reason,
+    }
+}
+
+/// Checks every flag and loads the text, before any device work.
+pub fn prepare(args: &Args) -> Result<Setup> {
+    let precision: Precision = args.precision.parse()?;
+    let attention = match args.attention.as_str() {
+        "auto" => AttentionKind::Auto,
+        "fused" => AttentionKind::Fused,
+        "composed" => AttentionKind::Composed,
+        other => {
+            return Err(invalid(format!(
+                "--attention {other}: use fused, composed or auto"
+            )))
+        }
+    };
+    let budget = args
+        .memory_budget
+        .as_deref()
+        .map(|b| b.parse::<Bytes>().map(|b| b.0))
+        .transpose()?;
+    let sizes = [
+        ("--layers", args.layers),
+        ("--heads", args.heads),
+        ("--dim", args.dim),
+        ("--context", args.context),
+        ("--batch-size", args.batch_size),
+        ("--accum-steps", args.accum_steps),
+    ];
+    if let Some((flag, _)) = sizes.iter().find(|(_, v)| *v == 0) {
+        return Err(invalid(format!("{flag} must be at least 1, got 0")));
+    }
+    if args.steps == 0 {
+        return Err(invalid("--steps must be at least 1".into()));
+    }
+    args.batch_size
+        .checked_mul(args.accum_steps)
+        .ok_or_else(|| invalid("--batch-size x --accum-steps overflows".into()))?;
+    if budget == Some(0) {
+        return Err(invalid("--memory-budget must be more than 0 bytes".into()));
+    }
+    let fit_auto = match args.fit.as_deref() {
+        None => false,
+        Some("auto") if budget.is_none() => {
+            return Err(invalid(
+                "--fit auto fits a budget: add --memory-budget".into(),
+            ))
+        }
+        Some("auto") if args.checkpoint_activations => {
+            return Err(invalid(
+                "--fit auto chooses block checkpointing itself: drop --checkpoint-activations"
+                    .into(),
+            ))
+        }
+        Some("auto") => true,
+        Some(other) => return Err(invalid(format!("--fit {other}: the one mode is 'auto'"))),
+    };
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        return Err(invalid(format!(
+            "--lr must be a number > 0, got {}",
+            args.lr
+        )));
+    }
+    if !(args.clip_grad_norm.is_finite() && args.clip_grad_norm >= 0.0) {
+        return Err(invalid(format!(
+            "--clip-grad-norm must be a number >= 0 (0: off), got {}",
+            args.clip_grad_norm
+        )));
+    }
+    if !(args.temperature.is_finite() && args.temperature > 0.0) {
+        return Err(invalid(format!(
+            "--temperature must be a number > 0, got {}",
+            args.temperature
+        )));
+    }
+    let corpus = match &args.text {
+        Some(path) => TextCorpus::from_file(path)?,
+        None => TextCorpus::shakespeare(),
+    };
+    let (train, valid) = corpus.datasets(args.context)?;
+    let head_len = (EVAL_WINDOWS * args.context + 1).min(corpus.valid.len());
+    let valid_head = TextDataset::new(corpus.valid[..head_len].to_vec(), args.context)?
+        .with_stride(args.context)?;
+    let mut cfg = GptConfig::new(
+        corpus.vocab.len(),
+        args.context,
+        args.layers,
+        args.heads,
+        args.dim,
+    );
+    cfg.dropout = args.dropout;
+    cfg.checkpoint_blocks = args.checkpoint_activations;
+    cfg.dtype = precision.param_dtype();
+    cfg.seed = args.seed;
+    cfg.attention = attention;
+    // Heads dividing dim, dropout in range, a parameter count that fits: the model's own checks.
+    cfg.validate()?;
+    if let Some(path) = &args.resume {
+        check_resume(path, &cfg)?;
+    }
+    Ok(Setup {
+        corpus,
+        train,
+        valid,
+        valid_head,
+        cfg,
+        precision,
+        budget,
+        fit_auto,
+    })
+}
+
+/// The checkpoint at `path` holds a model of `cfg`'s shape (read on the host, before any
+/// device work), or the error says which flag to change.
+fn check_resume(path: &std::path::Path, cfg: &GptConfig) -> Result<()> {
+    let ckpt = fitgrad::checkpoint::load(path)?;
+    let saved = ckpt.model_config();
+    let want = [
+        ("vocab_size", cfg.vocab_size, "--text (the vocabulary)"),
+        ("context", cfg.context, "--context"),
+        ("layers", cfg.layers, "--layers"),
+        ("heads", cfg.heads, "--heads"),
+        ("dim", cfg.dim, "--dim"),
+    ];
+    for (key, value, flag) in want {
+        match saved.get(key) {
+            Some(v) if *v == value.to_string() => {}
+            Some(v) => {
+                return Err(Error::Data {
+                    path: path.display().to_string(),
+                    reason: format!(
+                        "the checkpoint's model has {key} {v}, this run {value}: set {flag} as it was saved"
+                    ),
+                })
+            }
+            None => {
+                return Err(Error::Data {
+                    path: path.display().to_string(),
+                    reason: format!("no '{key}' in the checkpoint: not a GPT saved by train_gpt"),
+                })
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Opens the device the flags ask for.
+pub fn open_device(args: &Args, setup: &Setup) -> Result<Device> {
+    let mut o = DeviceOptions::default();
+    o.adapter = args.adapter.clone();
+    o.memory_budget = setup.budget;
+    Device::with_options(o)
+}
+
+/// The windows of step `step` in a run of effective batch `eff`: positions `step * eff ..` of
+/// the concatenated epoch orders (each epoch a seeded shuffle of every window), so a resumed
+/// run continues with the windows the uninterrupted run would have seen.
+struct StepOrder {
+    seed: u64,
+    epoch: u64,
+    order: Vec<usize>,
+}
+
+impl StepOrder {
+    fn new(seed: u64) -> StepOrder {
+        StepOrder {
+            seed,
+            epoch: u64::MAX,
+            order: Vec::new(),
+        }
+    }
+
+    fn indices(&mut self, data: &TextDataset, step: u64, eff: usize) -> Vec<usize> {
+        let n = data.len() as u64;
+        (0..eff as u64)
+            .map(|i| {
+                let pos = step * eff as u64 + i;
+                let epoch = pos / n;
+                if epoch != self.epoch {
+                    self.order = data.epoch_order(self.seed, epoch);
+                    self.epoch = epoch;
+                }
+                self.order[(pos % n) as usize]
+            })
+            .collect()
+    }
+}
+
+/// Trains, evaluates, samples and prints, on `device`.
+pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
+    let info = device.info().clone();
+    println!("adapter: {}", info.adapter);
+    let corpus = &setup.corpus;
+    println!(
+        "text: {} ({} characters, {} distinct; {} train, {} validation)",
+        corpus.name,
+        corpus.len(),
+        corpus.vocab.len(),
+        corpus.train.len(),
+        corpus.valid.len()
+    );
+    let bigram = corpus.bigram_baseline()?;
+    let eff = args.batch_size * args.accum_steps;
+    let schedule = if args.cosine {
+        LrSchedule::WarmupCosine {
+            warmup_steps: args.steps / 20,
+            total_steps: args.steps,
+            min_lr_ratio: 0.1,
+        }
+    } else {
+        LrSchedule::Constant
+    };
+    let mut config = TrainerConfig::new(args.batch_size, args.accum_steps, args.lr);
+    config.schedule = schedule;
+    config.precision = setup.precision;
+    config.clip_grad_norm = (args.clip_grad_norm > 0.0).then_some(args.clip_grad_norm);
+    let build = || {
+        let model = Gpt::new(device, setup.cfg.clone())?;
+        // No weight decay on biases, LayerNorms and embeddings' rank-1 parameters.
+        let groups = decay_groups(model.named_parameters(), 0.1);
+        let optimizer = AdamW::with_groups(groups, args.lr)?.betas(0.9, 0.95)?;
+        Trainer::new(model, Box::new(optimizer), config.clone())
+    };
+    let mut trainer = if setup.fit_auto {
+        let (trainer, choice) = Trainer::build_fit_auto(device, &setup.train, build)?;
+        print!("{choice}");
+        trainer
+    } else {
+        Trainer::build_within_budget(device, &setup.train, build)?
+    };
+    if let Some(b) = setup.budget {
+        let micro = trainer.micro_batch();
+        println!(
+            "memory budget {}: micro-batch {micro} of {} ({} accumulated micro-batches per step)",
+            Bytes(b),
+            args.batch_size,
+            args.batch_size.div_ceil(micro) * args.accum_steps
+        );
+    }
+    let planning = Instant::now();
+    let plan = trainer.plan(&setup.train)?;
+    if args.plan {
+        print!("{plan}");
+        println!(
+            "  (planned by running the step on the device's planning mode in {:.0} ms)",
+            planning.elapsed().as_secs_f64() * 1e3
+        );
+        return Ok(Report {
+            train_loss: f32::NAN,
+            valid_loss: f32::NAN,
+            bigram,
+            steps: trainer.steps(),
+            sample: String::new(),
+        });
+    }
+    if args.prealloc {
+        let reserved = trainer.prealloc(&setup.train)?;
+        println!("reserved {} up front", Bytes(reserved));
+    }
+    let cfg = trainer.model.gpt_config();
+    println!(
+        "model: GPT {} layers, dim {}, {} heads, context {} ({} parameters), {}, AdamW lr {}{}, batch {} x {} accumulation steps{}",
+        cfg.layers,
+        cfg.dim,
+        cfg.heads,
+        cfg.context,
+        trainer.model.num_parameters(),
+        trainer.config().precision.name(),
+        args.lr,
+        if args.cosine { " cosine" } else { "" },
+        args.batch_size,
+        args.accum_steps,
+        if cfg.checkpoint_blocks {
+            ", block checkpointing"
+        } else {
+            ""
+        }
+    );
+    if let Some(path) = &args.resume {
+        trainer.resume_from(path)?;
+        println!(
+            "resumed from {} after {} steps",
+            path.display(),
+            trainer.steps()
+        );
+    }
+
+    // Evaluation keeps no graph, so the training micro-batch always fits the budget.
+    let eval_batch = if setup.budget.is_some() {
+        trainer.micro_batch()
+    } else {
+        EVAL_WINDOWS
+    };
+    let bar = ProgressBar::new(args.steps)
+        .with_style(
+            ProgressStyle::with_template("step {pos}/{len} [{bar:30}] {msg} ({elapsed})")
+                .expect("valid template")
+                .progress_chars("=> "),
+        )
+        .with_position(trainer.steps().min(args.steps));
+    // On a new machine the first steps compile every kernel (lavapipe: tens of seconds); the
+    // driver caches them on disk for the next run.
+    bar.set_message("compiling GPU kernels (first run on this machine only)...");
+    bar.tick();
+    let mut order = StepOrder::new(args.seed);
+    let mut train_loss = f32::NAN;
+    let started = Instant::now();
+    let first_step = trainer.steps();
+    for step in first_step..args.steps {
+        let idx = order.indices(&setup.train, step, eff);
+        trainer.step(&setup.train, &idx)?;
+        let done = step + 1;
+        bar.set_position(done);
+        // A readback every 10 steps keeps the GPU busy between them.
+        if done % 10 == 0 || done == args.steps {
+            let loss = trainer.take_loss()?;
+            if !loss.is_nan() {
+                train_loss = loss;
+            }
+            let tokens = (done - first_step) as f64 * (eff * args.context) as f64;
+            let rate = tokens / started.elapsed().as_secs_f64();
+            bar.set_message(format!("loss {train_loss:.3}, {rate:.0} tokens/s"));
+        }
+        if args.eval_every > 0 && done % args.eval_every == 0 && done < args.steps {
+            let v = trainer.evaluate(&setup.valid_head, eval_batch)?.loss;
+            // Printed above the bar (or plainly, when stdout is not a terminal and the bar is
+            // hidden).
+            bar.suspend(|| {
+                println!(
+                    "step {done}: train {train_loss:.4}, validation {v:.4} nats/char (first {} windows)",
+                    setup.valid_head.len()
+                )
+            });
+            if let Some(path) = &args.save {
+                trainer.save_checkpoint(path, 0)?;
+            }
+        }
+        for e in trainer.take_events() {
+            bar.suspend(|| println!("  {e}"));
+        }
+    }
+    bar.finish();
+    device.sync()?;
+    let secs = started.elapsed().as_secs_f64();
+    let steps_run = args.steps.saturating_sub(first_step);
+    let tokens_per_s = (steps_run as f64 * (eff * args.context) as f64) / secs.max(1e-9);
+    if let Some(path) = &args.save {
+        trainer.save_checkpoint(path, 0)?;
+    }
+    // Training's memory, before evaluation and sampling count.
+    let summary = trainer.memory_summary();
+    let valid_loss = trainer.evaluate(&setup.valid, eval_batch)?.loss;
+    let uniform = (corpus.vocab.len() as f64).ln();
+    println!(
+        "validation: {valid_loss:.4} nats/char on {} characters (bigram baseline {bigram:.4}, uniform {uniform:.4}); train {train_loss:.4}",
+        setup.valid.len() * args.context
+    );
+    println!("{steps_run} steps in {secs:.1} s, {tokens_per_s:.0} tokens/s");
+    println!("\n{summary}");
+    println!(
+        "planned peak in use {} / measured {}",
+        Bytes(plan.peak),
+        Bytes(summary.stats.peak_bytes_in_use)
+    );
+    println!("{}", device.memory_report());
+
+    let sample = if args.sample_len > 0 {
+        // The prompt: the validation part's first character.
+        let prompt = &corpus.valid[..1];
+        let ids = trainer
+            .model
+            .generate(prompt, args.sample_len, args.temperature, args.seed)?;
+        let text = corpus.vocab.decode(&ids);
+        println!(
+            "sample ({} characters, temperature {}, seed {}):\n{text}\n",
+            args.sample_len, args.temperature, args.seed
+        );
+        text
+    } else {
+        String::new()
+    };
+
+    if args.json {
+        let s = &summary.stats;
+        let j = serde_json::json!({
+            "adapter": info.adapter.name,
+            "backend": info.adapter.backend,
+            "text": corpus.name,
+            "vocab_size": corpus.vocab.len(),
+            "layers": cfg.layers,
+            "heads": cfg.heads,
+            "dim": cfg.dim,
+            "context": cfg.context,
+            "parameters": trainer.model.num_parameters(),
+            "lr": args.lr,
+            "steps": trainer.steps(),
+            "batch_size": args.batch_size,
+            "accum_steps": args.accum_steps,
+            "micro_batch": trainer.micro_batch(),
+            "precision": trainer.config().precision.name(),
+            "checkpoint_activations": cfg.checkpoint_blocks,
+            "memory_budget": setup.budget,
+            "planned_peak_bytes": plan.peak,
+            "planned_peak_reserved": plan.peak_reserved,
+            "seed": args.seed,
+            "train_loss": train_loss,
+            "valid_loss": valid_loss,
+            "bigram_baseline": bigram,
+            "peak_bytes": s.peak_bytes_reserved,
+            "peak_bytes_in_use": s.peak_bytes_in_use,
+            "buffers_created": s.buffers_created,
+            "train_seconds": secs,
+            "tokens_per_s": tokens_per_s,
+        });
+        println!("{j}");
+    }
+    Ok(Report {
+        train_loss,
+        valid_loss,
+        bigram,
+        steps: trainer.steps(),
+        sample,
+    })
+}
+
+/// [`prepare`], [`open_device`], [`train`].
+pub fn run(args: &Args) -> Result<Report> {
+    let setup = prepare(args)?;
+    let device = open_device(args, &setup)?;
+    train(args, setup, &device)
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    match run(&args) {
+        Ok(_) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

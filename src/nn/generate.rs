@@ -1,0 +1,191 @@
+//! Autoregressive generation for [`Gpt`] with a KV cache: each block keeps the keys and values
+//! of the positions seen so far, so a new token runs through the blocks alone (one query over
+//! the cached keys) instead of the whole context again.
+
+use super::attention::LayerKv;
+use super::gpt::Gpt;
+use super::Module;
+use crate::tensor::Rng;
+use crate::{Error, Result, SoftmaxOptions, Tensor};
+
+/// The keys and values each block of a [`Gpt`] computed for the positions fed so far (each
+/// (B, H, T_seen, D)), for [`Gpt::forward_cached`]. Made by [`Gpt::kv_cache`].
+pub struct KvCache {
+    layers: Vec<LayerKv>,
+    len: usize,
+    batch: usize,
+}
+
+impl KvCache {
+    /// Positions cached so far.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Drops every cached key and value (the next forward starts at position 0).
+    pub fn clear(&mut self) {
+        self.layers.iter_mut().for_each(|l| *l = None);
+        self.len = 0;
+        self.batch = 0;
+    }
+}
+
+/// Puts the model back in the mode it was in when generation started, error or not.
+struct RestoreMode<'a> {
+    gpt: &'a Gpt,
+    training: bool,
+}
+
+impl Drop for RestoreMode<'_> {
+    fn drop(&mut self) {
+        self.gpt.set_training(self.training);
+    }
+}
+
+impl Gpt {
+    /// An empty cache for this model.
+    pub fn kv_cache(&self) -> KvCache {
+        KvCache {
+            layers: (0..self.block_list().len()).map(|_| None).collect(),
+            len: 0,
+            batch: 0,
+        }
+    }
+
+    /// Logits (B, T, V), in the parameters' dtype, of ids (B, T) at positions
+    /// `cache.len()..cache.len() + T`, attending over the cached positions too; their keys and
+    /// values are appended to `cache`. Equal (up to rounding) to the last T positions of
+    /// [`Gpt::forward_ids`] on the whole sequence. Records no graph; dropout applies only in
+    /// training mode.
+    ///
+    /// Errors, before any device work: [`Error::InvalidArgument`] for the id checks of
+    /// `forward_ids`, `cache.len() + T` past `context`, a batch other than the cache's, or a
+    /// cache of another model.
+    pub fn forward_cached(
+        &self,
+        ids: &[u32],
+        batch: usize,
+        t: usize,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        const OP: &str = "Gpt::forward_cached";
+        let cfg = self.gpt_config();
+        let bad = |reason: String| Err(Error::InvalidArgument { op: OP, reason });
+        if cache.layers.len() != cfg.layers {
+            return bad(format!(
+                "the cache holds {} layers, the model {}; make it with this model's kv_cache()",
+                cache.layers.len(),
+                cfg.layers
+            ));
+        }
+        if !cache.is_empty() && cache.batch != batch {
+            return bad(format!(
+                "the cache holds a batch of {}, not {batch}",
+                cache.batch
+            ));
+        }
+        self.check_ids(OP, ids, batch, t, cfg.context - cache.len)?;
+        let _g = crate::no_grad();
+        let dtype = cfg.dtype;
+        let mut x = self.embed(ids, batch, t, cache.len, dtype)?;
+        for (block, kv) in self.block_list().iter().zip(&mut cache.layers) {
+            x = block.forward_cached(&x, kv, dtype)?;
+        }
+        cache.len += t;
+        cache.batch = batch;
+        self.head(&x, dtype)
+    }
+
+    /// `prompt` followed by `max_new` tokens sampled one at a time from
+    /// softmax(logits / `temperature`) with a host generator seeded by `seed` (the same seed, the
+    /// same tokens on one adapter). Runs under `no_grad` in evaluation mode (the model's mode is
+    /// restored afterwards).
+    ///
+    /// The model sees at most the last `context` tokens. While the sequence fits, each step runs
+    /// only the newest token through the blocks against the KV cache; once it passes `context`
+    /// the window slides by one token per step, which moves every position (the position
+    /// embeddings are absolute), so the cache is rebuilt from the cropped window at each such
+    /// step.
+    ///
+    /// Errors, before any device work: [`Error::InvalidArgument`] for an empty prompt, an id of
+    /// `vocab_size` or more, or a temperature that is not finite and > 0 (or whose inverse is
+    /// not finite); also when the model's probabilities are not finite (NaN weights).
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        max_new: usize,
+        temperature: f32,
+        seed: u64,
+    ) -> Result<Vec<u32>> {
+        const OP: &str = "Gpt::generate";
+        let bad = |reason: String| Error::InvalidArgument { op: OP, reason };
+        if prompt.is_empty() {
+            return Err(bad("the prompt needs at least one token".into()));
+        }
+        let scale = 1.0 / temperature;
+        if !(temperature.is_finite() && temperature > 0.0 && scale.is_finite()) {
+            return Err(bad(format!(
+                "temperature must be finite and > 0 (with a finite inverse), got {temperature}"
+            )));
+        }
+        self.check_vocab(OP, prompt)?;
+        let context = self.gpt_config().context;
+        let _g = crate::no_grad();
+        let _mode = RestoreMode {
+            gpt: self,
+            training: self.is_training(),
+        };
+        self.set_training(false);
+        let mut rng = Rng::new(seed);
+        let mut out = prompt.to_vec();
+        let mut cache = self.kv_cache();
+        // The cache covers out[start..start + cache.len()].
+        let mut start = 0;
+        for _ in 0..max_new {
+            let n = out.len();
+            let w = n.saturating_sub(context);
+            let logits = if start == w && cache.len() + 1 == n - w {
+                self.forward_cached(&out[n - 1..], 1, 1, &mut cache)?
+            } else {
+                // First step, or the window slid: every position moved.
+                cache.clear();
+                start = w;
+                self.forward_cached(&out[w..], 1, n - w, &mut cache)?
+            };
+            // The last position's distribution, (V).
+            let t = logits.dims()[1];
+            let probs = logits
+                .narrow(1, t - 1, 1)?
+                .softmax_masked(SoftmaxOptions::new().scale(scale))?
+                .to_vec_f32()?;
+            out.push(sample(&probs, &mut rng).ok_or_else(|| {
+                bad("the next-token probabilities are not finite (do the weights hold NaN?)".into())
+            })?);
+        }
+        Ok(out)
+    }
+}
+
+/// An index drawn from `probs` (summing to about 1) by inverse transform; `None` when they are
+/// not finite.
+fn sample(probs: &[f32], rng: &mut Rng) -> Option<u32> {
+    let total: f64 = probs.iter().map(|&p| p as f64).sum();
+    if !(total.is_finite() && total > 0.0) {
+        return None;
+    }
+    let u = rng.next_f64() * total;
+    let mut acc = 0.0f64;
+    for (i, &p) in probs.iter().enumerate() {
+        acc += p as f64;
+        if u < acc {
+            return Some(i as u32);
+        }
+    }
+    // Rounding left u at the very top: the last token with any mass.
+    probs.iter().rposition(|&p| p > 0.0).map(|i| i as u32)
+}

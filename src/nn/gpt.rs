@@ -1,0 +1,566 @@
+//! `Gpt`: a GPT-2 style decoder-only transformer (nanoGPT's layout): token and position
+//! embeddings, embedding dropout, pre-LayerNorm blocks, a final LayerNorm and a head tied to
+//! the token embedding. Each block can run under [`checkpoint`](crate::tensor::autograd::checkpoint)
+//! (only its input kept; exact with dropout, see src/tensor/autograd/replay.rs). Generation with a KV
+//! cache is in src/nn/generate.rs.
+
+use super::attention::CausalSelfAttention;
+use super::block::{FeedForward, GptBlock};
+use super::{Dropout, Embedding, LayerNorm, Linear, Module, LAYER_NORM_EPS};
+use crate::tensor::Rng;
+use crate::AttentionKind;
+use crate::{DType, Device, Error, MatmulOptions, Result, Tensor};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+/// GPT-2's init: weights N(0, 0.02), residual projections scaled by 1 / sqrt(2 * layers).
+const INIT_STD: f32 = 0.02;
+/// The most classes the cross-entropy kernel indexes exactly (targets travel as f32).
+const MAX_VOCAB: usize = 1 << 24;
+
+/// A [`Gpt`]'s configuration: every field a checkpoint needs to rebuild the model.
+///
+/// ```
+/// use fitgrad::nn::GptConfig;
+/// let mut cfg = GptConfig::new(50257, 1024, 12, 12, 768); // GPT-2 small
+/// cfg.dropout = 0.1;
+/// assert_eq!(cfg.num_parameters().unwrap(), 124_439_808);
+/// ```
+#[non_exhaustive]
+#[derive(Clone, Debug, PartialEq)]
+pub struct GptConfig {
+    /// Token ids are `0..vocab_size`.
+    pub vocab_size: usize,
+    /// The most positions a forward sees (the position embedding's rows).
+    pub context: usize,
+    /// Number of blocks.
+    pub layers: usize,
+    /// Attention heads per block; must divide `dim`.
+    pub heads: usize,
+    /// Model width C.
+    pub dim: usize,
+    /// Dropout probability after the embeddings and on each residual branch, in [0, 1).
+    pub dropout: f32,
+    /// Run each block under gradient checkpointing (see [`Gpt::set_checkpoint_blocks`]).
+    pub checkpoint_blocks: bool,
+    /// The parameters' dtype.
+    pub dtype: DType,
+    /// Seed of the initial weights and of the dropout masks.
+    pub seed: u64,
+    /// Which attention implementation the blocks run.
+    pub attention: AttentionKind,
+}
+
+impl GptConfig {
+    /// `layers` blocks of width `dim` with `heads` heads over `context` positions of a
+    /// `vocab_size` vocabulary; no dropout, no checkpointing, f32, seed 0, automatic attention.
+    pub fn new(
+        vocab_size: usize,
+        context: usize,
+        layers: usize,
+        heads: usize,
+        dim: usize,
+    ) -> GptConfig {
+        GptConfig {
+            vocab_size,
+            context,
+            layers,
+            heads,
+            dim,
+            dropout: 0.0,
+            checkpoint_blocks: false,
+            dtype: DType::F32,
+            seed: 0,
+            attention: AttentionKind::Auto,
+        }
+    }
+
+    /// The model's scalar parameter count: `V·C + T·C + layers·(12·C² + 13·C) + 2·C` (the head
+    /// is the token embedding). Errors: [`Error::InvalidArgument`] when it overflows `usize`.
+    pub fn num_parameters(&self) -> Result<usize> {
+        let c = self.dim;
+        let count = || -> Option<usize> {
+            let c2 = c.checked_mul(c)?;
+            let block = c2.checked_mul(12)?.checked_add(c.checked_mul(13)?)?;
+            self.vocab_size
+                .checked_mul(c)?
+                .checked_add(self.context.checked_mul(c)?)?
+                .checked_add(self.layers.checked_mul(block)?)?
+                .checked_add(c.checked_mul(2)?)
+        };
+        count().ok_or_else(|| Error::InvalidArgument {
+            op: "GptConfig::num_parameters",
+            reason: format!(
+                "the parameter count of {} layers of dim {c} with a vocabulary of {} and a \
+                 context of {} overflows; reduce dim, layers, vocab_size or context",
+                self.layers, self.vocab_size, self.context
+            ),
+        })
+    }
+
+    /// Every check [`Gpt::new`] makes before any device work.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |reason: String| Error::InvalidArgument {
+            op: "Gpt::new",
+            reason,
+        };
+        let sizes = [
+            ("vocab_size", self.vocab_size),
+            ("context", self.context),
+            ("layers", self.layers),
+            ("heads", self.heads),
+            ("dim", self.dim),
+        ];
+        if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
+            return Err(bad(format!("{name} must be at least 1, got 0")));
+        }
+        if !self.dim.is_multiple_of(self.heads) {
+            let up = self.dim.div_ceil(self.heads) * self.heads;
+            return Err(bad(format!(
+                "heads = {} must divide dim = {}: use dim = {up} (a multiple of {}) or a head \
+                 count that divides {}",
+                self.heads, self.dim, self.heads, self.dim
+            )));
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(bad(format!(
+                "dropout must be in [0, 1), got {}",
+                self.dropout
+            )));
+        }
+        if self.vocab_size > MAX_VOCAB {
+            return Err(bad(format!(
+                "vocab_size = {} passes 2^24, the most classes the cross-entropy indexes exactly",
+                self.vocab_size
+            )));
+        }
+        if self.context > u32::MAX as usize {
+            return Err(bad(format!(
+                "context = {} passes 2^32 - 1 (positions are u32 ids)",
+                self.context
+            )));
+        }
+        self.num_parameters().map_err(|e| match e {
+            Error::InvalidArgument { reason, .. } => bad(reason),
+            e => e,
+        })?;
+        Ok(())
+    }
+}
+
+/// A GPT-2 style language model: ids (B, T) -> logits (B, T, V).
+///
+/// Parameters are named `wte.weight`, `wpe.weight`, `blocks.{i}.ln1.{weight,bias}`,
+/// `blocks.{i}.attn.qkv.{weight,bias}`, `blocks.{i}.attn.proj.*`, `blocks.{i}.ln2.*`,
+/// `blocks.{i}.mlp.fc.*`, `blocks.{i}.mlp.proj.*`, `ln_f.*`; the head is `wte.weight` itself
+/// (logits = x · Wteᵀ), listed once.
+///
+/// ```no_run
+/// # fn f(dev: &fitgrad::Device) -> fitgrad::Result<()> {
+/// use fitgrad::nn::{Gpt, GptConfig, Module};
+/// let mut cfg = GptConfig::new(65, 64, 4, 4, 128);
+/// cfg.dropout = 0.1;
+/// let gpt = Gpt::new(dev, cfg)?;
+/// let ids = vec![1u32; 2 * 64];
+/// let loss = gpt.loss(&ids[..], &ids[..], 2, 64)?; // mean over the 2 x 64 positions
+/// loss.backward()?;
+/// let text = gpt.generate(&[1, 2, 3], 20, 0.8, 42)?;
+/// # Ok(()) }
+/// ```
+pub struct Gpt {
+    /// (V, C): token embedding and, transposed, the head.
+    wte: Embedding,
+    /// (context, C)
+    wpe: Embedding,
+    drop: Dropout,
+    /// Shared with the closures of checkpointed segments, which recompute a block in backward.
+    blocks: Vec<Arc<GptBlock>>,
+    ln_f: LayerNorm,
+    cfg: GptConfig,
+    checkpoint_blocks: AtomicBool,
+    training: AtomicBool,
+}
+
+/// `t` in `dtype` (a recorded cast, or `t` itself).
+pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
+    if t.dtype() == dtype {
+        Ok(t.clone())
+    } else {
+        t.to_dtype(dtype)
+    }
+}
+
+impl Gpt {
+    /// A model with GPT-2's init from `cfg.seed`: weights and embeddings N(0, 0.02), the two
+    /// residual projections of each block N(0, 0.02 / sqrt(2 * layers)), biases 0, LayerNorms
+    /// 1 and 0. Starts in training mode.
+    ///
+    /// Errors, before any device work: [`Error::InvalidArgument`] for a size of 0, heads not
+    /// dividing dim, dropout outside [0, 1), a vocabulary over 2^24 or a parameter count that
+    /// overflows (each message says what to change).
+    pub fn new(device: &Device, cfg: GptConfig) -> Result<Gpt> {
+        cfg.validate()?;
+        let (c, dtype) = (cfg.dim, cfg.dtype);
+        let mut rng = Rng::new(cfg.seed);
+        let mut seed = || rng.next_u64();
+        let resid_std = INIT_STD / (2.0 * cfg.layers as f32).sqrt();
+        let embedding = |n: usize, seed: u64| -> Result<Embedding> {
+            let weight = Tensor::randn(device, &[n, c], 0.0, INIT_STD, seed, dtype)?;
+            Ok(Embedding {
+                weight: weight.with_requires_grad(),
+                num_embeddings: n,
+                dim: c,
+            })
+        };
+        let linear = |i: usize, o: usize, std: f32, seed: u64| -> Result<Linear> {
+            Ok(Linear {
+                weight: Tensor::randn(device, &[o, i], 0.0, std, seed, dtype)?.with_requires_grad(),
+                bias: Some(Tensor::zeros(device, &[o], dtype)?.with_requires_grad()),
+                in_features: i,
+                out_features: o,
+            })
+        };
+        let norm = || LayerNorm::with_options(device, c, LAYER_NORM_EPS, dtype);
+        let wte = embedding(cfg.vocab_size, seed())?;
+        let wpe = embedding(cfg.context, seed())?;
+        let drop = Dropout::new(cfg.dropout, seed())?;
+        let mut blocks = Vec::with_capacity(cfg.layers);
+        for _ in 0..cfg.layers {
+            let attn = CausalSelfAttention::from_parts(
+                linear(c, 3 * c, INIT_STD, seed())?,
+                linear(c, c, resid_std, seed())?,
+                Dropout::new(cfg.dropout, seed())?,
+                cfg.heads,
+                cfg.attention,
+            );
+            let mlp = FeedForward {
+                fc: linear(c, 4 * c, INIT_STD, seed())?,
+                proj: linear(4 * c, c, resid_std, seed())?,
+                drop: Dropout::new(cfg.dropout, seed())?,
+            };
+            blocks.push(Arc::new(GptBlock {
+                ln1: norm()?,
+                attn,
+                ln2: norm()?,
+                mlp,
+            }));
+        }
+        Ok(Gpt {
+            wte,
+            wpe,
+            drop,
+            blocks,
+            ln_f: norm()?,
+            checkpoint_blocks: AtomicBool::new(cfg.checkpoint_blocks),
+            training: AtomicBool::new(true),
+            cfg,
+        })
+    }
+
+    /// The configuration, with `checkpoint_blocks` as it is now.
+    pub fn gpt_config(&self) -> GptConfig {
+        let mut cfg = self.cfg.clone();
+        cfg.checkpoint_blocks = self.checkpoint_blocks();
+        cfg
+    }
+
+    /// Whether each block runs under gradient checkpointing.
+    pub fn checkpoint_blocks(&self) -> bool {
+        self.checkpoint_blocks.load(Ordering::Relaxed)
+    }
+
+    /// Turns block checkpointing on or off for the next forwards (a trainer switching memory
+    /// strategies). With it on, a block keeps only its input for the backward pass and runs its
+    /// forward again there, with the same dropout masks: loss and gradients are the same as
+    /// without it, and the activation peak is about one block's instead of every block's.
+    pub fn set_checkpoint_blocks(&self, on: bool) {
+        self.checkpoint_blocks.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether dropout is active (see [`Module::set_training`]).
+    pub fn is_training(&self) -> bool {
+        self.training.load(Ordering::Relaxed)
+    }
+
+    /// The blocks, in order.
+    pub fn blocks(&self) -> impl ExactSizeIterator<Item = &GptBlock> {
+        self.blocks.iter().map(|b| b.as_ref())
+    }
+
+    /// Logits (B, T, V) of ids (B, T) given row-major in `ids`, in the parameters' dtype.
+    ///
+    /// Errors, before any device work: [`Error::InvalidArgument`] when `ids.len()` is not
+    /// `batch * t`, `batch` or `t` is 0, `t` passes `context`, or an id is `vocab_size` or more.
+    pub fn forward_ids(&self, ids: &[u32], batch: usize, t: usize) -> Result<Tensor> {
+        self.logits(ids, batch, t, self.cfg.dtype)
+    }
+
+    /// [`Gpt::forward_ids`] with every matmul in `dtype` (f32 parameters run an f16 forward,
+    /// cast inside the graph so gradients reach them in f32); the logits are returned in f32.
+    pub fn forward_ids_in(
+        &self,
+        ids: &[u32],
+        batch: usize,
+        t: usize,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        cast(&self.logits(ids, batch, t, dtype)?, DType::F32)
+    }
+
+    /// Mean cross-entropy over the B·T positions of the logits of `ids` (B, T) against `targets`
+    /// (B, T, row-major), in the parameters' dtype, rank 0.
+    ///
+    /// Errors, before any device work: those of [`Gpt::forward_ids`], and
+    /// [`Error::InvalidArgument`] when `targets` is not `batch * t` long or holds an id of
+    /// `vocab_size` or more.
+    pub fn loss(&self, ids: &[u32], targets: &[u32], batch: usize, t: usize) -> Result<Tensor> {
+        self.check_targets(targets, batch, t)?;
+        let logits = self.forward_ids(ids, batch, t)?;
+        let v = self.cfg.vocab_size;
+        super::cross_entropy(&logits.reshape(&[batch * t, v])?, targets)
+    }
+
+    /// [`Gpt::loss`] with every matmul in `dtype` and the loss in f32 (from f32 logits, so a
+    /// scaled loss cannot overflow f16).
+    pub fn loss_in(
+        &self,
+        ids: &[u32],
+        targets: &[u32],
+        batch: usize,
+        t: usize,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        self.check_targets(targets, batch, t)?;
+        let logits = self.forward_ids_in(ids, batch, t, dtype)?;
+        let v = self.cfg.vocab_size;
+        super::cross_entropy(&logits.reshape(&[batch * t, v])?, targets)
+    }
+
+    /// Builds an untrained model from a configuration that [`Module::config`] wrote (what a
+    /// checkpoint stores; [`Checkpoint::rebuild`](crate::checkpoint::Checkpoint::rebuild)
+    /// also loads the weights: `ckpt.rebuild(|cfg| Gpt::from_config(&dev, cfg))`). Errors:
+    /// [`Error::InvalidArgument`] when the configuration is not a Gpt's or a value does not
+    /// parse; those of [`Gpt::new`].
+    pub fn from_config(
+        device: &Device,
+        map: &std::collections::BTreeMap<String, String>,
+    ) -> Result<Gpt> {
+        let bad = |reason: String| Error::InvalidArgument {
+            op: "Gpt::from_config",
+            reason,
+        };
+        let get = |k: &str| {
+            map.get(k)
+                .ok_or_else(|| bad(format!("no model configuration '{k}' (not a Gpt)")))
+        };
+        if get("kind")? != "gpt" {
+            return Err(bad(format!(
+                "the configuration is of a '{}' model, not a gpt",
+                get("kind")?
+            )));
+        }
+        fn parse<T: std::str::FromStr>(
+            v: &str,
+            k: &str,
+            bad: &dyn Fn(String) -> Error,
+        ) -> Result<T> {
+            v.parse().map_err(|_| bad(format!("bad {k} '{v}'")))
+        }
+        let num = |k: &str| -> Result<usize> { parse(get(k)?, k, &bad) };
+        let mut cfg = GptConfig::new(
+            num("vocab_size")?,
+            num("context")?,
+            num("layers")?,
+            num("heads")?,
+            num("dim")?,
+        );
+        cfg.dropout = parse(get("dropout")?, "dropout", &bad)?;
+        cfg.checkpoint_blocks = parse(get("checkpoint_blocks")?, "checkpoint_blocks", &bad)?;
+        cfg.seed = parse(get("seed")?, "seed", &bad)?;
+        cfg.dtype = match get("dtype")?.as_str() {
+            "f32" => DType::F32,
+            "f16" => DType::F16,
+            d => return Err(bad(format!("bad dtype '{d}'"))),
+        };
+        cfg.attention = match get("attention")?.as_str() {
+            "auto" => AttentionKind::Auto,
+            "fused" => AttentionKind::Fused,
+            "composed" => AttentionKind::Composed,
+            a => return Err(bad(format!("bad attention '{a}'"))),
+        };
+        Gpt::new(device, cfg)
+    }
+
+    /// Checks ids (B, T) against the model, before any device work; `max_t` is the most
+    /// positions allowed.
+    pub(crate) fn check_ids(
+        &self,
+        op: &'static str,
+        ids: &[u32],
+        batch: usize,
+        t: usize,
+        max_t: usize,
+    ) -> Result<()> {
+        let bad = |reason: String| Err(Error::InvalidArgument { op, reason });
+        if batch == 0 || t == 0 {
+            return bad(format!("batch and t must be at least 1, got {batch} x {t}"));
+        }
+        if batch.checked_mul(t) != Some(ids.len()) {
+            return bad(format!(
+                "{} ids are not batch x t = {batch} x {t}",
+                ids.len()
+            ));
+        }
+        let context = self.cfg.context;
+        if t > max_t {
+            return bad(if max_t == context {
+                format!("t = {t} passes the context of {context}; feed at most the last {context} tokens")
+            } else {
+                format!(
+                    "t = {t} passes the {max_t} positions the cache leaves of the context of \
+                     {context}; clear the cache and feed at most the last {context} tokens"
+                )
+            });
+        }
+        self.check_vocab(op, ids)
+    }
+
+    /// Checks that every id is below `vocab_size`.
+    pub(crate) fn check_vocab(&self, op: &'static str, ids: &[u32]) -> Result<()> {
+        let v = self.cfg.vocab_size;
+        match ids.iter().enumerate().find(|(_, &id)| id as usize >= v) {
+            Some((i, id)) => Err(Error::InvalidArgument {
+                op,
+                reason: format!("id {id} at position {i} is out of range for a vocabulary of {v}"),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn check_targets(&self, targets: &[u32], batch: usize, t: usize) -> Result<()> {
+        if batch.checked_mul(t) != Some(targets.len()) {
+            return Err(Error::InvalidArgument {
+                op: "Gpt::loss",
+                reason: format!(
+                    "{} targets are not batch x t = {batch} x {t}",
+                    targets.len()
+                ),
+            });
+        }
+        self.check_vocab("Gpt::loss", targets)
+    }
+
+    /// Token plus position embeddings of ids (B, T) at positions `start..start + T`, in
+    /// `dtype`, then embedding dropout: (B, T, C).
+    pub(crate) fn embed(
+        &self,
+        ids: &[u32],
+        batch: usize,
+        t: usize,
+        start: usize,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let positions: Vec<u32> = (start..start + t).map(|p| p as u32).collect();
+        // (B, T, C) + (T, C), broadcast over the batch.
+        let tok = self.wte.forward_ids(ids, &[batch, t])?;
+        let x = tok.add(&self.wpe.forward_ids(&positions, &[t])?)?;
+        self.drop.forward(&cast(&x, dtype)?)
+    }
+
+    /// x (B, T, C) -> logits (B, T, V): the final LayerNorm, then x · Wteᵀ in `dtype`.
+    pub(crate) fn head(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        self.ln_f.forward(x)?.matmul_with(
+            &cast(&self.wte.weight, dtype)?,
+            &MatmulOptions {
+                trans_b: true,
+                ..Default::default()
+            },
+        )
+    }
+
+    pub(crate) fn block_list(&self) -> &[Arc<GptBlock>] {
+        &self.blocks
+    }
+
+    /// Logits (B, T, V) in `dtype`.
+    fn logits(&self, ids: &[u32], batch: usize, t: usize, dtype: DType) -> Result<Tensor> {
+        self.check_ids("Gpt::forward_ids", ids, batch, t, self.cfg.context)?;
+        let mut x = self.embed(ids, batch, t, 0, dtype)?;
+        let checkpointed = self.checkpoint_blocks();
+        for block in &self.blocks {
+            x = if checkpointed {
+                // Only x is kept; backward reruns the block (same dropout masks).
+                let params = block.parameters();
+                let refs: Vec<&Tensor> = params.iter().collect();
+                let b = block.clone();
+                crate::tensor::autograd::checkpoint(&[&x], &refs, move |xs| {
+                    b.forward_in(&xs[0], dtype)
+                })?
+            } else {
+                block.forward_in(&x, dtype)?
+            };
+        }
+        self.head(&x, dtype)
+    }
+}
+
+impl Module for Gpt {
+    /// Always an [`Error::InvalidArgument`]: a GPT reads host token ids. Use
+    /// [`Gpt::forward_ids`].
+    fn forward(&self, _x: &Tensor) -> Result<Tensor> {
+        Err(Error::InvalidArgument {
+            op: "Gpt::forward",
+            reason: "a GPT looks up host token ids; call forward_ids(ids, batch, t)".into(),
+        })
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let prefixed = |prefix: String, m: &dyn Module| {
+            m.named_parameters()
+                .into_iter()
+                .map(move |(n, t)| (format!("{prefix}.{n}"), t))
+        };
+        let mut out: Vec<(String, Tensor)> = Vec::new();
+        out.extend(prefixed("wte".into(), &self.wte));
+        out.extend(prefixed("wpe".into(), &self.wpe));
+        for (i, b) in self.blocks.iter().enumerate() {
+            out.extend(prefixed(format!("blocks.{i}"), b.as_ref()));
+        }
+        out.extend(prefixed("ln_f".into(), &self.ln_f));
+        out
+    }
+
+    fn config(&self) -> Vec<(String, String)> {
+        let c = self.gpt_config();
+        let attention = match c.attention {
+            AttentionKind::Auto => "auto",
+            AttentionKind::Fused => "fused",
+            AttentionKind::Composed => "composed",
+        };
+        [
+            ("kind", "gpt".to_string()),
+            ("vocab_size", c.vocab_size.to_string()),
+            ("context", c.context.to_string()),
+            ("layers", c.layers.to_string()),
+            ("heads", c.heads.to_string()),
+            ("dim", c.dim.to_string()),
+            // Display of f32 is the shortest string that parses back to the same bits.
+            ("dropout", c.dropout.to_string()),
+            ("checkpoint_blocks", c.checkpoint_blocks.to_string()),
+            ("dtype", c.dtype.to_string()),
+            ("seed", c.seed.to_string()),
+            ("attention", attention.to_string()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
+    }
+
+    fn set_training(&self, training: bool) {
+        self.training.store(training, Ordering::Relaxed);
+        self.drop.set_training(training);
+        for b in &self.blocks {
+            b.set_training(training);
+        }
+    }
+}

@@ -1,0 +1,287 @@
+//! `--fit auto`: the memory budget picks the training strategy ([`Trainer::fit_auto`]).
+//!
+//! The strategies are tried cheapest first, each with the planner (train/plan.rs), which runs
+//! the real step on the device's planning mode, so nothing is estimated:
+//!
+//! 1. the whole batch in one forward/backward;
+//! 2. a smaller micro-batch with gradient accumulation: the same update (up to float
+//!    rounding), only less parallel work per dispatch;
+//! 3. activation checkpointing (where the model supports it), again the largest micro-batch
+//!    that fits: exact too, at the price of recomputing forward pieces in backward;
+//! 4. mixed precision (f16 activations and matmuls, f32 master weights and optimizer state,
+//!    loss scaling): the only step that changes the numbers, so it comes last — without, then
+//!    with checkpointing.
+//!
+//! The precision fallback is to [`Precision::Mixed`] only, from [`Precision::F32`]: both keep
+//! f32 parameters, so the model built for f32 trains mixed as it is (its forward reads
+//! [`StepContext::dtype`](super::StepContext)); pure f16 would need the model rebuilt in f16.
+//!
+//! The choice depends only on the plans, which depend on the model, the batch, the budget and
+//! the arena's state — not on timing. Arena rounding is the same on every adapter; what can
+//! differ is the temporaries some kernels need on some adapters (a packed-f16 output whose rows
+//! are not whole words is written through an f32 temporary), so a mixed-precision candidate
+//! may plan a little higher where f16 is stored packed.
+
+use super::model::{BatchSource, TrainModel};
+use super::{Precision, Trainer};
+use crate::error::Bytes;
+use crate::nn::Module;
+use crate::optim::GradScaler;
+use crate::{Error, Result};
+use std::fmt;
+
+/// One configuration [`Trainer::fit_auto`] planned.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Candidate {
+    /// What was planned, e.g. "micro-batch 16 (4 per batch), checkpointing, mixed".
+    pub description: String,
+    /// Samples per forward/backward.
+    pub micro_batch: usize,
+    /// Activation checkpointing on.
+    pub checkpointing: bool,
+    /// The precision planned.
+    pub precision: Precision,
+    /// Planned peak bytes in use of one step: under the budget when it fits (what the run
+    /// will do), without one when it does not (what it would need).
+    pub planned_peak: u64,
+    /// Planned peak bytes the arena holds from the driver (what the budget limits), measured
+    /// the same way.
+    pub planned_reserved: u64,
+    /// Whether the step planned under the budget stays within it.
+    pub fits: bool,
+}
+
+/// What [`Trainer::fit_auto`] chose, and every candidate it planned on the way, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FitChoice {
+    /// The budget fitted.
+    pub budget: u64,
+    /// Samples per batch (the data loader's batch, kept).
+    pub batch_size: usize,
+    /// Samples per forward/backward chosen.
+    pub micro_batch: usize,
+    /// Activation checkpointing chosen.
+    pub checkpointing: bool,
+    /// Precision chosen.
+    pub precision: Precision,
+    /// The candidates planned, cheapest first; the last one is the choice.
+    pub candidates: Vec<Candidate>,
+}
+
+impl fmt::Display for FitChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "fit auto, budget {}: {}",
+            Bytes(self.budget),
+            describe(
+                self.batch_size,
+                self.micro_batch,
+                self.checkpointing,
+                self.precision
+            )
+        )?;
+        for c in &self.candidates {
+            writeln!(
+                f,
+                "  {:<52} planned peak {:>11} in use, {:>11} reserved  {}",
+                c.description,
+                Bytes(c.planned_peak).to_string(),
+                Bytes(c.planned_reserved).to_string(),
+                if c.fits { "fits" } else { "does not fit" }
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// "micro-batch 16 (4 per batch), checkpointing, mixed".
+fn describe(batch: usize, micro: usize, checkpointing: bool, precision: Precision) -> String {
+    let split = if micro >= batch {
+        format!("micro-batch {micro} (the whole batch)")
+    } else {
+        format!("micro-batch {micro} ({} per batch)", batch.div_ceil(micro))
+    };
+    format!(
+        "{split}{}, {}",
+        if checkpointing { ", checkpointing" } else { "" },
+        precision.name()
+    )
+}
+
+impl<M: Module> Trainer<M> {
+    /// Chooses how a step on `data` fits `budget` bytes — micro-batch, activation
+    /// checkpointing, precision, in that order (see the module docs) — applies it to this
+    /// trainer and the model, and says what it chose and why. The batch and accumulation stay
+    /// as configured (a configured micro-batch is replaced); checkpointing is turned off unless
+    /// chosen; an [`Precision::F32`] trainer may become [`Precision::Mixed`], other precisions
+    /// stay. Nothing runs on the device but plans.
+    ///
+    /// When no candidate fits, the trainer is left as configured (checkpointing off) and the
+    /// error is [`Error::BudgetTooSmall`] naming the smallest budget under which some
+    /// configuration runs (one sample per micro-batch): `fit_auto` with exactly that budget
+    /// succeeds, and so does training under it.
+    pub fn fit_auto<D>(&mut self, data: &D, budget: u64) -> Result<FitChoice>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let idx = self.plan_indices(data)?;
+        let start = self.config.precision;
+        let (micro_before, micro_config) = (self.micro, self.config.micro_batch);
+        let can_checkpoint = self.model.set_checkpointing(false);
+        let mut configs = Vec::new();
+        let precisions: &[Precision] = if start == Precision::F32 {
+            &[Precision::F32, Precision::Mixed]
+        } else {
+            std::slice::from_ref(&self.config.precision)
+        };
+        for &p in precisions {
+            configs.push((false, p));
+            if can_checkpoint {
+                configs.push((true, p));
+            }
+        }
+        let batch = self.config.batch_size.min(idx.len());
+        let mut candidates = Vec::new();
+        let result = (|| {
+            for &(ckpt, precision) in &configs {
+                self.use_strategy(ckpt, precision);
+                let whole = self.candidate(data, &idx, (batch, batch), ckpt, budget)?;
+                let mut fits = whole.fits.then_some(batch);
+                candidates.push(whole);
+                if fits.is_none() && batch > 1 {
+                    let micro = self
+                        .largest_fitting(data, &idx, budget, batch - 1)?
+                        .unwrap_or(1);
+                    let c = self.candidate(data, &idx, (batch, micro), ckpt, budget)?;
+                    fits = c.fits.then_some(micro);
+                    candidates.push(c);
+                }
+                if let Some(micro) = fits {
+                    self.set_micro_batch(micro)?;
+                    return Ok(Some((micro, ckpt, precision)));
+                }
+            }
+            Ok(None)
+        })();
+        let chosen = match result {
+            Ok(Some(c)) => c,
+            other => {
+                // Nothing fits: the smallest budget of any configuration (one sample per
+                // micro-batch), the cheaper one on a tie. Mixed precision is not always the
+                // most frugal: its f16 copies of the weights can outweigh what it saves.
+                let smallest = other.and_then(|_| {
+                    let mut best: Option<(u64, (bool, Precision))> = None;
+                    for &(ckpt, precision) in &configs {
+                        self.use_strategy(ckpt, precision);
+                        let m = self.smallest_budget(data, &idx)?;
+                        if best.is_none_or(|(b, _)| m < b) {
+                            best = Some((m, (ckpt, precision)));
+                        }
+                    }
+                    Ok(best.expect("at least one configuration"))
+                });
+                self.use_strategy(false, start);
+                (self.micro, self.config.micro_batch) = (micro_before, micro_config);
+                let (minimum, (ckpt, precision)) = smallest?;
+                return Err(Error::BudgetTooSmall {
+                    budget,
+                    minimum,
+                    what: format!(
+                        "a training step of {} parameters ({})",
+                        self.model.num_parameters(),
+                        describe(batch, 1, ckpt, precision)
+                    ),
+                });
+            }
+        };
+        Ok(FitChoice {
+            budget,
+            batch_size: batch,
+            micro_batch: chosen.0,
+            checkpointing: chosen.1,
+            precision: chosen.2,
+            candidates,
+        })
+    }
+
+    /// Builds the trainer with `build` on `device` and runs [`Trainer::fit_auto`] under the
+    /// device's budget ([`Error::InvalidArgument`] when it has none): what
+    /// [`Trainer::build_within_budget`] is for a micro-batch alone. The model is built with the
+    /// budget lifted, so a model over the budget is one more configuration that does not fit and
+    /// the error names the smallest budget for the model and a step together; the budget is set
+    /// again before returning, error or not.
+    pub fn build_fit_auto<D>(
+        device: &crate::Device,
+        data: &D,
+        build: impl FnOnce() -> Result<Trainer<M>>,
+    ) -> Result<(Trainer<M>, FitChoice)>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let Some(budget) = device.memory_stats().budget else {
+            return Err(Error::InvalidArgument {
+                op: "Trainer::build_fit_auto",
+                reason: "fit auto needs a memory budget to fit (set one on the device)".into(),
+            });
+        };
+        device.set_memory_budget(None)?;
+        let built = build().and_then(|mut t| {
+            let choice = t.fit_auto(data, budget)?;
+            Ok((t, choice))
+        });
+        if built.is_err() {
+            // The failed trainer is dropped: give its segments back before the budget returns.
+            device.empty_cache();
+        }
+        device.set_memory_budget(Some(budget))?;
+        built
+    }
+
+    /// Sets the model's checkpointing and the trainer's precision (F32 and Mixed only differ in
+    /// the compute dtype and the loss scaler; the parameters stay f32).
+    fn use_strategy<B>(&mut self, checkpointing: bool, precision: Precision)
+    where
+        M: TrainModel<B>,
+    {
+        self.model.set_checkpointing(checkpointing);
+        if self.config.precision != precision {
+            self.config.precision = precision;
+            self.scaler = (precision == Precision::Mixed).then(GradScaler::new);
+        }
+    }
+
+    /// The candidate `micro` of a batch of `batch` with the strategy in use (`checkpointing`
+    /// says whether it is on): its plan under the budget when it fits, else without a budget.
+    fn candidate<D>(
+        &mut self,
+        data: &D,
+        idx: &[usize],
+        (batch, micro): (usize, usize),
+        checkpointing: bool,
+        budget: u64,
+    ) -> Result<Candidate>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let under = self.plan_within(data, idx, micro, budget)?;
+        let fits = under.is_some();
+        let plan = match under {
+            Some(p) => p,
+            None => self.plan_at(data, idx, micro, None, 0)?,
+        };
+        let precision = self.config.precision;
+        Ok(Candidate {
+            description: describe(batch, micro, checkpointing, precision),
+            micro_batch: micro,
+            checkpointing,
+            precision,
+            planned_peak: plan.peak,
+            planned_reserved: plan.peak_reserved,
+            fits,
+        })
+    }
+}

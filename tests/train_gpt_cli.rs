@@ -1,0 +1,206 @@
+//! examples/train_gpt.rs, included as a module: every bad configuration is a typed error from
+//! `prepare` (no device), and a tiny configuration trains on each backend, saves, resumes to
+//! the uninterrupted run's step count, samples text of the asked length from the vocabulary,
+//! and fits a budget with `--fit auto`.
+
+mod common;
+
+#[allow(dead_code)] // the example's `main`
+#[path = "../examples/train_gpt.rs"]
+mod train_gpt;
+
+use clap::Parser;
+use common::*;
+use fitgrad::{Device, DeviceOptions, Error};
+use std::io::Write;
+use train_gpt::{prepare, train, Args};
+
+/// A small repetitive text: a tiny model learns it in a few steps.
+const TEXT: &str = "to be, or not to be, that is the question. ";
+
+fn text_file(text: &[u8]) -> tempfile::NamedTempFile {
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    f.write_all(text).unwrap();
+    f
+}
+
+/// The flags of a tiny run on `path`, with `extra` added or replacing the tiny run's.
+fn args(path: &std::path::Path, extra: &[&str]) -> Args {
+    let mut all = vec![
+        "train_gpt".to_string(),
+        "--text".into(),
+        path.display().to_string(),
+    ];
+    for (flag, value) in [
+        ("--layers", "1"),
+        ("--heads", "2"),
+        ("--dim", "16"),
+        ("--context", "8"),
+        ("--batch-size", "4"),
+        ("--steps", "6"),
+        ("--eval-every", "3"),
+        ("--sample-len", "12"),
+        ("--lr", "0.01"),
+    ] {
+        let replaced = extra.iter().any(|e| e.split('=').next() == Some(flag));
+        if !replaced {
+            all.extend([flag.to_string(), value.to_string()]);
+        }
+    }
+    all.extend(extra.iter().map(|s| s.to_string()));
+    Args::try_parse_from(&all).unwrap_or_else(|e| panic!("{all:?}: {e}"))
+}
+
+/// `prepare`'s error for `extra` on `text`, with a substring its message must hold.
+fn refused(text: &[u8], extra: &[&str], says: &str) -> Error {
+    let f = text_file(text);
+    let err = match prepare(&args(f.path(), extra)) {
+        Ok(_) => panic!("{extra:?} on {} bytes was accepted", text.len()),
+        Err(e) => e,
+    };
+    let msg = err.to_string();
+    assert!(
+        msg.contains(says),
+        "{extra:?}: the message should say '{says}': {msg}"
+    );
+    err
+}
+
+#[test]
+fn bad_configurations_are_refused_before_any_device_work() {
+    let long = TEXT.repeat(20);
+    let t = long.as_bytes();
+    let is_arg = |e: &Error| matches!(e, Error::InvalidArgument { .. });
+    let is_data = |e: &Error| matches!(e, Error::Data { .. });
+    assert!(is_arg(&refused(t, &["--heads", "3"], "divide")));
+    for flag in [
+        "--layers",
+        "--heads",
+        "--dim",
+        "--context",
+        "--batch-size",
+        "--accum-steps",
+    ] {
+        assert!(is_arg(&refused(t, &[flag, "0"], flag)));
+    }
+    assert!(is_arg(&refused(t, &["--steps", "0"], "--steps")));
+    assert!(is_arg(&refused(t, &["--dropout", "1"], "dropout")));
+    assert!(is_arg(&refused(
+        t,
+        &["--temperature", "0"],
+        "--temperature"
+    )));
+    assert!(is_arg(&refused(t, &["--lr=-1"], "--lr")));
+    assert!(is_arg(&refused(t, &["--precision", "f64"], "f64")));
+    assert!(is_arg(&refused(t, &["--attention", "sparse"], "sparse")));
+    assert!(is_arg(&refused(t, &["--fit", "manual"], "auto")));
+    assert!(is_arg(&refused(t, &["--fit", "auto"], "--memory-budget")));
+    assert!(is_arg(&refused(
+        t,
+        &[
+            "--fit",
+            "auto",
+            "--memory-budget",
+            "8MiB",
+            "--checkpoint-activations"
+        ],
+        "--checkpoint-activations"
+    )));
+    assert!(is_arg(&refused(t, &["--memory-budget", "lots"], "lots")));
+    // The text: empty, not UTF-8, shorter than one window of validation.
+    assert!(is_data(&refused(b"", &[], "empty")));
+    assert!(is_data(&refused(b"caf\xe9 au lait", &[], "UTF-8")));
+    let err = refused(TEXT.as_bytes(), &["--context", "8"], "validation");
+    assert!(is_data(&err), "{err:?}");
+    // A missing file and a missing checkpoint.
+    let missing = std::path::Path::new("/nonexistent/fitgrad/plays.txt");
+    let err = prepare(&args(missing, &[])).err().expect("a missing file");
+    assert!(matches!(err, Error::Io { .. }), "{err:?}");
+    let err = refused(t, &["--resume", "/nonexistent/fitgrad/gpt.safetensors"], "");
+    assert!(matches!(err, Error::Io { .. }), "{err:?}");
+    // The defaults on the embedded plays are valid.
+    prepare(&Args::try_parse_from(["train_gpt"]).unwrap()).expect("the default configuration");
+}
+
+/// A fresh device of `dev`'s backend, f16 stored as `dev` stores it (budgets and memory
+/// statistics are the test's own).
+fn device_like(dev: &Device) -> Device {
+    let info = dev.info();
+    let mut o = DeviceOptions::default();
+    o.backend = Some(info.adapter.backend.clone());
+    o.force_packed_f16 = !info.f16_native
+        && dev
+            .wgpu_device()
+            .features()
+            .contains(wgpu::Features::SHADER_F16);
+    Device::with_options(o).expect("a second device on this adapter")
+}
+
+/// Train 3 steps and save, resume to 6; the loss falls below a uniform guess, the sample holds
+/// the asked characters of the vocabulary; a resume with another width is refused.
+fn tiny_run_saves_resumes_and_samples(dev: &Device) {
+    let f = text_file(TEXT.repeat(20).as_bytes());
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("gpt.safetensors");
+    let ckpt_s = ckpt.display().to_string();
+    let first = args(f.path(), &["--steps", "3", "--save", &ckpt_s]);
+    let report = train(&first, prepare(&first).unwrap(), &device_like(dev)).unwrap();
+    assert_eq!(report.steps, 3);
+    let more = args(f.path(), &["--resume", &ckpt_s]);
+    let report = train(&more, prepare(&more).unwrap(), &device_like(dev)).unwrap();
+    assert_eq!(report.steps, 6, "resumed to the asked step count");
+    let vocab = fitgrad::train::text::CharVocab::from_text(TEXT).unwrap();
+    let uniform = (vocab.len() as f32).ln();
+    assert!(
+        report.valid_loss.is_finite() && report.valid_loss < uniform,
+        "validation loss {} vs uniform {uniform}",
+        report.valid_loss
+    );
+    assert!(report.bigram > 0.0 && report.bigram < uniform as f64);
+    assert!(report.sample.chars().count() >= 12, "{:?}", report.sample);
+    assert!(
+        report.sample.chars().all(|c| vocab.id(c).is_some()),
+        "{:?}",
+        report.sample
+    );
+    let other = refused(
+        TEXT.repeat(20).as_bytes(),
+        &["--resume", &ckpt_s, "--dim", "32"],
+        "--dim",
+    );
+    assert!(matches!(other, Error::Data { .. }), "{other:?}");
+}
+
+/// `--fit auto` under a budget between the plain step's need and a one-window step's: it
+/// chooses, trains within the budget, and reports a finite loss.
+fn tiny_run_fits_a_budget(dev: &Device) {
+    let f = text_file(TEXT.repeat(20).as_bytes());
+    let a = args(
+        f.path(),
+        &["--steps", "2", "--sample-len", "0", "--eval-every", "0"],
+    );
+    let fresh = device_like(dev);
+    let report = train(&a, prepare(&a).unwrap(), &fresh).unwrap();
+    let plain = fresh.memory_stats().peak_bytes_reserved;
+    let budget = format!("{plain}");
+    let a = args(
+        f.path(),
+        &[
+            "--steps",
+            "2",
+            "--sample-len",
+            "0",
+            "--fit",
+            "auto",
+            "--memory-budget",
+            &budget,
+        ],
+    );
+    let budgeted = device_like(dev);
+    budgeted.set_memory_budget(Some(plain)).unwrap();
+    let fitted = train(&a, prepare(&a).unwrap(), &budgeted).unwrap();
+    assert!(fitted.valid_loss.is_finite() && report.valid_loss.is_finite());
+    assert!(budgeted.memory_stats().peak_bytes_reserved <= plain);
+}
+
+device_tests!(tiny_run_saves_resumes_and_samples, tiny_run_fits_a_budget);
