@@ -358,6 +358,16 @@ fn run(args: Args) -> Result<()> {
         args.batch_size,
         args.accum_steps
     );
+    let eff = trainer.effective_batch();
+    let steps_per_epoch = train.len().div_ceil(eff) as u64;
+    // The default filter prunes every 2-D weight: the stem, the blocks' fc1 and fc2, the head.
+    // Made before the budget and the plan, so both count its masks.
+    let mut pruner = prune
+        .map(|mut cfg| {
+            cfg.schedule = PruneSchedule::gradual(steps_per_epoch * epochs);
+            Pruner::new(&trainer.model, cfg)
+        })
+        .transpose()?;
     if let Some(b) = budget {
         let micro = match trainer.fit_to_budget(&train, b) {
             Err(Error::BudgetTooSmall { .. }) => {
@@ -399,15 +409,6 @@ fn run(args: Args) -> Result<()> {
         println!("reserved {} up front", Bytes(reserved));
     }
 
-    let eff = trainer.effective_batch();
-    let steps_per_epoch = train.len().div_ceil(eff) as u64;
-    // The default filter prunes every 2-D weight: the stem, the blocks' fc1 and fc2, the head.
-    let mut pruner = prune
-        .map(|mut cfg| {
-            cfg.schedule = PruneSchedule::gradual(steps_per_epoch * epochs);
-            Pruner::new(&trainer.model, cfg)
-        })
-        .transpose()?;
     let mut first_epoch = 0;
     if let Some(path) = &args.resume {
         first_epoch = trainer.resume_from(path)?;

@@ -251,6 +251,13 @@ fn run(args: Args) -> fitgrad::Result<()> {
             args.batch_size.div_ceil(micro) * args.accum_steps
         );
     }
+    // Made before the plan, so the planned peak counts the masks.
+    let mut pruner = prune
+        .map(|mut cfg| {
+            cfg.schedule = PruneSchedule::gradual(total_steps);
+            Pruner::new(&trainer.model, cfg)
+        })
+        .transpose()?;
     let planning = Instant::now();
     let plan = trainer.plan(&train)?;
     if args.plan {
@@ -279,12 +286,6 @@ fn run(args: Args) -> fitgrad::Result<()> {
         }
     );
 
-    let mut pruner = prune
-        .map(|mut cfg| {
-            cfg.schedule = PruneSchedule::gradual(total_steps);
-            Pruner::new(&trainer.model, cfg)
-        })
-        .transpose()?;
     let mut first_epoch = 0;
     if let Some(path) = &args.resume {
         first_epoch = trainer.resume_from(path)?;

@@ -256,6 +256,57 @@ fn eighty_percent_costs_at_most_two_points(dev: &Device) {
     );
 }
 
+/// The masks exist from `Pruner::new`, so a trainer's plan made after it counts them: the
+/// planned peak equals the measured peak of steps that prune (the grown masks reuse the old
+/// masks' bytes).
+fn plan_counts_the_masks(shared: &Device) {
+    let mut opts = fitgrad::DeviceOptions::default();
+    opts.backend = Some(shared.info().adapter.backend.clone());
+    let Some(dev) = fresh_device(opts) else {
+        return;
+    };
+    let (train, _) = digits();
+    let model = Mlp::new(&dev, &[train.dim, 96, train.classes], Activation::Relu, 2).unwrap();
+    let weight_bytes: u64 = model
+        .layers
+        .iter()
+        .map(|l| l.weight.allocated_bytes())
+        .sum();
+    let opt = Opt::AdamW { lr: 3e-3 }.build(model.parameters());
+    let mut t = Trainer::new(model, opt, TrainerConfig::new(64, 1, 3e-3)).unwrap();
+    let idx: Vec<usize> = (0..64).collect();
+    // One step first: the plan is of a step whose optimizer state exists.
+    t.step(train, &idx).unwrap();
+    dev.sync().unwrap();
+    let before = dev.memory_stats().bytes_in_use;
+    let mut cfg = PruneConfig::new(0.7);
+    cfg.schedule = PruneSchedule::cubic(1, 4, 1);
+    let mut pruner = Pruner::new(&t.model, cfg).unwrap();
+    dev.sync().unwrap();
+    assert_eq!(
+        dev.memory_stats().bytes_in_use - before,
+        weight_bytes,
+        "one mask per weight, the weight's size"
+    );
+    let planned = t.plan(train).unwrap();
+    dev.reset_peak();
+    let mut grew = 0;
+    for _ in 0..4 {
+        t.step(train, &idx).unwrap();
+        grew += pruner.step(t.steps()).unwrap() as usize;
+    }
+    dev.sync().unwrap();
+    assert!(grew >= 3, "the masks grew {grew} times");
+    let measured = dev.memory_stats().peak_bytes_in_use;
+    assert_eq!(
+        planned.peak,
+        measured,
+        "planned {} measured {}",
+        fitgrad::Bytes(planned.peak),
+        fitgrad::Bytes(measured)
+    );
+}
+
 /// A weight loaded with zeros in it gets them masked by `mask_zeros`.
 fn mask_zeros_adopts_loaded_zeros(dev: &Device) {
     let w = Tensor::from_slice(dev, &[0.0f32, 1.0, 0.0, 2.0], &[2, 2]).unwrap();
@@ -313,6 +364,7 @@ common::device_tests!(
     one_shot_matches_reference,
     gradual_pruning_holds_through_training,
     eighty_percent_costs_at_most_two_points,
+    plan_counts_the_masks,
     mask_zeros_adopts_loaded_zeros,
     bad_settings_are_typed_errors,
 );

@@ -13,7 +13,9 @@
 //! A mask is a device tensor of the weight's shape and dtype holding 0 and 1; applying it is
 //! the elementwise `weight = weight * mask`, in place, so the optimizer keeps updating the same
 //! tensor. The optimizer's state for a pruned weight keeps moving, and the next application
-//! zeroes the weight again.
+//! zeroes the weight again. The masks are made (all ones) by [`Pruner::new`], so memory made
+//! afterwards, a trainer's plan included, counts them from the start; a pruning event frees a
+//! mask before it uploads the grown one into the same bytes.
 
 use crate::kernels::elementwise::{self, BinaryOp};
 use crate::nn::Module;
@@ -84,12 +86,15 @@ pub type ParamFilter = Arc<dyn Fn(&str, &[usize]) -> bool + Send + Sync>;
 
 /// The default filter: 2-D weights, except embeddings and norms. Biases and norm scales are
 /// rank 1, so rank 2 leaves them out; a name with a part containing `emb` or `norm`
-/// (`tok_emb.weight`, `embedding.weight`) is an embedding table or a norm, left out too.
+/// (`tok_emb.weight`, `embedding.weight`) or a part `wte` / `wpe` (GPT-2's token and position
+/// tables, as in [`Gpt`](crate::nn::Gpt), whose head is `wte`) is an embedding table or a
+/// norm, left out too. On a Gpt that leaves the blocks' Linear weights (`attn.qkv`,
+/// `attn.proj`, `mlp.fc`, `mlp.proj`).
 pub fn prunable(name: &str, dims: &[usize]) -> bool {
     dims.len() == 2
         && !name.split('.').any(|part| {
             let p = part.to_ascii_lowercase();
-            p.contains("emb") || p.contains("norm")
+            p.contains("emb") || p.contains("norm") || p == "wte" || p == "wpe"
         })
 }
 
@@ -189,20 +194,36 @@ struct Layer {
     weight: Tensor,
     /// Host copy of the mask: true where the weight is pruned.
     pruned: Vec<bool>,
-    /// 0 where pruned, 1 elsewhere, in the weight's dims and dtype; made at the first pruning.
+    /// How many of `pruned` are true.
+    count: usize,
+    /// 0 where pruned, 1 elsewhere, in the weight's dims and dtype (None only while a new one
+    /// is uploaded, or after that upload failed).
     mask: Option<Tensor>,
 }
 
 impl Layer {
-    fn pruned_count(&self) -> usize {
-        self.pruned.iter().filter(|&&p| p).count()
+    /// A layer with nothing pruned and a mask of ones.
+    fn new(name: String, weight: Tensor) -> Result<Layer> {
+        let mask = Tensor::ones(weight.device(), weight.dims(), weight.dtype())?;
+        Ok(Layer {
+            name,
+            pruned: vec![false; weight.numel()],
+            count: 0,
+            weight,
+            mask: Some(mask),
+        })
     }
 
-    /// Uploads the host mask as the device mask (0 where pruned).
-    fn upload_mask(&mut self) -> Result<()> {
+    /// Makes `pruned` the mask, on the host and the device (0 where pruned), if it changed.
+    /// The old device mask is freed first, so the new one reuses its bytes.
+    fn set_mask(&mut self, pruned: Vec<bool>) -> Result<()> {
+        if pruned == self.pruned && self.mask.is_some() {
+            return Ok(());
+        }
+        self.mask = None;
         let dev = self.weight.device();
         let dims = self.weight.dims();
-        let ones = self.pruned.iter().map(|&p| if p { 0.0 } else { 1.0 });
+        let ones = pruned.iter().map(|&p| if p { 0.0 } else { 1.0 });
         self.mask = Some(match self.weight.dtype() {
             DType::F32 => Tensor::from_slice(dev, &ones.collect::<Vec<f32>>(), dims)?,
             DType::F16 => Tensor::from_slice(
@@ -211,6 +232,8 @@ impl Layer {
                 dims,
             )?,
         });
+        self.count = pruned.iter().filter(|&&p| p).count();
+        self.pruned = pruned;
         Ok(())
     }
 }
@@ -241,24 +264,19 @@ pub struct Pruner {
 
 impl Pruner {
     /// A pruner for the parameters of `model` that `config.filter` selects (they are shared,
-    /// not copied). Nothing is pruned yet. A sparsity outside [0, 1), an initial sparsity above
-    /// the target, an empty schedule (`end_step <= start_step`, `every == 0`) or a filter that
-    /// selects nothing is an [`Error::InvalidArgument`], before any device work.
+    /// not copied), with a mask of ones for each (as many bytes as the weights): nothing is
+    /// pruned yet. A sparsity outside [0, 1), an initial sparsity above the target, an empty
+    /// schedule (`end_step <= start_step`, `every == 0`) or a filter that selects nothing is an
+    /// [`Error::InvalidArgument`], before any device work.
     pub fn new(model: &dyn Module, config: PruneConfig) -> Result<Pruner> {
         const OP: &str = "Pruner::new";
         config.validate()?;
-        let layers: Vec<Layer> = model
+        let selected: Vec<(String, Tensor)> = model
             .named_parameters()
             .into_iter()
             .filter(|(name, t)| (config.filter)(name, t.dims()))
-            .map(|(name, weight)| Layer {
-                name,
-                pruned: vec![false; weight.numel()],
-                weight,
-                mask: None,
-            })
             .collect();
-        if layers.is_empty() {
+        if selected.is_empty() {
             let names: Vec<String> = model.named_parameters().into_iter().map(|p| p.0).collect();
             return Err(Error::InvalidArgument {
                 op: OP,
@@ -268,6 +286,10 @@ impl Pruner {
                 ),
             });
         }
+        let layers = selected
+            .into_iter()
+            .map(|(name, weight)| Layer::new(name, weight))
+            .collect::<Result<_>>()?;
         Ok(Pruner {
             config,
             layers,
@@ -371,10 +393,7 @@ impl Pruner {
             }
         };
         for (layer, pruned) in self.layers.iter_mut().zip(chosen) {
-            if pruned != layer.pruned || layer.mask.is_none() {
-                layer.pruned = pruned;
-                layer.upload_mask()?;
-            }
+            layer.set_mask(pruned)?;
         }
         self.target = self.target.max(sparsity);
         self.apply()
@@ -390,18 +409,15 @@ impl Pruner {
                 .zip(&layer.pruned)
                 .map(|(&v, &p)| p || v == 0.0)
                 .collect();
-            if pruned != layer.pruned || layer.mask.is_none() {
-                layer.pruned = pruned;
-                layer.upload_mask()?;
-            }
+            layer.set_mask(pruned)?;
         }
         self.apply()
     }
 
-    /// `weight = weight * mask` in place for every masked weight (no readback). Pruned
-    /// weights become 0 (or -0, which compares equal).
+    /// `weight = weight * mask` in place for every weight with a pruned element (no
+    /// readback). Pruned weights become 0 (or -0, which compares equal).
     pub fn apply(&self) -> Result<()> {
-        for layer in &self.layers {
+        for layer in self.layers.iter().filter(|l| l.count > 0) {
             if let Some(mask) = &layer.mask {
                 elementwise::binary(BinaryOp::Mul, &layer.weight, mask, &layer.weight)?;
             }
@@ -420,7 +436,7 @@ impl Pruner {
                 Ok(LayerSparsity {
                     name: l.name.clone(),
                     dims: l.weight.dims().to_vec(),
-                    pruned: l.pruned_count(),
+                    pruned: l.count,
                     zeros: w.iter().filter(|&&v| v == 0.0).count(),
                     pruned_nonzero: w
                         .iter()
@@ -583,6 +599,9 @@ mod tests {
         assert!(prunable("layers.0.weight", &[10, 4]));
         assert!(!prunable("layers.0.bias", &[10]));
         assert!(!prunable("tok_emb.weight", &[100, 16]));
+        assert!(!prunable("wte.weight", &[100, 16]));
+        assert!(!prunable("wpe.weight", &[8, 16]));
+        assert!(prunable("blocks.0.attn.qkv.weight", &[48, 16]));
         assert!(!prunable("blocks.0.norm.weight", &[16]));
         assert!(!prunable("conv", &[2, 3, 4]));
     }

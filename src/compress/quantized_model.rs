@@ -231,13 +231,15 @@ impl QuantizedModel {
             )));
         }
         let version = meta.get("version").and_then(|v| v.parse::<u32>().ok());
-        if !version.is_some_and(|v| v <= QUANTIZED_VERSION) {
+        if version.is_none_or(|v| v > QUANTIZED_VERSION) {
             return Err(bad(format!(
                 "version {:?} is not one this fitgrad reads (up to {QUANTIZED_VERSION})",
                 meta.get("version")
             )));
         }
-        let names: Vec<String> = st.names().into_iter().map(String::from).collect();
+        // safetensors lists names in no fixed order; sorted, a load is the same every time.
+        let mut names: Vec<String> = st.names().into_iter().map(String::from).collect();
+        names.sort();
         let mut used: Vec<String> = Vec::new();
         let mut layers = Vec::new();
         let f32_of = |name: &str, len: usize| -> Result<Vec<f32>> {
