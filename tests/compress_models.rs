@@ -256,7 +256,8 @@ fn custom_model_as_a_student(dev: &Device) {
         let _g = fitgrad::no_grad();
         let x = b.x.to_device(dev).unwrap();
         let (s, t) = (student.forward(&x).unwrap(), teacher.forward(&x).unwrap());
-        distillation_loss(&s, &t, &b.y, 0.7, 4.0)
+        let c = DistillConfig::default();
+        distillation_loss(&s, &t, &b.y, c.alpha, c.temperature)
             .unwrap()
             .item()
             .unwrap()

@@ -2,8 +2,9 @@
 //! its gradient against central finite differences (shapes with one row, one class, odd
 //! widths; temperatures below and above 1; alpha 0, between, 1); `Distill` in the trainer
 //! (only the student changes, the teacher gets no gradient and keeps no memory past a step:
-//! a step leaves behind exactly what the same student's step alone leaves); a Gpt teacher and
-//! student on token batches; and the typed errors.
+//! a step leaves behind exactly what the same student's step alone leaves; with alpha 0 it
+//! trains bit for bit as the student alone); a Gpt teacher and student on token batches; and
+//! the typed errors.
 
 mod common;
 
@@ -181,6 +182,32 @@ fn distill_trains_the_student_only(shared: &Device) {
     assert!(e.accuracy.is_some() && e.loss.is_finite());
 }
 
+/// With alpha 0 the soft term is exactly 0, so a `Distill` trains its student bit for bit as
+/// the same student trained alone: the whole path from the trainer to the student's gradients
+/// adds nothing of its own.
+fn alpha_zero_is_the_student_alone(dev: &Device) {
+    let (train, _) = digits();
+    let student = |seed| Mlp::new(dev, &[train.dim, 16, train.classes], Activation::Relu, seed);
+    let teacher = Mlp::new(dev, &[train.dim, 32, train.classes], Activation::Relu, 1).unwrap();
+    let model = Distill::new(teacher, student(3).unwrap(), DistillConfig::new(0.0, 2.0)).unwrap();
+    let opt = Opt::AdamW { lr: 3e-3 }.build(model.parameters());
+    let mut d = Trainer::new(model, opt, TrainerConfig::new(32, 1, 3e-3)).unwrap();
+    let alone = student(3).unwrap();
+    let opt = Opt::AdamW { lr: 3e-3 }.build(alone.parameters());
+    let mut a = Trainer::new(alone, opt, TrainerConfig::new(32, 1, 3e-3)).unwrap();
+    for step in 0..4 {
+        let idx: Vec<usize> = (step * 32..step * 32 + 32).collect();
+        d.step(train, &idx).unwrap();
+        a.step(train, &idx).unwrap();
+        assert_eq!(
+            d.take_loss().unwrap(),
+            a.take_loss().unwrap(),
+            "step {step}"
+        );
+    }
+    assert_eq!(param_values(&d.model.student), param_values(&a.model));
+}
+
 /// A Gpt teacher and a narrower Gpt student on token batches: the loss is distillation_loss of
 /// their next-token logits (batch * t rows), only the student learns, and evaluation gives a
 /// loss but no per-sample accuracy (a window has t labels). A teacher with another vocabulary
@@ -310,6 +337,7 @@ fn bad_settings_are_typed_errors(dev: &Device) {
 common::device_tests!(
     loss_and_gradient_match_reference,
     distill_trains_the_student_only,
+    alpha_zero_is_the_student_alone,
     gpt_teacher_and_student,
     bad_settings_are_typed_errors,
 );

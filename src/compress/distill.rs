@@ -23,9 +23,9 @@ pub struct DistillConfig {
 }
 
 impl Default for DistillConfig {
-    /// alpha 0.7, T = 4: the example's settings (ARCHITECTURE.md has the measurement).
+    /// alpha 0.5, T = 4: examples/distill.rs's settings (ARCHITECTURE.md has what they gave).
     fn default() -> DistillConfig {
-        DistillConfig::new(0.7, 4.0)
+        DistillConfig::new(0.5, 4.0)
     }
 }
 
@@ -208,8 +208,8 @@ impl Logits<TokenBatch> for Gpt {
 /// use fitgrad::optim::AdamW;
 /// use fitgrad::train::{Trainer, TrainerConfig};
 /// # fn f(dev: &fitgrad::Device, teacher: Mlp) -> fitgrad::Result<()> {
-/// let student = Mlp::new(dev, &[64, 16, 10], Activation::Relu, 1)?;
-/// let model = Distill::new(teacher, student, DistillConfig::new(0.7, 4.0))?;
+/// let student = Mlp::new(dev, &[64, 32, 10], Activation::Relu, 1)?;
+/// let model = Distill::new(teacher, student, DistillConfig::new(0.5, 4.0))?;
 /// let opt = AdamW::new(model.parameters(), 3e-3)?; // the student's
 /// let trainer = Trainer::new(model, Box::new(opt), TrainerConfig::new(64, 1, 3e-3))?;
 /// # Ok(()) }

@@ -515,6 +515,11 @@ impl SparsityReport {
         self.layers.iter().map(|l| l.zeros).sum()
     }
 
+    /// Pruned elements that are not zero, in all (0 once the masks are applied).
+    pub fn pruned_nonzero(&self) -> usize {
+        self.layers.iter().map(|l| l.pruned_nonzero).sum()
+    }
+
     /// Elements of the pruned parameters, in all.
     pub fn numel(&self) -> usize {
         self.layers.iter().map(|l| l.numel).sum()
@@ -560,6 +565,11 @@ impl fmt::Display for SparsityReport {
             self.pruned(),
             self.zeros(),
             100.0 * self.sparsity()
+        )?;
+        writeln!(
+            f,
+            "pruned weights that are not exactly 0: {}",
+            self.pruned_nonzero()
         )
     }
 }
