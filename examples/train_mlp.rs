@@ -242,6 +242,17 @@ fn run(args: Args) -> fitgrad::Result<()> {
     } else {
         Trainer::build_within_budget(&device, &train, build)?
     };
+    // The pruner's masks (as many bytes as the weights) are made now, so the plan counts them;
+    // under a budget the micro-batch is chosen again with them in use.
+    let mut pruner = prune
+        .map(|mut cfg| {
+            cfg.schedule = PruneSchedule::gradual(total_steps);
+            Pruner::new(&trainer.model, cfg)
+        })
+        .transpose()?;
+    if let (Some(b), Some(_)) = (budget, &pruner) {
+        trainer.fit_to_budget(&train, b)?;
+    }
     if let Some(b) = budget {
         let micro = trainer.micro_batch();
         println!(
@@ -251,13 +262,6 @@ fn run(args: Args) -> fitgrad::Result<()> {
             args.batch_size.div_ceil(micro) * args.accum_steps
         );
     }
-    // Made before the plan, so the planned peak counts the masks.
-    let mut pruner = prune
-        .map(|mut cfg| {
-            cfg.schedule = PruneSchedule::gradual(total_steps);
-            Pruner::new(&trainer.model, cfg)
-        })
-        .transpose()?;
     let planning = Instant::now();
     let plan = trainer.plan(&train)?;
     if args.plan {
