@@ -1,4 +1,5 @@
-//! `cargo xtask bench [--quick] [--train-only] [--adapter NAME]`: the cross-vendor benchmark;
+//! `cargo xtask bench [--quick] [--all-backends] [--train-only] [--adapter NAME]`: the
+//! cross-vendor benchmark;
 //! `cargo xtask bench --html-from report.json [--out page.html]`: its page again, no benchmark.
 //!
 //! Runs one set of kernels on every adapter wgpu finds (or those whose name contains NAME) and
@@ -25,6 +26,8 @@ struct Opts {
     /// Only the training-step entry.
     train_only: bool,
     adapter: Option<String>,
+    /// With `quick`, every backend of an adapter (not only the first).
+    all_backends: bool,
     /// Render this report.json as a page and stop.
     html_from: Option<PathBuf>,
     /// Where `--html-from` writes the page.
@@ -32,13 +35,14 @@ struct Opts {
 }
 
 const USAGE: &str =
-    "use [--quick] [--train-only] [--adapter NAME], or --html-from REPORT.json [--out PAGE.html]";
+    "use [--quick] [--all-backends] [--train-only] [--adapter NAME], or --html-from REPORT.json [--out PAGE.html]";
 
 fn parse(args: &[String]) -> Result<Opts, String> {
     let mut o = Opts {
         quick: false,
         train_only: false,
         adapter: None,
+        all_backends: false,
         html_from: None,
         out: None,
     };
@@ -48,6 +52,7 @@ fn parse(args: &[String]) -> Result<Opts, String> {
         match a.as_str() {
             "--quick" => o.quick = true,
             "--train-only" => o.train_only = true,
+            "--all-backends" => o.all_backends = true,
             "--adapter" => o.adapter = Some(value("--adapter")?),
             "--html-from" => o.html_from = Some(value("--html-from")?.into()),
             "--out" => o.out = Some(value("--out")?.into()),
@@ -614,7 +619,7 @@ pub fn run(args: &[String]) -> Result<(), String> {
     if let Some(want) = &o.adapter {
         adapters.retain(|a| a.name.to_lowercase().contains(&want.to_lowercase()));
     }
-    if o.quick {
+    if o.quick && !o.all_backends {
         // One backend per physical adapter (the list is best first).
         let mut seen = std::collections::HashSet::new();
         adapters.retain(|a| seen.insert(a.name.clone()));

@@ -277,7 +277,7 @@ fn chart(r: &Report, s: &Section) -> String {
     for t in scale.ticks() {
         let y = scale.y(t);
         g.line((LEFT, y), (W - RIGHT, y), "#e4e4e4", 1.0, "", "", "");
-        g.text(LEFT - 6.0, y + 4.0, &num(t), 11.0, "end", 0.0);
+        g.text(LEFT - 6.0, y + 4.0, &tick_label(t), 11.0, "end", 0.0);
     }
     g.line((LEFT, top), (LEFT, base), "#555", 1.0, "", "", "");
     g.line((LEFT, base), (W - RIGHT, base), "#555", 1.0, "", "", "");
@@ -348,7 +348,16 @@ fn chart(r: &Report, s: &Section) -> String {
                 );
             }
             if bar_w >= 30.0 {
-                g.text(x + bar_w / 2.0, y - 4.0, &num(f.rate), 10.0, "middle", 0.0);
+                // Above the whisker's top, which the label would otherwise cross.
+                let top = y.min(scale.y(f.rate_at_min_ms));
+                g.text(
+                    x + bar_w / 2.0,
+                    top - 4.0,
+                    &num(f.rate),
+                    10.0,
+                    "middle",
+                    0.0,
+                );
             }
         }
         let cx = gx + group_w / 2.0;
@@ -367,6 +376,16 @@ fn chart(r: &Report, s: &Section) -> String {
         }
     }
     g.finish() + "\n"
+}
+
+/// A tick's value without trailing zeros ("0.1", "2.5", "100").
+fn tick_label(v: f64) -> String {
+    let s = num(v);
+    if s.contains('.') && !s.contains('e') {
+        s.trim_end_matches('0').trim_end_matches('.').to_string()
+    } else {
+        s
+    }
 }
 
 enum LegendMark {
@@ -479,6 +498,14 @@ mod tests {
 
     /// One bar per figure, each adapter's bars in its colour; a failed adapter is named with
     /// its error, and its missing figures say why.
+    #[test]
+    fn tick_labels_drop_trailing_zeros() {
+        let t: Vec<String> = [0.01, 0.1, 1.0, 2.5, 10.0, 100.0, 1000.0]
+            .map(tick_label)
+            .into();
+        assert_eq!(t, ["0.01", "0.1", "1", "2.5", "10", "100", "1000"]);
+    }
+
     #[test]
     fn one_bar_per_adapter_per_shape() {
         let report = fixture();
