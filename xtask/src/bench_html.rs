@@ -89,9 +89,9 @@ pub fn page(r: &Report) -> String {
     }
     h += "</nav>\n";
     for (i, s) in secs.iter().enumerate() {
-        let _ = write!(
+        let _ = writeln!(
             h,
-            "<section id=\"op{i}\"><h2>{} <small>({})</small></h2>\n",
+            "<section id=\"op{i}\"><h2>{} <small>({})</small></h2>",
             esc(s.op),
             esc(s.unit)
         );
@@ -183,11 +183,10 @@ fn adapters_html(r: &Report) -> String {
         };
         let _ = write!(
             h,
-            "<tr><td><span class=\"swatch\" style=\"background:{}\"></span>{}<div class=\"sub\">{}</div></td>\
+            "<tr><td><span class=\"swatch\" style=\"background:{}\"></span>{}</td>\
              <td>{}</td><td>{}</td><td>{}</td><td>{}<div class=\"sub\">{}</div></td><td>{}</td>\
              <td>{}</td><td>{}</td><td class=\"sub\">{}</td><td>{}</td><td>{}</td></tr>",
             color(i),
-            esc(&a.name),
             esc(&a.id),
             esc(&a.vendor),
             esc(&a.backend),
@@ -198,7 +197,9 @@ fn adapters_html(r: &Report) -> String {
             f16,
             esc(&subgroup_text(a.device.as_ref())),
             esc(&limits),
-            a.host_cpu.as_ref().map_or("—".into(), |c| esc(&cpu_text(c))),
+            a.host_cpu
+                .as_ref()
+                .map_or("—".into(), |c| esc(&cpu_text(c))),
             status
         );
     }

@@ -374,6 +374,26 @@ mod tests {
         );
     }
 
+    /// report.md names each failed adapter with its error and lists the figures it had.
+    #[test]
+    fn markdown_reports_failures() {
+        let r: Report =
+            serde_json::from_str(include_str!("../tests/fixtures/report.json")).unwrap();
+        let md = r.markdown();
+        let failed: Vec<_> = r.failed().collect();
+        assert!(failed.len() >= 2);
+        for a in failed {
+            let e = a.error.as_deref().unwrap();
+            assert!(
+                md.contains(&format!("FAILED: {}", e.replace('|', "/"))),
+                "{e}"
+            );
+        }
+        // A row per figure after the two header lines of the figures table.
+        let rows = md.split("| adapter | op |").nth(1).unwrap().lines().count() - 2;
+        assert_eq!(rows, r.results.len());
+    }
+
     #[test]
     fn numbers_keep_four_digits() {
         assert_eq!(num(1234.56), "1235");

@@ -221,7 +221,7 @@ impl Scale {
 
 /// The smallest of 1, 2, 2.5, 5 times a power of ten that is at least `x` (> 0).
 fn nice_above(x: f64) -> f64 {
-    if !(x > 0.0) || !x.is_finite() {
+    if x.is_nan() || x <= 0.0 || !x.is_finite() {
         return 1.0;
     }
     let p = 10f64.powf(x.log10().floor());
