@@ -10,6 +10,7 @@
 mod bench;
 mod bench_context;
 mod bench_html;
+mod bench_ops;
 mod bench_report;
 mod svg;
 
