@@ -186,6 +186,7 @@ impl Bench<'_> {
             self.softmax_and_copies()?;
             self.add()?;
             self.attention()?;
+            self.gpt_step()?;
         }
         self.train_step()
     }
@@ -334,58 +335,146 @@ impl Bench<'_> {
         Ok(())
     }
 
-    /// Causal self-attention forward + backward at (B, H, T, D) = (4, 4, 256, 64), fused
-    /// against the composed ops (matmul, softmax_masked, matmul), with each one's peak memory
-    /// above the inputs.
+    /// Causal self-attention forward + backward, fused against the composed ops (matmul,
+    /// softmax_masked, matmul), with each one's peak memory above the inputs: (B, H, T, D) =
+    /// (4, 4, 256, 64) in f32 and f16, and T = 256 to 2048 at (1, 4, T, 64) in f32, where the
+    /// composed ops' (B, H, T, T) scores grow with T squared and the fused kernels' do not exist.
     fn attention(&mut self) -> fitgrad::Result<()> {
+        let mut cases = vec![
+            ([4usize, 4, 256, 64], DType::F32),
+            ([4, 4, 256, 64], DType::F16),
+        ];
+        cases.extend([256, 512, 1024, 2048].map(|t| ([1, 4, t, 64], DType::F32)));
+        for (dims, dtype) in cases {
+            self.attention_at(dims, dtype)?;
+        }
+        Ok(())
+    }
+
+    fn attention_at(&mut self, dims: [usize; 4], dtype: DType) -> fitgrad::Result<()> {
         use fitgrad::{AttentionKind, AttentionOptions, Bytes};
         let (dev, reps) = (self.dev, self.reps);
-        let dims = [4usize, 4, 256, 64];
+        let shape = dims.map(|d| d.to_string()).join("x");
         let work = Work {
             amount: (dims[0] * dims[1] * dims[2] * (dims[2] + 1) / 2) as f64 / 1e6,
             unit: "M scores/s",
         };
-        for dtype in [DType::F32, DType::F16] {
-            self.doing(format!("attention 4x4x256x64 {dtype}"));
-            let qkv = [6, 7, 8].map(|seed| {
-                Tensor::randn(dev, &dims, 0.0, 1.0, seed, dtype).map(|t| t.with_requires_grad())
+        self.doing(format!("attention {shape} {dtype}"));
+        let qkv = [6, 7, 8].map(|seed| {
+            Tensor::randn(dev, &dims, 0.0, 1.0, seed, dtype).map(|t| t.with_requires_grad())
+        });
+        let [q, k, v] = qkv;
+        let (q, k, v) = (q?, k?, v?);
+        let mut runs = Vec::new();
+        for kind in [AttentionKind::Fused, AttentionKind::Composed] {
+            let opts = AttentionOptions::new().kind(kind);
+            let step = || -> fitgrad::Result<()> {
+                q.attention_with(&k, &v, &opts)?.sum()?.backward()?;
+                for t in [&q, &k, &v] {
+                    t.zero_grad();
+                }
+                dev.sync()
+            };
+            step()?;
+            dev.reset_peak();
+            let before = dev.memory_stats().bytes_in_use;
+            let t = time(reps, step)?;
+            let peak = dev.memory_stats().peak_bytes_in_use - before;
+            runs.push((kind, t, peak));
+        }
+        let (composed, composed_peak) = (runs[1].1.clone(), runs[1].2);
+        for (i, (kind, t, peak)) in runs.into_iter().enumerate() {
+            let note = if i == 0 {
+                format!(
+                    "peak {} above the inputs = {:.3}x the composed ops' {}",
+                    Bytes(peak),
+                    peak as f64 / composed_peak.max(1) as f64,
+                    Bytes(composed_peak)
+                )
+            } else {
+                format!("peak {} above the inputs", Bytes(peak))
+            };
+            self.push(Measured {
+                op: format!("attention fwd+bwd causal, {kind:?}").to_lowercase(),
+                shape: shape.clone(),
+                dtype: dtype.to_string(),
+                kernel: String::new(),
+                note,
+                work,
+                time: t,
+                references: if i == 0 {
+                    vec![("composed ops", composed.clone(), work)]
+                } else {
+                    vec![]
+                },
             });
-            let [q, k, v] = qkv;
-            let (q, k, v) = (q?, k?, v?);
-            let mut runs = Vec::new();
-            for kind in [AttentionKind::Fused, AttentionKind::Composed] {
-                let opts = AttentionOptions::new().kind(kind);
-                let step = || -> fitgrad::Result<()> {
-                    q.attention_with(&k, &v, &opts)?.sum()?.backward()?;
-                    for t in [&q, &k, &v] {
-                        t.zero_grad();
-                    }
-                    dev.sync()
-                };
-                step()?;
-                dev.reset_peak();
-                let before = dev.memory_stats().bytes_in_use;
-                let t = time(reps, step)?;
-                let peak = dev.memory_stats().peak_bytes_in_use - before;
-                runs.push((kind, t, peak));
-            }
-            let composed = runs[1].1.clone();
-            for (i, (kind, t, peak)) in runs.into_iter().enumerate() {
-                self.push(Measured {
-                    op: format!("attention fwd+bwd causal, {kind:?}").to_lowercase(),
-                    shape: "4x4x256x64".into(),
-                    dtype: dtype.to_string(),
-                    kernel: String::new(),
-                    note: format!("peak {} above the inputs", Bytes(peak)),
-                    work,
-                    time: t,
-                    references: if i == 0 {
-                        vec![("composed ops", composed.clone(), work)]
-                    } else {
-                        vec![]
-                    },
-                });
-            }
+        }
+        Ok(())
+    }
+
+    /// A training step of train_gpt's default GPT (2 blocks, width 64, 4 heads, context 32,
+    /// batch 16; forward, backward, AdamW), with and without block checkpointing, and each
+    /// one's peak above the parameters and optimizer state.
+    fn gpt_step(&mut self) -> fitgrad::Result<()> {
+        use fitgrad::nn::{Gpt, GptConfig, Module};
+        use fitgrad::optim::{decay_groups, AdamW, Optimizer};
+        use fitgrad::Bytes;
+        let (dev, reps) = (self.dev, self.reps);
+        let (vocab, batch, t) = (76usize, 16usize, 32usize);
+        self.doing("train step GPT 2x64".into());
+        let ids: Vec<u32> = (0..batch * t).map(|i| (i * 7919 % vocab) as u32).collect();
+        let targets: Vec<u32> = (0..batch * t)
+            .map(|i| (i * 104729 % vocab) as u32)
+            .collect();
+        let gpt = Gpt::new(dev, GptConfig::new(vocab, 64, 4, 2, t))?;
+        let mut opt = AdamW::with_groups(decay_groups(gpt.named_parameters(), 0.1), 3e-3)?;
+        let work = Work {
+            amount: (batch * t) as f64,
+            unit: "tokens/s",
+        };
+        let mut runs = Vec::new();
+        for checkpointed in [false, true] {
+            gpt.set_checkpoint_blocks(checkpointed);
+            let mut step = || -> fitgrad::Result<()> {
+                gpt.loss(&ids, &targets, batch, t)?.backward()?;
+                opt.step()?;
+                opt.zero_grad();
+                dev.sync()
+            };
+            // The first step creates the optimizer state; then the peak counts one step.
+            step()?;
+            dev.reset_peak();
+            let before = dev.memory_stats().bytes_in_use;
+            let timing = time(reps, &mut step)?;
+            let peak = dev.memory_stats().peak_bytes_in_use - before;
+            runs.push((checkpointed, timing, peak));
+        }
+        gpt.set_checkpoint_blocks(false);
+        let (plain, plain_peak) = (runs[0].1.clone(), runs[0].2);
+        for (checkpointed, timing, peak) in runs {
+            self.push(Measured {
+                op: "train step GPT (train_gpt default) AdamW".into(),
+                shape: format!("batch {batch} x context {t}"),
+                dtype: "f32".into(),
+                kernel: if checkpointed {
+                    "checkpointed blocks"
+                } else {
+                    "plain"
+                }
+                .into(),
+                note: format!(
+                    "peak {} above parameters and optimizer state ({:.2}x plain)",
+                    Bytes(peak),
+                    peak as f64 / plain_peak.max(1) as f64
+                ),
+                work,
+                time: timing,
+                references: if checkpointed {
+                    vec![("without checkpointing", plain.clone(), work)]
+                } else {
+                    vec![]
+                },
+            });
         }
         Ok(())
     }
