@@ -94,6 +94,17 @@ fn summary_line(r: &TrainingReport) -> String {
     }
 }
 
+/// An op's name without its specialization (`matmul_sg_[("SG", 8), ...]_[F32, ...]` is
+/// `matmul_sg`), with the phase of event `e`.
+fn op_label(t: &Timeline, e: usize) -> Option<String> {
+    let op = t.op_of(e)?;
+    let short = op.split("_[").next().unwrap_or(op);
+    Some(match t.phase_of(e) {
+        Some(p) => format!("{short} ({p})"),
+        None => short.to_string(),
+    })
+}
+
 /// Points of a chart over the ops: (x, bytes by role, reserved), at most [`MAX_POINTS`].
 fn op_series(t: &Timeline) -> Vec<(f64, RoleBytes, u64)> {
     let points: Vec<OpPoint> = t.per_op();
@@ -122,8 +133,11 @@ fn memory_section(page: &mut Page, r: &TrainingReport, m: &StepMemory) {
         .iter()
         .find(|p| p.1.total() == peak)
         .map_or(0.0, |p| p.0);
-    let peak_op = t.peak_op().unwrap_or_else(|| "the step's start".into());
-    let op_index = t.peak_event().and_then(|e| t.events[e].op);
+    let peak_event = t.peak_event();
+    let peak_op = peak_event
+        .and_then(|e| op_label(t, e))
+        .unwrap_or_else(|| "the step's start".into());
+    let op_index = peak_event.and_then(|e| t.events[e].op);
     let roles: Vec<Role> = Role::ALL
         .into_iter()
         .filter(|&role| series.iter().any(|p| p.1.get(role) > 0))
@@ -181,13 +195,17 @@ fn memory_section(page: &mut Page, r: &TrainingReport, m: &StepMemory) {
         Bytes(peak),
         peak_op,
         op_index.map_or("before any op".into(), |i| format!(
-            "op {} of {}",
+            "op {} of {}: {}",
             i + 1,
-            t.ops.len()
+            t.ops.len(),
+            t.ops[i]
         )),
         Bytes(planned_peak),
         100.0 * (m.ratio() - 1.0),
-        m.planned.peak_op().unwrap_or_else(|| "?".into())
+        m.planned
+            .peak_event()
+            .and_then(|e| op_label(&m.planned, e))
+            .unwrap_or_else(|| "?".into())
     ));
     page.note(
         "Each op's column is the highest bytes in use between the previous op and it (an op \
