@@ -575,7 +575,8 @@ impl LineChart {
                 Layer::Band { from, to, .. } => xs.extend([*from, *to]),
                 Layer::Point { x, y, .. } => {
                     xs.push(*x);
-                    ys.push(*y);
+                    // Headroom for the label above the point.
+                    ys.push(*y * 1.12);
                 }
             }
         }
@@ -671,10 +672,14 @@ impl LineChart {
                     if *shade { "#eef0f4" } else { "#f9fafb" },
                     escape(label)
                 );
-                if text_width(label, 11.0) + 6.0 < b - a {
+                // The label at 11 px, smaller where that does not fit; none in a sliver.
+                if let Some(size) = [11.0, 9.0]
+                    .into_iter()
+                    .find(|&f| text_width(label, f) + 2.0 < b - a)
+                {
                     let _ = write!(
                         labels,
-                        r##"<text x="{:.1}" y="{:.1}" font-size="11" fill="#555" text-anchor="middle">{}</text>"##,
+                        r##"<text x="{:.1}" y="{:.1}" font-size="{size}" fill="#555" text-anchor="middle">{}</text>"##,
                         (a + b) / 2.0,
                         sy.px_hi + 13.0,
                         escape(label)
@@ -830,9 +835,13 @@ impl LineChart {
                 } else {
                     py - 10.0
                 };
+                // A white box behind the label keeps it readable over areas and lines.
+                let bx = if right_side { tx - 3.0 } else { tx - w - 3.0 };
                 let _ = write!(
                     labels,
-                    r#"<text x="{tx:.1}" y="{ty:.1}" font-size="12" font-weight="600" fill="{color}" text-anchor="{anchor}" paint-order="stroke" stroke="white" stroke-width="3" class="fg-peak-label">{}</text>"#,
+                    r#"<rect x="{bx:.1}" y="{:.1}" width="{:.1}" height="17" fill="white" fill-opacity="0.85" rx="3"/><text x="{tx:.1}" y="{ty:.1}" font-size="12" font-weight="600" fill="{color}" text-anchor="{anchor}" class="fg-peak-label">{}</text>"#,
+                    ty - 13.0,
+                    w + 6.0,
                     escape(label)
                 );
             }

@@ -24,6 +24,17 @@ fn role_color(r: Role) -> &'static str {
     }
 }
 
+/// Bottom to top: what lasts the whole run first (so those bands stay flat), then what a step
+/// makes and frees.
+const STACK: [Role; 6] = [
+    Role::Parameter,
+    Role::OptimizerState,
+    Role::Gradient,
+    Role::Activation,
+    Role::Workspace,
+    Role::Staging,
+];
+
 const PEAK: &str = "#d55e00";
 const PLANNED: &str = "#222222";
 const BUDGET: &str = "#c00000";
@@ -108,18 +119,28 @@ fn op_label(t: &Timeline, e: usize) -> Option<String> {
 /// Points of a chart over the ops: (x, bytes by role, reserved), at most [`MAX_POINTS`].
 fn op_series(t: &Timeline) -> Vec<(f64, RoleBytes, u64)> {
     let points: Vec<OpPoint> = t.per_op();
-    let reserved = |p: &OpPoint| p.event.map_or(t.start_reserved, |e| t.events[e].reserved);
+    // Reserved bytes at each point: those of its event, or the last known where it has none.
+    let mut last = t.start_reserved;
+    let reserved: Vec<u64> = points
+        .iter()
+        .map(|p| {
+            if let Some(e) = p.event {
+                last = t.events[e].reserved;
+            }
+            last
+        })
+        .collect();
     let per = points.len().div_ceil(MAX_POINTS).max(1);
     points
         .chunks(per)
+        .zip(reserved.chunks(per))
         .enumerate()
-        .map(|(k, c)| {
+        .map(|(k, (c, r))| {
             let best = c
                 .iter()
                 .max_by_key(|p| p.bytes.total())
                 .expect("chunks are not empty");
-            let res = c.iter().map(reserved).max().unwrap_or(0);
-            ((k * per) as f64, best.bytes, res)
+            ((k * per) as f64, best.bytes, r.iter().copied().max().unwrap_or(0))
         })
         .collect()
 }
@@ -138,7 +159,7 @@ fn memory_section(page: &mut Page, r: &TrainingReport, m: &StepMemory) {
         .and_then(|e| op_label(t, e))
         .unwrap_or_else(|| "the step's start".into());
     let op_index = peak_event.and_then(|e| t.events[e].op);
-    let roles: Vec<Role> = Role::ALL
+    let roles: Vec<Role> = STACK
         .into_iter()
         .filter(|&role| series.iter().any(|p| p.1.get(role) > 0))
         .collect();
