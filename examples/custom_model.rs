@@ -414,7 +414,15 @@ fn run(args: Args) -> Result<()> {
     }
     report.set_plan(plan.clone());
     for (key, value) in [
-        ("dataset", format!("{} ({} train, {} test)", train.name, train.len(), test.len())),
+        (
+            "dataset",
+            format!(
+                "{} ({} train, {} test)",
+                train.name,
+                train.len(),
+                test.len()
+            ),
+        ),
         (
             "model",
             format!(
@@ -439,7 +447,10 @@ fn run(args: Args) -> Result<()> {
             ),
         ),
         ("precision", args.precision.clone()),
-        ("memory budget", budget.map_or("none".into(), |b| Bytes(b).to_string())),
+        (
+            "memory budget",
+            budget.map_or("none".into(), |b| Bytes(b).to_string()),
+        ),
         ("preallocation", args.prealloc.to_string()),
         ("seed", args.seed.to_string()),
     ] {

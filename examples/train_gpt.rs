@@ -394,13 +394,13 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
         print!("{choice}");
         (trainer, Some(choice))
     } else {
-        (Trainer::build_within_budget(device, &setup.train, build)?, None)
+        (
+            Trainer::build_within_budget(device, &setup.train, build)?,
+            None,
+        )
     };
-    let mut report = TrainingReport::new(
-        format!("train_gpt on {}", corpus.name),
-        device,
-        "tokens/s",
-    );
+    let mut report =
+        TrainingReport::new(format!("train_gpt on {}", corpus.name), device, "tokens/s");
     if let Some(b) = setup.budget {
         let micro = trainer.micro_batch();
         report.set_budget(b, args.batch_size, micro, choice);
@@ -483,7 +483,11 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
         ),
         (
             "optimizer",
-            format!("AdamW lr {}{}", args.lr, if args.cosine { ", cosine" } else { "" }),
+            format!(
+                "AdamW lr {}{}",
+                args.lr,
+                if args.cosine { ", cosine" } else { "" }
+            ),
         ),
         ("steps", args.steps.to_string()),
         (

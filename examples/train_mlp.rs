@@ -246,11 +246,8 @@ fn run(args: Args) -> fitgrad::Result<()> {
     } else {
         (Trainer::build_within_budget(&device, &train, build)?, None)
     };
-    let mut report = TrainingReport::new(
-        format!("train_mlp on {}", train.name),
-        &device,
-        "samples/s",
-    );
+    let mut report =
+        TrainingReport::new(format!("train_mlp on {}", train.name), &device, "samples/s");
     if let Some(b) = budget {
         let micro = trainer.micro_batch();
         report.set_budget(b, args.batch_size, micro, choice);
@@ -277,17 +274,60 @@ fn run(args: Args) -> fitgrad::Result<()> {
     }
     report.set_plan(plan.clone());
     for (key, value) in [
-        ("dataset", format!("{} ({} train, {} test)", train.name, train.len(), test.len())),
-        ("model", format!("MLP {widths:?}, {} ({} parameters)", args.activation, trainer.model.num_parameters())),
-        ("optimizer", format!("{} lr {lr}{}", args.optimizer, if args.cosine { ", cosine" } else { "" })),
+        (
+            "dataset",
+            format!(
+                "{} ({} train, {} test)",
+                train.name,
+                train.len(),
+                test.len()
+            ),
+        ),
+        (
+            "model",
+            format!(
+                "MLP {widths:?}, {} ({} parameters)",
+                args.activation,
+                trainer.model.num_parameters()
+            ),
+        ),
+        (
+            "optimizer",
+            format!(
+                "{} lr {lr}{}",
+                args.optimizer,
+                if args.cosine { ", cosine" } else { "" }
+            ),
+        ),
         ("epochs", args.epochs.to_string()),
-        ("batch", format!("{} x {} accumulation steps, micro-batch {}", args.batch_size, args.accum_steps, trainer.micro_batch())),
+        (
+            "batch",
+            format!(
+                "{} x {} accumulation steps, micro-batch {}",
+                args.batch_size,
+                args.accum_steps,
+                trainer.micro_batch()
+            ),
+        ),
         ("precision", trainer.config().precision.name().to_string()),
-        ("activation checkpointing", trainer.model.checkpoint_activations.to_string()),
-        ("memory budget", budget.map_or("none".into(), |b| Bytes(b).to_string())),
+        (
+            "activation checkpointing",
+            trainer.model.checkpoint_activations.to_string(),
+        ),
+        (
+            "memory budget",
+            budget.map_or("none".into(), |b| Bytes(b).to_string()),
+        ),
         ("preallocation", args.prealloc.to_string()),
-        ("shard size", args.shard_size.map_or("in memory".into(), |s| s.to_string())),
-        ("clip grad norm", args.clip_grad_norm.map_or("off".into(), |c| c.to_string())),
+        (
+            "shard size",
+            args.shard_size
+                .map_or("in memory".into(), |s| s.to_string()),
+        ),
+        (
+            "clip grad norm",
+            args.clip_grad_norm.map_or("off".into(), |c| c.to_string()),
+        ),
         ("seed", args.seed.to_string()),
     ] {
         report.setting(key, value);

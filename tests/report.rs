@@ -25,7 +25,11 @@ fn report_round_trips_and_holds_its_charts(dev: &Device) {
     let report = report_run::digits_report(&dev, 2, None);
     let m = report.step_memory.as_ref().expect("a step was recorded");
     assert_eq!(m.step, 1, "the second step is the one recorded");
-    assert!((m.ratio() - 1.0).abs() <= 0.02, "planned / measured {}", m.ratio());
+    assert!(
+        (m.ratio() - 1.0).abs() <= 0.02,
+        "planned / measured {}",
+        m.ratio()
+    );
     assert_eq!(report.evals.len(), 2);
     assert!(report.evals.iter().all(|e| e.accuracy.is_some()));
     assert!(report.steps.len() >= 4);
@@ -43,13 +47,24 @@ fn report_round_trips_and_holds_its_charts(dev: &Device) {
     // HTML: self-contained, with its charts and the peak's label.
     let html = report.to_html();
     assert!(html.starts_with("<!DOCTYPE html>"));
-    for id in ["memory-timeline", "loss-curve", "accuracy-curve", "throughput"] {
+    for id in [
+        "memory-timeline",
+        "loss-curve",
+        "accuracy-curve",
+        "throughput",
+    ] {
         assert!(html.contains(&format!("id=\"{id}\"")), "no {id} chart");
     }
     assert!(no_fetch(&html), "the page loads something");
     // The label names the op's kernel family (its name up to the specialization) and phase.
     let peak_op = m.measured.peak_op().unwrap();
-    let family = peak_op.split("_[").next().unwrap().split(" (").next().unwrap();
+    let family = peak_op
+        .split("_[")
+        .next()
+        .unwrap()
+        .split(" (")
+        .next()
+        .unwrap();
     let label = format!("peak {} at {family}", Bytes(m.measured.peak()));
     assert!(
         html.contains(&fitgrad::report::svg::escape(&label)),

@@ -56,20 +56,35 @@ fn report_renders_in_headless_chromium() {
         html.matches("<svg").count(),
         "the browser did not lay out every chart"
     );
-    for id in ["memory-timeline", "loss-curve", "accuracy-curve", "throughput"] {
+    for id in [
+        "memory-timeline",
+        "loss-curve",
+        "accuracy-curve",
+        "throughput",
+    ] {
         let s = svgs
             .iter()
             .find(|s| s.id.as_deref() == Some(id))
             .unwrap_or_else(|| panic!("no chart {id} in the page the browser loaded"));
-        assert!(s.width > 100.0 && s.height > 100.0, "{id} laid out at {s:?}");
+        assert!(
+            s.width > 100.0 && s.height > 100.0,
+            "{id} laid out at {s:?}"
+        );
         assert!(s.shapes >= 3, "{id}: {} visible shapes", s.shapes);
     }
-    assert!(dom.contains("fg-peak-label"), "the peak's label is not in the DOM");
+    assert!(
+        dom.contains("fg-peak-label"),
+        "the peak's label is not in the DOM"
+    );
 
     // A screenshot of the page as a person sees it.
     let shot = dir.path().join("report.png");
     chromium.screenshot(&page, &shot, 1000, 2600).unwrap();
     let bytes = std::fs::read(&shot).unwrap();
-    assert_eq!(png_size(&bytes), Some((1000, 2600)), "not the screenshot asked for");
+    assert_eq!(
+        png_size(&bytes),
+        Some((1000, 2600)),
+        "not the screenshot asked for"
+    );
     note(&format!("screenshot: {} bytes", bytes.len()));
 }

@@ -15,8 +15,8 @@ use fitgrad::memory::{EventKind, Role, SizeClass, Timeline};
 use fitgrad::nn::{Activation, Linear, Mlp, Module};
 use fitgrad::optim::{AdamW, Optimizer, Sgd};
 use fitgrad::train::{
-    BatchSource, HostRows, Precision, StepContext, TensorBatch, TensorDataset, TrainModel,
-    Trainer, TrainerConfig,
+    BatchSource, HostRows, Precision, StepContext, TensorBatch, TensorDataset, TrainModel, Trainer,
+    TrainerConfig,
 };
 use fitgrad::{Bytes, DType, Device, DeviceOptions, Error, Result, Tensor};
 use std::io::Write;
@@ -55,7 +55,11 @@ where
 {
     let dev = t.device().clone();
     let (plan, planned) = t.plan_timeline(data).unwrap();
-    assert_eq!(planned.peak(), plan.peak, "the plan and its timeline disagree");
+    assert_eq!(
+        planned.peak(),
+        plan.peak,
+        "the plan and its timeline disagree"
+    );
     dev.sync().unwrap();
     dev.reset_peak();
     dev.start_timeline().unwrap();
@@ -69,7 +73,10 @@ where
 /// Checks one recorded step against the arena and the plan; returns a line of figures.
 fn check_step(what: &str, planned: &Timeline, measured: &Timeline, arena_peak: u64) -> String {
     assert!(measured.is_consistent(), "{what}: roles do not add up");
-    assert!(planned.is_consistent(), "{what}: planned roles do not add up");
+    assert!(
+        planned.is_consistent(),
+        "{what}: planned roles do not add up"
+    );
     assert!(planned.planned && !measured.planned);
     // The peak, exactly.
     assert_eq!(
@@ -80,7 +87,10 @@ fn check_step(what: &str, planned: &Timeline, measured: &Timeline, arena_peak: u
     // Markers: the step and its phases.
     let phases: Vec<String> = measured.phases().into_iter().map(|p| p.name).collect();
     for p in ["forward", "backward", "optimizer step"] {
-        assert!(phases.iter().any(|q| q == p), "{what}: no {p} in {phases:?}");
+        assert!(
+            phases.iter().any(|q| q == p),
+            "{what}: no {p} in {phases:?}"
+        );
     }
     assert_eq!(measured.events.first().unwrap().kind, EventKind::StepStart);
     assert_eq!(measured.events.last().unwrap().kind, EventKind::StepEnd);
@@ -131,7 +141,10 @@ fn check_step(what: &str, planned: &Timeline, measured: &Timeline, arena_peak: u
         .zip(&measured.events)
         .map(|(p, m)| (p.in_use as f64 - m.in_use as f64).abs() / measured.peak() as f64)
         .fold(0.0, f64::max);
-    assert!(worst <= 0.02, "{what}: an event differs by {worst:.4} of the peak");
+    assert!(
+        worst <= 0.02,
+        "{what}: an event differs by {worst:.4} of the peak"
+    );
     format!(
         "{what}: {} ops, {} events; peak {} (arena {}) at {op}; planned peak {} (ratio \
          {peak_ratio:.4}), worst event {:.4}% of the peak",
@@ -158,12 +171,23 @@ fn timeline_of_mlp_steps(dev: &Device) {
     let mut lines = Vec::new();
     for (label, widths, batch, micro, precision) in [
         ("mlp adamw", vec![16, 32, 4], 24, None, Precision::F32),
-        ("mlp sgd 3 micro-batches", vec![16, 32, 4], 24, Some(8), Precision::F32),
+        (
+            "mlp sgd 3 micro-batches",
+            vec![16, 32, 4],
+            24,
+            Some(8),
+            Precision::F32,
+        ),
         ("mlp mixed", vec![15, 33, 5], 16, None, Precision::Mixed),
     ] {
         let model = Mlp::new(&dev, &widths, Activation::Relu, 3).unwrap();
         let opt: Box<dyn Optimizer> = if micro.is_some() {
-            Box::new(Sgd::new(model.parameters(), 0.05).unwrap().momentum(0.9).unwrap())
+            Box::new(
+                Sgd::new(model.parameters(), 0.05)
+                    .unwrap()
+                    .momentum(0.9)
+                    .unwrap(),
+            )
         } else {
             Box::new(AdamW::new(model.parameters(), 1e-3).unwrap())
         };
@@ -180,10 +204,15 @@ fn timeline_of_mlp_steps(dev: &Device) {
         lines.push(check_step(label, &planned, &measured, arena_peak));
         // The parameters are there from the start, counted as parameters.
         assert_eq!(measured.start.parameter, t.model.parameter_bytes());
-        let staged = measured
-            .events
-            .iter()
-            .any(|e| matches!(e.kind, EventKind::Alloc { role: Role::Staging, .. }));
+        let staged = measured.events.iter().any(|e| {
+            matches!(
+                e.kind,
+                EventKind::Alloc {
+                    role: Role::Staging,
+                    ..
+                }
+            )
+        });
         if precision == Precision::Mixed && !dev.info().f16_native {
             assert!(staged, "packed f16 with odd widths stages outputs");
         }
@@ -194,7 +223,9 @@ fn timeline_of_mlp_steps(dev: &Device) {
             let forwards = measured
                 .events
                 .iter()
-                .filter(|e| matches!(&e.kind, EventKind::PhaseStart { phase } if phase == "forward"))
+                .filter(
+                    |e| matches!(&e.kind, EventKind::PhaseStart { phase } if phase == "forward"),
+                )
                 .count();
             assert_eq!(forwards, 3, "one forward per micro-batch");
         }
@@ -290,7 +321,10 @@ fn timeline_off_records_nothing(dev: &Device) {
     assert!(empty.events.is_empty() && empty.ops.is_empty());
     assert_eq!(empty.start_in_use(), dev.memory_stats().bytes_in_use);
     t.step(&data, &idx).unwrap();
-    assert!(dev.take_timeline().is_none(), "recording went on after take");
+    assert!(
+        dev.take_timeline().is_none(),
+        "recording went on after take"
+    );
     // A plan records on its own arena only when asked: the real arena stays off.
     t.plan_timeline(&data).unwrap();
     assert!(dev.take_timeline().is_none());

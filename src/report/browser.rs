@@ -144,10 +144,7 @@ impl Chromium {
                 .join("\n");
             return Err(io(
                 &page,
-                std::io::Error::other(format!(
-                    "{} failed ({status}): {tail}",
-                    self.path.display()
-                )),
+                std::io::Error::other(format!("{} failed ({status}): {tail}", self.path.display())),
             ));
         }
         Ok(stdout)

@@ -16,7 +16,6 @@
 //! Every chart has a `<title>` (what screen readers and tooltips show) and native hover titles
 //! on its points and bars; no script is needed to read it.
 
-use crate::error::Bytes;
 use std::fmt::Write;
 
 /// Colours that stay apart for colour-blind readers (Okabe and Ito), in the order charts use.
@@ -129,7 +128,14 @@ impl Axis {
 
     fn format(&self, v: f64) -> String {
         if self.bytes {
-            Bytes(v.max(0.0).round() as u64).to_string()
+            // "1.5 MiB", "512 KiB": as short as ticks on round multiples allow.
+            const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+            let (mut x, mut u) = (v.max(0.0), 0);
+            while x >= 1024.0 && u + 1 < UNITS.len() {
+                x /= 1024.0;
+                u += 1;
+            }
+            format!("{} {}", format_number(x), UNITS[u])
         } else if self.percent {
             format!("{}%", format_number(100.0 * v))
         } else {
@@ -464,7 +470,12 @@ impl LineChart {
     /// Areas stacked bottom to top in the order given, over `xs`: each layer is (name, colour,
     /// one value per x). With `step`, each value holds until the next x (the last for one
     /// unit), which is exact for per-op samples.
-    pub fn stacked(mut self, xs: Vec<f64>, layers: Vec<(String, String, Vec<f64>)>, step: bool) -> Self {
+    pub fn stacked(
+        mut self,
+        xs: Vec<f64>,
+        layers: Vec<(String, String, Vec<f64>)>,
+        step: bool,
+    ) -> Self {
         self.layers.push(Layer::Stack { xs, layers, step });
         self
     }
@@ -540,7 +551,11 @@ impl LineChart {
                     }
                     ys.extend(points.iter().map(|p| p.1));
                 }
-                Layer::Stack { xs: sx, layers, step } => {
+                Layer::Stack {
+                    xs: sx,
+                    layers,
+                    step,
+                } => {
                     for (name, color, _) in layers.iter().rev() {
                         legend.push(LegendItem {
                             name: name.clone(),
@@ -554,7 +569,10 @@ impl LineChart {
                         xs.extend(sx.last().map(|x| x + 1.0));
                     }
                     ys.extend((0..sx.len()).map(|i| {
-                        layers.iter().map(|(_, _, v)| v.get(i).copied().unwrap_or(0.0)).sum::<f64>()
+                        layers
+                            .iter()
+                            .map(|(_, _, v)| v.get(i).copied().unwrap_or(0.0))
+                            .sum::<f64>()
                     }));
                 }
                 Layer::HLine {
@@ -631,7 +649,10 @@ impl LineChart {
             self.height - 8.0,
             escape(&self.x.label)
         );
-        let clip = format!("fgclip{:x}", fnv(&self.title) ^ fnv(self.id.as_deref().unwrap_or("")));
+        let clip = format!(
+            "fgclip{:x}",
+            fnv(&self.title) ^ fnv(self.id.as_deref().unwrap_or(""))
+        );
         let _ = write!(
             svg,
             r#"<clipPath id="{clip}"><rect x="{left}" y="{plot_top:.1}" width="{:.1}" height="{:.1}"/></clipPath><g clip-path="url(#{clip})">"#,
@@ -673,7 +694,7 @@ impl LineChart {
                     escape(label)
                 );
                 // The label at 11 px, smaller where that does not fit; none in a sliver.
-                if let Some(size) = [11.0, 9.0]
+                if let Some(size) = [11.0, 9.0, 8.0]
                     .into_iter()
                     .find(|&f| text_width(label, f) + 2.0 < b - a)
                 {
@@ -914,7 +935,12 @@ impl BarChart {
     }
 
     /// A series: one bar per group, in group order.
-    pub fn series(mut self, name: impl Into<String>, color: &str, values: Vec<Option<f64>>) -> Self {
+    pub fn series(
+        mut self,
+        name: impl Into<String>,
+        color: &str,
+        values: Vec<Option<f64>>,
+    ) -> Self {
         self.series.push(BarSeries {
             name: name.into(),
             color: color.into(),
@@ -924,7 +950,12 @@ impl BarChart {
     }
 
     /// A reference drawn as a dashed tick across each group at its value there.
-    pub fn reference(mut self, name: impl Into<String>, color: &str, values: Vec<Option<f64>>) -> Self {
+    pub fn reference(
+        mut self,
+        name: impl Into<String>,
+        color: &str,
+        values: Vec<Option<f64>>,
+    ) -> Self {
         self.references.push(BarSeries {
             name: name.into(),
             color: color.into(),
@@ -1066,7 +1097,10 @@ mod tests {
 
     #[test]
     fn escape_covers_markup() {
-        assert_eq!(escape(r#"<a href="x">&'"#), "&lt;a href=&quot;x&quot;&gt;&amp;&#39;");
+        assert_eq!(
+            escape(r#"<a href="x">&'"#),
+            "&lt;a href=&quot;x&quot;&gt;&amp;&#39;"
+        );
     }
 
     #[test]

@@ -58,9 +58,7 @@ pub(super) fn render(r: &TrainingReport) -> String {
     match &r.step_memory {
         Some(m) => memory_section(&mut page, r, m),
         None => {
-            page.paragraph(
-                "No step was recorded (the run had fewer than two steps, or none ran).",
-            );
+            page.paragraph("No step was recorded (the run had fewer than two steps, or none ran).");
         }
     }
 
@@ -140,7 +138,11 @@ fn op_series(t: &Timeline) -> Vec<(f64, RoleBytes, u64)> {
                 .iter()
                 .max_by_key(|p| p.bytes.total())
                 .expect("chunks are not empty");
-            ((k * per) as f64, best.bytes, r.iter().copied().max().unwrap_or(0))
+            (
+                (k * per) as f64,
+                best.bytes,
+                r.iter().copied().max().unwrap_or(0),
+            )
         })
         .collect()
 }
@@ -181,7 +183,9 @@ fn memory_section(page: &mut Page, r: &TrainingReport, m: &StepMemory) {
     ))
     .id("memory-timeline")
     .size(920.0, 400.0)
-    .x_axis(Axis::number("op of the step (kernels, copies, uploads, readbacks, in order)").integer())
+    .x_axis(
+        Axis::number("op of the step (kernels, copies, uploads, readbacks, in order)").integer(),
+    )
     .y_axis(Axis::bytes("bytes in use"));
     for (i, span) in t.phases().iter().enumerate() {
         chart = chart.band(&span.name, span.start as f64, span.end as f64, i % 2 == 0);
@@ -198,7 +202,12 @@ fn memory_section(page: &mut Page, r: &TrainingReport, m: &StepMemory) {
                 PALETTE[3],
                 series.iter().map(|p| (p.0, p.2 as f64)).collect(),
             )
-            .hline(format!("budget {}", Bytes(b.budget)), BUDGET, b.budget as f64, false);
+            .hline(
+                format!("budget {}", Bytes(b.budget)),
+                BUDGET,
+                b.budget as f64,
+                false,
+            );
     }
     let label = format!(
         "peak {} at {}{}",
@@ -215,12 +224,14 @@ fn memory_section(page: &mut Page, r: &TrainingReport, m: &StepMemory) {
          device's planning mode before it ran, predicted {} ({:+.2}%), peak at {}.",
         Bytes(peak),
         peak_op,
-        op_index.map_or("before any op".into(), |i| format!(
-            "op {} of {}: {}",
-            i + 1,
-            t.ops.len(),
-            t.ops[i]
-        )),
+        op_index.map_or("before any op".into(), |i| {
+            let full = &t.ops[i];
+            if full.contains("_[") {
+                format!("op {} of {}, kernel {full}", i + 1, t.ops.len())
+            } else {
+                format!("op {} of {}", i + 1, t.ops.len())
+            }
+        }),
         Bytes(planned_peak),
         100.0 * (m.ratio() - 1.0),
         m.planned
@@ -235,10 +246,8 @@ fn memory_section(page: &mut Page, r: &TrainingReport, m: &StepMemory) {
          through the forward and fall through the backward.",
     );
     // Bytes by role at the peak: measured beside planned.
-    let at_peak = |tl: &Timeline| -> RoleBytes {
-        tl.peak_event()
-            .map_or(tl.start, |e| tl.replay()[e])
-    };
+    let at_peak =
+        |tl: &Timeline| -> RoleBytes { tl.peak_event().map_or(tl.start, |e| tl.replay()[e]) };
     let (mp, pp) = (at_peak(t), at_peak(&m.planned));
     let mut rows: Vec<Vec<String>> = Role::ALL
         .iter()
@@ -272,7 +281,10 @@ fn training_section(page: &mut Page, r: &TrainingReport) {
         .line(
             "training loss (mean since the previous point)",
             PALETTE[0],
-            r.steps.iter().map(|s| (s.step as f64, s.loss as f64)).collect(),
+            r.steps
+                .iter()
+                .map(|s| (s.step as f64, s.loss as f64))
+                .collect(),
         );
     let mut splits: Vec<&str> = r.evals.iter().map(|e| e.split.as_str()).collect();
     splits.dedup();
@@ -294,7 +306,10 @@ fn training_section(page: &mut Page, r: &TrainingReport) {
     let acc: Vec<(f64, f64)> = r
         .evals
         .iter()
-        .filter_map(|e| e.accuracy.map(|a| (e.epoch.map_or(e.step, |ep| ep + 1) as f64, a as f64)))
+        .filter_map(|e| {
+            e.accuracy
+                .map(|a| (e.epoch.map_or(e.step, |ep| ep + 1) as f64, a as f64))
+        })
         .collect();
     if !acc.is_empty() {
         let per_epoch = r.evals.iter().all(|e| e.epoch.is_some());
@@ -364,7 +379,12 @@ fn changes_section(page: &mut Page, r: &TrainingReport) {
                     .collect();
                 page.note("Every strategy --fit auto planned, cheapest first; the last is the one chosen.");
                 page.table(
-                    &["candidate", "planned peak in use", "planned peak reserved", "budget"],
+                    &[
+                        "candidate",
+                        "planned peak in use",
+                        "planned peak reserved",
+                        "budget",
+                    ],
                     &rows,
                 );
             }
@@ -396,7 +416,11 @@ fn memory_table(page: &mut Page, r: &TrainingReport) {
     let b = |v: u64| Bytes(v).to_string();
     let mut rows = vec![
         vec!["in use".into(), b(s.bytes_in_use), b(s.peak_bytes_in_use)],
-        vec!["reserved".into(), b(s.bytes_reserved), b(s.peak_bytes_reserved)],
+        vec![
+            "reserved".into(),
+            b(s.bytes_reserved),
+            b(s.peak_bytes_reserved),
+        ],
         vec!["cached (free)".into(), b(s.bytes_cached()), String::new()],
         vec![
             "budget".into(),

@@ -111,7 +111,9 @@ impl<M: Module> Trainer<M> {
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
-        Ok(self.plan_run(data, indices, micro, budget, reserve, false)?.0)
+        Ok(self
+            .plan_run(data, indices, micro, budget, reserve, false)?
+            .0)
     }
 
     /// The plan of one step on `data` at the current micro-batch under the device's budget

@@ -23,9 +23,10 @@ pub fn digits_report(dev: &Device, epochs: u64, budget: Option<u64>) -> Training
         report.set_budget(b, 64, micro, None);
     }
     report.set_plan(t.plan(&train).unwrap());
-    report
-        .setting("dataset", &train.name)
-        .setting("memory budget", budget.map_or("none".into(), |b| Bytes(b).to_string()));
+    report.setting("dataset", &train.name).setting(
+        "memory budget",
+        budget.map_or("none".into(), |b| Bytes(b).to_string()),
+    );
     let mut capture = StepCapture::new();
     for epoch in 0..epochs {
         let start = Instant::now();
