@@ -2,11 +2,14 @@
 //!
 //! With no arguments it trains on the handwritten digits embedded in the crate (8x8 images,
 //! 1,797 samples) and prints the adapter, a progress bar per epoch, the test accuracy and where
-//! the device memory went. `--help` lists the flags; `--json` ends stdout with one JSON object.
+//! the device memory went. `--help` lists the flags; `--json` ends stdout with one JSON object;
+//! `--report report.html` (and `--report-json report.json`) writes a page with the memory
+//! timeline of a step, the loss, accuracy and throughput curves and the memory table.
 
 use clap::Parser;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
+use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
 use fitgrad::train::data;
 use fitgrad::train::{Precision, Trainer, TrainerConfig};
 use fitgrad::{Bytes, DType, Device, DeviceOptions};
@@ -90,6 +93,13 @@ struct Args {
     /// Resume from a checkpoint written by --save (same model flags).
     #[arg(long)]
     resume: Option<std::path::PathBuf>,
+    /// Write an HTML report (memory timeline of a step, loss / accuracy / throughput, memory
+    /// table) to this file; the test set is then evaluated after every epoch.
+    #[arg(long)]
+    report: Option<std::path::PathBuf>,
+    /// Write the report's data as JSON to this file.
+    #[arg(long)]
+    report_json: Option<std::path::PathBuf>,
 }
 
 fn run(args: Args) -> fitgrad::Result<()> {
@@ -149,6 +159,13 @@ fn run(args: Args) -> fitgrad::Result<()> {
     if args.shard_size == Some(0) {
         return Err(invalid("--shard-size must be at least 1".into()));
     }
+    if let Some(p) = &args.report {
+        check_output_path("--report", p)?;
+    }
+    if let Some(p) = &args.report_json {
+        check_output_path("--report-json", p)?;
+    }
+    let reporting = args.report.is_some() || args.report_json.is_some();
     if !matches!(args.optimizer.as_str(), "adamw" | "sgd") {
         return Err(invalid(format!(
             "unknown optimizer '{}' (adamw or sgd)",
@@ -222,15 +239,18 @@ fn run(args: Args) -> fitgrad::Result<()> {
         };
         Trainer::new(model, optimizer, config.clone())
     };
-    let mut trainer = if fit_auto {
+    let (mut trainer, choice) = if fit_auto {
         let (trainer, choice) = Trainer::build_fit_auto(&device, &train, build)?;
         print!("{choice}");
-        trainer
+        (trainer, Some(choice))
     } else {
-        Trainer::build_within_budget(&device, &train, build)?
+        (Trainer::build_within_budget(&device, &train, build)?, None)
     };
+    let mut report =
+        TrainingReport::new(format!("train_mlp on {}", train.name), &device, "samples/s");
     if let Some(b) = budget {
         let micro = trainer.micro_batch();
+        report.set_budget(b, args.batch_size, micro, choice);
         println!(
             "memory budget {}: micro-batch {micro} of {} ({} accumulated micro-batches per step)",
             Bytes(b),
@@ -251,6 +271,66 @@ fn run(args: Args) -> fitgrad::Result<()> {
     if args.prealloc {
         let reserved = trainer.prealloc(&train)?;
         println!("reserved {} up front", Bytes(reserved));
+    }
+    report.set_plan(plan.clone());
+    for (key, value) in [
+        (
+            "dataset",
+            format!(
+                "{} ({} train, {} test)",
+                train.name,
+                train.len(),
+                test.len()
+            ),
+        ),
+        (
+            "model",
+            format!(
+                "MLP {widths:?}, {} ({} parameters)",
+                args.activation,
+                trainer.model.num_parameters()
+            ),
+        ),
+        (
+            "optimizer",
+            format!(
+                "{} lr {lr}{}",
+                args.optimizer,
+                if args.cosine { ", cosine" } else { "" }
+            ),
+        ),
+        ("epochs", args.epochs.to_string()),
+        (
+            "batch",
+            format!(
+                "{} x {} accumulation steps, micro-batch {}",
+                args.batch_size,
+                args.accum_steps,
+                trainer.micro_batch()
+            ),
+        ),
+        ("precision", trainer.config().precision.name().to_string()),
+        (
+            "activation checkpointing",
+            trainer.model.checkpoint_activations.to_string(),
+        ),
+        (
+            "memory budget",
+            budget.map_or("none".into(), |b| Bytes(b).to_string()),
+        ),
+        ("preallocation", args.prealloc.to_string()),
+        (
+            "shard size",
+            args.shard_size
+                .map_or("in memory".into(), |s| s.to_string()),
+        ),
+        (
+            "clip grad norm",
+            args.clip_grad_norm.map_or("off".into(), |c| c.to_string()),
+        ),
+        ("seed", args.seed.to_string()),
+    ] {
+        report.setting(key, value);
     }
     println!(
         "model: MLP {widths:?} ({} parameters), {}, {}, batch {} x {} accumulation steps{}",
@@ -309,6 +389,10 @@ fn run(args: Args) -> fitgrad::Result<()> {
     .progress_chars("=> ");
     let started = Instant::now();
     let mut final_loss = f32::NAN;
+    // With a report: the memory of the second step, and the test set after every epoch (at
+    // the micro-batch, which needs less memory than a training step).
+    let mut capture = StepCapture::new();
+    let mut eval_secs = 0.0;
     for epoch in first_epoch..args.epochs {
         let bar = ProgressBar::new(steps_per_epoch)
             .with_style(style.clone())
@@ -324,6 +408,9 @@ fn run(args: Args) -> fitgrad::Result<()> {
         let on_step = |t: &mut Trainer<Mlp>, done: usize, total: usize| {
             samples = (done * eff).min(train.len());
             bar.set_position(done as u64);
+            if reporting {
+                capture.after_step(t, &train)?;
+            }
             // A readback every 10 steps keeps the GPU busy between them.
             if done.is_multiple_of(10) || done == total {
                 let loss = t.take_loss()?;
@@ -332,6 +419,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
                 }
                 let rate = samples as f64 / epoch_start.elapsed().as_secs_f64();
                 bar.set_message(format!("loss {final_loss:.4}, {rate:.0} samples/s"));
+                report.log_step(t.steps(), loss, Some(rate));
             }
             Ok(())
         };
@@ -340,15 +428,31 @@ fn run(args: Args) -> fitgrad::Result<()> {
             None => trainer.train_epoch(&train, args.seed, epoch, on_step)?,
         }
         bar.finish();
-        for e in trainer.take_events() {
+        let epoch_secs = epoch_start.elapsed().as_secs_f64();
+        let events = trainer.take_events();
+        for e in &events {
             println!("  {e}");
+        }
+        report.add_events(&events);
+        report.log_epoch(
+            epoch,
+            trainer.steps(),
+            final_loss,
+            train.len() as f64 / epoch_secs,
+            epoch_secs,
+        );
+        if reporting {
+            let eval_start = Instant::now();
+            let e = trainer.evaluate(&test, trainer.micro_batch())?;
+            report.log_eval(trainer.steps(), Some(epoch), "test", &e);
+            eval_secs += eval_start.elapsed().as_secs_f64();
         }
         if let Some(path) = &args.save {
             trainer.save_checkpoint(path, epoch + 1)?;
         }
     }
     device.sync()?;
-    let train_secs = started.elapsed().as_secs_f64();
+    let train_secs = started.elapsed().as_secs_f64() - eval_secs;
     let epochs_run = args.epochs.saturating_sub(first_epoch);
     let samples_per_s = (train.len() as u64 * epochs_run) as f64 / train_secs.max(1e-9);
     // Training's memory, before evaluation's larger batches count.
@@ -373,6 +477,22 @@ fn run(args: Args) -> fitgrad::Result<()> {
         Bytes(summary.stats.peak_bytes_in_use)
     );
     println!("{}", device.memory_report());
+    report.set_step_memory(capture.finish());
+    report.set_memory(summary.stats.clone());
+    report
+        .result("test loss", format!("{test_loss:.4}"))
+        .result("test accuracy", format!("{:.2}%", 100.0 * test_accuracy))
+        .result("training time", format!("{train_secs:.1} s"))
+        .result("throughput", format!("{samples_per_s:.0} samples/s"))
+        .result("steps", trainer.steps());
+    if let Some(path) = &args.report {
+        report.write_html(path)?;
+        println!("report: {}", path.display());
+    }
+    if let Some(path) = &args.report_json {
+        report.write_json(path)?;
+        println!("report data: {}", path.display());
+    }
 
     if args.json {
         let s = &summary.stats;

@@ -23,6 +23,7 @@ mod kernels;
 pub mod memory;
 pub mod nn;
 pub mod optim;
+pub mod report;
 mod shape;
 pub mod tensor;
 pub mod train;

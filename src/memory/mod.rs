@@ -14,10 +14,16 @@
 //!
 //! The optional budget is checked *before* the driver is asked: when a new segment would pass it,
 //! the arena first drops its fully free segments, then returns [`Error::OutOfMemory`].
+//!
+//! On request the arena records a [`Timeline`] of its allocations and frees (timeline.rs).
 
 mod report;
+mod timeline;
 
 pub use report::{ByCategory, Category, MemoryStats};
+pub use timeline::{
+    EventKind, MemoryEvent, OpPoint, PhaseSpan, Role, RoleBytes, SizeClass, Timeline,
+};
 
 use crate::{Error, Result};
 use std::collections::{BTreeMap, HashMap};
@@ -77,10 +83,9 @@ enum Pool {
 
 impl Pool {
     fn of(size: u64) -> Pool {
-        if size <= SMALL_REQUEST {
-            Pool::Small
-        } else {
-            Pool::Large
+        match SizeClass::of(size) {
+            SizeClass::Small => Pool::Small,
+            SizeClass::Large => Pool::Large,
         }
     }
 
@@ -127,6 +132,10 @@ pub(crate) struct Arena {
     /// Fault injection for tests: the allocation after this many more fails with
     /// `OutOfMemory` (as a driver would).
     fail_after: Option<u64>,
+    /// The timeline being recorded, if any (one branch per event when off).
+    timeline: timeline::RecorderSlot,
+    /// New blocks are staging temporaries (for the timeline's roles only).
+    staging: bool,
 }
 
 fn align_up(v: u64, a: u64) -> u64 {
@@ -150,6 +159,8 @@ impl Arena {
                 ..Default::default()
             },
             fail_after: None,
+            timeline: Default::default(),
+            staging: false,
         }
     }
 
@@ -179,6 +190,9 @@ impl Arena {
             let sizes = &mut self.stats.in_use_by_category;
             sizes.sub(*old, block.size);
             sizes.add(cat, block.size);
+            if let Some(r) = self.timeline.0.as_mut() {
+                r.retag(block, *old, cat, &self.stats);
+            }
             *old = cat;
         }
     }
@@ -197,6 +211,12 @@ impl Arena {
 
     /// Sets the phase named with the peak (`"forward"`, `"backward"`, `"optimizer step"`).
     pub fn set_phase(&mut self, phase: Option<&'static str>) {
+        if self.timeline.0.is_some() && self.phase != phase {
+            self.mark(match phase {
+                Some(p) => timeline::EventKind::PhaseStart { phase: p.into() },
+                None => timeline::EventKind::PhaseEnd,
+            });
+        }
         self.phase = phase;
     }
 
@@ -246,6 +266,14 @@ impl Arena {
     }
 
     pub fn alloc(&mut self, device: &wgpu::Device, bytes: u64) -> Result<Block> {
+        let block = self.alloc_block(device, bytes)?;
+        if let Some(r) = self.timeline.0.as_mut() {
+            r.alloc(bytes, &block, self.category, self.staging, &self.stats);
+        }
+        Ok(block)
+    }
+
+    fn alloc_block(&mut self, device: &wgpu::Device, bytes: u64) -> Result<Block> {
         let size = Self::block_size(bytes);
         // Kernels bind a tensor's whole block, so it must fit one binding.
         if size > self.max_binding_size {
@@ -352,6 +380,9 @@ impl Arena {
             len += next_len;
         }
         seg.free.insert(offset, len);
+        if let Some(r) = self.timeline.0.as_mut() {
+            r.free(block, cat, &self.stats);
+        }
     }
 
     /// Drops every segment that holds no block. Dropping (never `destroy()`) is safe while

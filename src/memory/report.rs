@@ -1,11 +1,12 @@
 //! Memory statistics and the readable report.
 
 use crate::error::Bytes;
+use serde::{Deserialize, Serialize};
 use std::fmt;
 
 /// A snapshot of the arena. "In use" is what live tensors hold; "reserved" is what the arena holds
 /// from the driver (in use + cached free blocks). Peaks are since creation or `reset_peak()`.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MemoryStats {
     /// Bytes held by live tensors.
     pub bytes_in_use: u64,
@@ -82,9 +83,45 @@ impl Category {
     }
 }
 
-/// Bytes per [`Category`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// Bytes per [`Category`]. In JSON an object with one field per category.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(into = "NamedCategories", from = "NamedCategories")]
 pub struct ByCategory(pub [u64; 5]);
+
+/// [`ByCategory`] with named fields, for JSON.
+#[derive(Serialize, Deserialize)]
+struct NamedCategories {
+    parameters: u64,
+    gradients: u64,
+    optimizer_state: u64,
+    activations: u64,
+    workspace: u64,
+}
+
+impl From<ByCategory> for NamedCategories {
+    fn from(b: ByCategory) -> Self {
+        let [parameters, gradients, optimizer_state, activations, workspace] = b.0;
+        NamedCategories {
+            parameters,
+            gradients,
+            optimizer_state,
+            activations,
+            workspace,
+        }
+    }
+}
+
+impl From<NamedCategories> for ByCategory {
+    fn from(n: NamedCategories) -> Self {
+        ByCategory([
+            n.parameters,
+            n.gradients,
+            n.optimizer_state,
+            n.activations,
+            n.workspace,
+        ])
+    }
+}
 
 impl ByCategory {
     /// The bytes counted as `cat`.

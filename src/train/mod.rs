@@ -6,6 +6,7 @@
 pub mod bench;
 mod csv_file;
 pub mod data;
+mod events;
 mod fit;
 mod model;
 mod plan;
@@ -15,6 +16,7 @@ mod summary;
 pub mod text;
 mod trainer;
 
+pub use events::TrainEvent;
 pub use fit::{Candidate, FitChoice};
 pub use model::{
     epoch_permutation, Batch, BatchSource, ClassBatch, EvalBatch, Features, StepContext,
@@ -27,8 +29,9 @@ pub use trainer::{Trainer, TrainerConfig};
 
 use crate::DType;
 
-/// Numeric precision of training.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+/// Numeric precision of training ("f32", "f16", "mixed" in JSON).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Precision {
     /// Everything in f32.
     #[default]

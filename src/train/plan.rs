@@ -8,20 +8,21 @@
 //! op changes what it allocates, the plan changes with it.
 //!
 //! Budget fitting ([`Trainer::fit_to_budget`]), preallocation ([`Trainer::prealloc`]) and the
-//! micro-batch chosen after an out-of-memory all ask it.
+//! micro-batch chosen after an out-of-memory all ask it. [`Trainer::plan_timeline`] records
+//! the planned step's memory [`Timeline`], event by event.
 //!
 //! [`Device::planning`]: crate::Device::planning
 
 use super::model::{BatchSource, TrainModel};
 use super::Trainer;
 use crate::error::Bytes;
-use crate::memory::Category;
+use crate::memory::{Category, Timeline};
 use crate::nn::Module;
 use crate::{Device, Error, Result, Tensor};
 use std::fmt;
 
 /// The planned peak of a training step and what it is made of.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Plan {
     /// Parameters alive at the peak.
     pub parameters: u64,
@@ -110,6 +111,42 @@ impl<M: Module> Trainer<M> {
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
+        Ok(self
+            .plan_run(data, indices, micro, budget, reserve, false)?
+            .0)
+    }
+
+    /// The plan of one step on `data` at the current micro-batch under the device's budget
+    /// (as [`Trainer::plan`]), with the memory timeline of that step: every allocation, free
+    /// and op the next real step over an effective batch will record, from the memory held
+    /// when it begins. Every micro-batch of the step is planned (a plain plan runs only those
+    /// that can set the peak).
+    pub fn plan_timeline<D>(&mut self, data: &D) -> Result<(Plan, Timeline)>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let idx = self.plan_indices(data)?;
+        let budget = self.device.memory_stats().budget;
+        let (plan, timeline) = self.plan_run(data, &idx, self.micro, budget, 0, true)?;
+        let step = timeline.as_ref().and_then(Timeline::last_step);
+        Ok((plan, step.unwrap_or_default()))
+    }
+
+    /// [`Trainer::plan_at`], recording the planning arena's timeline when `record`.
+    fn plan_run<D>(
+        &mut self,
+        data: &D,
+        indices: &[usize],
+        micro: usize,
+        budget: Option<u64>,
+        reserve: u64,
+        record: bool,
+    ) -> Result<(Plan, Option<Timeline>)>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
         if indices.is_empty() || micro == 0 {
             return Err(Error::InvalidArgument {
                 op: "Trainer::plan",
@@ -149,8 +186,10 @@ impl<M: Module> Trainer<M> {
             self.micro,
         );
         self.micro = micro.min(self.config.batch_size);
-        let result =
-            reserved.and_then(|_| (0..2).try_for_each(|_| self.try_step(data, indices, true)));
+        let result = reserved
+            .and_then(|_| if record { dev.start_timeline() } else { Ok(()) })
+            .and_then(|_| (0..2).try_for_each(|_| self.try_step(data, indices, !record)));
+        let timeline = if record { dev.take_timeline() } else { None };
         self.optimizer.zero_grad();
         let planned_optimizer = std::mem::replace(&mut self.optimizer, real_optimizer);
         let micro_used = self.micro;
@@ -167,7 +206,7 @@ impl<M: Module> Trainer<M> {
         }
         result?;
         let at = |c| stats.peak_by_category.get(c);
-        Ok(Plan {
+        let plan = Plan {
             parameters: at(Category::Parameters),
             gradients: at(Category::Gradients),
             optimizer_state: at(Category::OptimizerState),
@@ -179,7 +218,8 @@ impl<M: Module> Trainer<M> {
             peak_op: stats.peak_op,
             micro_batch: micro_used,
             micro_batches: indices.len().div_ceil(micro_used),
-        })
+        };
+        Ok((plan, timeline))
     }
 
     /// Chooses the largest micro-batch whose planned step fits `budget` bytes (the effective

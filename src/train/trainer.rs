@@ -7,6 +7,7 @@
 //! The trainer is generic: any [`TrainModel`] on any [`BatchSource`]. The planner
 //! (train/plan.rs) runs this same step code on the device's planning mode.
 
+use super::events::TrainEvent;
 use super::model::{Batch, BatchSource, ClassBatch, StepContext, TrainModel};
 use super::rows::{DeviceRows, HostRows};
 use super::summary::{Evaluation, MemorySummary};
@@ -151,7 +152,7 @@ pub struct Trainer<M> {
     pub(super) micro: usize,
     pub(super) scaler: Option<GradScaler>,
     /// What the trainer changed on its own (micro-batch halvings, skipped steps), for the log.
-    pub(super) events: Vec<String>,
+    pub(super) events: Vec<TrainEvent>,
 }
 
 impl<M: Module> Trainer<M> {
@@ -220,8 +221,8 @@ impl<M: Module> Trainer<M> {
     }
 
     /// What the trainer decided on its own since the last call (micro-batch changes after an
-    /// out-of-memory, steps skipped by the loss scaler).
-    pub fn take_events(&mut self) -> Vec<String> {
+    /// out-of-memory, steps skipped and scales grown by the loss scaler).
+    pub fn take_events(&mut self) -> Vec<TrainEvent> {
         std::mem::take(&mut self.events)
     }
 
@@ -418,13 +419,13 @@ impl<M: Module> Trainer<M> {
                             .flatten()
                     });
                     self.micro = planned.unwrap_or(old.div_ceil(2)).min(old - 1).max(1);
-                    self.events.push(format!(
-                        "step {}: out of memory (asked for {}); micro-batch {old} -> {}{}, redoing the step",
-                        self.step,
-                        crate::error::Bytes(requested),
-                        self.micro,
-                        if planned.is_some() { " (planned)" } else { "" }
-                    ));
+                    self.events.push(TrainEvent::OomRetry {
+                        step: self.step,
+                        requested,
+                        micro_before: old,
+                        micro_after: self.micro,
+                        planned: planned.is_some(),
+                    });
                 }
                 other => return other,
             }
@@ -445,6 +446,7 @@ impl<M: Module> Trainer<M> {
         elementwise::fill(&step_loss, 0.0)?;
         let ctx = self.context(true);
         let dev = self.device.clone();
+        let _step = dev.step_scope();
         let chunks: Vec<&[usize]> = indices.chunks(mb).collect();
         let last = chunks.len() - 1;
         let result = (|| {
@@ -501,15 +503,24 @@ impl<M: Module> Trainer<M> {
             let params = self.model.parameters();
             let nonfinite = sc.unscale(&self.device, &params)?;
             let sc = self.scaler.as_mut().expect("checked above");
+            let (step, scale_before) = (self.step, sc.scale());
             sc.update(nonfinite);
+            let scale_after = sc.scale();
             if nonfinite {
                 self.optimizer.zero_grad();
-                self.events.push(format!(
-                    "step {}: gradients overflowed; step skipped, loss scale now {}",
-                    self.step,
-                    sc.scale()
-                ));
+                self.events.push(TrainEvent::StepSkipped {
+                    step,
+                    scale_before,
+                    scale_after,
+                });
                 return Ok(());
+            }
+            if scale_after != scale_before {
+                self.events.push(TrainEvent::ScaleGrew {
+                    step,
+                    scale_before,
+                    scale_after,
+                });
             }
         }
         if let Some(max_norm) = self.config.clip_grad_norm {
