@@ -90,9 +90,94 @@ struct Args {
     /// Resume from a checkpoint written by --save (same model flags).
     #[arg(long)]
     resume: Option<std::path::PathBuf>,
+    /// `mpi`: this process is one rank of data-parallel training started by mpirun (built with
+    /// `--features mpi`). The batch flags give the whole job's batch, split across the ranks,
+    /// so the weights are those of one process with the same flags; rank 0 prints, evaluates
+    /// and saves.
+    #[arg(long)]
+    distributed: Option<String>,
 }
 
-fn run(args: Args) -> fitgrad::Result<()> {
+/// How this process trains: alone, or as one MPI rank.
+enum Dist {
+    Single,
+    #[cfg(feature = "mpi")]
+    Mpi(fitgrad::distributed::mpi::Mpi),
+}
+
+/// The all-reduce statistics of a distributed run.
+type Stats = std::sync::Arc<std::sync::Mutex<fitgrad::distributed::AllReduceStats>>;
+
+impl Dist {
+    fn init(mode: Option<&str>) -> fitgrad::Result<Dist> {
+        match mode {
+            None | Some("none") => Ok(Dist::Single),
+            #[cfg(feature = "mpi")]
+            Some("mpi") => Ok(Dist::Mpi(fitgrad::distributed::mpi::Mpi::init()?)),
+            #[cfg(not(feature = "mpi"))]
+            Some("mpi") => Err(fitgrad::Error::InvalidArgument {
+                op: "train_mlp --distributed",
+                reason: "this train_mlp was built without MPI; build it with \
+                         `cargo build --release --features mpi --example train_mlp`"
+                    .into(),
+            }),
+            Some(other) => Err(fitgrad::Error::InvalidArgument {
+                op: "train_mlp --distributed",
+                reason: format!("unknown mode '{other}' (mpi, or none)"),
+            }),
+        }
+    }
+
+    fn rank(&self) -> usize {
+        match self {
+            Dist::Single => 0,
+            #[cfg(feature = "mpi")]
+            Dist::Mpi(m) => m.rank(),
+        }
+    }
+
+    fn size(&self) -> usize {
+        match self {
+            Dist::Single => 1,
+            #[cfg(feature = "mpi")]
+            Dist::Mpi(m) => m.size(),
+        }
+    }
+
+    /// Makes the trainer this rank's replica (same model and flags on every rank, checked;
+    /// rank 0's initial weights everywhere).
+    fn attach(&self, trainer: &mut Trainer<Mlp>) -> fitgrad::Result<Option<Stats>> {
+        match self {
+            Dist::Single => {
+                let _ = trainer;
+                Ok(None)
+            }
+            #[cfg(feature = "mpi")]
+            Dist::Mpi(m) => Ok(Some(fitgrad::distributed::attach(
+                trainer,
+                m.communicator()?,
+            )?)),
+        }
+    }
+
+    /// A failed rank stops the others, which would wait for it in the next all-reduce.
+    fn fail(&self, e: &fitgrad::Error) {
+        match self {
+            Dist::Single => {
+                let _ = e;
+            }
+            #[cfg(feature = "mpi")]
+            Dist::Mpi(m) => m.abort(&format!("error: {e}; stopping every rank")),
+        }
+    }
+}
+
+fn run(args: Args, dist: &Dist) -> fitgrad::Result<()> {
+    // Rank 0 reports; the other ranks train quietly.
+    let root = dist.rank() == 0;
+    macro_rules! say {
+        ($($t:tt)*) => { if root { println!($($t)*); } };
+    }
     if args.list_adapters {
         for a in Device::adapters() {
             println!("{a}");
@@ -174,8 +259,8 @@ fn run(args: Args) -> fitgrad::Result<()> {
     options.memory_budget = budget;
     let device = Device::with_options(options)?;
     let info = device.info();
-    println!("adapter: {}", info.adapter);
-    println!(
+    say!("adapter: {}", info.adapter);
+    say!(
         "dataset: {} ({} train, {} test, {} features, {} classes)",
         train.name,
         train.len(),
@@ -224,14 +309,30 @@ fn run(args: Args) -> fitgrad::Result<()> {
     };
     let mut trainer = if fit_auto {
         let (trainer, choice) = Trainer::build_fit_auto(&device, &train, build)?;
-        print!("{choice}");
+        if root {
+            print!("{choice}");
+        }
         trainer
     } else {
         Trainer::build_within_budget(&device, &train, build)?
     };
+    let all_reduce = dist.attach(&mut trainer)?;
+    if all_reduce.is_some() {
+        if let Some(b) = budget {
+            // The budget was fitted to the whole batch; this rank runs only its share.
+            trainer.fit_to_budget(&train, b)?;
+        }
+        eprintln!(
+            "rank {} of {}: pid {}, {}, training on its share of every batch of {eff}",
+            dist.rank(),
+            dist.size(),
+            std::process::id(),
+            info.adapter.name
+        );
+    }
     if let Some(b) = budget {
         let micro = trainer.micro_batch();
-        println!(
+        say!(
             "memory budget {}: micro-batch {micro} of {} ({} accumulated micro-batches per step)",
             Bytes(b),
             args.batch_size,
@@ -241,8 +342,10 @@ fn run(args: Args) -> fitgrad::Result<()> {
     let planning = Instant::now();
     let plan = trainer.plan(&train)?;
     if args.plan {
-        print!("{plan}");
-        println!(
+        if root {
+            print!("{plan}");
+        }
+        say!(
             "  (planned by running the step on the device's planning mode in {:.0} ms)",
             planning.elapsed().as_secs_f64() * 1e3
         );
@@ -250,9 +353,9 @@ fn run(args: Args) -> fitgrad::Result<()> {
     }
     if args.prealloc {
         let reserved = trainer.prealloc(&train)?;
-        println!("reserved {} up front", Bytes(reserved));
+        say!("reserved {} up front", Bytes(reserved));
     }
-    println!(
+    say!(
         "model: MLP {widths:?} ({} parameters), {}, {}, batch {} x {} accumulation steps{}",
         trainer.model.num_parameters(),
         args.optimizer,
@@ -269,13 +372,13 @@ fn run(args: Args) -> fitgrad::Result<()> {
     let mut first_epoch = 0;
     if let Some(path) = &args.resume {
         first_epoch = trainer.resume_from(path)?;
-        println!(
+        say!(
             "resumed from {} after {first_epoch} epochs ({} steps)",
             path.display(),
             trainer.steps()
         );
         if first_epoch >= args.epochs {
-            println!(
+            say!(
                 "nothing left to train: the checkpoint holds {first_epoch} epochs and --epochs is {}; evaluating it as it is",
                 args.epochs
             );
@@ -293,7 +396,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
             )));
             fitgrad::train::shard::ShardedDataset::create(&train, &file.0)?;
             let s = fitgrad::train::shard::ShardedDataset::open(&file.0, size)?;
-            println!(
+            say!(
                 "sharded: {} shards of up to {size} samples from {}",
                 s.num_shards(),
                 file.0.display()
@@ -310,9 +413,13 @@ fn run(args: Args) -> fitgrad::Result<()> {
     let started = Instant::now();
     let mut final_loss = f32::NAN;
     for epoch in first_epoch..args.epochs {
-        let bar = ProgressBar::new(steps_per_epoch)
-            .with_style(style.clone())
-            .with_prefix(format!("{}", epoch + 1));
+        let bar = if root {
+            ProgressBar::new(steps_per_epoch)
+        } else {
+            ProgressBar::hidden()
+        }
+        .with_style(style.clone())
+        .with_prefix(format!("{}", epoch + 1));
         if epoch == first_epoch {
             // On a new machine the first steps compile every kernel (lavapipe: tens of
             // seconds); the driver caches them on disk for the next run.
@@ -341,13 +448,16 @@ fn run(args: Args) -> fitgrad::Result<()> {
         }
         bar.finish();
         for e in trainer.take_events() {
-            println!("  {e}");
+            say!("  {e}");
         }
-        if let Some(path) = &args.save {
+        if let (Some(path), true) = (&args.save, root) {
             trainer.save_checkpoint(path, epoch + 1)?;
         }
     }
     device.sync()?;
+    if !root {
+        return Ok(());
+    }
     let train_secs = started.elapsed().as_secs_f64();
     let epochs_run = args.epochs.saturating_sub(first_epoch);
     let samples_per_s = (train.len() as u64 * epochs_run) as f64 / train_secs.max(1e-9);
@@ -405,7 +515,21 @@ fn run(args: Args) -> fitgrad::Result<()> {
             "steps": trainer.steps(),
             "train_seconds": train_secs,
             "samples_per_s": samples_per_s,
+            "ranks": dist.size(),
         });
+        let mut j = j;
+        if let Some(s) = &all_reduce {
+            let s = s.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / s.steps.max(1) as f64;
+            j["all_reduce"] = serde_json::json!({
+                "steps": s.steps,
+                "buffer_bytes": s.buffer_bytes,
+                "round_trip_ms_per_step": ms(s.round_trip()),
+                "gather_ms_per_step": ms(s.gather),
+                "communicate_ms_per_step": ms(s.communicate),
+                "scatter_ms_per_step": ms(s.scatter),
+            });
+        }
         println!("{j}");
     }
     Ok(())
@@ -436,9 +560,17 @@ fn unique_suffix() -> String {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    match run(args) {
+    let dist = match Dist::init(args.distributed.as_deref()) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match run(args, &dist) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
+            dist.fail(&e);
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }

@@ -180,6 +180,7 @@ impl Arena {
             sizes.sub(*old, block.size);
             sizes.add(cat, block.size);
             *old = cat;
+            self.stats.category_peaks.raise(cat, sizes.get(cat));
         }
     }
 
@@ -238,6 +239,7 @@ impl Arena {
         self.stats.peak_bytes_in_use = self.stats.bytes_in_use;
         self.stats.peak_bytes_reserved = self.stats.bytes_reserved;
         self.stats.peak_by_category = self.stats.in_use_by_category;
+        self.stats.category_peaks = self.stats.in_use_by_category;
     }
 
     /// Bytes a request of `bytes` really takes from a segment.
@@ -407,6 +409,8 @@ impl Arena {
         let buffer = seg.buffer.clone();
         self.live.insert((seg_idx, off), self.category);
         self.stats.in_use_by_category.add(self.category, size);
+        let now = self.stats.in_use_by_category.get(self.category);
+        self.stats.category_peaks.raise(self.category, now);
         self.stats.bytes_in_use += size;
         if self.stats.bytes_in_use > self.stats.peak_bytes_in_use {
             self.stats.peak_bytes_in_use = self.stats.bytes_in_use;

@@ -37,6 +37,9 @@ pub struct MemoryStats {
     pub in_use_by_category: ByCategory,
     /// What the bytes in use held at the in-use peak.
     pub peak_by_category: ByCategory,
+    /// The most bytes each category held at once, each at its own peak (a buffer that lives
+    /// only after the in-use peak, such as the all-reduce buffer, shows here).
+    pub category_peaks: ByCategory,
     /// The kernel (or copy) being recorded when the in-use peak was reached, with the phase
     /// of the step where one was set (`"matmul_reg_f32_f32_f32_f32 (backward)"`).
     pub peak_op: Option<String>,
@@ -58,16 +61,20 @@ pub enum Category {
     /// Everything else: input batches, targets, scalars, tensors made outside a step.
     #[default]
     Workspace,
+    /// Data-parallel training's flat gradient buffer, read back once per step for the
+    /// all-reduce (src/distributed).
+    Communication,
 }
 
 impl Category {
     /// Every category, in report order.
-    pub const ALL: [Category; 5] = [
+    pub const ALL: [Category; 6] = [
         Category::Parameters,
         Category::Gradients,
         Category::OptimizerState,
         Category::Activations,
         Category::Workspace,
+        Category::Communication,
     ];
 
     /// The name used in reports.
@@ -78,13 +85,14 @@ impl Category {
             Category::OptimizerState => "optimizer state",
             Category::Activations => "activations",
             Category::Workspace => "workspace",
+            Category::Communication => "communication",
         }
     }
 }
 
 /// Bytes per [`Category`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ByCategory(pub [u64; 5]);
+pub struct ByCategory(pub [u64; 6]);
 
 impl ByCategory {
     /// The bytes counted as `cat`.
@@ -103,6 +111,12 @@ impl ByCategory {
 
     pub(crate) fn sub(&mut self, cat: Category, bytes: u64) {
         self.0[cat as usize] -= bytes;
+    }
+
+    /// Raises the count of `cat` to `bytes` if it is lower (a per-category peak).
+    pub(crate) fn raise(&mut self, cat: Category, bytes: u64) {
+        let slot = &mut self.0[cat as usize];
+        *slot = (*slot).max(bytes);
     }
 }
 
