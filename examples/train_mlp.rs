@@ -9,6 +9,7 @@ use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
 use fitgrad::train::data;
 use fitgrad::train::{Precision, Trainer, TrainerConfig};
+use fitgrad::distributed::Job;
 use fitgrad::{Bytes, DType, Device, DeviceOptions};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::process::ExitCode;
@@ -98,81 +99,7 @@ struct Args {
     distributed: Option<String>,
 }
 
-/// How this process trains: alone, or as one MPI rank.
-enum Dist {
-    Single,
-    #[cfg(feature = "mpi")]
-    Mpi(fitgrad::distributed::mpi::Mpi),
-}
-
-/// The all-reduce statistics of a distributed run.
-type Stats = std::sync::Arc<std::sync::Mutex<fitgrad::distributed::AllReduceStats>>;
-
-impl Dist {
-    fn init(mode: Option<&str>) -> fitgrad::Result<Dist> {
-        match mode {
-            None | Some("none") => Ok(Dist::Single),
-            #[cfg(feature = "mpi")]
-            Some("mpi") => Ok(Dist::Mpi(fitgrad::distributed::mpi::Mpi::init()?)),
-            #[cfg(not(feature = "mpi"))]
-            Some("mpi") => Err(fitgrad::Error::InvalidArgument {
-                op: "train_mlp --distributed",
-                reason: "this train_mlp was built without MPI; build it with \
-                         `cargo build --release --features mpi --example train_mlp`"
-                    .into(),
-            }),
-            Some(other) => Err(fitgrad::Error::InvalidArgument {
-                op: "train_mlp --distributed",
-                reason: format!("unknown mode '{other}' (mpi, or none)"),
-            }),
-        }
-    }
-
-    fn rank(&self) -> usize {
-        match self {
-            Dist::Single => 0,
-            #[cfg(feature = "mpi")]
-            Dist::Mpi(m) => m.rank(),
-        }
-    }
-
-    fn size(&self) -> usize {
-        match self {
-            Dist::Single => 1,
-            #[cfg(feature = "mpi")]
-            Dist::Mpi(m) => m.size(),
-        }
-    }
-
-    /// Makes the trainer this rank's replica (same model and flags on every rank, checked;
-    /// rank 0's initial weights everywhere).
-    fn attach(&self, trainer: &mut Trainer<Mlp>) -> fitgrad::Result<Option<Stats>> {
-        match self {
-            Dist::Single => {
-                let _ = trainer;
-                Ok(None)
-            }
-            #[cfg(feature = "mpi")]
-            Dist::Mpi(m) => Ok(Some(fitgrad::distributed::attach(
-                trainer,
-                m.communicator()?,
-            )?)),
-        }
-    }
-
-    /// A failed rank stops the others, which would wait for it in the next all-reduce.
-    fn fail(&self, e: &fitgrad::Error) {
-        match self {
-            Dist::Single => {
-                let _ = e;
-            }
-            #[cfg(feature = "mpi")]
-            Dist::Mpi(m) => m.abort(&format!("error: {e}; stopping every rank")),
-        }
-    }
-}
-
-fn run(args: Args, dist: &Dist) -> fitgrad::Result<()> {
+fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     // Rank 0 reports; the other ranks train quietly.
     let root = dist.rank() == 0;
     macro_rules! say {
@@ -560,7 +487,7 @@ fn unique_suffix() -> String {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let dist = match Dist::init(args.distributed.as_deref()) {
+    let dist = match Job::from_flag(args.distributed.as_deref()) {
         Ok(d) => d,
         Err(e) => {
             eprintln!("error: {e}");

@@ -13,9 +13,11 @@
 mod allreduce;
 mod comm;
 mod data_parallel;
+mod job;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 
 pub use allreduce::{attach, AllReduceStats, GradientAllReduce};
 pub use comm::{share_of, Communicator, LocalComm, LocalGroup, LOCAL_TIMEOUT};
 pub use data_parallel::DataParallel;
+pub use job::Job;
