@@ -23,8 +23,7 @@ fn bench(c: &mut Criterion) {
     let rows = HostRows::new(&x, &y).unwrap();
     let all: Vec<usize> = (0..B).collect();
     let devices = [d0.clone(), d1.clone()];
-    let mut dp =
-        DataParallel::new(&devices, |d| Ok(step_fixture(d, &widths, B)?.0)).unwrap();
+    let mut dp = DataParallel::new(&devices, |d| Ok(step_fixture(d, &widths, B)?.0)).unwrap();
     single.step(&rows, &all).unwrap();
     dp.step(&rows, &all).unwrap();
     let values = single.model.num_parameters() + 1;

@@ -5,11 +5,11 @@
 //! the device memory went. `--help` lists the flags; `--json` ends stdout with one JSON object.
 
 use clap::Parser;
+use fitgrad::distributed::Job;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
 use fitgrad::train::data;
 use fitgrad::train::{Precision, Trainer, TrainerConfig};
-use fitgrad::distributed::Job;
 use fitgrad::{Bytes, DType, Device, DeviceOptions};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::process::ExitCode;

@@ -277,7 +277,9 @@ fn local_group_errors_instead_of_hanging() {
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    assert!(errors.iter().all(|e| matches!(e, Error::Distributed { .. })));
+    assert!(errors
+        .iter()
+        .all(|e| matches!(e, Error::Distributed { .. })));
     assert!(group.failure().is_some());
     assert!(LocalGroup::new(0, Duration::from_secs(1)).is_err());
 }

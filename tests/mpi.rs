@@ -80,13 +80,19 @@ fn mpirun(args: &[String], env: &[(&str, &str)]) -> Command {
         cmd.env(k, v);
         cmd.args(["-x", k]);
     }
-    cmd.arg(example()).args(args).arg("--distributed").arg("mpi");
+    cmd.arg(example())
+        .args(args)
+        .arg("--distributed")
+        .arg("mpi");
     cmd
 }
 
 /// max |a - b| / max |b| over one tensor.
 fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
-    let scale = b.iter().fold(0.0f64, |m, v| m.max(v.abs() as f64)).max(1e-30);
+    let scale = b
+        .iter()
+        .fold(0.0f64, |m, v| m.max(v.abs() as f64))
+        .max(1e-30);
     a.iter()
         .zip(b)
         .map(|(x, y)| (*x as f64 - *y as f64).abs() / scale)
@@ -100,7 +106,11 @@ fn run_ok(mut cmd: Command, what: &str) -> String {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(out.status.success(), "{what} failed ({}):\n{text}", out.status);
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{text}",
+        out.status
+    );
     text
 }
 
@@ -108,7 +118,10 @@ fn run_ok(mut cmd: Command, what: &str) -> String {
 #[test]
 fn two_ranks_give_the_weights_of_one_process() {
     let tmp = TempDir::new("weights");
-    let (single, dist) = (tmp.0.join("single.safetensors"), tmp.0.join("dist.safetensors"));
+    let (single, dist) = (
+        tmp.0.join("single.safetensors"),
+        tmp.0.join("dist.safetensors"),
+    );
     let mut one = Command::new(example());
     one.args(flags(2)).arg("--save").arg(&single);
     run_ok(one, "one process");
@@ -116,7 +129,10 @@ fn two_ranks_give_the_weights_of_one_process() {
     args.extend(["--json".into(), "--save".into(), dist.display().to_string()]);
     let text = run_ok(mpirun(&args, &[]), "mpirun -np 2");
     eprintln!("{text}");
-    assert!(text.contains("\"ranks\":2"), "rank 0 reports 2 ranks:\n{text}");
+    assert!(
+        text.contains("\"ranks\":2"),
+        "rank 0 reports 2 ranks:\n{text}"
+    );
 
     let a = fitgrad::checkpoint::load(&dist).unwrap();
     let b = fitgrad::checkpoint::load(&single).unwrap();
@@ -128,7 +144,10 @@ fn two_ranks_give_the_weights_of_one_process() {
     for (name, t) in &b.tensors {
         let d = rel_diff(&a.tensors[name].to_f32(), &t.to_f32());
         eprintln!("{name}: {d:e}");
-        assert!(d <= 1e-5, "{name} differs by {d:e} relative (max |a-b| / max |b|)");
+        assert!(
+            d <= 1e-5,
+            "{name} differs by {d:e} relative (max |a-b| / max |b|)"
+        );
         worst = worst.max(d);
     }
     eprintln!("worst relative difference over model and optimizer state: {worst:e}");

@@ -248,7 +248,9 @@ impl<C: Communicator> GradientSync for GradientAllReduce<C> {
             match g {
                 // In place, unless two parameters share one gradient block (set by hand):
                 // the second then gets its own.
-                Some(g) if written.insert((g.block().plan_id, g.block().segment, g.block().offset)) => {
+                Some(g)
+                    if written.insert((g.block().plan_id, g.block().segment, g.block().offset)) =>
+                {
                     write_into(g, values)?
                 }
                 _ => p.set_grad(Some(new_grad(p, values)?))?,

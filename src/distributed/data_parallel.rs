@@ -161,7 +161,9 @@ impl<M: Module + Send> DataParallel<M> {
         D: BatchSource + Sync,
         M: TrainModel<D::Batch>,
     {
-        on_threads(&mut self.replicas, &self.group, |_, t| t.step(data, indices))
+        on_threads(&mut self.replicas, &self.group, |_, t| {
+            t.step(data, indices)
+        })
     }
 
     /// Steps over one epoch of `data` in its seeded order, in effective batches, as
