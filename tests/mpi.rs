@@ -165,6 +165,14 @@ fn two_ranks_give_the_weights_of_one_process() {
     assert_eq!(a.metadata.get("step"), b.metadata.get("step"));
 }
 
+/// Sends `sig` to `pid` through the shell's own `kill` (no procps needed); whether it was sent.
+fn kill(sig: &str, pid: u32) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("kill {sig} {pid} 2>/dev/null")])
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
 /// A running 2-rank job: mpirun, the ranks' pids (from their start-up line) and everything
 /// the job wrote to stderr so far.
 struct Job {
@@ -215,12 +223,7 @@ impl Job {
     }
 
     fn signal(&self, sig: &str, rank: usize) {
-        let ok = Command::new("kill")
-            .args([sig, &self.pids[rank].to_string()])
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "kill {sig} {}", self.pids[rank]);
+        assert!(kill(sig, self.pids[rank]), "kill {sig} {}", self.pids[rank]);
     }
 
     /// Waits up to `limit` for mpirun to end; its status and the whole stderr.
@@ -252,10 +255,7 @@ impl Drop for Job {
         // Nothing outlives the test, whatever it found.
         for pid in &self.pids {
             if *pid != 0 {
-                let _ = Command::new("kill")
-                    .args(["-9", &pid.to_string()])
-                    .stderr(Stdio::null())
-                    .status();
+                kill("-KILL", *pid);
             }
         }
         let _ = self.child.kill();

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 /// use fitgrad::nn::{Activation, Mlp, Module};
 /// use fitgrad::optim::AdamW;
 /// use fitgrad::train::{data, Trainer, TrainerConfig};
-/// use fitgrad::{Device, DeviceOptions};
+/// use fitgrad::Device;
 /// # fn main() -> fitgrad::Result<()> {
 /// let (train, _) = data::load("digits", 0)?;
 /// // Two logical devices of one adapter; on a machine with two GPUs, one device on each.
