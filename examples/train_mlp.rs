@@ -7,6 +7,7 @@
 //! timeline of a step, the loss, accuracy and throughput curves and the memory table.
 
 use clap::Parser;
+use fitgrad::distributed::Job;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
 use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
@@ -100,9 +101,20 @@ struct Args {
     /// Write the report's data as JSON to this file.
     #[arg(long)]
     report_json: Option<std::path::PathBuf>,
+    /// `mpi`: this process is one rank of data-parallel training started by mpirun (built with
+    /// `--features mpi`). The batch flags give the whole job's batch, split across the ranks,
+    /// so the weights are those of one process with the same flags; rank 0 prints, evaluates
+    /// and saves.
+    #[arg(long)]
+    distributed: Option<String>,
 }
 
-fn run(args: Args) -> fitgrad::Result<()> {
+fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
+    // Rank 0 reports; the other ranks train quietly.
+    let root = dist.rank() == 0;
+    macro_rules! say {
+        ($($t:tt)*) => { if root { println!($($t)*); } };
+    }
     if args.list_adapters {
         for a in Device::adapters() {
             println!("{a}");
@@ -191,8 +203,8 @@ fn run(args: Args) -> fitgrad::Result<()> {
     options.memory_budget = budget;
     let device = Device::with_options(options)?;
     let info = device.info();
-    println!("adapter: {}", info.adapter);
-    println!(
+    say!("adapter: {}", info.adapter);
+    say!(
         "dataset: {} ({} train, {} test, {} features, {} classes)",
         train.name,
         train.len(),
@@ -241,17 +253,33 @@ fn run(args: Args) -> fitgrad::Result<()> {
     };
     let (mut trainer, choice) = if fit_auto {
         let (trainer, choice) = Trainer::build_fit_auto(&device, &train, build)?;
-        print!("{choice}");
+        if root {
+            print!("{choice}");
+        }
         (trainer, Some(choice))
     } else {
         (Trainer::build_within_budget(&device, &train, build)?, None)
     };
+    let all_reduce = dist.attach(&mut trainer)?;
+    if all_reduce.is_some() {
+        if let Some(b) = budget {
+            // The budget was fitted to the whole batch; this rank runs only its share.
+            trainer.fit_to_budget(&train, b)?;
+        }
+        eprintln!(
+            "rank {} of {}: pid {}, {}, training on its share of every batch of {eff}",
+            dist.rank(),
+            dist.size(),
+            std::process::id(),
+            info.adapter.name
+        );
+    }
     let mut report =
         TrainingReport::new(format!("train_mlp on {}", train.name), &device, "samples/s");
     if let Some(b) = budget {
         let micro = trainer.micro_batch();
         report.set_budget(b, args.batch_size, micro, choice);
-        println!(
+        say!(
             "memory budget {}: micro-batch {micro} of {} ({} accumulated micro-batches per step)",
             Bytes(b),
             args.batch_size,
@@ -261,8 +289,10 @@ fn run(args: Args) -> fitgrad::Result<()> {
     let planning = Instant::now();
     let plan = trainer.plan(&train)?;
     if args.plan {
-        print!("{plan}");
-        println!(
+        if root {
+            print!("{plan}");
+        }
+        say!(
             "  (planned by running the step on the device's planning mode in {:.0} ms)",
             planning.elapsed().as_secs_f64() * 1e3
         );
@@ -270,7 +300,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
     }
     if args.prealloc {
         let reserved = trainer.prealloc(&train)?;
-        println!("reserved {} up front", Bytes(reserved));
+        say!("reserved {} up front", Bytes(reserved));
     }
     report.set_plan(plan.clone());
     for (key, value) in [
@@ -332,7 +362,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
     ] {
         report.setting(key, value);
     }
-    println!(
+    say!(
         "model: MLP {widths:?} ({} parameters), {}, {}, batch {} x {} accumulation steps{}",
         trainer.model.num_parameters(),
         args.optimizer,
@@ -349,13 +379,13 @@ fn run(args: Args) -> fitgrad::Result<()> {
     let mut first_epoch = 0;
     if let Some(path) = &args.resume {
         first_epoch = trainer.resume_from(path)?;
-        println!(
+        say!(
             "resumed from {} after {first_epoch} epochs ({} steps)",
             path.display(),
             trainer.steps()
         );
         if first_epoch >= args.epochs {
-            println!(
+            say!(
                 "nothing left to train: the checkpoint holds {first_epoch} epochs and --epochs is {}; evaluating it as it is",
                 args.epochs
             );
@@ -373,7 +403,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
             )));
             fitgrad::train::shard::ShardedDataset::create(&train, &file.0)?;
             let s = fitgrad::train::shard::ShardedDataset::open(&file.0, size)?;
-            println!(
+            say!(
                 "sharded: {} shards of up to {size} samples from {}",
                 s.num_shards(),
                 file.0.display()
@@ -394,9 +424,13 @@ fn run(args: Args) -> fitgrad::Result<()> {
     let mut capture = StepCapture::new();
     let mut eval_secs = 0.0;
     for epoch in first_epoch..args.epochs {
-        let bar = ProgressBar::new(steps_per_epoch)
-            .with_style(style.clone())
-            .with_prefix(format!("{}", epoch + 1));
+        let bar = if root {
+            ProgressBar::new(steps_per_epoch)
+        } else {
+            ProgressBar::hidden()
+        }
+        .with_style(style.clone())
+        .with_prefix(format!("{}", epoch + 1));
         if epoch == first_epoch {
             // On a new machine the first steps compile every kernel (lavapipe: tens of
             // seconds); the driver caches them on disk for the next run.
@@ -431,7 +465,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
         let epoch_secs = epoch_start.elapsed().as_secs_f64();
         let events = trainer.take_events();
         for e in &events {
-            println!("  {e}");
+            say!("  {e}");
         }
         report.add_events(&events);
         report.log_epoch(
@@ -447,11 +481,14 @@ fn run(args: Args) -> fitgrad::Result<()> {
             report.log_eval(trainer.steps(), Some(epoch), "test", &e);
             eval_secs += eval_start.elapsed().as_secs_f64();
         }
-        if let Some(path) = &args.save {
+        if let (Some(path), true) = (&args.save, root) {
             trainer.save_checkpoint(path, epoch + 1)?;
         }
     }
     device.sync()?;
+    if !root {
+        return Ok(());
+    }
     let train_secs = started.elapsed().as_secs_f64() - eval_secs;
     let epochs_run = args.epochs.saturating_sub(first_epoch);
     let samples_per_s = (train.len() as u64 * epochs_run) as f64 / train_secs.max(1e-9);
@@ -525,7 +562,21 @@ fn run(args: Args) -> fitgrad::Result<()> {
             "steps": trainer.steps(),
             "train_seconds": train_secs,
             "samples_per_s": samples_per_s,
+            "ranks": dist.size(),
         });
+        let mut j = j;
+        if let Some(s) = &all_reduce {
+            let s = s.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / s.steps.max(1) as f64;
+            j["all_reduce"] = serde_json::json!({
+                "steps": s.steps,
+                "buffer_bytes": s.buffer_bytes,
+                "round_trip_ms_per_step": ms(s.round_trip()),
+                "gather_ms_per_step": ms(s.gather),
+                "communicate_ms_per_step": ms(s.communicate),
+                "scatter_ms_per_step": ms(s.scatter),
+            });
+        }
         println!("{j}");
     }
     Ok(())
@@ -556,9 +607,17 @@ fn unique_suffix() -> String {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    match run(args) {
+    let dist = match Job::from_flag(args.distributed.as_deref()) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match run(args, &dist) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
+            dist.fail(&e);
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }

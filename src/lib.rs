@@ -16,6 +16,7 @@
 mod activation;
 pub mod checkpoint;
 pub mod device;
+pub mod distributed;
 mod dtype;
 pub mod error;
 mod fsutil;
