@@ -18,7 +18,9 @@
 //!
 //! It prints the adapter, the dataset, the parameter count, a progress bar per epoch, the test
 //! accuracy, where the memory went, and the planned peak of a step beside the measured one.
-//! `--plan` prints the plan and exits; `--json` ends stdout with one JSON object.
+//! `--plan` prints the plan and exits; `--json` ends stdout with one JSON object; `--report
+//! report.html` / `--report-json report.json` write the run's report (the memory timeline of a
+//! step beside the planner's, loss, accuracy, throughput, the memory table).
 //!
 //! A budget can only cut what grows with the micro-batch (activations): at the default batch of
 //! 64 the parameters, their gradients and AdamW's two moments are most of the peak. With
@@ -29,6 +31,7 @@ use clap::Parser;
 use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner};
 use fitgrad::nn::{self, Dropout, LayerNorm, Linear, Module};
 use fitgrad::optim::{AdamW, Optimizer};
+use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
 use fitgrad::train::data::{self, Dataset};
 use fitgrad::train::{ClassBatch, EvalBatch, Precision, StepContext, TrainModel};
 use fitgrad::train::{Trainer, TrainerConfig};
@@ -103,6 +106,13 @@ struct Args {
     /// (cubic schedule from 5% to 60% of the steps), and report the sparsity of each layer.
     #[arg(long)]
     prune: Option<f32>,
+    /// Write an HTML report (memory timeline of a step, loss / accuracy / throughput, memory
+    /// table) to this file; the test set is then evaluated after every epoch.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Write the report's data as JSON to this file.
+    #[arg(long)]
+    report_json: Option<PathBuf>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -303,6 +313,13 @@ fn run(args: Args) -> Result<()> {
     if let Some(cfg) = &prune {
         cfg.validate()?;
     }
+    if let Some(p) = &args.report {
+        check_output_path("--report", p)?;
+    }
+    if let Some(p) = &args.report_json {
+        check_output_path("--report-json", p)?;
+    }
+    let reporting = args.report.is_some() || args.report_json.is_some();
     let mut options = DeviceOptions::default();
     options.adapter = args.adapter.clone();
     options.memory_budget = budget;
@@ -345,6 +362,11 @@ fn run(args: Args) -> Result<()> {
     let optimizer: Box<dyn Optimizer> = Box::new(AdamW::new(model.parameters(), lr)?);
     let config = TrainerConfig::new(args.batch_size, args.accum_steps, lr).precision(precision);
     let mut trainer = Trainer::new(model, optimizer, config)?;
+    let mut report = TrainingReport::new(
+        format!("custom_model (residual MLP) on {}", train.name),
+        &device,
+        "samples/s",
+    );
     println!(
         "model: residual MLP {} -> {} x {} blocks (dropout {}) -> {} ({} parameters), AdamW lr {}, {}, batch {} x {} accumulation steps",
         train.dim,
@@ -392,6 +414,7 @@ fn run(args: Args) -> Result<()> {
             args.batch_size,
             args.batch_size.div_ceil(micro) * args.accum_steps
         );
+        report.set_budget(b, args.batch_size, micro, None);
     }
     // The steady-state step's peak, planned by running it on the device's planning mode.
     let planning = Instant::now();
@@ -407,6 +430,50 @@ fn run(args: Args) -> Result<()> {
     if args.prealloc {
         let reserved = trainer.prealloc(&train)?;
         println!("reserved {} up front", Bytes(reserved));
+    }
+    report.set_plan(plan.clone());
+    for (key, value) in [
+        (
+            "dataset",
+            format!(
+                "{} ({} train, {} test)",
+                train.name,
+                train.len(),
+                test.len()
+            ),
+        ),
+        (
+            "model",
+            format!(
+                "residual MLP {} -> {} x {} blocks (dropout {}) -> {} ({} parameters)",
+                train.dim,
+                args.width,
+                args.blocks,
+                args.dropout,
+                train.classes,
+                trainer.model.num_parameters()
+            ),
+        ),
+        ("optimizer", format!("AdamW lr {}", args.lr)),
+        ("epochs", epochs.to_string()),
+        (
+            "batch",
+            format!(
+                "{} x {} accumulation steps, micro-batch {}",
+                args.batch_size,
+                args.accum_steps,
+                trainer.micro_batch()
+            ),
+        ),
+        ("precision", args.precision.clone()),
+        (
+            "memory budget",
+            budget.map_or("none".into(), |b| Bytes(b).to_string()),
+        ),
+        ("preallocation", args.prealloc.to_string()),
+        ("seed", args.seed.to_string()),
+    ] {
+        report.setting(key, value);
     }
 
     let mut first_epoch = 0;
@@ -431,6 +498,10 @@ fn run(args: Args) -> Result<()> {
     .progress_chars("=> ");
     let started = Instant::now();
     let mut final_loss = f32::NAN;
+    // With a report: the memory of the second step, and the test set after every epoch (at
+    // the micro-batch, which needs less memory than a training step).
+    let mut capture = StepCapture::new();
+    let mut eval_secs = 0.0;
     for epoch in first_epoch..epochs {
         let bar = ProgressBar::new(steps_per_epoch)
             .with_style(style.clone())
@@ -441,6 +512,9 @@ fn run(args: Args) -> Result<()> {
                 p.step(t.steps())?;
             }
             bar.set_position(done as u64);
+            if reporting {
+                capture.after_step(t, &train)?;
+            }
             // A readback every 10 steps keeps the GPU busy between them.
             if done.is_multiple_of(10) || done == total {
                 let loss = t.take_loss()?;
@@ -450,19 +524,36 @@ fn run(args: Args) -> Result<()> {
                 let samples = (done * eff).min(train.len());
                 let rate = samples as f64 / epoch_start.elapsed().as_secs_f64();
                 bar.set_message(format!("loss {final_loss:.4}, {rate:.0} samples/s"));
+                report.log_step(t.steps(), loss, Some(rate));
             }
             Ok(())
         })?;
         bar.finish();
-        for e in trainer.take_events() {
+        let epoch_secs = epoch_start.elapsed().as_secs_f64();
+        let events = trainer.take_events();
+        for e in &events {
             println!("  {e}");
+        }
+        report.add_events(&events);
+        report.log_epoch(
+            epoch,
+            trainer.steps(),
+            final_loss,
+            train.len() as f64 / epoch_secs,
+            epoch_secs,
+        );
+        if reporting {
+            let eval_start = Instant::now();
+            let e = trainer.evaluate(&test, trainer.micro_batch())?;
+            report.log_eval(trainer.steps(), Some(epoch), "test", &e);
+            eval_secs += eval_start.elapsed().as_secs_f64();
         }
         if let Some(path) = &args.save {
             trainer.save_checkpoint(path, epoch + 1)?;
         }
     }
     device.sync()?;
-    let train_secs = started.elapsed().as_secs_f64();
+    let train_secs = started.elapsed().as_secs_f64() - eval_secs;
     let epochs_run = epochs.saturating_sub(first_epoch);
     let samples_per_s = (train.len() as u64 * epochs_run) as f64 / train_secs.max(1e-9);
     // Training's memory, before evaluation's batches count.
@@ -507,6 +598,22 @@ fn run(args: Args) -> Result<()> {
         Bytes(summary.stats.peak_bytes_reserved)
     );
     println!("{}", device.memory_report());
+    report.set_step_memory(capture.finish());
+    report.set_memory(summary.stats.clone());
+    report
+        .result("test loss", format!("{:.4}", eval.loss))
+        .result("test accuracy", format!("{:.2}%", 100.0 * accuracy))
+        .result("training time", format!("{train_secs:.1} s"))
+        .result("throughput", format!("{samples_per_s:.0} samples/s"))
+        .result("steps", trainer.steps());
+    if let Some(path) = &args.report {
+        report.write_html(path)?;
+        println!("report: {}", path.display());
+    }
+    if let Some(path) = &args.report_json {
+        report.write_json(path)?;
+        println!("report data: {}", path.display());
+    }
 
     if args.json {
         let s = &summary.stats;

@@ -1,18 +1,21 @@
 //! `cargo run --release --example train_gpt` — train a small GPT on Shakespeare, one character
 //! at a time.
 //!
-//! With no arguments it trains a 2-layer, 64-wide, 4-head GPT with a context of 64 characters on
+//! With no arguments it trains a 2-layer, 64-wide, 4-head GPT with a context of 32 characters on
 //! the eight plays embedded in the crate (the last 10% held out), and prints the adapter, a
 //! progress bar with the training loss and tokens/s, the validation loss in nats per character
 //! beside the bigram baseline of the same split, where the device memory went, and a seeded
 //! sample of generated text. `--help` lists the flags; `--json` ends stdout with one JSON
-//! object. Every flag is checked before any device work.
+//! object; `--report report.html` / `--report-json report.json` write the run's report (the
+//! memory timeline of a step beside the planner's, the loss curves, throughput, the memory
+//! table). Every flag is checked before any device work.
 //!
 //! tests/train_gpt_cli.rs includes this file as a module and calls [`prepare`] and [`train`].
 
 use clap::Parser;
 use fitgrad::nn::{AttentionKind, Gpt, GptConfig, Module};
 use fitgrad::optim::{decay_groups, AdamW, LrSchedule};
+use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
 use fitgrad::train::text::{TextCorpus, TextDataset};
 use fitgrad::train::{BatchSource, Precision, Trainer, TrainerConfig};
 use fitgrad::{Bytes, Device, DeviceOptions, Error, Result};
@@ -22,8 +25,10 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 /// Validation windows of the evaluations during training (the whole validation part at the
-/// end): 64 windows of the default context are 4,096 characters.
+/// end): 64 windows of the default context are 2,048 characters.
 const EVAL_WINDOWS: usize = 64;
+/// Windows per forward when evaluating without a budget: few large dispatches.
+const EVAL_BATCH: usize = 256;
 
 /// The flags.
 #[derive(Parser, Debug, Clone)]
@@ -43,16 +48,16 @@ pub struct Args {
     #[arg(long, default_value_t = 64)]
     pub dim: usize,
     /// Characters a prediction sees (the position table's length).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 32)]
     pub context: usize,
     /// Windows per batch.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 16)]
     pub batch_size: usize,
     /// Batches whose gradients add up before each optimizer step.
     #[arg(long, default_value_t = 1)]
     pub accum_steps: usize,
     /// Optimizer steps in all (a resumed run goes on to this many).
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = 400)]
     pub steps: u64,
     /// AdamW learning rate.
     #[arg(long, default_value_t = 3e-3)]
@@ -115,6 +120,13 @@ pub struct Args {
     /// Sampling temperature (> 0; lower is more conservative).
     #[arg(long, default_value_t = 0.8)]
     pub temperature: f32,
+    /// Write an HTML report (memory timeline of a step, loss curves, throughput, memory
+    /// table) to this file.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    /// Write the report's data as JSON to this file.
+    #[arg(long)]
+    pub report_json: Option<PathBuf>,
 }
 
 /// What a run ends with.
@@ -224,6 +236,12 @@ pub fn prepare(args: &Args) -> Result<Setup> {
             "--temperature must be a number > 0, got {}",
             args.temperature
         )));
+    }
+    if let Some(p) = &args.report {
+        check_output_path("--report", p)?;
+    }
+    if let Some(p) = &args.report_json {
+        check_output_path("--report-json", p)?;
     }
     let corpus = match &args.text {
         Some(path) => TextCorpus::from_file(path)?,
@@ -373,15 +391,30 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
         let optimizer = AdamW::with_groups(groups, args.lr)?.betas(0.9, 0.95)?;
         Trainer::new(model, Box::new(optimizer), config.clone())
     };
-    let mut trainer = if setup.fit_auto {
+    let (mut trainer, choice) = if setup.fit_auto {
         let (trainer, choice) = Trainer::build_fit_auto(device, &setup.train, build)?;
         print!("{choice}");
-        trainer
+        (trainer, Some(choice))
     } else {
-        Trainer::build_within_budget(device, &setup.train, build)?
+        (
+            Trainer::build_within_budget(device, &setup.train, build)?,
+            None,
+        )
     };
+    // What `--fit auto` chose, for the JSON line (null without it).
+    let fit_json = choice.as_ref().map(|c| {
+        serde_json::json!({
+            "micro_batch": c.micro_batch,
+            "checkpointing": c.checkpointing,
+            "precision": c.precision.name(),
+            "candidates_planned": c.candidates.len(),
+        })
+    });
+    let mut report =
+        TrainingReport::new(format!("train_gpt on {}", corpus.name), device, "tokens/s");
     if let Some(b) = setup.budget {
         let micro = trainer.micro_batch();
+        report.set_budget(b, args.batch_size, micro, choice);
         println!(
             "memory budget {}: micro-batch {micro} of {} ({} accumulated micro-batches per step)",
             Bytes(b),
@@ -436,12 +469,66 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
             trainer.steps()
         );
     }
+    report.set_plan(plan.clone());
+    for (key, value) in [
+        (
+            "text",
+            format!(
+                "{} ({} characters, {} distinct)",
+                corpus.name,
+                corpus.len(),
+                corpus.vocab.len()
+            ),
+        ),
+        (
+            "model",
+            format!(
+                "GPT {} layers, dim {}, {} heads, context {} ({} parameters), attention {}",
+                cfg.layers,
+                cfg.dim,
+                cfg.heads,
+                cfg.context,
+                trainer.model.num_parameters(),
+                args.attention
+            ),
+        ),
+        (
+            "optimizer",
+            format!(
+                "AdamW lr {}{}",
+                args.lr,
+                if args.cosine { ", cosine" } else { "" }
+            ),
+        ),
+        ("steps", args.steps.to_string()),
+        (
+            "batch",
+            format!(
+                "{} x {} accumulation steps, micro-batch {}",
+                args.batch_size,
+                args.accum_steps,
+                trainer.micro_batch()
+            ),
+        ),
+        ("precision", trainer.config().precision.name().to_string()),
+        ("block checkpointing", cfg.checkpoint_blocks.to_string()),
+        ("dropout", args.dropout.to_string()),
+        ("clip grad norm", args.clip_grad_norm.to_string()),
+        (
+            "memory budget",
+            setup.budget.map_or("none".into(), |b| Bytes(b).to_string()),
+        ),
+        ("seed", args.seed.to_string()),
+    ] {
+        report.setting(key, value);
+    }
 
-    // Evaluation keeps no graph, so the training micro-batch always fits the budget.
+    // The final evaluation over the whole validation part: few large forwards without a
+    // budget; under one, the training micro-batch (no graph is kept, so it always fits).
     let eval_batch = if setup.budget.is_some() {
         trainer.micro_batch()
     } else {
-        EVAL_WINDOWS
+        EVAL_BATCH
     };
     let bar = ProgressBar::new(args.steps)
         .with_style(
@@ -458,9 +545,15 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
     let mut train_loss = f32::NAN;
     let started = Instant::now();
     let first_step = trainer.steps();
+    let reporting = args.report.is_some() || args.report_json.is_some();
+    let mut capture = StepCapture::new();
+    let mut eval_secs = 0.0;
     for step in first_step..args.steps {
         let idx = order.indices(&setup.train, step, eff);
         trainer.step(&setup.train, &idx)?;
+        if reporting {
+            capture.after_step(&mut trainer, &setup.train)?;
+        }
         let done = step + 1;
         bar.set_position(done);
         // A readback every 10 steps keeps the GPU busy between them.
@@ -470,11 +563,18 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
                 train_loss = loss;
             }
             let tokens = (done - first_step) as f64 * (eff * args.context) as f64;
-            let rate = tokens / started.elapsed().as_secs_f64();
+            let rate = tokens / (started.elapsed().as_secs_f64() - eval_secs);
             bar.set_message(format!("loss {train_loss:.3}, {rate:.0} tokens/s"));
+            report.log_step(done, loss, Some(rate));
         }
         if args.eval_every > 0 && done % args.eval_every == 0 && done < args.steps {
-            let v = trainer.evaluate(&setup.valid_head, eval_batch)?.loss;
+            let eval_start = Instant::now();
+            // At the training micro-batch: evaluation keeps no graph, so it stays below the
+            // step's peak, and the summary's peak stays the training step's (the planned one).
+            let e = trainer.evaluate(&setup.valid_head, trainer.micro_batch())?;
+            eval_secs += eval_start.elapsed().as_secs_f64();
+            report.log_eval(done, None, "validation (first windows)", &e);
+            let v = e.loss;
             // Printed above the bar (or plainly, when stdout is not a terminal and the bar is
             // hidden).
             bar.suspend(|| {
@@ -487,13 +587,15 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
                 trainer.save_checkpoint(path, 0)?;
             }
         }
-        for e in trainer.take_events() {
+        let events = trainer.take_events();
+        for e in &events {
             bar.suspend(|| println!("  {e}"));
         }
+        report.add_events(&events);
     }
     bar.finish();
     device.sync()?;
-    let secs = started.elapsed().as_secs_f64();
+    let secs = started.elapsed().as_secs_f64() - eval_secs;
     let steps_run = args.steps.saturating_sub(first_step);
     let tokens_per_s = (steps_run as f64 * (eff * args.context) as f64) / secs.max(1e-9);
     if let Some(path) = &args.save {
@@ -501,7 +603,9 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
     }
     // Training's memory, before evaluation and sampling count.
     let summary = trainer.memory_summary();
-    let valid_loss = trainer.evaluate(&setup.valid, eval_batch)?.loss;
+    let valid = trainer.evaluate(&setup.valid, eval_batch)?;
+    report.log_eval(trainer.steps(), None, "validation", &valid);
+    let valid_loss = valid.loss;
     let uniform = (corpus.vocab.len() as f64).ln();
     println!(
         "validation: {valid_loss:.4} nats/char on {} characters (bigram baseline {bigram:.4}, uniform {uniform:.4}); train {train_loss:.4}",
@@ -532,6 +636,27 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
         String::new()
     };
 
+    report.set_step_memory(capture.finish());
+    report.set_memory(summary.stats.clone());
+    report
+        .result("validation loss", format!("{valid_loss:.4} nats/char"))
+        .result("bigram baseline", format!("{bigram:.4} nats/char"))
+        .result("training loss", format!("{train_loss:.4} nats/char"))
+        .result("training time", format!("{secs:.1} s"))
+        .result("throughput", format!("{tokens_per_s:.0} tokens/s"))
+        .result("steps", trainer.steps());
+    if !sample.is_empty() {
+        report.result("sample", &sample);
+    }
+    if let Some(path) = &args.report {
+        report.write_html(path)?;
+        println!("report: {}", path.display());
+    }
+    if let Some(path) = &args.report_json {
+        report.write_json(path)?;
+        println!("report data: {}", path.display());
+    }
+
     if args.json {
         let s = &summary.stats;
         let j = serde_json::json!({
@@ -543,7 +668,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
             "heads": cfg.heads,
             "dim": cfg.dim,
             "context": cfg.context,
-            "parameters": trainer.model.num_parameters(),
+            "params": trainer.model.num_parameters(),
             "lr": args.lr,
             "steps": trainer.steps(),
             "batch_size": args.batch_size,
@@ -552,12 +677,13 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
             "precision": trainer.config().precision.name(),
             "checkpoint_activations": cfg.checkpoint_blocks,
             "memory_budget": setup.budget,
+            "fit": fit_json,
             "planned_peak_bytes": plan.peak,
             "planned_peak_reserved": plan.peak_reserved,
             "seed": args.seed,
             "train_loss": train_loss,
-            "valid_loss": valid_loss,
-            "bigram_baseline": bigram,
+            "val_loss": valid_loss,
+            "bigram_val_loss": bigram,
             "peak_bytes": s.peak_bytes_reserved,
             "peak_bytes_in_use": s.peak_bytes_in_use,
             "buffers_created": s.buffers_created,

@@ -2,12 +2,16 @@
 //!
 //! With no arguments it trains on the handwritten digits embedded in the crate (8x8 images,
 //! 1,797 samples) and prints the adapter, a progress bar per epoch, the test accuracy and where
-//! the device memory went. `--help` lists the flags; `--json` ends stdout with one JSON object.
+//! the device memory went. `--help` lists the flags; `--json` ends stdout with one JSON object;
+//! `--report report.html` (and `--report-json report.json`) writes a page with the memory
+//! timeline of a step, the loss, accuracy and throughput curves and the memory table.
 
 use clap::Parser;
 use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner, QuantizedMlp};
+use fitgrad::distributed::Job;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
+use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
 use fitgrad::train::data;
 use fitgrad::train::{Precision, Trainer, TrainerConfig};
 use fitgrad::{Bytes, DType, Device, DeviceOptions};
@@ -99,9 +103,27 @@ struct Args {
     /// that model too: its weight bytes and accuracy next to the trained model's.
     #[arg(long)]
     quantize: bool,
+    /// Write an HTML report (memory timeline of a step, loss / accuracy / throughput, memory
+    /// table) to this file; the test set is then evaluated after every epoch.
+    #[arg(long)]
+    report: Option<std::path::PathBuf>,
+    /// Write the report's data as JSON to this file.
+    #[arg(long)]
+    report_json: Option<std::path::PathBuf>,
+    /// `mpi`: this process is one rank of data-parallel training started by mpirun (built with
+    /// `--features mpi`). The batch flags give the whole job's batch, split across the ranks,
+    /// so the weights are those of one process with the same flags; rank 0 prints, evaluates
+    /// and saves.
+    #[arg(long)]
+    distributed: Option<String>,
 }
 
-fn run(args: Args) -> fitgrad::Result<()> {
+fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
+    // Rank 0 reports; the other ranks train quietly.
+    let root = dist.rank() == 0;
+    macro_rules! say {
+        ($($t:tt)*) => { if root { println!($($t)*); } };
+    }
     if args.list_adapters {
         for a in Device::adapters() {
             println!("{a}");
@@ -158,6 +180,13 @@ fn run(args: Args) -> fitgrad::Result<()> {
     if args.shard_size == Some(0) {
         return Err(invalid("--shard-size must be at least 1".into()));
     }
+    if let Some(p) = &args.report {
+        check_output_path("--report", p)?;
+    }
+    if let Some(p) = &args.report_json {
+        check_output_path("--report-json", p)?;
+    }
+    let reporting = args.report.is_some() || args.report_json.is_some();
     if !matches!(args.optimizer.as_str(), "adamw" | "sgd") {
         return Err(invalid(format!(
             "unknown optimizer '{}' (adamw or sgd)",
@@ -187,8 +216,8 @@ fn run(args: Args) -> fitgrad::Result<()> {
     options.memory_budget = budget;
     let device = Device::with_options(options)?;
     let info = device.info();
-    println!("adapter: {}", info.adapter);
-    println!(
+    say!("adapter: {}", info.adapter);
+    say!(
         "dataset: {} ({} train, {} test, {} features, {} classes)",
         train.name,
         train.len(),
@@ -235,13 +264,29 @@ fn run(args: Args) -> fitgrad::Result<()> {
         };
         Trainer::new(model, optimizer, config.clone())
     };
-    let mut trainer = if fit_auto {
+    let (mut trainer, choice) = if fit_auto {
         let (trainer, choice) = Trainer::build_fit_auto(&device, &train, build)?;
-        print!("{choice}");
-        trainer
+        if root {
+            print!("{choice}");
+        }
+        (trainer, Some(choice))
     } else {
-        Trainer::build_within_budget(&device, &train, build)?
+        (Trainer::build_within_budget(&device, &train, build)?, None)
     };
+    let all_reduce = dist.attach(&mut trainer)?;
+    if all_reduce.is_some() {
+        if let Some(b) = budget {
+            // The budget was fitted to the whole batch; this rank runs only its share.
+            trainer.fit_to_budget(&train, b)?;
+        }
+        eprintln!(
+            "rank {} of {}: pid {}, {}, training on its share of every batch of {eff}",
+            dist.rank(),
+            dist.size(),
+            std::process::id(),
+            info.adapter.name
+        );
+    }
     // The pruner's masks (as many bytes as the weights) are made now, so the plan counts them;
     // under a budget the micro-batch is chosen again with them in use.
     let mut pruner = prune
@@ -253,9 +298,12 @@ fn run(args: Args) -> fitgrad::Result<()> {
     if let (Some(b), Some(_)) = (budget, &pruner) {
         trainer.fit_to_budget(&train, b)?;
     }
+    let mut report =
+        TrainingReport::new(format!("train_mlp on {}", train.name), &device, "samples/s");
     if let Some(b) = budget {
         let micro = trainer.micro_batch();
-        println!(
+        report.set_budget(b, args.batch_size, micro, choice);
+        say!(
             "memory budget {}: micro-batch {micro} of {} ({} accumulated micro-batches per step)",
             Bytes(b),
             args.batch_size,
@@ -265,8 +313,10 @@ fn run(args: Args) -> fitgrad::Result<()> {
     let planning = Instant::now();
     let plan = trainer.plan(&train)?;
     if args.plan {
-        print!("{plan}");
-        println!(
+        if root {
+            print!("{plan}");
+        }
+        say!(
             "  (planned by running the step on the device's planning mode in {:.0} ms)",
             planning.elapsed().as_secs_f64() * 1e3
         );
@@ -274,9 +324,69 @@ fn run(args: Args) -> fitgrad::Result<()> {
     }
     if args.prealloc {
         let reserved = trainer.prealloc(&train)?;
-        println!("reserved {} up front", Bytes(reserved));
+        say!("reserved {} up front", Bytes(reserved));
     }
-    println!(
+    report.set_plan(plan.clone());
+    for (key, value) in [
+        (
+            "dataset",
+            format!(
+                "{} ({} train, {} test)",
+                train.name,
+                train.len(),
+                test.len()
+            ),
+        ),
+        (
+            "model",
+            format!(
+                "MLP {widths:?}, {} ({} parameters)",
+                args.activation,
+                trainer.model.num_parameters()
+            ),
+        ),
+        (
+            "optimizer",
+            format!(
+                "{} lr {lr}{}",
+                args.optimizer,
+                if args.cosine { ", cosine" } else { "" }
+            ),
+        ),
+        ("epochs", args.epochs.to_string()),
+        (
+            "batch",
+            format!(
+                "{} x {} accumulation steps, micro-batch {}",
+                args.batch_size,
+                args.accum_steps,
+                trainer.micro_batch()
+            ),
+        ),
+        ("precision", trainer.config().precision.name().to_string()),
+        (
+            "activation checkpointing",
+            trainer.model.checkpoint_activations.to_string(),
+        ),
+        (
+            "memory budget",
+            budget.map_or("none".into(), |b| Bytes(b).to_string()),
+        ),
+        ("preallocation", args.prealloc.to_string()),
+        (
+            "shard size",
+            args.shard_size
+                .map_or("in memory".into(), |s| s.to_string()),
+        ),
+        (
+            "clip grad norm",
+            args.clip_grad_norm.map_or("off".into(), |c| c.to_string()),
+        ),
+        ("seed", args.seed.to_string()),
+    ] {
+        report.setting(key, value);
+    }
+    say!(
         "model: MLP {widths:?} ({} parameters), {}, {}, batch {} x {} accumulation steps{}",
         trainer.model.num_parameters(),
         args.optimizer,
@@ -297,13 +407,13 @@ fn run(args: Args) -> fitgrad::Result<()> {
             // The masks are not in the checkpoint; the pruned weights are its zeros.
             p.mask_zeros()?;
         }
-        println!(
+        say!(
             "resumed from {} after {first_epoch} epochs ({} steps)",
             path.display(),
             trainer.steps()
         );
         if first_epoch >= args.epochs {
-            println!(
+            say!(
                 "nothing left to train: the checkpoint holds {first_epoch} epochs and --epochs is {}; evaluating it as it is",
                 args.epochs
             );
@@ -321,7 +431,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
             )));
             fitgrad::train::shard::ShardedDataset::create(&train, &file.0)?;
             let s = fitgrad::train::shard::ShardedDataset::open(&file.0, size)?;
-            println!(
+            say!(
                 "sharded: {} shards of up to {size} samples from {}",
                 s.num_shards(),
                 file.0.display()
@@ -337,10 +447,18 @@ fn run(args: Args) -> fitgrad::Result<()> {
     .progress_chars("=> ");
     let started = Instant::now();
     let mut final_loss = f32::NAN;
+    // With a report: the memory of the second step, and the test set after every epoch (at
+    // the micro-batch, which needs less memory than a training step).
+    let mut capture = StepCapture::new();
+    let mut eval_secs = 0.0;
     for epoch in first_epoch..args.epochs {
-        let bar = ProgressBar::new(steps_per_epoch)
-            .with_style(style.clone())
-            .with_prefix(format!("{}", epoch + 1));
+        let bar = if root {
+            ProgressBar::new(steps_per_epoch)
+        } else {
+            ProgressBar::hidden()
+        }
+        .with_style(style.clone())
+        .with_prefix(format!("{}", epoch + 1));
         if epoch == first_epoch {
             // On a new machine the first steps compile every kernel (lavapipe: tens of
             // seconds); the driver caches them on disk for the next run.
@@ -355,6 +473,9 @@ fn run(args: Args) -> fitgrad::Result<()> {
             }
             samples = (done * eff).min(train.len());
             bar.set_position(done as u64);
+            if reporting {
+                capture.after_step(t, &train)?;
+            }
             // A readback every 10 steps keeps the GPU busy between them.
             if done.is_multiple_of(10) || done == total {
                 let loss = t.take_loss()?;
@@ -363,6 +484,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
                 }
                 let rate = samples as f64 / epoch_start.elapsed().as_secs_f64();
                 bar.set_message(format!("loss {final_loss:.4}, {rate:.0} samples/s"));
+                report.log_step(t.steps(), loss, Some(rate));
             }
             Ok(())
         };
@@ -371,15 +493,34 @@ fn run(args: Args) -> fitgrad::Result<()> {
             None => trainer.train_epoch(&train, args.seed, epoch, on_step)?,
         }
         bar.finish();
-        for e in trainer.take_events() {
-            println!("  {e}");
+        let epoch_secs = epoch_start.elapsed().as_secs_f64();
+        let events = trainer.take_events();
+        for e in &events {
+            say!("  {e}");
         }
-        if let Some(path) = &args.save {
+        report.add_events(&events);
+        report.log_epoch(
+            epoch,
+            trainer.steps(),
+            final_loss,
+            train.len() as f64 / epoch_secs,
+            epoch_secs,
+        );
+        if reporting {
+            let eval_start = Instant::now();
+            let e = trainer.evaluate(&test, trainer.micro_batch())?;
+            report.log_eval(trainer.steps(), Some(epoch), "test", &e);
+            eval_secs += eval_start.elapsed().as_secs_f64();
+        }
+        if let (Some(path), true) = (&args.save, root) {
             trainer.save_checkpoint(path, epoch + 1)?;
         }
     }
     device.sync()?;
-    let train_secs = started.elapsed().as_secs_f64();
+    if !root {
+        return Ok(());
+    }
+    let train_secs = started.elapsed().as_secs_f64() - eval_secs;
     let epochs_run = args.epochs.saturating_sub(first_epoch);
     let samples_per_s = (train.len() as u64 * epochs_run) as f64 / train_secs.max(1e-9);
     // Training's memory, before evaluation's larger batches count.
@@ -422,12 +563,12 @@ fn run(args: Args) -> fitgrad::Result<()> {
     };
     let sparsity = match &pruner {
         Some(p) => {
-            let report = p.report()?;
+            let sparsity = p.report()?;
             println!(
-                "\npruned to {:.2}% sparsity:\n{report}",
-                100.0 * report.sparsity()
+                "\npruned to {:.2}% sparsity:\n{sparsity}",
+                100.0 * sparsity.sparsity()
             );
-            Some(report.sparsity())
+            Some(sparsity.sparsity())
         }
         None => None,
     };
@@ -438,6 +579,22 @@ fn run(args: Args) -> fitgrad::Result<()> {
         Bytes(summary.stats.peak_bytes_in_use)
     );
     println!("{}", device.memory_report());
+    report.set_step_memory(capture.finish());
+    report.set_memory(summary.stats.clone());
+    report
+        .result("test loss", format!("{test_loss:.4}"))
+        .result("test accuracy", format!("{:.2}%", 100.0 * test_accuracy))
+        .result("training time", format!("{train_secs:.1} s"))
+        .result("throughput", format!("{samples_per_s:.0} samples/s"))
+        .result("steps", trainer.steps());
+    if let Some(path) = &args.report {
+        report.write_html(path)?;
+        println!("report: {}", path.display());
+    }
+    if let Some(path) = &args.report_json {
+        report.write_json(path)?;
+        println!("report data: {}", path.display());
+    }
 
     if args.json {
         let s = &summary.stats;
@@ -474,7 +631,21 @@ fn run(args: Args) -> fitgrad::Result<()> {
             "steps": trainer.steps(),
             "train_seconds": train_secs,
             "samples_per_s": samples_per_s,
+            "ranks": dist.size(),
         });
+        let mut j = j;
+        if let Some(s) = &all_reduce {
+            let s = s.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / s.steps.max(1) as f64;
+            j["all_reduce"] = serde_json::json!({
+                "steps": s.steps,
+                "buffer_bytes": s.buffer_bytes,
+                "round_trip_ms_per_step": ms(s.round_trip()),
+                "gather_ms_per_step": ms(s.gather),
+                "communicate_ms_per_step": ms(s.communicate),
+                "scatter_ms_per_step": ms(s.scatter),
+            });
+        }
         println!("{j}");
     }
     Ok(())
@@ -505,9 +676,17 @@ fn unique_suffix() -> String {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    match run(args) {
+    let dist = match Job::from_flag(args.distributed.as_deref()) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match run(args, &dist) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
+            dist.fail(&e);
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }

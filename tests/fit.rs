@@ -588,7 +588,7 @@ fn grad_scaler_skips_overflow_and_grows() {
     );
     let events = t.take_events();
     assert!(
-        events.len() == 1 && events[0].contains("skipped"),
+        events.len() == 1 && events[0].to_string().contains("skipped"),
         "events of a skipped step: {events:?}"
     );
     let mut calls = 1;
@@ -758,7 +758,9 @@ fn oom_mid_step_is_retried() {
     assert_eq!(t.steps(), 2);
     let events = t.take_events();
     assert!(
-        events.len() == 1 && events[0].contains("out of memory") && events[0].contains("64 -> 32"),
+        events.len() == 1
+            && events[0].to_string().contains("out of memory")
+            && events[0].to_string().contains("64 -> 32"),
         "events: {events:?}"
     );
     run_from(&mut t, &b, 2, 5);

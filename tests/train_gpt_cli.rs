@@ -118,6 +118,11 @@ fn bad_configurations_are_refused_before_any_device_work() {
     assert!(matches!(err, Error::Io { .. }), "{err:?}");
     let err = refused(t, &["--resume", "/nonexistent/fitgrad/gpt.safetensors"], "");
     assert!(matches!(err, Error::Io { .. }), "{err:?}");
+    // Report files that could not be written: a missing folder, a folder.
+    let report = ["--report", "/nonexistent/fitgrad/report.html"];
+    assert!(is_arg(&refused(t, &report, "does not exist")));
+    let folder = std::env::temp_dir().display().to_string();
+    assert!(is_arg(&refused(t, &["--report-json", &folder], "folder")));
     // The defaults on the embedded plays are valid.
     prepare(&Args::try_parse_from(["train_gpt"]).unwrap()).expect("the default configuration");
 }

@@ -9,11 +9,13 @@
 mod adapter;
 mod pipelines;
 mod queue;
+mod timeline;
 mod transfer;
 
 pub use adapter::{AdapterSummary, DeviceOptions};
 pub(crate) use pipelines::Kernel;
 pub use queue::{FLUSH_EVERY, MAX_GROUPS_PER_DIM};
+pub use timeline::StepScope;
 
 use crate::memory::{Arena, Block, Category, MemoryStats};
 use crate::{Bytes, Error, Result};
@@ -101,6 +103,8 @@ pub(crate) struct DeviceInner {
     plan_thread: Mutex<Option<std::thread::ThreadId>>,
     /// Plans opened so far (a planning arena's blocks carry its number).
     plans: AtomicU32,
+    /// Arenas (real or planning) recording a memory timeline: ops are named only when > 0.
+    recorders: AtomicU32,
     pending: Mutex<Pending>,
     kernels: Mutex<HashMap<String, Arc<Kernel>>>,
     /// State the layers above keep per device, one value per type (see [`Device::with_ext`]).
@@ -249,6 +253,7 @@ impl Device {
                 planning: AtomicBool::new(false),
                 plan_thread: Mutex::new(None),
                 plans: AtomicU32::new(0),
+                recorders: AtomicU32::new(0),
                 pending: Mutex::new(Pending::new()),
                 kernels: Mutex::new(HashMap::new()),
                 ext: Mutex::new(HashMap::new()),
@@ -367,6 +372,7 @@ impl Device {
 
     /// While planning: the op now being recorded names a pending peak, and nothing runs.
     fn planned_op(&self, name: &str) -> bool {
+        self.note_op(name);
         if !self.is_planning() {
             return false;
         }
@@ -549,7 +555,10 @@ impl Drop for PlanScope {
     fn drop(&mut self) {
         self.device.inner.planning.store(false, Ordering::Release);
         *lock(&self.device.inner.plan_thread) = None;
-        *lock(&self.device.inner.plan) = None;
+        let plan = lock(&self.device.inner.plan).take();
+        if plan.is_some_and(|a| a.is_recording()) {
+            self.device.inner.recorders.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 

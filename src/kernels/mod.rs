@@ -10,6 +10,7 @@
 //! 32-bit words, and two invocations never write halves of the same word.
 
 pub(crate) mod attention;
+pub(crate) mod attention_sg;
 pub(crate) mod dropout;
 pub(crate) mod elementwise;
 pub(crate) mod grad_norm;
@@ -486,6 +487,7 @@ pub const QMATMUL_SG: ShaderFile = ShaderFile {
 pub const ATTENTION_FWD: ShaderFile = ShaderFile {
     name: "attention_fwd",
     body: concat!(
+        include_str!("../../shaders/include/attention_params.wgsl"),
         include_str!("../../shaders/include/attention_tiles.wgsl"),
         include_str!("../../shaders/attention_fwd.wgsl")
     ),
@@ -500,6 +502,7 @@ pub const ATTENTION_FWD: ShaderFile = ShaderFile {
 pub const ATTENTION_BWD_DQ: ShaderFile = ShaderFile {
     name: "attention_bwd_dq",
     body: concat!(
+        include_str!("../../shaders/include/attention_params.wgsl"),
         include_str!("../../shaders/include/attention_tiles.wgsl"),
         include_str!("../../shaders/attention_bwd_dq.wgsl")
     ),
@@ -517,6 +520,7 @@ pub const ATTENTION_BWD_DQ: ShaderFile = ShaderFile {
 pub const ATTENTION_BWD_DKV: ShaderFile = ShaderFile {
     name: "attention_bwd_dkv",
     body: concat!(
+        include_str!("../../shaders/include/attention_params.wgsl"),
         include_str!("../../shaders/include/attention_tiles.wgsl"),
         include_str!("../../shaders/attention_bwd_dkv.wgsl")
     ),
@@ -530,6 +534,31 @@ pub const ATTENTION_BWD_DKV: ShaderFile = ShaderFile {
         ("dk", true),
         ("dv", true),
     ],
+};
+
+pub const ATTENTION_SG_FWD: ShaderFile = ShaderFile {
+    name: "attention_sg_fwd",
+    body: concat!(
+        include_str!("../../shaders/include/attention_params.wgsl"),
+        include_str!("../../shaders/attention_sg_fwd.wgsl")
+    ),
+    bindings: ATTENTION_FWD.bindings,
+};
+pub const ATTENTION_SG_DQ: ShaderFile = ShaderFile {
+    name: "attention_sg_dq",
+    body: concat!(
+        include_str!("../../shaders/include/attention_params.wgsl"),
+        include_str!("../../shaders/attention_sg_dq.wgsl")
+    ),
+    bindings: ATTENTION_BWD_DQ.bindings,
+};
+pub const ATTENTION_SG_DKV: ShaderFile = ShaderFile {
+    name: "attention_sg_dkv",
+    body: concat!(
+        include_str!("../../shaders/include/attention_params.wgsl"),
+        include_str!("../../shaders/attention_sg_dkv.wgsl")
+    ),
+    bindings: ATTENTION_BWD_DKV.bindings,
 };
 
 /// Every shader file, for validation without a GPU (unit test and `cargo xtask shaders`).
@@ -563,6 +592,9 @@ pub const SHADERS: &[ShaderFile] = &[
     ATTENTION_FWD,
     ATTENTION_BWD_DQ,
     ATTENTION_BWD_DKV,
+    ATTENTION_SG_FWD,
+    ATTENTION_SG_DQ,
+    ATTENTION_SG_DKV,
 ];
 
 impl ShaderFile {
@@ -737,9 +769,8 @@ fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
             .map(|&s| vec![s, s, F32, F32, F32, F32])
             .collect(),
         // Attention's row statistics are f32; packed f16 outputs with D odd are written to f32.
-        "attention_fwd" | "attention_bwd_dq" | "attention_bwd_dkv" => {
-            attention::storage_variants(file.name)
-        }
+        "attention_fwd" | "attention_bwd_dq" | "attention_bwd_dkv" | "attention_sg_fwd"
+        | "attention_sg_dq" | "attention_sg_dkv" => attention::storage_variants(file.name),
         _ => [F32, F16, F16Packed].iter().map(|&s| vec![s; n]).collect(),
     }
 }
@@ -766,6 +797,12 @@ pub fn validate_wgsl(src: &str) -> std::result::Result<(), String> {
 pub fn validate_all() -> Vec<(String, std::result::Result<(), String>)> {
     let mut out = Vec::new();
     for file in SHADERS {
+        // The subgroup attention shaders are templates: only their expansions are kernels.
+        if file.name.starts_with("attention_sg") {
+            let forms = attention_sg::validation_sources(file);
+            out.extend(forms.into_iter().map(|(n, src)| (n, validate_wgsl(&src))));
+            continue;
+        }
         // The subgroup matmul is validated as written and expanded (a 16 x 8 block, in its
         // plain and transposed forms).
         let mut bodies = vec![(String::new(), file.body.to_string())];

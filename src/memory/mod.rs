@@ -14,10 +14,16 @@
 //!
 //! The optional budget is checked *before* the driver is asked: when a new segment would pass it,
 //! the arena first drops its fully free segments, then returns [`Error::OutOfMemory`].
+//!
+//! On request the arena records a [`Timeline`] of its allocations and frees (timeline.rs).
 
 mod report;
+mod timeline;
 
 pub use report::{ByCategory, Category, MemoryStats};
+pub use timeline::{
+    EventKind, MemoryEvent, OpPoint, PhaseSpan, Role, RoleBytes, SizeClass, Timeline,
+};
 
 use crate::{Error, Result};
 use std::collections::{BTreeMap, HashMap};
@@ -77,10 +83,9 @@ enum Pool {
 
 impl Pool {
     fn of(size: u64) -> Pool {
-        if size <= SMALL_REQUEST {
-            Pool::Small
-        } else {
-            Pool::Large
+        match SizeClass::of(size) {
+            SizeClass::Small => Pool::Small,
+            SizeClass::Large => Pool::Large,
         }
     }
 
@@ -127,6 +132,10 @@ pub(crate) struct Arena {
     /// Fault injection for tests: the allocation after this many more fails with
     /// `OutOfMemory` (as a driver would).
     fail_after: Option<u64>,
+    /// The timeline being recorded, if any (one branch per event when off).
+    timeline: timeline::RecorderSlot,
+    /// New blocks are staging temporaries (for the timeline's roles only).
+    staging: bool,
 }
 
 fn align_up(v: u64, a: u64) -> u64 {
@@ -150,6 +159,8 @@ impl Arena {
                 ..Default::default()
             },
             fail_after: None,
+            timeline: Default::default(),
+            staging: false,
         }
     }
 
@@ -179,7 +190,12 @@ impl Arena {
             let sizes = &mut self.stats.in_use_by_category;
             sizes.sub(*old, block.size);
             sizes.add(cat, block.size);
+            let now = sizes.get(cat);
+            if let Some(r) = self.timeline.0.as_mut() {
+                r.retag(block, *old, cat, &self.stats);
+            }
             *old = cat;
+            self.stats.category_peaks.raise(cat, now);
         }
     }
 
@@ -197,6 +213,12 @@ impl Arena {
 
     /// Sets the phase named with the peak (`"forward"`, `"backward"`, `"optimizer step"`).
     pub fn set_phase(&mut self, phase: Option<&'static str>) {
+        if self.timeline.0.is_some() && self.phase != phase {
+            self.mark(match phase {
+                Some(p) => timeline::EventKind::PhaseStart { phase: p.into() },
+                None => timeline::EventKind::PhaseEnd,
+            });
+        }
         self.phase = phase;
     }
 
@@ -238,6 +260,7 @@ impl Arena {
         self.stats.peak_bytes_in_use = self.stats.bytes_in_use;
         self.stats.peak_bytes_reserved = self.stats.bytes_reserved;
         self.stats.peak_by_category = self.stats.in_use_by_category;
+        self.stats.category_peaks = self.stats.in_use_by_category;
     }
 
     /// Bytes a request of `bytes` really takes from a segment.
@@ -246,6 +269,14 @@ impl Arena {
     }
 
     pub fn alloc(&mut self, device: &wgpu::Device, bytes: u64) -> Result<Block> {
+        let block = self.alloc_block(device, bytes)?;
+        if let Some(r) = self.timeline.0.as_mut() {
+            r.alloc(bytes, &block, self.category, self.staging, &self.stats);
+        }
+        Ok(block)
+    }
+
+    fn alloc_block(&mut self, device: &wgpu::Device, bytes: u64) -> Result<Block> {
         let size = Self::block_size(bytes);
         // Kernels bind a tensor's whole block, so it must fit one binding.
         if size > self.max_binding_size {
@@ -352,6 +383,9 @@ impl Arena {
             len += next_len;
         }
         seg.free.insert(offset, len);
+        if let Some(r) = self.timeline.0.as_mut() {
+            r.free(block, cat, &self.stats);
+        }
     }
 
     /// Drops every segment that holds no block. Dropping (never `destroy()`) is safe while
@@ -407,6 +441,8 @@ impl Arena {
         let buffer = seg.buffer.clone();
         self.live.insert((seg_idx, off), self.category);
         self.stats.in_use_by_category.add(self.category, size);
+        let now = self.stats.in_use_by_category.get(self.category);
+        self.stats.category_peaks.raise(self.category, now);
         self.stats.bytes_in_use += size;
         if self.stats.bytes_in_use > self.stats.peak_bytes_in_use {
             self.stats.peak_bytes_in_use = self.stats.bytes_in_use;

@@ -40,7 +40,10 @@ pub(crate) fn staged_f32(
     if !staged || out.numel() == 0 {
         return kernel(out);
     }
-    let tmp = Tensor::uninit(out.device(), out.shape().clone(), DType::F32)?;
+    let tmp = {
+        let _s = out.device().staging_scope();
+        Tensor::uninit(out.device(), out.shape().clone(), DType::F32)?
+    };
     kernel(&tmp)?;
     elementwise::unary(UnaryOp::Identity, &tmp, 0.0, out)
 }

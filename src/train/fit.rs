@@ -31,7 +31,7 @@ use crate::{Error, Result};
 use std::fmt;
 
 /// One configuration [`Trainer::fit_auto`] planned.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Candidate {
     /// What was planned, e.g. "micro-batch 16 (4 per batch), checkpointing, mixed".
     pub description: String,
@@ -52,7 +52,7 @@ pub struct Candidate {
 }
 
 /// What [`Trainer::fit_auto`] chose, and every candidate it planned on the way, in order.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct FitChoice {
     /// The budget fitted.
     pub budget: u64,

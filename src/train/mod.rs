@@ -6,15 +6,18 @@
 pub mod bench;
 mod csv_file;
 pub mod data;
+mod events;
 mod fit;
 mod model;
 mod plan;
 mod rows;
 pub mod shard;
 mod summary;
+mod sync;
 pub mod text;
 mod trainer;
 
+pub use events::TrainEvent;
 pub use fit::{Candidate, FitChoice};
 pub use model::{
     epoch_permutation, Batch, BatchSource, ClassBatch, EvalBatch, Features, StepContext,
@@ -23,12 +26,14 @@ pub use model::{
 pub use plan::Plan;
 pub use rows::HostRows;
 pub use summary::{Evaluation, MemorySummary};
+pub use sync::GradientSync;
 pub use trainer::{Trainer, TrainerConfig};
 
 use crate::DType;
 
-/// Numeric precision of training.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+/// Numeric precision of training ("f32", "f16", "mixed" in JSON).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Precision {
     /// Everything in f32.
     #[default]

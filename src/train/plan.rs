@@ -8,20 +8,21 @@
 //! op changes what it allocates, the plan changes with it.
 //!
 //! Budget fitting ([`Trainer::fit_to_budget`]), preallocation ([`Trainer::prealloc`]) and the
-//! micro-batch chosen after an out-of-memory all ask it.
+//! micro-batch chosen after an out-of-memory all ask it. [`Trainer::plan_timeline`] records
+//! the planned step's memory [`Timeline`], event by event.
 //!
 //! [`Device::planning`]: crate::Device::planning
 
 use super::model::{BatchSource, TrainModel};
 use super::Trainer;
 use crate::error::Bytes;
-use crate::memory::Category;
+use crate::memory::{Category, Timeline};
 use crate::nn::Module;
 use crate::{Device, Error, Result, Tensor};
 use std::fmt;
 
 /// The planned peak of a training step and what it is made of.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Plan {
     /// Parameters alive at the peak.
     pub parameters: u64,
@@ -34,6 +35,12 @@ pub struct Plan {
     pub activations: u64,
     /// Everything else alive at the peak (scalars, tensors made outside the step).
     pub workspace: u64,
+    /// Data-parallel training's flat gradient buffer for the all-reduce, where it is alive at
+    /// the peak (0 on one device).
+    pub communication: u64,
+    /// The most bytes the all-reduce buffer took during the step, at the peak or not (0 on one
+    /// device): one f32 per gradient element and one for the loss, read back once per step.
+    pub all_reduce_buffer: u64,
     /// Peak bytes in use: the sum of the above at the worst point of the step.
     pub peak: u64,
     /// Peak bytes the arena holds from the driver (segments, with rounding and free ranges).
@@ -60,10 +67,20 @@ impl fmt::Display for Plan {
         writeln!(f, "  optimizer state   {:>12}", Bytes(self.optimizer_state))?;
         writeln!(f, "  activations       {:>12}", Bytes(self.activations))?;
         writeln!(f, "  workspace         {:>12}", Bytes(self.workspace))?;
+        if self.communication > 0 {
+            writeln!(f, "  communication     {:>12}", Bytes(self.communication))?;
+        }
         writeln!(f, "  = peak in use     {:>12}", Bytes(self.peak))?;
         writeln!(f, "  peak reserved     {:>12}", Bytes(self.peak_reserved))?;
         if let Some(op) = &self.peak_op {
             writeln!(f, "  peak reached at   {op}")?;
+        }
+        if self.all_reduce_buffer > 0 {
+            writeln!(
+                f,
+                "  all-reduce buffer {:>12} (gradients and loss, read back once per step)",
+                Bytes(self.all_reduce_buffer)
+            )?;
         }
         Ok(())
     }
@@ -110,6 +127,42 @@ impl<M: Module> Trainer<M> {
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
+        Ok(self
+            .plan_run(data, indices, micro, budget, reserve, false)?
+            .0)
+    }
+
+    /// The plan of one step on `data` at the current micro-batch under the device's budget
+    /// (as [`Trainer::plan`]), with the memory timeline of that step: every allocation, free
+    /// and op the next real step over an effective batch will record, from the memory held
+    /// when it begins. Every micro-batch of the step is planned (a plain plan runs only those
+    /// that can set the peak).
+    pub fn plan_timeline<D>(&mut self, data: &D) -> Result<(Plan, Timeline)>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let idx = self.plan_indices(data)?;
+        let budget = self.device.memory_stats().budget;
+        let (plan, timeline) = self.plan_run(data, &idx, self.micro, budget, 0, true)?;
+        let step = timeline.as_ref().and_then(Timeline::last_step);
+        Ok((plan, step.unwrap_or_default()))
+    }
+
+    /// [`Trainer::plan_at`], recording the planning arena's timeline when `record`.
+    fn plan_run<D>(
+        &mut self,
+        data: &D,
+        indices: &[usize],
+        micro: usize,
+        budget: Option<u64>,
+        reserve: u64,
+        record: bool,
+    ) -> Result<(Plan, Option<Timeline>)>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
         if indices.is_empty() || micro == 0 {
             return Err(Error::InvalidArgument {
                 op: "Trainer::plan",
@@ -149,8 +202,10 @@ impl<M: Module> Trainer<M> {
             self.micro,
         );
         self.micro = micro.min(self.config.batch_size);
-        let result =
-            reserved.and_then(|_| (0..2).try_for_each(|_| self.try_step(data, indices, true)));
+        let result = reserved
+            .and_then(|_| if record { dev.start_timeline() } else { Ok(()) })
+            .and_then(|_| (0..2).try_for_each(|_| self.try_step(data, indices, !record)));
+        let timeline = if record { dev.take_timeline() } else { None };
         self.optimizer.zero_grad();
         let planned_optimizer = std::mem::replace(&mut self.optimizer, real_optimizer);
         let micro_used = self.micro;
@@ -167,19 +222,22 @@ impl<M: Module> Trainer<M> {
         }
         result?;
         let at = |c| stats.peak_by_category.get(c);
-        Ok(Plan {
+        let plan = Plan {
             parameters: at(Category::Parameters),
             gradients: at(Category::Gradients),
             optimizer_state: at(Category::OptimizerState),
             activations: at(Category::Activations),
             workspace: at(Category::Workspace),
+            communication: at(Category::Communication),
+            all_reduce_buffer: stats.category_peaks.get(Category::Communication),
             peak: stats.peak_bytes_in_use,
             peak_reserved: stats.peak_bytes_reserved,
             new_buffers: stats.buffers_created - before.buffers_created,
             peak_op: stats.peak_op,
             micro_batch: micro_used,
-            micro_batches: indices.len().div_ceil(micro_used),
-        })
+            micro_batches: self.share(indices.len()).len().div_ceil(micro_used),
+        };
+        Ok((plan, timeline))
     }
 
     /// Chooses the largest micro-batch whose planned step fits `budget` bytes (the effective

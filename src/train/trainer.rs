@@ -7,9 +7,11 @@
 //! The trainer is generic: any [`TrainModel`] on any [`BatchSource`]. The planner
 //! (train/plan.rs) runs this same step code on the device's planning mode.
 
+use super::events::TrainEvent;
 use super::model::{Batch, BatchSource, ClassBatch, StepContext, TrainModel};
 use super::rows::{DeviceRows, HostRows};
 use super::summary::{Evaluation, MemorySummary};
+use super::sync::GradientSync;
 use super::Precision;
 use crate::kernels::elementwise::{self, BinaryOp};
 use crate::memory::Category;
@@ -151,7 +153,9 @@ pub struct Trainer<M> {
     pub(super) micro: usize,
     pub(super) scaler: Option<GradScaler>,
     /// What the trainer changed on its own (micro-batch halvings, skipped steps), for the log.
-    pub(super) events: Vec<String>,
+    pub(super) events: Vec<TrainEvent>,
+    /// Data-parallel training: this replica's share of each batch and the gradient all-reduce.
+    pub(super) sync: Option<Box<dyn GradientSync>>,
 }
 
 impl<M: Module> Trainer<M> {
@@ -216,12 +220,29 @@ impl<M: Module> Trainer<M> {
             micro,
             scaler,
             events: Vec::new(),
+            sync: None,
         })
     }
 
+    /// Makes this trainer one replica of data-parallel training (see [`GradientSync`]; the
+    /// `distributed` module installs it), or a single-device trainer again with `None`.
+    pub fn set_gradient_sync(&mut self, sync: Option<Box<dyn GradientSync>>) {
+        self.sync = sync;
+    }
+
+    /// Whether a [`GradientSync`] is installed (the trainer is a data-parallel replica).
+    pub fn has_gradient_sync(&self) -> bool {
+        self.sync.is_some()
+    }
+
+    /// This replica's positions in a batch of `n` samples: all of them on one device.
+    pub(super) fn share(&self, n: usize) -> std::ops::Range<usize> {
+        self.sync.as_ref().map_or(0..n, |s| s.share(n))
+    }
+
     /// What the trainer decided on its own since the last call (micro-batch changes after an
-    /// out-of-memory, steps skipped by the loss scaler).
-    pub fn take_events(&mut self) -> Vec<String> {
+    /// out-of-memory, steps skipped and scales grown by the loss scaler).
+    pub fn take_events(&mut self) -> Vec<TrainEvent> {
         std::mem::take(&mut self.events)
     }
 
@@ -418,13 +439,13 @@ impl<M: Module> Trainer<M> {
                             .flatten()
                     });
                     self.micro = planned.unwrap_or(old.div_ceil(2)).min(old - 1).max(1);
-                    self.events.push(format!(
-                        "step {}: out of memory (asked for {}); micro-batch {old} -> {}{}, redoing the step",
-                        self.step,
-                        crate::error::Bytes(requested),
-                        self.micro,
-                        if planned.is_some() { " (planned)" } else { "" }
-                    ));
+                    self.events.push(TrainEvent::OomRetry {
+                        step: self.step,
+                        requested,
+                        micro_before: old,
+                        micro_after: self.micro,
+                        planned: planned.is_some(),
+                    });
                 }
                 other => return other,
             }
@@ -439,14 +460,18 @@ impl<M: Module> Trainer<M> {
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
+        // Each micro-batch's loss is weighted by its share of all `n` samples, including those
+        // other replicas run (data-parallel), so the summed gradients are the batch mean's.
         let n = indices.len();
+        let indices = &indices[self.share(n)];
         let mb = self.micro.max(1);
         let step_loss = self.step_loss.clone();
         elementwise::fill(&step_loss, 0.0)?;
         let ctx = self.context(true);
         let dev = self.device.clone();
+        let _step = dev.step_scope();
         let chunks: Vec<&[usize]> = indices.chunks(mb).collect();
-        let last = chunks.len() - 1;
+        let last = chunks.len().saturating_sub(1);
         let result = (|| {
             for (i, chunk) in chunks.iter().enumerate() {
                 if planning && i > 1 && i != last {
@@ -492,6 +517,13 @@ impl<M: Module> Trainer<M> {
             }
             Ok(())
         })();
+        let result = result.and_then(|()| match self.sync.as_mut() {
+            Some(sync) => {
+                let _p = dev.phase_scope("gradient all-reduce");
+                sync.reduce(self.step, &self.model.parameters(), &step_loss)
+            }
+            None => Ok(()),
+        });
         if let Err(e) = result {
             self.optimizer.zero_grad();
             return Err(e);
@@ -501,15 +533,24 @@ impl<M: Module> Trainer<M> {
             let params = self.model.parameters();
             let nonfinite = sc.unscale(&self.device, &params)?;
             let sc = self.scaler.as_mut().expect("checked above");
+            let (step, scale_before) = (self.step, sc.scale());
             sc.update(nonfinite);
+            let scale_after = sc.scale();
             if nonfinite {
                 self.optimizer.zero_grad();
-                self.events.push(format!(
-                    "step {}: gradients overflowed; step skipped, loss scale now {}",
-                    self.step,
-                    sc.scale()
-                ));
+                self.events.push(TrainEvent::StepSkipped {
+                    step,
+                    scale_before,
+                    scale_after,
+                });
                 return Ok(());
+            }
+            if scale_after != scale_before {
+                self.events.push(TrainEvent::ScaleGrew {
+                    step,
+                    scale_before,
+                    scale_after,
+                });
             }
         }
         if let Some(max_norm) = self.config.clip_grad_norm {
