@@ -7,6 +7,7 @@
 //! timeline of a step, the loss, accuracy and throughput curves and the memory table.
 
 use clap::Parser;
+use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner, QuantizedMlp};
 use fitgrad::distributed::Job;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
@@ -107,6 +108,14 @@ struct Args {
     /// and saves.
     #[arg(long)]
     distributed: Option<String>,
+    /// Prune the weights by magnitude to this sparsity in [0, 1) during training (cubic
+    /// schedule from 5% to 60% of the steps), and report the sparsity of each layer.
+    #[arg(long)]
+    prune: Option<f32>,
+    /// After training, quantize every layer to int8 (per-output-channel scales) and evaluate
+    /// that model too: its weight bytes and accuracy next to the trained model's.
+    #[arg(long)]
+    quantize: bool,
 }
 
 fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
@@ -190,6 +199,10 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
                 "--lr must be a finite number >= 0, got {lr}"
             )));
         }
+    }
+    let prune = args.prune.map(PruneConfig::new);
+    if let Some(cfg) = &prune {
+        cfg.validate()?;
     }
     let (train, test) = data::load(&args.dataset, args.seed)?;
     if train.dim != test.dim {
@@ -286,6 +299,13 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
             args.batch_size.div_ceil(micro) * args.accum_steps
         );
     }
+    // Made before the plan, so the planned peak counts the masks.
+    let mut pruner = prune
+        .map(|mut cfg| {
+            cfg.schedule = PruneSchedule::gradual(total_steps);
+            Pruner::new(&trainer.model, cfg)
+        })
+        .transpose()?;
     let planning = Instant::now();
     let plan = trainer.plan(&train)?;
     if args.plan {
@@ -379,6 +399,10 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     let mut first_epoch = 0;
     if let Some(path) = &args.resume {
         first_epoch = trainer.resume_from(path)?;
+        if let Some(p) = &mut pruner {
+            // The masks are not in the checkpoint; the pruned weights are its zeros.
+            p.mask_zeros()?;
+        }
         say!(
             "resumed from {} after {first_epoch} epochs ({} steps)",
             path.display(),
@@ -440,6 +464,9 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         let epoch_start = Instant::now();
         let mut samples = 0usize;
         let on_step = |t: &mut Trainer<Mlp>, done: usize, total: usize| {
+            if let Some(p) = &mut pruner {
+                p.step(t.steps())?;
+            }
             samples = (done * eff).min(train.len());
             bar.set_position(done as u64);
             if reporting {
@@ -507,6 +534,40 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         100.0 * test_accuracy,
         train_secs
     );
+    let int8 = if args.quantize {
+        let q = QuantizedMlp::from_mlp(&trainer.model)?;
+        let e = q.evaluate(&test, eval_batch)?;
+        let dense: u64 = trainer
+            .model
+            .layers
+            .iter()
+            .map(|l| l.weight.allocated_bytes())
+            .sum();
+        let quantized = q.model().weight_bytes();
+        println!(
+            "int8: weights {} ({:.3}x the {} {param_dtype} weights), test loss {:.4}, accuracy {:.2}% ({:+.2} points)",
+            Bytes(quantized),
+            quantized as f64 / dense as f64,
+            Bytes(dense),
+            e.loss,
+            100.0 * e.accuracy.unwrap_or(f32::NAN),
+            100.0 * (e.accuracy.unwrap_or(f32::NAN) - test_accuracy)
+        );
+        Some((dense, quantized, e.accuracy))
+    } else {
+        None
+    };
+    let sparsity = match &pruner {
+        Some(p) => {
+            let report = p.report()?;
+            println!(
+                "\npruned to {:.2}% sparsity:\n{report}",
+                100.0 * report.sparsity()
+            );
+            Some(report.sparsity())
+        }
+        None => None,
+    };
     println!("\n{summary}");
     println!(
         "planned peak in use {} / measured {}",
@@ -554,6 +615,10 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
             "final_loss": final_loss,
             "test_loss": test_loss,
             "test_accuracy": test_accuracy,
+            "sparsity": sparsity,
+            "weight_bytes": int8.map(|q| q.0),
+            "int8_weight_bytes": int8.map(|q| q.1),
+            "int8_test_accuracy": int8.and_then(|q| q.2),
             "peak_bytes": s.peak_bytes_reserved,
             "peak_bytes_in_use": s.peak_bytes_in_use,
             "buffers_created": s.buffers_created,

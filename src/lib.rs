@@ -15,6 +15,7 @@
 
 mod activation;
 pub mod checkpoint;
+pub mod compress;
 pub mod device;
 pub mod distributed;
 mod dtype;

@@ -258,9 +258,8 @@ pub(crate) fn expand(body: &str, b: Block) -> String {
                             "let sc{r}_{t} = select(ninf, p.scale * s{r}_{t}, kv{t} && (p.causal == 0u || j{t} <= r0 + {r}u));"
                         ));
                     }
-                    let maxes = (1..tc).fold(format!("sc{r}_0"), |m, t| {
-                        format!("max({m}, sc{r}_{t})")
-                    });
+                    let maxes =
+                        (1..tc).fold(format!("sc{r}_0"), |m, t| format!("max({m}, sc{r}_{t})"));
                     emit(format!("let m2_{r} = max(mx{r}, subgroupMax({maxes}));"));
                     emit(format!("let mu{r} = select(m2_{r}, 0.0, m2_{r} == ninf);"));
                     emit(format!("let a{r} = exp(mx{r} - mu{r});"));
@@ -295,7 +294,9 @@ pub(crate) fn expand(body: &str, b: Block) -> String {
             // subgroupAdd), written for pass 2.
             "dq_init" => {
                 for r in 0..br {
-                    emit(format!("let ls{r} = ld_lse(stats + min(r0 + {r}u, p.t - 1u));"));
+                    emit(format!(
+                        "let ls{r} = ld_lse(stats + min(r0 + {r}u, p.t - 1u));"
+                    ));
                     let terms: Vec<String> = (0..cq)
                         .map(|c| {
                             format!(
@@ -329,7 +330,9 @@ pub(crate) fn expand(body: &str, b: Block) -> String {
                     emit(format!("let i{t} = c0 + lane + {}u;", sg * t));
                     emit(format!("let iv{t} = i{t} < p.t;"));
                     emit(format!("let ls{t} = ld_lse(stats + min(i{t}, p.t - 1u));"));
-                    emit(format!("let dl{t} = ld_delta(stats + min(i{t}, p.t - 1u));"));
+                    emit(format!(
+                        "let dl{t} = ld_delta(stats + min(i{t}, p.t - 1u));"
+                    ));
                 }
             }
             // P and dS of key r against the lane's queries, zero where masked.
