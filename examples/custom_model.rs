@@ -102,10 +102,6 @@ struct Args {
     /// End stdout with one JSON object describing the run.
     #[arg(long)]
     json: bool,
-    /// Prune the Linear weights by magnitude to this sparsity in [0, 1) during training
-    /// (cubic schedule from 5% to 60% of the steps), and report the sparsity of each layer.
-    #[arg(long)]
-    prune: Option<f32>,
     /// Write an HTML report (memory timeline of a step, loss / accuracy / throughput, memory
     /// table) to this file; the test set is then evaluated after every epoch.
     #[arg(long)]
@@ -113,6 +109,10 @@ struct Args {
     /// Write the report's data as JSON to this file.
     #[arg(long)]
     report_json: Option<PathBuf>,
+    /// Prune the Linear weights by magnitude to this sparsity in [0, 1) during training
+    /// (cubic schedule from 5% to 60% of the steps), and report the sparsity of each layer.
+    #[arg(long)]
+    prune: Option<f32>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -309,10 +309,6 @@ fn run(args: Args) -> Result<()> {
         .as_deref()
         .map(|b| b.parse::<Bytes>().map(|b| b.0))
         .transpose()?;
-    let prune = args.prune.map(PruneConfig::new);
-    if let Some(cfg) = &prune {
-        cfg.validate()?;
-    }
     if let Some(p) = &args.report {
         check_output_path("--report", p)?;
     }
@@ -320,6 +316,10 @@ fn run(args: Args) -> Result<()> {
         check_output_path("--report-json", p)?;
     }
     let reporting = args.report.is_some() || args.report_json.is_some();
+    let prune = args.prune.map(PruneConfig::new);
+    if let Some(cfg) = &prune {
+        cfg.validate()?;
+    }
     let mut options = DeviceOptions::default();
     options.adapter = args.adapter.clone();
     options.memory_budget = budget;

@@ -95,14 +95,6 @@ struct Args {
     /// Resume from a checkpoint written by --save (same model flags).
     #[arg(long)]
     resume: Option<std::path::PathBuf>,
-    /// Prune the weights by magnitude to this sparsity in [0, 1) during training (cubic
-    /// schedule from 5% to 60% of the steps), and report the sparsity of each layer.
-    #[arg(long)]
-    prune: Option<f32>,
-    /// After training, quantize every layer to int8 (per-output-channel scales) and evaluate
-    /// that model too: its weight bytes and accuracy next to the trained model's.
-    #[arg(long)]
-    quantize: bool,
     /// Write an HTML report (memory timeline of a step, loss / accuracy / throughput, memory
     /// table) to this file; the test set is then evaluated after every epoch.
     #[arg(long)]
@@ -116,6 +108,14 @@ struct Args {
     /// and saves.
     #[arg(long)]
     distributed: Option<String>,
+    /// Prune the weights by magnitude to this sparsity in [0, 1) during training (cubic
+    /// schedule from 5% to 60% of the steps), and report the sparsity of each layer.
+    #[arg(long)]
+    prune: Option<f32>,
+    /// After training, quantize every layer to int8 (per-output-channel scales) and evaluate
+    /// that model too: its weight bytes and accuracy next to the trained model's.
+    #[arg(long)]
+    quantize: bool,
 }
 
 fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
