@@ -44,7 +44,10 @@ fn shapes() -> Vec<(DType, [usize; 4])> {
         .map(|s| {
             let (dt, dims) = s.split_once(':').expect("dtype:BxHxTxD");
             let dtype = if dt == "f16" { DType::F16 } else { DType::F32 };
-            let d: Vec<usize> = dims.split('x').map(|n| n.parse().expect("a number")).collect();
+            let d: Vec<usize> = dims
+                .split('x')
+                .map(|n| n.parse().expect("a number"))
+                .collect();
             (dtype, [d[0], d[1], d[2], d[3]])
         })
         .collect()

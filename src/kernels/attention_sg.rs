@@ -36,23 +36,30 @@ pub(crate) struct Blocks {
     pub keys: Block,
 }
 
+/// Rows per subgroup, and rows of the other side per lane and tile, in every pass: 16 rows
+/// against tiles of 32 (8 lanes x 4). On lavapipe at (1, 4, 1024, 64) blocks of 8 rows, or 2
+/// per lane, ran 1.5-2x slower; 32 rows up to 1.5x faster but took twice as long to compile
+/// (ARCHITECTURE.md has the figures).
+const ROWS: u32 = 16;
+const PER_LANE: u32 = 4;
+
 /// The blocks for head-dim bucket `bucket` (32, 64 or 128) on subgroups of `sg` lanes, or None
-/// where a lane cannot own whole column quads (the bucket's quads are not a multiple of `sg`).
+/// where the block does not split into whole subgroups or a lane cannot own whole column quads
+/// (the bucket's quads are not a multiple of `sg`).
 pub(crate) fn blocks(sg: u32, bucket: u32) -> Option<Blocks> {
     let quads = bucket / 4;
-    if sg == 0 || !quads.is_multiple_of(sg) || !(4..=16).contains(&sg) {
+    if sg == 0 || !ROWS.is_multiple_of(sg) || !quads.is_multiple_of(sg) {
         return None;
     }
-    let col_quads = quads / sg;
-    let block = |rows: u32, per_lane: u32| Block {
+    let block = Block {
         sg,
-        rows: rows.max(sg).div_ceil(sg) * sg,
-        per_lane,
-        col_quads,
+        rows: ROWS,
+        per_lane: PER_LANE,
+        col_quads: quads / sg,
     };
     Some(Blocks {
-        queries: block(16, 4),
-        keys: block(16, 4),
+        queries: block,
+        keys: block,
     })
 }
 
@@ -258,9 +265,8 @@ pub(crate) fn expand(body: &str, b: Block) -> String {
                             "let sc{r}_{t} = select(ninf, p.scale * s{r}_{t}, kv{t} && (p.causal == 0u || j{t} <= r0 + {r}u));"
                         ));
                     }
-                    let maxes = (1..tc).fold(format!("sc{r}_0"), |m, t| {
-                        format!("max({m}, sc{r}_{t})")
-                    });
+                    let maxes =
+                        (1..tc).fold(format!("sc{r}_0"), |m, t| format!("max({m}, sc{r}_{t})"));
                     emit(format!("let m2_{r} = max(mx{r}, subgroupMax({maxes}));"));
                     emit(format!("let mu{r} = select(m2_{r}, 0.0, m2_{r} == ninf);"));
                     emit(format!("let a{r} = exp(mx{r} - mu{r});"));
@@ -295,7 +301,9 @@ pub(crate) fn expand(body: &str, b: Block) -> String {
             // subgroupAdd), written for pass 2.
             "dq_init" => {
                 for r in 0..br {
-                    emit(format!("let ls{r} = ld_lse(stats + min(r0 + {r}u, p.t - 1u));"));
+                    emit(format!(
+                        "let ls{r} = ld_lse(stats + min(r0 + {r}u, p.t - 1u));"
+                    ));
                     let terms: Vec<String> = (0..cq)
                         .map(|c| {
                             format!(
@@ -329,7 +337,9 @@ pub(crate) fn expand(body: &str, b: Block) -> String {
                     emit(format!("let i{t} = c0 + lane + {}u;", sg * t));
                     emit(format!("let iv{t} = i{t} < p.t;"));
                     emit(format!("let ls{t} = ld_lse(stats + min(i{t}, p.t - 1u));"));
-                    emit(format!("let dl{t} = ld_delta(stats + min(i{t}, p.t - 1u));"));
+                    emit(format!(
+                        "let dl{t} = ld_delta(stats + min(i{t}, p.t - 1u));"
+                    ));
                 }
             }
             // P and dS of key r against the lane's queries, zero where masked.

@@ -727,9 +727,7 @@ fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
             .collect(),
         // Attention's row statistics are f32; packed f16 outputs with D odd are written to f32.
         "attention_fwd" | "attention_bwd_dq" | "attention_bwd_dkv" | "attention_sg_fwd"
-        | "attention_sg_dq" | "attention_sg_dkv" => {
-            attention::storage_variants(file.name)
-        }
+        | "attention_sg_dq" | "attention_sg_dkv" => attention::storage_variants(file.name),
         _ => [F32, F16, F16Packed].iter().map(|&s| vec![s; n]).collect(),
     }
 }

@@ -256,21 +256,26 @@ fn bench_adapter(dev: &Device, o: &Opts) -> fitgrad::Result<Vec<Row>> {
     Ok(rows)
 }
 
-/// Causal self-attention forward + backward at (B, H, T, D) = (4, 4, 256, 64), fused against
-/// the composed ops (matmul, softmax_masked, matmul), with each one's peak memory above the
-/// inputs.
+/// Causal self-attention forward + backward at (B, H, D) = (1, 4, 64) and T = 256 to 2048 (f32;
+/// f16 at T = 1024), fused against the composed ops (matmul, softmax_masked, matmul), with
+/// each one's peak memory above the inputs and the fused one's ratios to composed.
 fn bench_attention(dev: &Device, reps: usize) -> fitgrad::Result<Vec<Row>> {
     use fitgrad::{AttentionKind, AttentionOptions, Bytes};
-    let dims = [4usize, 4, 256, 64];
-    let scores = (dims[0] * dims[1] * dims[2] * (dims[2] + 1) / 2) as f64;
+    let mut cases: Vec<(DType, usize)> = [256, 512, 1024, 2048]
+        .iter()
+        .map(|&t| (DType::F32, t))
+        .collect();
+    cases.push((DType::F16, 1024));
     let mut rows = Vec::new();
-    for dtype in [DType::F32, DType::F16] {
+    for (dtype, t) in cases {
+        let dims = [1usize, 4, t, 64];
+        let scores = (dims[0] * dims[1] * t * (t + 1) / 2) as f64;
         let qkv = [6, 7, 8].map(|seed| {
             Tensor::randn(dev, &dims, 0.0, 1.0, seed, dtype).map(|t| t.with_requires_grad())
         });
         let [q, k, v] = qkv;
         let (q, k, v) = (q?, k?, v?);
-        let mut times = Vec::new();
+        let mut seen = Vec::new();
         for kind in [AttentionKind::Fused, AttentionKind::Composed] {
             let opts = AttentionOptions::new().kind(kind);
             let step = || -> fitgrad::Result<()> {
@@ -283,22 +288,28 @@ fn bench_attention(dev: &Device, reps: usize) -> fitgrad::Result<Vec<Row>> {
             step()?;
             dev.reset_peak();
             let before = dev.memory_stats().bytes_in_use;
-            let t = median_secs(reps, step)?;
+            let secs = median_secs(reps, step)?;
             let peak = dev.memory_stats().peak_bytes_in_use - before;
-            times.push(t);
+            seen.push((secs, peak));
             rows.push(Row {
                 op: format!("attention fwd+bwd causal, {kind:?}").to_lowercase(),
-                shape: "4x4x256x64".into(),
+                shape: format!("1x4x{t}x64"),
                 dtype: dtype.to_string(),
                 variant: format!("peak {} above the inputs", Bytes(peak)),
-                ms: t * 1e3,
-                rate: scores / t / 1e6,
+                ms: secs * 1e3,
+                rate: scores / secs / 1e6,
                 unit: "M scores/s",
                 vs: vec![],
             });
         }
         let n = rows.len();
-        rows[n - 2].vs = vec![("composed (time ratio)".into(), times[0] / times[1])];
+        rows[n - 2].vs = vec![
+            ("composed (time ratio)".into(), seen[0].0 / seen[1].0),
+            (
+                "composed (peak ratio)".into(),
+                seen[0].1 as f64 / seen[1].1 as f64,
+            ),
+        ];
     }
     Ok(rows)
 }
