@@ -1,8 +1,9 @@
 //! Fused self-attention (`Tensor::attention` and friends) against an f64 plain-loop reference on
 //! every device, in f32 and f16: forward and all three gradients on random (B, H, T, D) shapes
 //! (T of 1, odd, not a multiple of the tiles, longer than a tile; D from 1 to 128, odd), causal
-//! and not; the tiles of a 16 KiB adapter; finite differences; fused = composed; bitwise
-//! repeatability; the memory the fused forward saves; empty inputs; and the typed errors.
+//! and not; each fused variant forced (subgroup blocks, workgroup tiles) and the tiles of a
+//! 16 KiB adapter; finite differences; fused = composed; bitwise repeatability; the memory the
+//! fused forward saves; empty inputs; and the typed errors.
 
 mod common;
 
@@ -220,6 +221,7 @@ fn head_dim() -> impl Strategy<Value = usize> {
 device_tests!(
     fused_matches_the_reference,
     small_workgroup_tiles_match_the_reference,
+    each_fused_variant_matches_the_reference,
     gradients_match_finite_differences,
     fused_matches_composed,
     fused_is_bitwise_repeatable,
@@ -271,6 +273,63 @@ fn small_workgroup_tiles_match_the_reference(dev: &Device) {
         let what = format!("attention in {bytes} bytes");
         check_case(dev, &c, DType::F32, &what, &|q, k, v| {
             q.attention_fused_within(k, v, causal, bytes)
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
+/// The fused kernels forced to each variant against the reference: the subgroup blocks (what
+/// `Auto` runs on CPU adapters with subgroups, lavapipe) and the workgroup tiles at the
+/// adapter's full workgroup memory (what it runs on GPUs and GL). An adapter without the
+/// subgroup kernels says so with an `Error::InvalidArgument`; 8-lane subgroups (lavapipe's)
+/// must run them.
+fn each_fused_variant_matches_the_reference(dev: &Device) {
+    let probe = Tensor::zeros(dev, &[1, 1, 2, 4], DType::F32).unwrap();
+    let subgroups = match probe.attention_fused_subgroup(&probe, &probe, true) {
+        Ok(_) => true,
+        Err(Error::InvalidArgument { reason, .. }) => {
+            assert_ne!(dev.info().subgroup_size, Some(8), "{reason}");
+            assert!(reason.contains("subgroup"), "{reason}");
+            false
+        }
+        Err(e) => panic!("forcing the subgroup kernels on {}: {e}", label(dev)),
+    };
+    // T of 1, within one block, past one tile and not a multiple of it; D of each bucket, odd
+    // and not a multiple of 4; several heads; f16.
+    let fixed: [([usize; 4], bool, DType); 7] = [
+        ([1, 1, 1, 1], true, DType::F32),
+        ([1, 3, 17, 16], true, DType::F16),
+        ([2, 1, 33, 24], false, DType::F32),
+        ([1, 2, 45, 64], true, DType::F16),
+        ([1, 1, 9, 128], true, DType::F32),
+        ([1, 2, 47, 3], true, DType::F16),
+        ([1, 1, 70, 40], false, DType::F32),
+    ];
+    if subgroups {
+        for (k, &(dims, causal, dtype)) in fixed.iter().enumerate() {
+            let c = Case::new(dims, causal, dtype, 80 + k as u64);
+            check_case(dev, &c, dtype, "subgroup attention", &|q, k, v| {
+                q.attention_fused_subgroup(k, v, causal)
+            })
+            .unwrap_or_else(|e| panic!("{e}"));
+        }
+        proptest!(
+            ProptestConfig::with_cases(6),
+            |(h in 1usize..4, t in seq_len(), d in head_dim(), causal in any::<bool>(),
+              f16 in any::<bool>(), seed in any::<u64>())| {
+                let dtype = if f16 { DType::F16 } else { DType::F32 };
+                let c = Case::new([1, h, t, d], causal, dtype, seed);
+                check_case(dev, &c, dtype, "subgroup attention", &|q, k, v| {
+                    q.attention_fused_subgroup(k, v, causal)
+                })
+                .map_err(TestCaseError::fail)?;
+            }
+        );
+    }
+    for (k, &(dims, causal, dtype)) in [fixed[3], fixed[2]].iter().enumerate() {
+        let c = Case::new(dims, causal, dtype, 90 + k as u64);
+        check_case(dev, &c, dtype, "tiled attention", &|q, k, v| {
+            q.attention_fused_within(k, v, causal, u32::MAX)
         })
         .unwrap_or_else(|e| panic!("{e}"));
     }

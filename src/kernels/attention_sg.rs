@@ -36,23 +36,30 @@ pub(crate) struct Blocks {
     pub keys: Block,
 }
 
+/// Rows per subgroup, and rows of the other side per lane and tile, in every pass: 16 rows
+/// against tiles of 32 (8 lanes x 4). On lavapipe at (1, 4, 1024, 64) blocks of 8 rows, or 2
+/// per lane, ran 1.5-2x slower; 32 rows up to 1.5x faster but took twice as long to compile
+/// (ARCHITECTURE.md has the figures).
+const ROWS: u32 = 16;
+const PER_LANE: u32 = 4;
+
 /// The blocks for head-dim bucket `bucket` (32, 64 or 128) on subgroups of `sg` lanes, or None
-/// where a lane cannot own whole column quads (the bucket's quads are not a multiple of `sg`).
+/// where the block does not split into whole subgroups or a lane cannot own whole column quads
+/// (the bucket's quads are not a multiple of `sg`).
 pub(crate) fn blocks(sg: u32, bucket: u32) -> Option<Blocks> {
     let quads = bucket / 4;
-    if sg == 0 || !quads.is_multiple_of(sg) || !(4..=16).contains(&sg) {
+    if sg == 0 || !ROWS.is_multiple_of(sg) || !quads.is_multiple_of(sg) {
         return None;
     }
-    let col_quads = quads / sg;
-    let block = |rows: u32, per_lane: u32| Block {
+    let block = Block {
         sg,
-        rows: rows.max(sg).div_ceil(sg) * sg,
-        per_lane,
-        col_quads,
+        rows: ROWS,
+        per_lane: PER_LANE,
+        col_quads: quads / sg,
     };
     Some(Blocks {
-        queries: block(16, 4),
-        keys: block(16, 4),
+        queries: block,
+        keys: block,
     })
 }
 
