@@ -119,7 +119,9 @@ fn reference(c: &Case) -> Reference {
 }
 
 /// `got` against `want` with a tolerance of `rel` times the largest |want| (the size of the
-/// sums' terms), plus two f16 ulps of each value for f16 results.
+/// sums' terms), plus two f16 ulps of each value for f16 results. The floor of 0.01: where
+/// every gradient is tiny (T = 2, a row whose `dp - delta` cancels to 0), the rounding is that
+/// of the cancelled O(0.01..1) terms, not of the result.
 fn check_scaled(
     what: &str,
     got: &[f32],
@@ -127,7 +129,7 @@ fn check_scaled(
     dtype: DType,
     rel: f64,
 ) -> Result<(), String> {
-    let big = want.iter().fold(1e-3f64, |m, v| m.max(v.abs()));
+    let big = want.iter().fold(1e-2f64, |m, v| m.max(v.abs()));
     let want: Vec<f32> = expect_in(want.iter().map(|&v| v as f32).collect(), dtype);
     check_close_by(what, got, &want, |i| {
         let ulps = match dtype {
