@@ -28,6 +28,7 @@
 //! trains the same model in smaller accumulated micro-batches.
 
 use clap::Parser;
+use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner};
 use fitgrad::nn::{self, Dropout, LayerNorm, Linear, Module};
 use fitgrad::optim::{AdamW, Optimizer};
 use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
@@ -108,6 +109,10 @@ struct Args {
     /// Write the report's data as JSON to this file.
     #[arg(long)]
     report_json: Option<PathBuf>,
+    /// Prune the Linear weights by magnitude to this sparsity in [0, 1) during training
+    /// (cubic schedule from 5% to 60% of the steps), and report the sparsity of each layer.
+    #[arg(long)]
+    prune: Option<f32>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -311,6 +316,10 @@ fn run(args: Args) -> Result<()> {
         check_output_path("--report-json", p)?;
     }
     let reporting = args.report.is_some() || args.report_json.is_some();
+    let prune = args.prune.map(PruneConfig::new);
+    if let Some(cfg) = &prune {
+        cfg.validate()?;
+    }
     let mut options = DeviceOptions::default();
     options.adapter = args.adapter.clone();
     options.memory_budget = budget;
@@ -371,6 +380,16 @@ fn run(args: Args) -> Result<()> {
         args.batch_size,
         args.accum_steps
     );
+    let eff = trainer.effective_batch();
+    let steps_per_epoch = train.len().div_ceil(eff) as u64;
+    // The default filter prunes every 2-D weight: the stem, the blocks' fc1 and fc2, the head.
+    // Made before the budget and the plan, so both count its masks.
+    let mut pruner = prune
+        .map(|mut cfg| {
+            cfg.schedule = PruneSchedule::gradual(steps_per_epoch * epochs);
+            Pruner::new(&trainer.model, cfg)
+        })
+        .transpose()?;
     if let Some(b) = budget {
         let micro = match trainer.fit_to_budget(&train, b) {
             Err(Error::BudgetTooSmall { .. }) => {
@@ -457,10 +476,13 @@ fn run(args: Args) -> Result<()> {
         report.setting(key, value);
     }
 
-    let eff = trainer.effective_batch();
     let mut first_epoch = 0;
     if let Some(path) = &args.resume {
         first_epoch = trainer.resume_from(path)?;
+        if let Some(p) = &mut pruner {
+            // The masks are not in the checkpoint; the pruned weights are its zeros.
+            p.mask_zeros()?;
+        }
         let forwards = forwards_in(first_epoch, train.len(), eff, trainer.micro_batch());
         trainer.model.skip_dropout_masks(forwards);
         println!(
@@ -469,7 +491,6 @@ fn run(args: Args) -> Result<()> {
             trainer.steps()
         );
     }
-    let steps_per_epoch = train.len().div_ceil(eff) as u64;
     let style = ProgressStyle::with_template(
         "epoch {prefix:>3} [{bar:30}] {pos}/{len} steps {msg} ({elapsed})",
     )
@@ -487,6 +508,9 @@ fn run(args: Args) -> Result<()> {
             .with_prefix(format!("{}", epoch + 1));
         let epoch_start = Instant::now();
         trainer.train_epoch(&train, args.seed, epoch, |t, done, total| {
+            if let Some(p) = &mut pruner {
+                p.step(t.steps())?;
+            }
             bar.set_position(done as u64);
             if reporting {
                 capture.after_step(t, &train)?;
@@ -549,6 +573,17 @@ fn run(args: Args) -> Result<()> {
         100.0 * accuracy,
         train_secs
     );
+    let sparsity = match &pruner {
+        Some(p) => {
+            let report = p.report()?;
+            println!(
+                "\npruned to {:.2}% sparsity:\n{report}",
+                100.0 * report.sparsity()
+            );
+            Some(report.sparsity())
+        }
+        None => None,
+    };
     println!("\n{summary}");
     println!(
         "peak in use: planned {} / measured {} ({:+.2}%), peak reached at {}",
@@ -608,6 +643,7 @@ fn run(args: Args) -> Result<()> {
             "final_loss": final_loss,
             "test_loss": eval.loss,
             "test_accuracy": accuracy,
+            "sparsity": sparsity,
             "train_seconds": train_secs,
             "samples_per_s": samples_per_s,
         });

@@ -1,7 +1,7 @@
 //! `cargo run --release --example train_gpt` — train a small GPT on Shakespeare, one character
 //! at a time.
 //!
-//! With no arguments it trains a 2-layer, 64-wide, 4-head GPT with a context of 64 characters on
+//! With no arguments it trains a 2-layer, 64-wide, 4-head GPT with a context of 32 characters on
 //! the eight plays embedded in the crate (the last 10% held out), and prints the adapter, a
 //! progress bar with the training loss and tokens/s, the validation loss in nats per character
 //! beside the bigram baseline of the same split, where the device memory went, and a seeded
@@ -25,8 +25,10 @@ use std::process::ExitCode;
 use std::time::Instant;
 
 /// Validation windows of the evaluations during training (the whole validation part at the
-/// end): 64 windows of the default context are 4,096 characters.
+/// end): 64 windows of the default context are 2,048 characters.
 const EVAL_WINDOWS: usize = 64;
+/// Windows per forward when evaluating without a budget: few large dispatches.
+const EVAL_BATCH: usize = 256;
 
 /// The flags.
 #[derive(Parser, Debug, Clone)]
@@ -46,16 +48,16 @@ pub struct Args {
     #[arg(long, default_value_t = 64)]
     pub dim: usize,
     /// Characters a prediction sees (the position table's length).
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 32)]
     pub context: usize,
     /// Windows per batch.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 16)]
     pub batch_size: usize,
     /// Batches whose gradients add up before each optimizer step.
     #[arg(long, default_value_t = 1)]
     pub accum_steps: usize,
     /// Optimizer steps in all (a resumed run goes on to this many).
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = 400)]
     pub steps: u64,
     /// AdamW learning rate.
     #[arg(long, default_value_t = 3e-3)]
@@ -399,6 +401,15 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
             None,
         )
     };
+    // What `--fit auto` chose, for the JSON line (null without it).
+    let fit_json = choice.as_ref().map(|c| {
+        serde_json::json!({
+            "micro_batch": c.micro_batch,
+            "checkpointing": c.checkpointing,
+            "precision": c.precision.name(),
+            "candidates_planned": c.candidates.len(),
+        })
+    });
     let mut report =
         TrainingReport::new(format!("train_gpt on {}", corpus.name), device, "tokens/s");
     if let Some(b) = setup.budget {
@@ -512,11 +523,12 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
         report.setting(key, value);
     }
 
-    // Evaluation keeps no graph, so the training micro-batch always fits the budget.
+    // The final evaluation over the whole validation part: few large forwards without a
+    // budget; under one, the training micro-batch (no graph is kept, so it always fits).
     let eval_batch = if setup.budget.is_some() {
         trainer.micro_batch()
     } else {
-        EVAL_WINDOWS
+        EVAL_BATCH
     };
     let bar = ProgressBar::new(args.steps)
         .with_style(
@@ -557,7 +569,9 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
         }
         if args.eval_every > 0 && done % args.eval_every == 0 && done < args.steps {
             let eval_start = Instant::now();
-            let e = trainer.evaluate(&setup.valid_head, eval_batch)?;
+            // At the training micro-batch: evaluation keeps no graph, so it stays below the
+            // step's peak, and the summary's peak stays the training step's (the planned one).
+            let e = trainer.evaluate(&setup.valid_head, trainer.micro_batch())?;
             eval_secs += eval_start.elapsed().as_secs_f64();
             report.log_eval(done, None, "validation (first windows)", &e);
             let v = e.loss;
@@ -654,7 +668,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
             "heads": cfg.heads,
             "dim": cfg.dim,
             "context": cfg.context,
-            "parameters": trainer.model.num_parameters(),
+            "params": trainer.model.num_parameters(),
             "lr": args.lr,
             "steps": trainer.steps(),
             "batch_size": args.batch_size,
@@ -663,12 +677,13 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
             "precision": trainer.config().precision.name(),
             "checkpoint_activations": cfg.checkpoint_blocks,
             "memory_budget": setup.budget,
+            "fit": fit_json,
             "planned_peak_bytes": plan.peak,
             "planned_peak_reserved": plan.peak_reserved,
             "seed": args.seed,
             "train_loss": train_loss,
-            "valid_loss": valid_loss,
-            "bigram_baseline": bigram,
+            "val_loss": valid_loss,
+            "bigram_val_loss": bigram,
             "peak_bytes": s.peak_bytes_reserved,
             "peak_bytes_in_use": s.peak_bytes_in_use,
             "buffers_created": s.buffers_created,

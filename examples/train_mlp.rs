@@ -7,6 +7,8 @@
 //! timeline of a step, the loss, accuracy and throughput curves and the memory table.
 
 use clap::Parser;
+use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner, QuantizedMlp};
+use fitgrad::distributed::Job;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
 use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
@@ -100,9 +102,28 @@ struct Args {
     /// Write the report's data as JSON to this file.
     #[arg(long)]
     report_json: Option<std::path::PathBuf>,
+    /// `mpi`: this process is one rank of data-parallel training started by mpirun (built with
+    /// `--features mpi`). The batch flags give the whole job's batch, split across the ranks,
+    /// so the weights are those of one process with the same flags; rank 0 prints, evaluates
+    /// and saves.
+    #[arg(long)]
+    distributed: Option<String>,
+    /// Prune the weights by magnitude to this sparsity in [0, 1) during training (cubic
+    /// schedule from 5% to 60% of the steps), and report the sparsity of each layer.
+    #[arg(long)]
+    prune: Option<f32>,
+    /// After training, quantize every layer to int8 (per-output-channel scales) and evaluate
+    /// that model too: its weight bytes and accuracy next to the trained model's.
+    #[arg(long)]
+    quantize: bool,
 }
 
-fn run(args: Args) -> fitgrad::Result<()> {
+fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
+    // Rank 0 reports; the other ranks train quietly.
+    let root = dist.rank() == 0;
+    macro_rules! say {
+        ($($t:tt)*) => { if root { println!($($t)*); } };
+    }
     if args.list_adapters {
         for a in Device::adapters() {
             println!("{a}");
@@ -179,6 +200,10 @@ fn run(args: Args) -> fitgrad::Result<()> {
             )));
         }
     }
+    let prune = args.prune.map(PruneConfig::new);
+    if let Some(cfg) = &prune {
+        cfg.validate()?;
+    }
     let (train, test) = data::load(&args.dataset, args.seed)?;
     if train.dim != test.dim {
         return Err(invalid(format!(
@@ -191,8 +216,8 @@ fn run(args: Args) -> fitgrad::Result<()> {
     options.memory_budget = budget;
     let device = Device::with_options(options)?;
     let info = device.info();
-    println!("adapter: {}", info.adapter);
-    println!(
+    say!("adapter: {}", info.adapter);
+    say!(
         "dataset: {} ({} train, {} test, {} features, {} classes)",
         train.name,
         train.len(),
@@ -241,28 +266,53 @@ fn run(args: Args) -> fitgrad::Result<()> {
     };
     let (mut trainer, choice) = if fit_auto {
         let (trainer, choice) = Trainer::build_fit_auto(&device, &train, build)?;
-        print!("{choice}");
+        if root {
+            print!("{choice}");
+        }
         (trainer, Some(choice))
     } else {
         (Trainer::build_within_budget(&device, &train, build)?, None)
     };
+    let all_reduce = dist.attach(&mut trainer)?;
+    if all_reduce.is_some() {
+        if let Some(b) = budget {
+            // The budget was fitted to the whole batch; this rank runs only its share.
+            trainer.fit_to_budget(&train, b)?;
+        }
+        eprintln!(
+            "rank {} of {}: pid {}, {}, training on its share of every batch of {eff}",
+            dist.rank(),
+            dist.size(),
+            std::process::id(),
+            info.adapter.name
+        );
+    }
     let mut report =
         TrainingReport::new(format!("train_mlp on {}", train.name), &device, "samples/s");
     if let Some(b) = budget {
         let micro = trainer.micro_batch();
         report.set_budget(b, args.batch_size, micro, choice);
-        println!(
+        say!(
             "memory budget {}: micro-batch {micro} of {} ({} accumulated micro-batches per step)",
             Bytes(b),
             args.batch_size,
             args.batch_size.div_ceil(micro) * args.accum_steps
         );
     }
+    // Made before the plan, so the planned peak counts the masks.
+    let mut pruner = prune
+        .map(|mut cfg| {
+            cfg.schedule = PruneSchedule::gradual(total_steps);
+            Pruner::new(&trainer.model, cfg)
+        })
+        .transpose()?;
     let planning = Instant::now();
     let plan = trainer.plan(&train)?;
     if args.plan {
-        print!("{plan}");
-        println!(
+        if root {
+            print!("{plan}");
+        }
+        say!(
             "  (planned by running the step on the device's planning mode in {:.0} ms)",
             planning.elapsed().as_secs_f64() * 1e3
         );
@@ -270,7 +320,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
     }
     if args.prealloc {
         let reserved = trainer.prealloc(&train)?;
-        println!("reserved {} up front", Bytes(reserved));
+        say!("reserved {} up front", Bytes(reserved));
     }
     report.set_plan(plan.clone());
     for (key, value) in [
@@ -332,7 +382,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
     ] {
         report.setting(key, value);
     }
-    println!(
+    say!(
         "model: MLP {widths:?} ({} parameters), {}, {}, batch {} x {} accumulation steps{}",
         trainer.model.num_parameters(),
         args.optimizer,
@@ -349,13 +399,17 @@ fn run(args: Args) -> fitgrad::Result<()> {
     let mut first_epoch = 0;
     if let Some(path) = &args.resume {
         first_epoch = trainer.resume_from(path)?;
-        println!(
+        if let Some(p) = &mut pruner {
+            // The masks are not in the checkpoint; the pruned weights are its zeros.
+            p.mask_zeros()?;
+        }
+        say!(
             "resumed from {} after {first_epoch} epochs ({} steps)",
             path.display(),
             trainer.steps()
         );
         if first_epoch >= args.epochs {
-            println!(
+            say!(
                 "nothing left to train: the checkpoint holds {first_epoch} epochs and --epochs is {}; evaluating it as it is",
                 args.epochs
             );
@@ -373,7 +427,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
             )));
             fitgrad::train::shard::ShardedDataset::create(&train, &file.0)?;
             let s = fitgrad::train::shard::ShardedDataset::open(&file.0, size)?;
-            println!(
+            say!(
                 "sharded: {} shards of up to {size} samples from {}",
                 s.num_shards(),
                 file.0.display()
@@ -394,9 +448,13 @@ fn run(args: Args) -> fitgrad::Result<()> {
     let mut capture = StepCapture::new();
     let mut eval_secs = 0.0;
     for epoch in first_epoch..args.epochs {
-        let bar = ProgressBar::new(steps_per_epoch)
-            .with_style(style.clone())
-            .with_prefix(format!("{}", epoch + 1));
+        let bar = if root {
+            ProgressBar::new(steps_per_epoch)
+        } else {
+            ProgressBar::hidden()
+        }
+        .with_style(style.clone())
+        .with_prefix(format!("{}", epoch + 1));
         if epoch == first_epoch {
             // On a new machine the first steps compile every kernel (lavapipe: tens of
             // seconds); the driver caches them on disk for the next run.
@@ -406,6 +464,9 @@ fn run(args: Args) -> fitgrad::Result<()> {
         let epoch_start = Instant::now();
         let mut samples = 0usize;
         let on_step = |t: &mut Trainer<Mlp>, done: usize, total: usize| {
+            if let Some(p) = &mut pruner {
+                p.step(t.steps())?;
+            }
             samples = (done * eff).min(train.len());
             bar.set_position(done as u64);
             if reporting {
@@ -431,7 +492,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
         let epoch_secs = epoch_start.elapsed().as_secs_f64();
         let events = trainer.take_events();
         for e in &events {
-            println!("  {e}");
+            say!("  {e}");
         }
         report.add_events(&events);
         report.log_epoch(
@@ -447,11 +508,14 @@ fn run(args: Args) -> fitgrad::Result<()> {
             report.log_eval(trainer.steps(), Some(epoch), "test", &e);
             eval_secs += eval_start.elapsed().as_secs_f64();
         }
-        if let Some(path) = &args.save {
+        if let (Some(path), true) = (&args.save, root) {
             trainer.save_checkpoint(path, epoch + 1)?;
         }
     }
     device.sync()?;
+    if !root {
+        return Ok(());
+    }
     let train_secs = started.elapsed().as_secs_f64() - eval_secs;
     let epochs_run = args.epochs.saturating_sub(first_epoch);
     let samples_per_s = (train.len() as u64 * epochs_run) as f64 / train_secs.max(1e-9);
@@ -470,6 +534,40 @@ fn run(args: Args) -> fitgrad::Result<()> {
         100.0 * test_accuracy,
         train_secs
     );
+    let int8 = if args.quantize {
+        let q = QuantizedMlp::from_mlp(&trainer.model)?;
+        let e = q.evaluate(&test, eval_batch)?;
+        let dense: u64 = trainer
+            .model
+            .layers
+            .iter()
+            .map(|l| l.weight.allocated_bytes())
+            .sum();
+        let quantized = q.model().weight_bytes();
+        println!(
+            "int8: weights {} ({:.3}x the {} {param_dtype} weights), test loss {:.4}, accuracy {:.2}% ({:+.2} points)",
+            Bytes(quantized),
+            quantized as f64 / dense as f64,
+            Bytes(dense),
+            e.loss,
+            100.0 * e.accuracy.unwrap_or(f32::NAN),
+            100.0 * (e.accuracy.unwrap_or(f32::NAN) - test_accuracy)
+        );
+        Some((dense, quantized, e.accuracy))
+    } else {
+        None
+    };
+    let sparsity = match &pruner {
+        Some(p) => {
+            let report = p.report()?;
+            println!(
+                "\npruned to {:.2}% sparsity:\n{report}",
+                100.0 * report.sparsity()
+            );
+            Some(report.sparsity())
+        }
+        None => None,
+    };
     println!("\n{summary}");
     println!(
         "planned peak in use {} / measured {}",
@@ -517,6 +615,10 @@ fn run(args: Args) -> fitgrad::Result<()> {
             "final_loss": final_loss,
             "test_loss": test_loss,
             "test_accuracy": test_accuracy,
+            "sparsity": sparsity,
+            "weight_bytes": int8.map(|q| q.0),
+            "int8_weight_bytes": int8.map(|q| q.1),
+            "int8_test_accuracy": int8.and_then(|q| q.2),
             "peak_bytes": s.peak_bytes_reserved,
             "peak_bytes_in_use": s.peak_bytes_in_use,
             "buffers_created": s.buffers_created,
@@ -525,7 +627,21 @@ fn run(args: Args) -> fitgrad::Result<()> {
             "steps": trainer.steps(),
             "train_seconds": train_secs,
             "samples_per_s": samples_per_s,
+            "ranks": dist.size(),
         });
+        let mut j = j;
+        if let Some(s) = &all_reduce {
+            let s = s.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / s.steps.max(1) as f64;
+            j["all_reduce"] = serde_json::json!({
+                "steps": s.steps,
+                "buffer_bytes": s.buffer_bytes,
+                "round_trip_ms_per_step": ms(s.round_trip()),
+                "gather_ms_per_step": ms(s.gather),
+                "communicate_ms_per_step": ms(s.communicate),
+                "scatter_ms_per_step": ms(s.scatter),
+            });
+        }
         println!("{j}");
     }
     Ok(())
@@ -556,9 +672,17 @@ fn unique_suffix() -> String {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    match run(args) {
+    let dist = match Job::from_flag(args.distributed.as_deref()) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match run(args, &dist) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
+            dist.fail(&e);
             eprintln!("error: {e}");
             ExitCode::FAILURE
         }

@@ -328,63 +328,18 @@ impl Checkpoint {
     /// back to back in that order, the header padded with spaces to a multiple of 8 bytes. With
     /// no metadata the bytes are exactly `safetensors::serialize`'s.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
-        let bad = |reason: String| Error::Data {
-            path: self.source.clone(),
-            reason: format!("cannot write a safetensors file: {reason}"),
-        };
-        let json_err = |e: serde_json::Error| bad(e.to_string());
-        let mut order: Vec<(&String, &HostTensor)> = self.tensors.iter().collect();
-        order.sort_by(|(na, a), (nb, b)| {
-            use safetensors::View;
-            b.dtype().cmp(&a.dtype()).then(na.cmp(nb))
-        });
-        let mut header = String::from("{");
-        if !self.metadata.is_empty() {
-            // A BTreeMap serializes in key order.
-            header += "\"__metadata__\":";
-            header += &serde_json::to_string(&self.metadata).map_err(json_err)?;
-        }
-        let mut offset = 0usize;
-        for (name, t) in &order {
-            let want = t.numel() * t.dtype.size();
-            if t.bytes.len() != want {
-                return Err(bad(format!(
-                    "tensor '{name}' holds {} bytes, its {} shape {:?} needs {want}",
-                    t.bytes.len(),
-                    t.dtype,
-                    t.dims
-                )));
-            }
-            if header.len() > 1 {
-                header.push(',');
-            }
-            let dtype = match t.dtype {
-                DType::F32 => "F32",
-                DType::F16 => "F16",
-            };
-            header += &format!(
-                "{}:{{\"dtype\":\"{dtype}\",\"shape\":{},\"data_offsets\":[{offset},{}]}}",
-                serde_json::to_string(name).map_err(json_err)?,
-                serde_json::to_string(&t.dims).map_err(json_err)?,
-                offset + want
-            );
-            offset += want;
-        }
-        header.push('}');
-        let padded = header.len().next_multiple_of(8);
-        if padded as u64 > MAX_HEADER {
-            return Err(bad(format!(
-                "the header would take {padded} bytes, past safetensors' limit of {MAX_HEADER}"
-            )));
-        }
-        let mut out = Vec::with_capacity(8 + padded + offset);
-        out.extend_from_slice(&(padded as u64).to_le_bytes());
-        out.extend_from_slice(header.as_bytes());
-        out.resize(8 + padded, b' ');
-        for (_, t) in &order {
-            out.extend_from_slice(&t.bytes);
-        }
-        Ok(out)
+        use safetensors::View;
+        let tensors: Vec<RawTensor> = self
+            .tensors
+            .iter()
+            .map(|(name, t)| RawTensor {
+                name,
+                dtype: t.dtype(),
+                dims: &t.dims,
+                bytes: &t.bytes,
+            })
+            .collect();
+        safetensors_bytes(&tensors, &self.metadata, &self.source)
     }
 
     /// Writes the checkpoint to `path` atomically (temporary file, fsync, rename).
@@ -405,62 +360,10 @@ impl Checkpoint {
             path: source.to_string(),
             reason,
         };
-        let len = bytes.len() as u64;
-        // The checks safetensors makes too, with messages that say what is wrong; the integer
-        // scan keeps its offset arithmetic from overflowing (which would panic).
-        let Some(head) = bytes.get(..8) else {
-            return Err(bad(format!(
-                "{len} bytes is too short for a safetensors file (it starts with an 8-byte header length): empty or truncated"
-            )));
-        };
-        let n = u64::from_le_bytes(head.try_into().expect("8 bytes"));
-        if n > MAX_HEADER {
-            return Err(bad(format!(
-                "the header claims {n} bytes, past safetensors' limit of {MAX_HEADER}: not a safetensors file"
-            )));
-        }
-        if 8 + n > len {
-            return Err(bad(format!(
-                "the header claims {n} bytes but only {} follow the length: truncated",
-                len - 8
-            )));
-        }
-        let header = &bytes[8..8 + n as usize];
-        let data_len = len - 8 - n;
-        if let Some(v) = bare_integer_above(header, MAX_NUMBER) {
-            return Err(bad(format!(
-                "the header holds the number {v}: no shape or data offset is that large"
-            )));
-        }
-        let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| {
-            use safetensors::SafeTensorError as E;
-            bad(match e {
-                E::InvalidHeader(_) => "the header is not UTF-8: not a safetensors file".into(),
-                E::InvalidHeaderDeserialization(e) => {
-                    format!("the header is not valid safetensors JSON: {e}")
-                }
-                E::MetadataIncompleteBuffer => format!(
-                    "the tensors' data offsets do not end where the file does ({data_len} bytes of data): truncated, or offsets out of range"
-                ),
-                E::InvalidOffset(name) => format!(
-                    "tensor '{name}': data offsets out of order, overlapping or out of range"
-                ),
-                E::TensorInvalidInfo => {
-                    "a tensor's data offsets do not match its shape and dtype".into()
-                }
-                e => format!("not a valid safetensors file: {e}"),
-            })
-        })?;
-        let (_, meta) =
-            safetensors::SafeTensors::read_metadata(bytes).map_err(|e| bad(e.to_string()))?;
+        let (st, metadata) = parse_safetensors(bytes, source)?;
         let mut c = Checkpoint {
             source: source.to_string(),
-            metadata: meta
-                .metadata()
-                .clone()
-                .unwrap_or_default()
-                .into_iter()
-                .collect(),
+            metadata,
             ..Default::default()
         };
         for (name, view) in st.iter() {
@@ -777,6 +680,147 @@ impl Checkpoint {
                 .collect(),
         })
     }
+}
+
+/// A safetensors file's tensors (any dtype) and string metadata, after the checks a damaged or
+/// foreign file can fail (each an [`Error::Data`] naming `source` and what is wrong; never a
+/// panic). [`Checkpoint::from_bytes`] and the quantized models (`compress`) read through it.
+pub(crate) fn parse_safetensors<'a>(
+    bytes: &'a [u8],
+    source: &str,
+) -> Result<(safetensors::SafeTensors<'a>, BTreeMap<String, String>)> {
+    let bad = |reason: String| Error::Data {
+        path: source.to_string(),
+        reason,
+    };
+    let len = bytes.len() as u64;
+    // The checks safetensors makes too, with messages that say what is wrong; the integer
+    // scan keeps its offset arithmetic from overflowing (which would panic).
+    let Some(head) = bytes.get(..8) else {
+        return Err(bad(format!(
+            "{len} bytes is too short for a safetensors file (it starts with an 8-byte header length): empty or truncated"
+        )));
+    };
+    let n = u64::from_le_bytes(head.try_into().expect("8 bytes"));
+    if n > MAX_HEADER {
+        return Err(bad(format!(
+            "the header claims {n} bytes, past safetensors' limit of {MAX_HEADER}: not a safetensors file"
+        )));
+    }
+    if 8 + n > len {
+        return Err(bad(format!(
+            "the header claims {n} bytes but only {} follow the length: truncated",
+            len - 8
+        )));
+    }
+    let header = &bytes[8..8 + n as usize];
+    let data_len = len - 8 - n;
+    if let Some(v) = bare_integer_above(header, MAX_NUMBER) {
+        return Err(bad(format!(
+            "the header holds the number {v}: no shape or data offset is that large"
+        )));
+    }
+    let st = safetensors::SafeTensors::deserialize(bytes).map_err(|e| {
+        use safetensors::SafeTensorError as E;
+        bad(match e {
+            E::InvalidHeader(_) => "the header is not UTF-8: not a safetensors file".into(),
+            E::InvalidHeaderDeserialization(e) => {
+                format!("the header is not valid safetensors JSON: {e}")
+            }
+            E::MetadataIncompleteBuffer => format!(
+                "the tensors' data offsets do not end where the file does ({data_len} bytes of data): truncated, or offsets out of range"
+            ),
+            E::InvalidOffset(name) => format!(
+                "tensor '{name}': data offsets out of order, overlapping or out of range"
+            ),
+            E::TensorInvalidInfo => {
+                "a tensor's data offsets do not match its shape and dtype".into()
+            }
+            e => format!("not a valid safetensors file: {e}"),
+        })
+    })?;
+    let (_, meta) =
+        safetensors::SafeTensors::read_metadata(bytes).map_err(|e| bad(e.to_string()))?;
+    let metadata = meta
+        .metadata()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    Ok((st, metadata))
+}
+
+/// A tensor of any safetensors dtype, for [`safetensors_bytes`].
+pub(crate) struct RawTensor<'a> {
+    pub name: &'a str,
+    pub dtype: safetensors::Dtype,
+    pub dims: &'a [usize],
+    /// Little-endian, row-major.
+    pub bytes: &'a [u8],
+}
+
+/// The bytes of a safetensors file of `tensors` and `metadata`, laid out as
+/// [`Checkpoint::to_bytes`] says (the same bytes for the same input); `source` names the file
+/// in errors. Checkpoints and quantized models (`compress`) are both written through it.
+pub(crate) fn safetensors_bytes(
+    tensors: &[RawTensor],
+    metadata: &BTreeMap<String, String>,
+    source: &str,
+) -> Result<Vec<u8>> {
+    let bad = |reason: String| Error::Data {
+        path: source.to_string(),
+        reason: format!("cannot write a safetensors file: {reason}"),
+    };
+    let json_err = |e: serde_json::Error| bad(e.to_string());
+    let mut order: Vec<&RawTensor> = tensors.iter().collect();
+    order.sort_by(|a, b| b.dtype.cmp(&a.dtype).then(a.name.cmp(b.name)));
+    let mut header = String::from("{");
+    if !metadata.is_empty() {
+        // A BTreeMap serializes in key order.
+        header += "\"__metadata__\":";
+        header += &serde_json::to_string(metadata).map_err(json_err)?;
+    }
+    let mut offset = 0usize;
+    for t in &order {
+        let name = t.name;
+        // Whole bytes per element: fitgrad writes no sub-byte dtype.
+        let want = t.dims.iter().product::<usize>() * t.dtype.bitsize() / 8;
+        if t.bytes.len() != want {
+            return Err(bad(format!(
+                "tensor '{name}' holds {} bytes, its {} shape {:?} needs {want}",
+                t.bytes.len(),
+                t.dtype,
+                t.dims
+            )));
+        }
+        if header.len() > 1 {
+            header.push(',');
+        }
+        // Display writes safetensors' own names ("F32", "I8").
+        let dtype = t.dtype;
+        header += &format!(
+            "{}:{{\"dtype\":\"{dtype}\",\"shape\":{},\"data_offsets\":[{offset},{}]}}",
+            serde_json::to_string(name).map_err(json_err)?,
+            serde_json::to_string(&t.dims).map_err(json_err)?,
+            offset + want
+        );
+        offset += want;
+    }
+    header.push('}');
+    let padded = header.len().next_multiple_of(8);
+    if padded as u64 > MAX_HEADER {
+        return Err(bad(format!(
+            "the header would take {padded} bytes, past safetensors' limit of {MAX_HEADER}"
+        )));
+    }
+    let mut out = Vec::with_capacity(8 + padded + offset);
+    out.extend_from_slice(&(padded as u64).to_le_bytes());
+    out.extend_from_slice(header.as_bytes());
+    out.resize(8 + padded, b' ');
+    for t in &order {
+        out.extend_from_slice(t.bytes);
+    }
+    Ok(out)
 }
 
 /// `'a', 'b', 'c'`, at most eight names.

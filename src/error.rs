@@ -210,6 +210,16 @@ pub enum Error {
     #[error("autograd: {0}")]
     Autograd(String),
 
+    /// Data-parallel training cannot go on: a replica or rank failed, stopped answering within
+    /// the timeout, or holds another model than the others.
+    #[error("distributed training, rank {rank}: {reason}")]
+    Distributed {
+        /// The replica (or MPI rank) that reports it.
+        rank: usize,
+        /// What happened, naming the other rank where one is to blame.
+        reason: String,
+    },
+
     /// Reading or writing a file failed.
     #[error("I/O error on {path}: {source}")]
     Io {

@@ -15,7 +15,9 @@
 
 mod activation;
 pub mod checkpoint;
+pub mod compress;
 pub mod device;
+pub mod distributed;
 mod dtype;
 pub mod error;
 mod fsutil;

@@ -309,7 +309,12 @@ fn checkpointed_blocks_are_exact_with_dropout(dev: &Device) {
 
 fn checkpointed_blocks_lower_the_peak(dev: &Device) {
     let Some(fresh) = fresh_like(dev) else { return };
-    let mut cfg = GptConfig::new(VOCAB, 16, 4, 2, 32);
+    // Four blocks: checkpointed, the step keeps each block's input and one block's
+    // recomputed activations at a time. The peak measured here also holds the gradients that
+    // backward creates (a fixed share at this width), so the whole peak falls to under 0.65x;
+    // the activations alone fall to under half (the planner's categories: 0.29x at 4 blocks of
+    // train_gpt's default width).
+    let mut cfg = GptConfig::new(VOCAB, 16, 4, 4, 32);
     cfg.dropout = 0.1;
     let gpt = Gpt::new(&fresh, cfg).unwrap();
     let x = ids(5, 4 * 16);
@@ -330,7 +335,7 @@ fn checkpointed_blocks_lower_the_peak(dev: &Device) {
     let plain = step(false);
     let ckpt = step(true);
     assert!(
-        (ckpt as f64) < 0.8 * plain as f64,
+        (ckpt as f64) <= 0.65 * plain as f64,
         "peak above the parameters on {}: {ckpt} bytes checkpointed, {plain} plain",
         label(dev)
     );

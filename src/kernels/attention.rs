@@ -5,8 +5,9 @@
 //! (shaders/attention_bwd_dkv.wgsl). Tile sizes are chosen per head dim from the adapter's
 //! workgroup memory.
 
+use super::attention_sg::{self, Blocks};
 use super::Operand;
-use super::{assemble, specialize, ShaderFile, Storage};
+use super::{assemble, specialize, Storage};
 use super::{ATTENTION_BWD_DKV, ATTENTION_BWD_DQ, ATTENTION_FWD};
 use crate::device::{DeviceLimits, Kernel};
 use crate::{Device, Result};
@@ -65,27 +66,61 @@ fn rows_per_invocation(cpu: bool, quads: u32) -> u32 {
     }
 }
 
+/// Which kernels run a problem: the workgroup-tiled ones (shaders/attention_*.wgsl) or the
+/// subgroup ones (shaders/attention_sg_*.wgsl, see [`attention_sg`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Plan {
+    Tiles(Tiles),
+    Subgroup(Blocks),
+}
+
+/// The variant a caller asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Choice {
+    /// Subgroup blocks on CPU adapters with subgroups, workgroup tiles elsewhere.
+    Auto,
+    /// Workgroup tiles, workgroup memory capped at the bytes given (tests run a smaller
+    /// adapter's tiles).
+    Tiles(Option<u32>),
+    /// Subgroup blocks.
+    Subgroup,
+}
+
 /// [`plan`] for `dev`'s limits and kind of adapter. GL on a CPU adapter keeps the GPU tiles:
-/// big register blocks take minutes to compile through GLSL.
+/// big register blocks take minutes to compile through GLSL (and GL has no subgroups).
 pub(crate) fn plan_for(
     dev: &Device,
     d: usize,
-    workgroup_bytes: Option<u32>,
-) -> std::result::Result<Tiles, String> {
+    choice: Choice,
+) -> std::result::Result<Plan, String> {
     let a = &dev.info().adapter;
     let cpu = a.device_type == "Cpu" && a.backend != "gl";
-    plan(&dev.info().limits, d, workgroup_bytes, cpu)
+    plan(&dev.info().limits, d, choice, cpu, dev.info().subgroup_size)
 }
 
-/// The tiles for head dim `d` on an adapter with `limits` (a CPU adapter if `cpu`), with
-/// workgroup memory capped at `workgroup_bytes` if given (tests run a smaller adapter's tiles);
-/// otherwise the reason the fused kernels cannot run.
+/// The kernels for head dim `d` on an adapter with `limits` (a CPU adapter if `cpu`, with
+/// subgroups of `subgroup` lanes if any); otherwise the reason the fused kernels cannot run.
+/// On CPU adapters with subgroups `Auto` takes the subgroup blocks: at T >= 512 they ran
+/// forward + backward 3-5x faster than the tiles there (ARCHITECTURE.md has the figures).
 pub(crate) fn plan(
     limits: &DeviceLimits,
     d: usize,
-    workgroup_bytes: Option<u32>,
+    choice: Choice,
     cpu: bool,
-) -> std::result::Result<Tiles, String> {
+    subgroup: Option<u32>,
+) -> std::result::Result<Plan, String> {
+    match choice {
+        Choice::Tiles(bytes) => tiles(limits, d, bytes, cpu).map(Plan::Tiles),
+        Choice::Subgroup => blocks(limits, d, subgroup).map(Plan::Subgroup),
+        Choice::Auto => match blocks(limits, d, subgroup) {
+            Ok(b) if cpu => Ok(Plan::Subgroup(b)),
+            _ => tiles(limits, d, None, cpu).map(Plan::Tiles),
+        },
+    }
+}
+
+/// The head dim's bucket, if the fused kernels hold it and the adapter binds their buffers.
+fn checked_bucket(limits: &DeviceLimits, d: usize) -> std::result::Result<u32, String> {
     let Some(bucket) = bucket(d) else {
         return Err(format!(
             "head dim {d} is outside the fused kernels' 1..={MAX_HEAD_DIM}"
@@ -98,6 +133,39 @@ pub(crate) fn plan(
             limits.max_storage_buffers_per_shader_stage
         ));
     }
+    Ok(bucket)
+}
+
+/// The subgroup blocks for head dim `d` on subgroups of `subgroup` lanes.
+fn blocks(
+    limits: &DeviceLimits,
+    d: usize,
+    subgroup: Option<u32>,
+) -> std::result::Result<Blocks, String> {
+    let bucket = checked_bucket(limits, d)?;
+    let Some(sg) = subgroup else {
+        return Err("the adapter has no subgroups of one fixed size".into());
+    };
+    if limits.max_compute_invocations_per_workgroup < sg {
+        return Err(format!(
+            "the subgroup kernels run {sg} invocations per workgroup, the adapter allows {}",
+            limits.max_compute_invocations_per_workgroup
+        ));
+    }
+    attention_sg::blocks(sg, bucket).ok_or_else(|| {
+        format!("the subgroup kernels have no blocks for subgroups of {sg} lanes at head dim {d}")
+    })
+}
+
+/// The workgroup tiles for head dim `d` (on a CPU adapter if `cpu`), with workgroup memory
+/// capped at `workgroup_bytes` if given.
+fn tiles(
+    limits: &DeviceLimits,
+    d: usize,
+    workgroup_bytes: Option<u32>,
+    cpu: bool,
+) -> std::result::Result<Tiles, String> {
+    let bucket = checked_bucket(limits, d)?;
     if limits.max_compute_invocations_per_workgroup < ROWS {
         return Err(format!(
             "the kernels run {ROWS} invocations per workgroup, the adapter allows {}",
@@ -136,13 +204,16 @@ pub(crate) fn storage_variants(name: &str) -> Vec<Vec<Storage>> {
         (F16Packed, F16Packed),
         (F16Packed, F32),
     ] {
-        out.push(match name {
+        // The workgroup and subgroup variants of a pass bind the same tensors.
+        out.push(if name.ends_with("fwd") {
             // q, k, v, o, lse
-            "attention_fwd" => vec![s, s, s, o, f],
+            vec![s, s, s, o, f]
+        } else if name.ends_with("dq") {
             // q, k, v, o, dO, lse, dQ, delta
-            "attention_bwd_dq" => vec![s, s, s, s, s, f, o, f],
+            vec![s, s, s, s, s, f, o, f]
+        } else {
             // q, k, v, dO, lse, delta, dK, dV
-            _ => vec![s, s, s, s, f, f, o, o],
+            vec![s, s, s, s, f, f, o, o]
         });
     }
     out
@@ -163,11 +234,10 @@ pub(crate) struct Dims {
 }
 
 impl Dims {
-    /// The uniform words of include/attention_tiles.wgsl's `Params`, and the workgroups.
-    fn launch(&self, tiles: Tiles) -> ([u32; 8], u32) {
-        let row_tiles = self
-            .t
-            .div_ceil((tiles.rows * tiles.per_invocation) as usize);
+    /// The uniform words of include/attention_params.wgsl's `Params` for workgroups of
+    /// `rows` rows each, and the workgroups.
+    fn launch(&self, rows: u32) -> ([u32; 8], u32) {
+        let row_tiles = self.t.div_ceil(rows as usize);
         // The caller checked that every element index, hence this product, fits u32.
         let groups = (row_tiles * self.bh) as u32;
         (
@@ -190,26 +260,59 @@ impl Dims {
     }
 }
 
-/// The kernel of `file` for these storages and tiles, without wgpu's bounds checks: every
-/// global index is guarded by `quad_len` and every workgroup-array index is below its size by
-/// the loop bounds.
-fn trusted(
-    file: &ShaderFile,
+/// The forward (0), dQ (1) and dK / dV (2) passes.
+#[derive(Clone, Copy)]
+enum Pass {
+    Fwd = 0,
+    Dq = 1,
+    Dkv = 2,
+}
+
+/// The kernel of `pass` under `plan` for these storages, its parameters and workgroups. Both
+/// variants run without wgpu's bounds checks: every global index is clamped into its row or
+/// guarded by the row's length (`quad_len`, `row_*` / `put_*`), and every workgroup-array index
+/// is below its size by the loop bounds; tests cover T = 1, odd D and partial tiles.
+fn pipeline(
     dev: &Device,
+    pass: Pass,
     storage: &[Storage],
-    tiles: Tiles,
-) -> Result<Arc<Kernel>> {
-    let consts = consts(tiles);
-    let mut key = format!("{}_trusted", file.name);
-    for (name, v) in consts {
-        key += &format!("_{name}{v}");
-    }
+    plan: Plan,
+    dims: Dims,
+) -> Result<(Arc<Kernel>, [u32; 8], u32)> {
+    let mut key = String::new();
     for s in storage {
         key += &format!("_{s:?}");
     }
-    dev.kernel(&key, &[], true, || {
-        assemble(&specialize(file.body, &consts), &file.with_storage(storage))
-    })
+    let (kernel, rows) = match plan {
+        Plan::Tiles(tiles) => {
+            let file = [&ATTENTION_FWD, &ATTENTION_BWD_DQ, &ATTENTION_BWD_DKV][pass as usize];
+            let consts = consts(tiles);
+            for (name, v) in consts {
+                key += &format!("_{name}{v}");
+            }
+            let k = dev.kernel(&format!("{}_trusted{key}", file.name), &[], true, || {
+                assemble(&specialize(file.body, &consts), &file.with_storage(storage))
+            })?;
+            (k, tiles.rows * tiles.per_invocation)
+        }
+        Plan::Subgroup(blocks) => {
+            let file = attention_sg::file(pass as usize);
+            let block = match pass {
+                Pass::Dkv => blocks.keys,
+                _ => blocks.queries,
+            };
+            // Rows start on quads when D % 4 == 0: q, k, v and the outputs are read and
+            // written as quads.
+            let vec = dims.d.is_multiple_of(4);
+            let name = format!("{}_{block:?}_vec{vec}{key}", file.name);
+            let k = dev.kernel(&name, &[], true, || {
+                attention_sg::source(file, block, vec, storage)
+            })?;
+            (k, block.rows)
+        }
+    };
+    let (params, groups) = dims.launch(rows);
+    Ok((kernel, params, groups))
 }
 
 fn consts(t: Tiles) -> [(&'static str, u32); 4] {
@@ -228,7 +331,7 @@ pub(crate) fn forward<T: Operand>(
     k: &T,
     v: &T,
     dims: Dims,
-    tiles: Tiles,
+    plan: Plan,
     o: &T,
     lse: &T,
 ) -> Result<()> {
@@ -238,8 +341,7 @@ pub(crate) fn forward<T: Operand>(
     let dev = q.device();
     let s = Storage::of(dev, q.dtype());
     let storage = [s, s, s, Storage::of(dev, o.dtype()), Storage::F32];
-    let kernel = trusted(&ATTENTION_FWD, dev, &storage, tiles)?;
-    let (params, groups) = dims.launch(tiles);
+    let (kernel, params, groups) = pipeline(dev, Pass::Fwd, &storage, plan, dims)?;
     dev.dispatch(
         &kernel,
         &params,
@@ -259,7 +361,7 @@ pub(crate) fn backward_dq<T: Operand>(
     dy: &T,
     lse: &T,
     dims: Dims,
-    tiles: Tiles,
+    plan: Plan,
     dq: &T,
     delta: &T,
 ) -> Result<()> {
@@ -270,8 +372,7 @@ pub(crate) fn backward_dq<T: Operand>(
     let s = Storage::of(dev, q.dtype());
     let f = Storage::F32;
     let storage = [s, s, s, s, s, f, Storage::of(dev, dq.dtype()), f];
-    let kernel = trusted(&ATTENTION_BWD_DQ, dev, &storage, tiles)?;
-    let (params, groups) = dims.launch(tiles);
+    let (kernel, params, groups) = pipeline(dev, Pass::Dq, &storage, plan, dims)?;
     dev.dispatch(
         &kernel,
         &params,
@@ -300,7 +401,7 @@ pub(crate) fn backward_dkv<T: Operand>(
     lse: &T,
     delta: &T,
     dims: Dims,
-    tiles: Tiles,
+    plan: Plan,
     dk: &T,
     dv: &T,
 ) -> Result<()> {
@@ -321,8 +422,7 @@ pub(crate) fn backward_dkv<T: Operand>(
         Storage::of(dev, dk.dtype()),
         Storage::of(dev, dv.dtype()),
     ];
-    let kernel = trusted(&ATTENTION_BWD_DKV, dev, &storage, tiles)?;
-    let (params, groups) = dims.launch(tiles);
+    let (kernel, params, groups) = pipeline(dev, Pass::Dkv, &storage, plan, dims)?;
     dev.dispatch(
         &kernel,
         &params,
@@ -363,7 +463,7 @@ mod tests {
         d: usize,
         bytes: Option<u32>,
     ) -> std::result::Result<Tiles, String> {
-        plan(l, d, bytes, true)
+        tiles(l, d, bytes, true)
     }
 
     #[test]
@@ -408,11 +508,41 @@ mod tests {
     #[test]
     fn cpu_adapters_hold_several_rows() {
         let l = limits(32 << 10);
-        assert_eq!(plan(&l, 64, None, false).unwrap().per_invocation, 1);
-        assert_eq!(plan(&l, 128, None, false).unwrap().per_invocation, 1);
-        assert_eq!(plan(&l, 32, None, true).unwrap().per_invocation, 2);
-        assert_eq!(plan(&l, 64, None, true).unwrap().per_invocation, 2);
-        assert_eq!(plan(&l, 128, None, true).unwrap().per_invocation, 1);
+        assert_eq!(tiles(&l, 64, None, false).unwrap().per_invocation, 1);
+        assert_eq!(tiles(&l, 128, None, false).unwrap().per_invocation, 1);
+        assert_eq!(tiles(&l, 32, None, true).unwrap().per_invocation, 2);
+        assert_eq!(tiles(&l, 64, None, true).unwrap().per_invocation, 2);
+        assert_eq!(tiles(&l, 128, None, true).unwrap().per_invocation, 1);
+    }
+
+    /// CPU adapters with subgroups run the subgroup blocks; GPUs, GL and adapters without
+    /// subgroups the tiles; forcing the subgroup blocks says why where they cannot run.
+    #[test]
+    fn the_plan_follows_the_adapter() {
+        let l = limits(32 << 10);
+        for d in [1, 32, 64, 100, 128] {
+            assert!(matches!(
+                plan(&l, d, Choice::Auto, true, Some(8)),
+                Ok(Plan::Subgroup(_))
+            ));
+            for (cpu, sg) in [(false, Some(32)), (true, None), (false, None)] {
+                assert!(matches!(
+                    plan(&l, d, Choice::Auto, cpu, sg),
+                    Ok(Plan::Tiles(_))
+                ));
+            }
+            assert!(matches!(
+                plan(&l, d, Choice::Tiles(None), true, Some(8)),
+                Ok(Plan::Tiles(_))
+            ));
+        }
+        let e = plan(&l, 64, Choice::Subgroup, true, None).unwrap_err();
+        assert!(e.contains("subgroups"), "{e}");
+        // 64 lanes cannot each own whole column quads of a 32-wide head.
+        let e = plan(&l, 32, Choice::Subgroup, false, Some(64)).unwrap_err();
+        assert!(e.contains("no blocks"), "{e}");
+        let e = plan(&l, 129, Choice::Subgroup, true, Some(8)).unwrap_err();
+        assert!(e.contains("head dim"), "{e}");
     }
 
     /// Every tile specialization the plans can choose parses and validates, in every storage.
@@ -422,7 +552,7 @@ mod tests {
         for bytes in [8 << 10, 16 << 10, 32 << 10] {
             for d in [32, 64, 128] {
                 for cpu in [false, true] {
-                    let t = plan(&limits(bytes), d, None, cpu).unwrap();
+                    let t = tiles(&limits(bytes), d, None, cpu).unwrap();
                     if !seen.contains(&t) {
                         seen.push(t);
                     }

@@ -10,6 +10,7 @@
 //! 32-bit words, and two invocations never write halves of the same word.
 
 pub(crate) mod attention;
+pub(crate) mod attention_sg;
 pub(crate) mod dropout;
 pub(crate) mod elementwise;
 pub(crate) mod grad_norm;
@@ -20,6 +21,7 @@ pub mod matmul;
 pub(crate) mod nonfinite;
 mod operand;
 pub(crate) mod optim;
+pub(crate) mod qmatmul;
 pub(crate) mod reduce;
 pub(crate) mod reduce_max;
 pub(crate) mod softmax;
@@ -117,7 +119,9 @@ fn wgsl_array_type(b: &Binding) -> &'static str {
         (Storage::F32, true) => "vec4<f32>",
         (Storage::F16, true) => "vec4<f16>",
         (Storage::F16Packed, true) => "vec2<u32>",
-        (Storage::U32, _) => "u32",
+        (Storage::U32, false) => "u32",
+        // Four raw words per load (the quantized matmul's weights).
+        (Storage::U32, true) => "vec4<u32>",
     }
 }
 
@@ -455,9 +459,35 @@ pub const DROPOUT: ShaderFile = ShaderFile {
     bindings: &[("x", false), ("out", true)],
 };
 
+pub const QMATMUL: ShaderFile = ShaderFile {
+    name: "qmatmul",
+    body: concat!(
+        include_str!("../../shaders/include/matmul_common.wgsl"),
+        include_str!("../../shaders/include/qmatmul_common.wgsl"),
+        include_str!("../../shaders/qmatmul.wgsl")
+    ),
+    // w holds the int8 weights as raw u32 words; scale and bias are f32.
+    bindings: &[
+        ("a", false),
+        ("w", false),
+        ("scale", false),
+        ("bias", false),
+        ("c", true),
+    ],
+};
+pub const QMATMUL_SG: ShaderFile = ShaderFile {
+    name: "qmatmul_sg",
+    body: concat!(
+        include_str!("../../shaders/include/matmul_common.wgsl"),
+        include_str!("../../shaders/include/qmatmul_common.wgsl"),
+        include_str!("../../shaders/qmatmul_sg.wgsl")
+    ),
+    bindings: QMATMUL.bindings,
+};
 pub const ATTENTION_FWD: ShaderFile = ShaderFile {
     name: "attention_fwd",
     body: concat!(
+        include_str!("../../shaders/include/attention_params.wgsl"),
         include_str!("../../shaders/include/attention_tiles.wgsl"),
         include_str!("../../shaders/attention_fwd.wgsl")
     ),
@@ -472,6 +502,7 @@ pub const ATTENTION_FWD: ShaderFile = ShaderFile {
 pub const ATTENTION_BWD_DQ: ShaderFile = ShaderFile {
     name: "attention_bwd_dq",
     body: concat!(
+        include_str!("../../shaders/include/attention_params.wgsl"),
         include_str!("../../shaders/include/attention_tiles.wgsl"),
         include_str!("../../shaders/attention_bwd_dq.wgsl")
     ),
@@ -489,6 +520,7 @@ pub const ATTENTION_BWD_DQ: ShaderFile = ShaderFile {
 pub const ATTENTION_BWD_DKV: ShaderFile = ShaderFile {
     name: "attention_bwd_dkv",
     body: concat!(
+        include_str!("../../shaders/include/attention_params.wgsl"),
         include_str!("../../shaders/include/attention_tiles.wgsl"),
         include_str!("../../shaders/attention_bwd_dkv.wgsl")
     ),
@@ -502,6 +534,31 @@ pub const ATTENTION_BWD_DKV: ShaderFile = ShaderFile {
         ("dk", true),
         ("dv", true),
     ],
+};
+
+pub const ATTENTION_SG_FWD: ShaderFile = ShaderFile {
+    name: "attention_sg_fwd",
+    body: concat!(
+        include_str!("../../shaders/include/attention_params.wgsl"),
+        include_str!("../../shaders/attention_sg_fwd.wgsl")
+    ),
+    bindings: ATTENTION_FWD.bindings,
+};
+pub const ATTENTION_SG_DQ: ShaderFile = ShaderFile {
+    name: "attention_sg_dq",
+    body: concat!(
+        include_str!("../../shaders/include/attention_params.wgsl"),
+        include_str!("../../shaders/attention_sg_dq.wgsl")
+    ),
+    bindings: ATTENTION_BWD_DQ.bindings,
+};
+pub const ATTENTION_SG_DKV: ShaderFile = ShaderFile {
+    name: "attention_sg_dkv",
+    body: concat!(
+        include_str!("../../shaders/include/attention_params.wgsl"),
+        include_str!("../../shaders/attention_sg_dkv.wgsl")
+    ),
+    bindings: ATTENTION_BWD_DKV.bindings,
 };
 
 /// Every shader file, for validation without a GPU (unit test and `cargo xtask shaders`).
@@ -530,9 +587,14 @@ pub const SHADERS: &[ShaderFile] = &[
     PERMUTE,
     STRIDED_COPY,
     GRAD_NORM,
+    QMATMUL,
+    QMATMUL_SG,
     ATTENTION_FWD,
     ATTENTION_BWD_DQ,
     ATTENTION_BWD_DKV,
+    ATTENTION_SG_FWD,
+    ATTENTION_SG_DQ,
+    ATTENTION_SG_DKV,
 ];
 
 impl ShaderFile {
@@ -595,6 +657,12 @@ pub fn variants(file: &ShaderFile) -> Vec<Vec<Binding>> {
         .iter()
         .map(|st| file.with_storage(st))
         .collect();
+    if file.name.starts_with("qmatmul") {
+        // The weights are always read as vec4<u32> (rows padded to whole quads of words).
+        for b in out.iter_mut().flatten().filter(|b| b.name == "w") {
+            b.vec4 = true;
+        }
+    }
     if file.name.starts_with("matmul_") {
         // With 16-byte aligned rows, A, B and C are read and written as vec4.
         let vectorized: Vec<Vec<Binding>> = out
@@ -688,15 +756,21 @@ fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
             .map(|&s| vec![s, s, s, F32, F32, s])
             .chain([vec![F16Packed, F16Packed, F16Packed, F32, F32, F32]])
             .collect(),
+        // Weights are raw u32 words, scales and bias f32; packed f16 rows of N % 4 != 0 are
+        // written to f32 first.
+        "qmatmul" | "qmatmul_sg" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s, U32, F32, F32, s])
+            .chain([vec![F16Packed, U32, F32, F32, F32]])
+            .collect(),
         // Column partial sums are f32.
         "layer_norm_dwdb" => [F32, F16, F16Packed]
             .iter()
             .map(|&s| vec![s, s, F32, F32, F32, F32])
             .collect(),
         // Attention's row statistics are f32; packed f16 outputs with D odd are written to f32.
-        "attention_fwd" | "attention_bwd_dq" | "attention_bwd_dkv" => {
-            attention::storage_variants(file.name)
-        }
+        "attention_fwd" | "attention_bwd_dq" | "attention_bwd_dkv" | "attention_sg_fwd"
+        | "attention_sg_dq" | "attention_sg_dkv" => attention::storage_variants(file.name),
         _ => [F32, F16, F16Packed].iter().map(|&s| vec![s; n]).collect(),
     }
 }
@@ -723,6 +797,12 @@ pub fn validate_wgsl(src: &str) -> std::result::Result<(), String> {
 pub fn validate_all() -> Vec<(String, std::result::Result<(), String>)> {
     let mut out = Vec::new();
     for file in SHADERS {
+        // The subgroup attention shaders are templates: only their expansions are kernels.
+        if file.name.starts_with("attention_sg") {
+            let forms = attention_sg::validation_sources(file);
+            out.extend(forms.into_iter().map(|(n, src)| (n, validate_wgsl(&src))));
+            continue;
+        }
         // The subgroup matmul is validated as written and expanded (a 16 x 8 block, in its
         // plain and transposed forms).
         let mut bodies = vec![(String::new(), file.body.to_string())];

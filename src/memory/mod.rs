@@ -190,10 +190,12 @@ impl Arena {
             let sizes = &mut self.stats.in_use_by_category;
             sizes.sub(*old, block.size);
             sizes.add(cat, block.size);
+            let now = sizes.get(cat);
             if let Some(r) = self.timeline.0.as_mut() {
                 r.retag(block, *old, cat, &self.stats);
             }
             *old = cat;
+            self.stats.category_peaks.raise(cat, now);
         }
     }
 
@@ -258,6 +260,7 @@ impl Arena {
         self.stats.peak_bytes_in_use = self.stats.bytes_in_use;
         self.stats.peak_bytes_reserved = self.stats.bytes_reserved;
         self.stats.peak_by_category = self.stats.in_use_by_category;
+        self.stats.category_peaks = self.stats.in_use_by_category;
     }
 
     /// Bytes a request of `bytes` really takes from a segment.
@@ -438,6 +441,8 @@ impl Arena {
         let buffer = seg.buffer.clone();
         self.live.insert((seg_idx, off), self.category);
         self.stats.in_use_by_category.add(self.category, size);
+        let now = self.stats.in_use_by_category.get(self.category);
+        self.stats.category_peaks.raise(self.category, now);
         self.stats.bytes_in_use += size;
         if self.stats.bytes_in_use > self.stats.peak_bytes_in_use {
             self.stats.peak_bytes_in_use = self.stats.bytes_in_use;

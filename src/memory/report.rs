@@ -38,6 +38,9 @@ pub struct MemoryStats {
     pub in_use_by_category: ByCategory,
     /// What the bytes in use held at the in-use peak.
     pub peak_by_category: ByCategory,
+    /// The most bytes each category held at once, each at its own peak (a buffer that lives
+    /// only after the in-use peak, such as the all-reduce buffer, shows here).
+    pub category_peaks: ByCategory,
     /// The kernel (or copy) being recorded when the in-use peak was reached, with the phase
     /// of the step where one was set (`"matmul_reg_f32_f32_f32_f32 (backward)"`).
     pub peak_op: Option<String>,
@@ -59,16 +62,20 @@ pub enum Category {
     /// Everything else: input batches, targets, scalars, tensors made outside a step.
     #[default]
     Workspace,
+    /// Data-parallel training's flat gradient buffer, read back once per step for the
+    /// all-reduce (src/distributed).
+    Communication,
 }
 
 impl Category {
     /// Every category, in report order.
-    pub const ALL: [Category; 5] = [
+    pub const ALL: [Category; 6] = [
         Category::Parameters,
         Category::Gradients,
         Category::OptimizerState,
         Category::Activations,
         Category::Workspace,
+        Category::Communication,
     ];
 
     /// The name used in reports.
@@ -79,6 +86,7 @@ impl Category {
             Category::OptimizerState => "optimizer state",
             Category::Activations => "activations",
             Category::Workspace => "workspace",
+            Category::Communication => "communication",
         }
     }
 }
@@ -86,7 +94,7 @@ impl Category {
 /// Bytes per [`Category`]. In JSON an object with one field per category.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(into = "NamedCategories", from = "NamedCategories")]
-pub struct ByCategory(pub [u64; 5]);
+pub struct ByCategory(pub [u64; 6]);
 
 /// [`ByCategory`] with named fields, for JSON.
 #[derive(Serialize, Deserialize)]
@@ -96,17 +104,21 @@ struct NamedCategories {
     optimizer_state: u64,
     activations: u64,
     workspace: u64,
+    /// Absent in reports written before data-parallel training counted it.
+    #[serde(default)]
+    communication: u64,
 }
 
 impl From<ByCategory> for NamedCategories {
     fn from(b: ByCategory) -> Self {
-        let [parameters, gradients, optimizer_state, activations, workspace] = b.0;
+        let [parameters, gradients, optimizer_state, activations, workspace, communication] = b.0;
         NamedCategories {
             parameters,
             gradients,
             optimizer_state,
             activations,
             workspace,
+            communication,
         }
     }
 }
@@ -119,6 +131,7 @@ impl From<NamedCategories> for ByCategory {
             n.optimizer_state,
             n.activations,
             n.workspace,
+            n.communication,
         ])
     }
 }
@@ -140,6 +153,12 @@ impl ByCategory {
 
     pub(crate) fn sub(&mut self, cat: Category, bytes: u64) {
         self.0[cat as usize] -= bytes;
+    }
+
+    /// Raises the count of `cat` to `bytes` if it is lower (a per-category peak).
+    pub(crate) fn raise(&mut self, cat: Category, bytes: u64) {
+        let slot = &mut self.0[cat as usize];
+        *slot = (*slot).max(bytes);
     }
 }
 

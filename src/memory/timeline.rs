@@ -34,17 +34,20 @@ pub enum Role {
     Workspace,
     /// f32 temporaries a kernel writes before the cast into a packed-f16 output.
     Staging,
+    /// Data-parallel training's flat gradient buffer for the all-reduce.
+    Communication,
 }
 
 impl Role {
     /// Every role, in report (and chart stacking) order.
-    pub const ALL: [Role; 6] = [
+    pub const ALL: [Role; 7] = [
         Role::Parameter,
         Role::Gradient,
         Role::OptimizerState,
         Role::Activation,
         Role::Workspace,
         Role::Staging,
+        Role::Communication,
     ];
 
     /// The name used in reports.
@@ -56,6 +59,7 @@ impl Role {
             Role::Activation => "activations",
             Role::Workspace => "workspace",
             Role::Staging => "staging",
+            Role::Communication => "communication",
         }
     }
 }
@@ -68,6 +72,7 @@ impl From<Category> for Role {
             Category::OptimizerState => Role::OptimizerState,
             Category::Activations => Role::Activation,
             Category::Workspace => Role::Workspace,
+            Category::Communication => Role::Communication,
         }
     }
 }
@@ -87,6 +92,9 @@ pub struct RoleBytes {
     pub workspace: u64,
     /// Staging.
     pub staging: u64,
+    /// The all-reduce buffer (absent in timelines written before it was counted).
+    #[serde(default)]
+    pub communication: u64,
 }
 
 impl RoleBytes {
@@ -99,6 +107,7 @@ impl RoleBytes {
             Role::Activation => self.activation,
             Role::Workspace => self.workspace,
             Role::Staging => self.staging,
+            Role::Communication => self.communication,
         }
     }
 
@@ -110,6 +119,7 @@ impl RoleBytes {
             Role::Activation => &mut self.activation,
             Role::Workspace => &mut self.workspace,
             Role::Staging => &mut self.staging,
+            Role::Communication => &mut self.communication,
         }
     }
 

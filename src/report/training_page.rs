@@ -21,15 +21,17 @@ fn role_color(r: Role) -> &'static str {
         Role::Activation => "#e69f00",
         Role::Workspace => "#999999",
         Role::Staging => "#cc79a7",
+        Role::Communication => "#f0e442",
     }
 }
 
 /// Bottom to top: what lasts the whole run first (so those bands stay flat), then what a step
 /// makes and frees.
-const STACK: [Role; 6] = [
+const STACK: [Role; 7] = [
     Role::Parameter,
     Role::OptimizerState,
     Role::Gradient,
+    Role::Communication,
     Role::Activation,
     Role::Workspace,
     Role::Staging,

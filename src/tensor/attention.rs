@@ -5,7 +5,7 @@
 use super::operand::staged_f32;
 use super::{DType, MatmulOptions, Shape, SoftmaxOptions, Tensor};
 use crate::autograd::record;
-use crate::kernels::attention::{self as kernel, Dims, Tiles};
+use crate::kernels::attention::{self as kernel, Choice, Dims, Plan};
 use crate::kernels::softmax::needs_f32_staging;
 use crate::{Error, Result};
 
@@ -120,11 +120,12 @@ impl Tensor {
         v: &Tensor,
         opts: &AttentionOptions,
     ) -> Result<Tensor> {
-        self.attention_impl(k, v, opts, None)
+        self.attention_impl(k, v, opts, Choice::Auto)
     }
 
-    /// The fused attention with its workgroup memory capped at `workgroup_bytes`, so tests run
-    /// the tiles of a smaller adapter (tests and benchmarks).
+    /// The fused attention's workgroup-tiled kernels (those of GPUs) with their workgroup
+    /// memory capped at `workgroup_bytes`, so tests run the tiles of a smaller adapter (tests
+    /// and benchmarks).
     #[doc(hidden)]
     pub fn attention_fused_within(
         &self,
@@ -136,7 +137,17 @@ impl Tensor {
         let opts = AttentionOptions::new()
             .causal(causal)
             .kind(AttentionKind::Fused);
-        self.attention_impl(k, v, &opts, Some(workgroup_bytes))
+        self.attention_impl(k, v, &opts, Choice::Tiles(Some(workgroup_bytes)))
+    }
+
+    /// The fused attention's subgroup kernels (those of CPU adapters with subgroups), or an
+    /// [`Error::InvalidArgument`] saying why the adapter cannot run them (tests and benchmarks).
+    #[doc(hidden)]
+    pub fn attention_fused_subgroup(&self, k: &Tensor, v: &Tensor, causal: bool) -> Result<Tensor> {
+        let opts = AttentionOptions::new()
+            .causal(causal)
+            .kind(AttentionKind::Fused);
+        self.attention_impl(k, v, &opts, Choice::Subgroup)
     }
 
     fn attention_impl(
@@ -144,10 +155,10 @@ impl Tensor {
         k: &Tensor,
         v: &Tensor,
         opts: &AttentionOptions,
-        workgroup_bytes: Option<u32>,
+        choice: Choice,
     ) -> Result<Tensor> {
         let dims = check(self, k, v, opts.causal)?;
-        let plan = || kernel::plan_for(self.device(), dims.d, workgroup_bytes);
+        let plan = || kernel::plan_for(self.device(), dims.d, choice);
         let fused = match opts.kind {
             AttentionKind::Composed => None,
             AttentionKind::Auto => plan().ok(),
@@ -162,7 +173,7 @@ impl Tensor {
             return empty(self, k, v);
         }
         match fused {
-            Some(tiles) => fused_attention(self, k, v, dims, tiles),
+            Some(plan) => fused_attention(self, k, v, dims, plan),
             None => composed(self, k, v, dims),
         }
     }
@@ -254,7 +265,7 @@ fn composed(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims) -> Result<Tensor> {
 }
 
 /// The fused forward, and its backward rule.
-fn fused_attention(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims, tiles: Tiles) -> Result<Tensor> {
+fn fused_attention(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims, plan: Plan) -> Result<Tensor> {
     let dev = q.device();
     let dtype = q.dtype();
     let shape = q.shape().clone();
@@ -264,7 +275,7 @@ fn fused_attention(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims, tiles: Tiles)
     // Packed f16 rows of odd D straddle words: such outputs are written to f32 and cast.
     let staged = needs_f32_staging(dev, dtype, dims.d);
     staged_f32(&out, staged, |o| {
-        kernel::forward(q, k, v, dims, tiles, o, &lse)
+        kernel::forward(q, k, v, dims, plan, o, &lse)
     })?;
     let y = out.detach();
     Ok(record(OP, out, &[q, k, v], || {
@@ -280,7 +291,7 @@ fn fused_attention(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims, tiles: Tiles)
             let delta = Tensor::uninit(dev, lse.shape().clone(), DType::F32)?;
             let dq = Tensor::uninit(dev, shape.clone(), dtype)?;
             staged_f32(&dq, staged, |dq| {
-                kernel::backward_dq(&q, &k, &v, &y, &g, &lse, dims, tiles, dq, &delta)
+                kernel::backward_dq(&q, &k, &v, &y, &g, &lse, dims, plan, dq, &delta)
             })?;
             let (mut dk, mut dv) = (None, None);
             if need[1] || need[2] {
@@ -288,7 +299,7 @@ fn fused_attention(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims, tiles: Tiles)
                 let gv = Tensor::uninit(dev, shape.clone(), dtype)?;
                 staged_f32(&gk, staged, |gk| {
                     staged_f32(&gv, staged, |gv| {
-                        kernel::backward_dkv(&q, &k, &v, &g, &lse, &delta, dims, tiles, gk, gv)
+                        kernel::backward_dkv(&q, &k, &v, &g, &lse, &delta, dims, plan, gk, gv)
                     })
                 })?;
                 dk = need[1].then_some(gk);

@@ -13,6 +13,7 @@ mod plan;
 mod rows;
 pub mod shard;
 mod summary;
+mod sync;
 pub mod text;
 mod trainer;
 
@@ -25,6 +26,7 @@ pub use model::{
 pub use plan::Plan;
 pub use rows::HostRows;
 pub use summary::{Evaluation, MemorySummary};
+pub use sync::GradientSync;
 pub use trainer::{Trainer, TrainerConfig};
 
 use crate::DType;

@@ -35,6 +35,12 @@ pub struct Plan {
     pub activations: u64,
     /// Everything else alive at the peak (scalars, tensors made outside the step).
     pub workspace: u64,
+    /// Data-parallel training's flat gradient buffer for the all-reduce, where it is alive at
+    /// the peak (0 on one device).
+    pub communication: u64,
+    /// The most bytes the all-reduce buffer took during the step, at the peak or not (0 on one
+    /// device): one f32 per gradient element and one for the loss, read back once per step.
+    pub all_reduce_buffer: u64,
     /// Peak bytes in use: the sum of the above at the worst point of the step.
     pub peak: u64,
     /// Peak bytes the arena holds from the driver (segments, with rounding and free ranges).
@@ -61,10 +67,20 @@ impl fmt::Display for Plan {
         writeln!(f, "  optimizer state   {:>12}", Bytes(self.optimizer_state))?;
         writeln!(f, "  activations       {:>12}", Bytes(self.activations))?;
         writeln!(f, "  workspace         {:>12}", Bytes(self.workspace))?;
+        if self.communication > 0 {
+            writeln!(f, "  communication     {:>12}", Bytes(self.communication))?;
+        }
         writeln!(f, "  = peak in use     {:>12}", Bytes(self.peak))?;
         writeln!(f, "  peak reserved     {:>12}", Bytes(self.peak_reserved))?;
         if let Some(op) = &self.peak_op {
             writeln!(f, "  peak reached at   {op}")?;
+        }
+        if self.all_reduce_buffer > 0 {
+            writeln!(
+                f,
+                "  all-reduce buffer {:>12} (gradients and loss, read back once per step)",
+                Bytes(self.all_reduce_buffer)
+            )?;
         }
         Ok(())
     }
@@ -212,12 +228,14 @@ impl<M: Module> Trainer<M> {
             optimizer_state: at(Category::OptimizerState),
             activations: at(Category::Activations),
             workspace: at(Category::Workspace),
+            communication: at(Category::Communication),
+            all_reduce_buffer: stats.category_peaks.get(Category::Communication),
             peak: stats.peak_bytes_in_use,
             peak_reserved: stats.peak_bytes_reserved,
             new_buffers: stats.buffers_created - before.buffers_created,
             peak_op: stats.peak_op,
             micro_batch: micro_used,
-            micro_batches: indices.len().div_ceil(micro_used),
+            micro_batches: self.share(indices.len()).len().div_ceil(micro_used),
         };
         Ok((plan, timeline))
     }

@@ -11,6 +11,7 @@ use super::events::TrainEvent;
 use super::model::{Batch, BatchSource, ClassBatch, StepContext, TrainModel};
 use super::rows::{DeviceRows, HostRows};
 use super::summary::{Evaluation, MemorySummary};
+use super::sync::GradientSync;
 use super::Precision;
 use crate::kernels::elementwise::{self, BinaryOp};
 use crate::memory::Category;
@@ -153,6 +154,8 @@ pub struct Trainer<M> {
     pub(super) scaler: Option<GradScaler>,
     /// What the trainer changed on its own (micro-batch halvings, skipped steps), for the log.
     pub(super) events: Vec<TrainEvent>,
+    /// Data-parallel training: this replica's share of each batch and the gradient all-reduce.
+    pub(super) sync: Option<Box<dyn GradientSync>>,
 }
 
 impl<M: Module> Trainer<M> {
@@ -217,7 +220,24 @@ impl<M: Module> Trainer<M> {
             micro,
             scaler,
             events: Vec::new(),
+            sync: None,
         })
+    }
+
+    /// Makes this trainer one replica of data-parallel training (see [`GradientSync`]; the
+    /// `distributed` module installs it), or a single-device trainer again with `None`.
+    pub fn set_gradient_sync(&mut self, sync: Option<Box<dyn GradientSync>>) {
+        self.sync = sync;
+    }
+
+    /// Whether a [`GradientSync`] is installed (the trainer is a data-parallel replica).
+    pub fn has_gradient_sync(&self) -> bool {
+        self.sync.is_some()
+    }
+
+    /// This replica's positions in a batch of `n` samples: all of them on one device.
+    pub(super) fn share(&self, n: usize) -> std::ops::Range<usize> {
+        self.sync.as_ref().map_or(0..n, |s| s.share(n))
     }
 
     /// What the trainer decided on its own since the last call (micro-batch changes after an
@@ -440,7 +460,10 @@ impl<M: Module> Trainer<M> {
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
+        // Each micro-batch's loss is weighted by its share of all `n` samples, including those
+        // other replicas run (data-parallel), so the summed gradients are the batch mean's.
         let n = indices.len();
+        let indices = &indices[self.share(n)];
         let mb = self.micro.max(1);
         let step_loss = self.step_loss.clone();
         elementwise::fill(&step_loss, 0.0)?;
@@ -448,7 +471,7 @@ impl<M: Module> Trainer<M> {
         let dev = self.device.clone();
         let _step = dev.step_scope();
         let chunks: Vec<&[usize]> = indices.chunks(mb).collect();
-        let last = chunks.len() - 1;
+        let last = chunks.len().saturating_sub(1);
         let result = (|| {
             for (i, chunk) in chunks.iter().enumerate() {
                 if planning && i > 1 && i != last {
@@ -494,6 +517,13 @@ impl<M: Module> Trainer<M> {
             }
             Ok(())
         })();
+        let result = result.and_then(|()| match self.sync.as_mut() {
+            Some(sync) => {
+                let _p = dev.phase_scope("gradient all-reduce");
+                sync.reduce(self.step, &self.model.parameters(), &step_loss)
+            }
+            None => Ok(()),
+        });
         if let Err(e) = result {
             self.optimizer.zero_grad();
             return Err(e);

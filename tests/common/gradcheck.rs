@@ -1,4 +1,4 @@
-//! The finite-difference gradient check of tests/autograd.rs, for test files of their own: for an
+//! The finite-difference gradient check every test file uses (tests/autograd.rs included): for an
 //! op f, inputs x and a random upstream weight w of f's output shape, L(x) = sum(f(x) * w) is
 //! computed in f64 on a plain-loop reference, and dL/dx_i is the central difference
 //! (L(x + h e_i) - L(x - h e_i)) / 2h with h = 1e-3 max(1, |x_i|). The GPU gradient is `x.grad()`
@@ -46,20 +46,23 @@ pub fn compare(what: &str, got: &[f32], want: &[f64]) -> Res<()> {
             want.len()
         ));
     }
-    let bad: Vec<usize> = (0..got.len())
-        .filter(|&i| {
-            !(got[i].is_finite() && ((got[i] as f64) - want[i]).abs() <= grad_tol(want[i]))
-        })
-        .collect();
-    match bad.first() {
+    let mut bad = 0;
+    let mut first = None;
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let ok = g.is_finite() && ((g as f64) - w).abs() <= grad_tol(w);
+        if !ok {
+            bad += 1;
+            first.get_or_insert((i, g, w));
+        }
+    }
+    match first {
         None => Ok(()),
-        Some(&i) => Err(format!(
-            "{what}: {} of {} values differ; first at index {i}: got {:e}, expected {:e}\n  \
-             got:      {got:?}\n  expected: {want:?}",
-            bad.len(),
+        Some((i, g, w)) => Err(format!(
+            "{what}: {bad} of {} values differ; first at index {i}: got {g:e}, expected {w:e} \
+             (|diff| {:e}, tolerance {:e})\n  got:      {got:?}\n  expected: {want:?}",
             got.len(),
-            got[i],
-            want[i]
+            ((g as f64) - w).abs(),
+            grad_tol(w)
         )),
     }
 }
@@ -88,10 +91,10 @@ fn finite_diff(reference: &Reference, xs: &[Vec<f64>], i: usize, w: &[f64]) -> V
         .collect()
 }
 
-/// Runs `forward` on `inputs` (f32, those with `grad` requiring grad), checks its values against
-/// `reference`, backpropagates `sum(out * w)` for a random `w` from `seed`, and compares every
-/// requested gradient with the finite differences of the reference. Inputs that do not require
-/// grad must get none.
+/// Builds `forward` on `inputs` (those with `grad` marked as requiring grad), checks its values
+/// against `reference`, backpropagates `sum(out * w)` for a random `w` drawn from `seed`, and
+/// compares every requested gradient with the finite differences of the reference. Inputs that
+/// do not require grad must get no gradient.
 pub fn check_grads(
     dev: &Device,
     what: &str,
@@ -106,6 +109,8 @@ pub fn check_grads(
         .iter()
         .map(|i| i.data.iter().map(|&v| v as f64).collect())
         .collect();
+    let want_out = reference(&xs);
+
     let ts: Vec<Tensor> = inputs
         .iter()
         .map(|i| {
@@ -118,12 +123,19 @@ pub fn check_grads(
         })
         .collect();
     let out = forward(&ts).map_err(|e| err("forward", e))?;
+    let any_grad = inputs.iter().any(|i| i.grad);
+    if out.requires_grad() != any_grad {
+        return Err(format!(
+            "{what}: output requires_grad() is {}, inputs requiring grad: {any_grad}",
+            out.requires_grad()
+        ));
+    }
     let out_dims = out.dims().to_vec();
-    let got = out.to_vec_f32().map_err(|e| err("forward readback", e))?;
+    let got_out = out.to_vec_f32().map_err(|e| err("forward readback", e))?;
     compare(
         &format!("{what}: forward {out_dims:?}"),
-        &got,
-        &reference(&xs),
+        &got_out,
+        &want_out,
     )?;
 
     let w_host = host_data(seed ^ 0xA5A5, numel(&out_dims), -1.0, 1.0);
@@ -146,10 +158,11 @@ pub fn check_grads(
             continue;
         }
         let g = g.ok_or_else(|| format!("{what}: input {k} {:?} got no gradient", inp.dims))?;
-        if g.dims() != inp.dims.as_slice() {
+        if g.dims() != inp.dims.as_slice() || g.dtype() != DType::F32 {
             return Err(format!(
-                "{what}: gradient of input {k} is {:?}, expected {:?}",
+                "{what}: gradient of input {k} is {:?} {}, expected {:?} f32",
                 g.dims(),
+                g.dtype(),
                 inp.dims
             ));
         }

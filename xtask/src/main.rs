@@ -2,10 +2,17 @@
 //!
 //! - `shaders`: parses and validates every shader variant with naga (no GPU needed).
 //! - `adapters`: lists the adapters wgpu finds.
-//! - `bench [--quick] [--adapter NAME]`: the cross-vendor benchmark report (see bench.rs).
+//! - `bench [--quick] [--train-only] [--adapter NAME]`: the cross-vendor benchmark report
+//!   (report.json, report.md, report.html; see bench.rs); `bench --html-from REPORT.json`
+//!   renders the page of an earlier run.
 //! - `ci`: runs `.ci/run`.
 
 mod bench;
+mod bench_context;
+mod bench_html;
+mod bench_ops;
+mod bench_report;
+mod svg;
 
 use std::process::{Command, ExitCode};
 
@@ -15,7 +22,7 @@ fn main() -> ExitCode {
         "shaders" => shaders(),
         "bench" => {
             let args: Vec<String> = std::env::args().skip(2).collect();
-            if cfg!(debug_assertions) {
+            if cfg!(debug_assertions) && !bench::renders_only(&args) {
                 // `cargo xtask` builds in the dev profile, where fitgrad itself is unoptimized:
                 // measure a release build, as `cargo bench` does.
                 return release_bench(&args);
@@ -50,7 +57,10 @@ fn main() -> ExitCode {
             }
         }
         _ => {
-            eprintln!("usage: cargo xtask <shaders|bench [--quick] [--adapter NAME]|adapters|ci>");
+            eprintln!(
+                "usage: cargo xtask <shaders|bench [--quick] [--train-only] [--adapter NAME]\
+                 |bench --html-from REPORT.json [--out PAGE.html]|adapters|ci>"
+            );
             ExitCode::from(2)
         }
     }
@@ -60,12 +70,15 @@ fn main() -> ExitCode {
 fn release_bench(args: &[String]) -> ExitCode {
     let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    match Command::new(cargo)
-        .args(["run", "--release", "--package", "xtask", "--", "bench"])
+    let mut cmd = Command::new(cargo);
+    cmd.args(["run", "--release", "--package", "xtask", "--", "bench"])
         .args(args)
-        .current_dir(root)
-        .status()
-    {
+        .current_dir(root);
+    if std::env::var_os("CARGO_TARGET_DIR").is_some() {
+        // Resolved against the caller's folder, as cargo did for this build, not the root's.
+        cmd.env("CARGO_TARGET_DIR", bench_context::target_dir());
+    }
+    match cmd.status() {
         Ok(s) if s.success() => ExitCode::SUCCESS,
         Ok(_) => ExitCode::FAILURE,
         Err(e) => {

@@ -139,7 +139,9 @@ impl Variant {
     }
 }
 
-fn act_code(e: Epilogue) -> u32 {
+/// The activation bits of the epilogue word (shaders/include/matmul_common.wgsl), shared with
+/// the quantized matmul.
+pub(crate) fn act_code(e: Epilogue) -> u32 {
     match e {
         Epilogue::None => 0,
         Epilogue::Relu => 1,

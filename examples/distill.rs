@@ -1,0 +1,231 @@
+//! `cargo run --release --example distill` — knowledge distillation: a large teacher MLP is
+//! trained on the digits, then a small student learns from it (`compress::Distill`, the loss
+//! `alpha T^2 KL(teacher || student) + (1 - alpha) CE`), and the same student, from the same
+//! initial weights, is trained on the labels alone for comparison.
+//!
+//! It prints the teacher's accuracy, both students' test accuracy after every epoch, the best
+//! of each and the epoch it was first reached, and the parameter memory of each model.
+//! `--json` ends stdout with one JSON object.
+
+use clap::Parser;
+use fitgrad::compress::{Distill, DistillConfig};
+use fitgrad::nn::{Activation, Mlp, Module};
+use fitgrad::optim::AdamW;
+use fitgrad::train::data::{self, Dataset};
+use fitgrad::train::{TrainModel, Trainer, TrainerConfig};
+use fitgrad::{Bytes, Device, DeviceOptions, Error, Result};
+use std::process::ExitCode;
+
+#[derive(Parser, Debug)]
+#[command(about = "Distil a large MLP into a small one with fitgrad")]
+struct Args {
+    /// digits (embedded), fashion-mnist, mnist, or a path (CSV or a folder of IDX files).
+    #[arg(long, default_value = "digits")]
+    dataset: String,
+    /// The teacher's hidden widths, comma separated.
+    #[arg(long, default_value = "512,512", value_delimiter = ',')]
+    teacher_hidden: Vec<usize>,
+    /// The student's hidden widths, comma separated.
+    #[arg(long, default_value = "8", value_delimiter = ',')]
+    student_hidden: Vec<usize>,
+    /// Epochs of the teacher.
+    #[arg(long, default_value_t = 20)]
+    teacher_epochs: u64,
+    /// Epochs of each student.
+    #[arg(long, default_value_t = 30)]
+    epochs: u64,
+    /// The soft term's weight in [0, 1].
+    #[arg(long, default_value_t = 0.7)]
+    alpha: f32,
+    /// The softmax temperature, positive.
+    #[arg(long, default_value_t = 4.0)]
+    temperature: f32,
+    /// AdamW learning rate of all three models.
+    #[arg(long, default_value_t = 3e-3)]
+    lr: f32,
+    /// Samples per batch.
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    /// Seeds the weights, the data split and order.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Substring of the adapter name to use.
+    #[arg(long)]
+    adapter: Option<String>,
+    /// End stdout with one JSON object describing the run.
+    #[arg(long)]
+    json: bool,
+}
+
+/// A trainer for `model` with AdamW over its parameters.
+fn trainer<M: Module>(model: M, args: &Args) -> Result<Trainer<M>> {
+    let opt = AdamW::new(model.parameters(), args.lr)?;
+    Trainer::new(
+        model,
+        Box::new(opt),
+        TrainerConfig::new(args.batch_size, 1, args.lr),
+    )
+}
+
+/// Trains for `epochs`, returning the test accuracy after each.
+fn train<M: TrainModel<fitgrad::train::ClassBatch>>(
+    t: &mut Trainer<M>,
+    train: &Dataset,
+    test: &Dataset,
+    epochs: u64,
+    seed: u64,
+) -> Result<Vec<f32>> {
+    (0..epochs)
+        .map(|epoch| {
+            t.train_epoch(train, seed, epoch, |_, _, _| Ok(()))?;
+            Ok(t.evaluate(test, 1024)?.accuracy.unwrap_or(f32::NAN))
+        })
+        .collect()
+}
+
+/// The best accuracy and the first epoch (from 1) that reached it.
+fn best(acc: &[f32]) -> (f32, usize) {
+    let b = acc.iter().copied().fold(f32::NAN, f32::max);
+    (b, acc.iter().position(|&a| a == b).map_or(0, |i| i + 1))
+}
+
+fn run(args: Args) -> Result<()> {
+    let invalid = |reason: String| Error::InvalidArgument {
+        op: "distill",
+        reason,
+    };
+    if args.batch_size == 0
+        || args.epochs == 0
+        || args.teacher_epochs == 0
+        || !(args.lr.is_finite() && args.lr > 0.0)
+    {
+        return Err(invalid(format!(
+            "--batch-size, --epochs and --teacher-epochs must be at least 1 and --lr positive, \
+             got {}, {}, {}, {}",
+            args.batch_size, args.epochs, args.teacher_epochs, args.lr
+        )));
+    }
+    // Checked before the teacher trains, not after.
+    let distill = DistillConfig::new(args.alpha, args.temperature);
+    distill.validate()?;
+    if args.teacher_hidden.contains(&0) || args.student_hidden.contains(&0) {
+        return Err(invalid("hidden widths must be positive".into()));
+    }
+    let (train_set, test_set) = data::load(&args.dataset, args.seed)?;
+    let mut opts = DeviceOptions::default();
+    opts.adapter = args.adapter.clone();
+    let dev = Device::with_options(opts)?;
+    println!("adapter: {}", dev.info().adapter);
+    println!(
+        "dataset: {} ({} train, {} test, {} features, {} classes)",
+        train_set.name,
+        train_set.len(),
+        test_set.len(),
+        train_set.dim,
+        train_set.classes
+    );
+    let widths = |hidden: &[usize]| {
+        let mut w = vec![train_set.dim];
+        w.extend_from_slice(hidden);
+        w.push(train_set.classes);
+        w
+    };
+    let (tw, sw) = (widths(&args.teacher_hidden), widths(&args.student_hidden));
+
+    let teacher = Mlp::new(&dev, &tw, Activation::Relu, args.seed)?;
+    let mut t = trainer(teacher, &args)?;
+    let teacher_acc = train(
+        &mut t,
+        &train_set,
+        &test_set,
+        args.teacher_epochs,
+        args.seed,
+    )?;
+    let teacher = t.model;
+    let teacher_bytes = teacher.parameter_bytes();
+    println!(
+        "teacher MLP {tw:?}: {} parameters ({}), test accuracy {:.2}% after {} epochs",
+        teacher.num_parameters(),
+        Bytes(teacher_bytes),
+        100.0 * teacher_acc.last().copied().unwrap_or(f32::NAN),
+        args.teacher_epochs
+    );
+
+    // Both students start from the same weights and see the same batches.
+    let student_seed = args.seed.wrapping_add(1);
+    let mut alone = trainer(Mlp::new(&dev, &sw, Activation::Relu, student_seed)?, &args)?;
+    let student_bytes = alone.model.parameter_bytes();
+    let alone_acc = train(&mut alone, &train_set, &test_set, args.epochs, args.seed)?;
+    let student = Mlp::new(&dev, &sw, Activation::Relu, student_seed)?;
+    let mut distilled = trainer(Distill::new(teacher, student, distill)?, &args)?;
+    let distilled_acc = train(
+        &mut distilled,
+        &train_set,
+        &test_set,
+        args.epochs,
+        args.seed,
+    )?;
+
+    println!(
+        "student MLP {sw:?}: {} parameters ({}), alpha {}, temperature {}",
+        distilled.model.student.num_parameters(),
+        Bytes(student_bytes),
+        args.alpha,
+        args.temperature
+    );
+    println!("epoch  alone  distilled");
+    for (e, (a, d)) in alone_acc.iter().zip(&distilled_acc).enumerate() {
+        println!("{:>5}  {:>5.2}%  {:>8.2}%", e + 1, 100.0 * a, 100.0 * d);
+    }
+    let (ab, ae) = best(&alone_acc);
+    let (db, de) = best(&distilled_acc);
+    let (af, df) = (
+        alone_acc.last().copied().unwrap_or(f32::NAN),
+        distilled_acc.last().copied().unwrap_or(f32::NAN),
+    );
+    println!(
+        "student trained alone:        accuracy {:.2}% (best {:.2}% at epoch {ae})",
+        100.0 * af,
+        100.0 * ab
+    );
+    println!(
+        "student trained with teacher: accuracy {:.2}% (best {:.2}% at epoch {de})",
+        100.0 * df,
+        100.0 * db
+    );
+    println!(
+        "parameter memory: teacher {}, student {} ({:.1}x smaller)",
+        Bytes(teacher_bytes),
+        Bytes(student_bytes),
+        teacher_bytes as f64 / student_bytes.max(1) as f64
+    );
+    if args.json {
+        let j = serde_json::json!({
+            "adapter": dev.info().adapter.name,
+            "dataset": train_set.name,
+            "teacher_widths": tw,
+            "student_widths": sw,
+            "alpha": args.alpha,
+            "temperature": args.temperature,
+            "teacher_accuracy": teacher_acc.last(),
+            "student_alone_accuracy": af,
+            "student_distilled_accuracy": df,
+            "student_alone_per_epoch": alone_acc,
+            "student_distilled_per_epoch": distilled_acc,
+            "teacher_parameter_bytes": teacher_bytes,
+            "student_parameter_bytes": student_bytes,
+        });
+        println!("{j}");
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run(Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,28 @@
+//! The hook that data-parallel training plugs into the [`Trainer`](super::Trainer): which share
+//! of each batch a replica runs, and the gradient all-reduce between its backward passes and
+//! its update (src/distributed implements it, in one process and over MPI).
+//!
+//! With a hook set, a step over the indices of a whole batch of `n` samples runs only this
+//! replica's share of them, weights each micro-batch's loss by its share of all `n` (so summed
+//! gradients are those of the whole batch's mean), then calls [`GradientSync::reduce`] before
+//! loss-scale unscaling, clipping, the finite check and the update. Every replica then sees the
+//! same gradients and takes the same decisions. Planning calls the hook too (on the device's
+//! planning mode), so its buffer is part of the plan.
+
+use crate::{Result, Tensor};
+use std::ops::Range;
+
+/// What a replica does to join a data-parallel step. `Send`, so a trainer holding one can run
+/// on a worker thread.
+pub trait GradientSync: Send {
+    /// The positions, in a batch of `n` samples, of this replica's share (may be empty when
+    /// `n` is smaller than the number of replicas).
+    fn share(&self, n: usize) -> Range<usize>;
+
+    /// Replaces the gradients of `params` (summed over this replica's micro-batches) and the
+    /// step's `loss` (a one-element f32 tensor) by their sums over all replicas, identically
+    /// on every replica. `step` is the trainer's step number: a call with the step of the last
+    /// completed reduce (a step redone after an out-of-memory) reapplies that result. While
+    /// the device is planning it allocates what it would, and communicates nothing.
+    fn reduce(&mut self, step: u64, params: &[Tensor], loss: &Tensor) -> Result<()>;
+}

@@ -1,0 +1,285 @@
+//! DataParallel over two logical devices of one adapter: the weights of one device with the
+//! same effective batch (uneven shares, a replica with no sample, micro-batches under a
+//! budget), replicas bitwise identical after every step, the all-reduce buffer in the plan as
+//! measured, a model that differs refused on every replica, and a failing replica stopping the
+//! others instead of leaving them waiting. The in-process group's collectives are checked
+//! without a device.
+
+mod common;
+
+use common::*;
+use fitgrad::distributed::{share_of, Communicator, DataParallel, LocalGroup};
+use fitgrad::memory::Category;
+use fitgrad::nn::{Activation, Mlp, Module};
+use fitgrad::optim::AdamW;
+use fitgrad::train::data::{self, Dataset};
+use fitgrad::train::{BatchSource, ClassBatch, Trainer, TrainerConfig};
+use fitgrad::{Device, DeviceOptions, Error, Result};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+device_tests!(
+    two_replicas_match_one_device,
+    budgets_micro_batches_and_the_planned_buffer,
+    a_different_model_is_refused,
+    a_failing_replica_stops_the_others
+);
+
+const SEED: u64 = 3;
+const WIDTHS: [usize; 3] = [64, 16, 10];
+
+fn digits() -> &'static Dataset {
+    static DIGITS: OnceLock<Dataset> = OnceLock::new();
+    DIGITS.get_or_init(|| data::load("digits", SEED).expect("the embedded digits").0)
+}
+
+/// Another device on `dev`'s adapter, backend and f16 mode, with its own arena and `budget`.
+fn twin(dev: &Device, budget: Option<u64>) -> Device {
+    let info = dev.info();
+    let mut opts = DeviceOptions::default()
+        .backend(info.adapter.backend.clone())
+        .adapter(info.adapter.name.clone())
+        .force_packed_f16(!info.f16_native);
+    opts.memory_budget = budget;
+    Device::with_options(opts).expect("a second device on the same adapter")
+}
+
+/// An MLP of `widths` and AdamW with `config` on `dev`.
+fn trainer(dev: &Device, widths: &[usize], config: TrainerConfig) -> Result<Trainer<Mlp>> {
+    let model = Mlp::new(dev, widths, Activation::Relu, SEED)?;
+    let opt = Box::new(AdamW::new(model.parameters(), 1e-2)?);
+    Trainer::new(model, opt, config.lr(1e-2))
+}
+
+/// The batches the tests step through: 13 samples (shares of 7 and 6), 1 sample (replica 1
+/// gets none), then 13 again.
+fn batches() -> Vec<Vec<usize>> {
+    let order = digits().epoch_order(SEED, 0);
+    vec![
+        order[0..13].to_vec(),
+        order[13..14].to_vec(),
+        order[14..27].to_vec(),
+        order[27..40].to_vec(),
+    ]
+}
+
+/// Runs the batches on one device and on two replicas and compares.
+fn two_replicas_match_one_device(dev: &Device) {
+    let config = TrainerConfig::new(13, 1, 1e-2);
+    let mut single = trainer(dev, &WIDTHS, config.clone()).unwrap();
+    let devices = [twin(dev, None), twin(dev, None)];
+    let mut dp = DataParallel::new(&devices, |d| trainer(d, &WIDTHS, config.clone())).unwrap();
+    for (i, idx) in batches().iter().enumerate() {
+        single.step(digits(), idx).unwrap();
+        dp.step(digits(), idx).unwrap();
+        dp.check_identical()
+            .unwrap_or_else(|e| panic!("after step {i} on {}: {e}", label(dev)));
+    }
+    let worst = worst_rel_diff(&param_values(dp.model()), &param_values(&single.model));
+    assert!(
+        worst < 1e-5,
+        "{}: data-parallel weights differ from one device's by {worst:e}",
+        label(dev)
+    );
+    let (a, b) = (dp.take_loss().unwrap(), single.take_loss().unwrap());
+    assert!((a - b).abs() <= 1e-5 * b.abs(), "mean loss {a} against {b}");
+    let stats = dp.all_reduce_stats();
+    assert_eq!(stats.len(), 2);
+    assert!(stats.iter().all(|s| s.steps == 4), "{stats:?}");
+}
+
+/// Replicas under budgets with micro-batches of 3 give one device's weights; each plan has
+/// the all-reduce buffer (what a real step then holds as communication), and a step of a
+/// share of 7 in micro-batches of 3 is planned as 3 micro-batches.
+fn budgets_micro_batches_and_the_planned_buffer(dev: &Device) {
+    let config = TrainerConfig::new(13, 2, 1e-2);
+    let mut single = trainer(dev, &WIDTHS, config.clone()).unwrap();
+    let devices = [twin(dev, Some(64 << 20)), twin(dev, Some(64 << 20))];
+    let mut dp = DataParallel::new(&devices, |d| {
+        trainer(d, &WIDTHS, config.clone().micro_batch(3))
+    })
+    .unwrap();
+    let plans = dp.plan(digits()).unwrap();
+    let params: usize = single.model.num_parameters();
+    // One f32 per gradient element and one for the loss, in 256-byte blocks.
+    let buffer = ((params as u64 + 1) * 4).div_ceil(256) * 256;
+    for (i, p) in plans.iter().enumerate() {
+        assert_eq!(p.all_reduce_buffer, buffer, "replica {i}: {p}");
+        assert_eq!(p.micro_batch, 3);
+        // Replica 0 runs 13 of the 26 samples: micro-batches of 3, 3, 3, 3, 1.
+        assert_eq!(p.micro_batches, 5, "replica {i}: {p}");
+    }
+    let order = digits().epoch_order(SEED, 1);
+    for idx in order[..78].chunks(26) {
+        single.step(digits(), idx).unwrap();
+        dp.step(digits(), idx).unwrap();
+    }
+    dp.check_identical().unwrap();
+    let worst = worst_rel_diff(&param_values(dp.model()), &param_values(&single.model));
+    assert!(worst < 1e-5, "{}: {worst:e}", label(dev));
+    for (i, d) in devices.iter().enumerate() {
+        let held = d.memory_stats().category_peaks.get(Category::Communication);
+        assert_eq!(held, buffer, "replica {i}: the measured all-reduce buffer");
+    }
+    assert_eq!(dp.fit_to_budgets(digits()).unwrap().len(), 2);
+}
+
+/// A replica with another hidden width, or another learning rate, is refused on building.
+fn a_different_model_is_refused(dev: &Device) {
+    let devices = [twin(dev, None), twin(dev, None)];
+    let config = TrainerConfig::new(8, 1, 1e-2);
+    let widths = |d: &Device| {
+        if *d == devices[1] {
+            vec![64, 17, 10]
+        } else {
+            WIDTHS.to_vec()
+        }
+    };
+    let err = DataParallel::new(&devices, |d| trainer(d, &widths(d), config.clone()))
+        .err()
+        .expect("another model must be refused");
+    let msg = err.to_string();
+    assert!(matches!(err, Error::Distributed { .. }), "{msg}");
+    assert!(msg.contains("ranks [1]"), "{msg}");
+    let err = DataParallel::new(&devices, |d| {
+        let lr = if *d == devices[1] { 2e-2 } else { 1e-2 };
+        let model = Mlp::new(d, &WIDTHS, Activation::Relu, SEED)?;
+        let opt = Box::new(AdamW::new(model.parameters(), lr)?);
+        Trainer::new(model, opt, config.clone().lr(lr))
+    })
+    .err()
+    .expect("another learning rate must be refused");
+    assert!(matches!(err, Error::Distributed { .. }), "{err}");
+}
+
+/// The digits, failing for one sample: the replica whose share holds it fails.
+struct FailAt(usize);
+
+impl BatchSource for FailAt {
+    type Batch = ClassBatch;
+    fn len(&self) -> usize {
+        digits().len()
+    }
+    fn batch(&self, indices: &[usize]) -> Result<ClassBatch> {
+        if indices.contains(&self.0) {
+            return Err(Error::InvalidArgument {
+                op: "FailAt::batch",
+                reason: format!("sample {} is unreadable", self.0),
+            });
+        }
+        digits().batch(indices)
+    }
+}
+
+/// Replica 1 fails on its share; replica 0, waiting in the all-reduce, is woken with an
+/// error naming it, the step returns replica 1's own error, and the next step is refused.
+fn a_failing_replica_stops_the_others(dev: &Device) {
+    let devices = [twin(dev, None), twin(dev, None)];
+    let config = TrainerConfig::new(8, 1, 1e-2);
+    let mut dp = DataParallel::new(&devices, |d| trainer(d, &WIDTHS, config.clone())).unwrap();
+    let data = FailAt(6);
+    dp.step(&data, &[0, 1, 2, 3, 4, 5, 7, 8]).unwrap();
+    let err = dp.step(&data, &[0, 1, 2, 3, 4, 5, 6, 7]).unwrap_err();
+    assert!(err.to_string().contains("sample 6 is unreadable"), "{err}");
+    let again = dp.step(&data, &[0, 1]).unwrap_err();
+    assert!(
+        matches!(again, Error::Distributed { .. }) && again.to_string().contains("replica 1"),
+        "{again}"
+    );
+}
+
+/// Shares cover 0..n in order, differ by at most one sample, and the longer ones come first.
+#[test]
+fn shares_split_a_batch_evenly_in_order() {
+    for size in 1..6 {
+        for n in 0..40 {
+            let shares: Vec<_> = (0..size).map(|r| share_of(n, r, size)).collect();
+            assert_eq!(shares[0].start, 0);
+            assert_eq!(shares[size - 1].end, n);
+            for w in shares.windows(2) {
+                assert_eq!(w[0].end, w[1].start);
+                assert!(w[0].len() == w[1].len() || w[0].len() == w[1].len() + 1);
+            }
+        }
+    }
+}
+
+/// Threads sum in rank order (the same bits as a plain loop adding rank 0, 1, 2), broadcast
+/// rank 0's bytes and gather everyone's values, collective after collective.
+#[test]
+fn local_group_collectives() {
+    let (_group, members) = LocalGroup::new(3, Duration::from_secs(60)).unwrap();
+    let inputs: Vec<Vec<f32>> = (0..3)
+        .map(|r| host_data(r as u64, 1000, -1e3, 1e3))
+        .collect();
+    let mut expected = inputs[0].clone();
+    for v in &inputs[1..] {
+        expected.iter_mut().zip(v).for_each(|(e, x)| *e += x);
+    }
+    let results: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = members
+            .into_iter()
+            .zip(&inputs)
+            .map(|(mut m, input)| {
+                s.spawn(move || {
+                    let mut out = Vec::new();
+                    for round in 0..5u64 {
+                        let mut buf = input.clone();
+                        m.all_reduce_sum(&mut buf).unwrap();
+                        let mut bytes = vec![m.rank() as u8; 4];
+                        m.broadcast(&mut bytes).unwrap();
+                        let all = m.all_gather(&[m.rank() as u64, round]).unwrap();
+                        out.push((buf, bytes, all));
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, out) in results.iter().enumerate() {
+        for (round, (buf, bytes, all)) in out.iter().enumerate() {
+            let same = buf
+                .iter()
+                .zip(&expected)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "rank {rank} round {round}: the sum differs");
+            assert_eq!(bytes, &vec![0u8; 4]);
+            let r = round as u64;
+            assert_eq!(all, &vec![0, r, 1, r, 2, r]);
+        }
+    }
+}
+
+/// A member alone in a collective times out with an error naming who did not come; members
+/// calling different collectives both get an error; a failure reaches every later call.
+#[test]
+fn local_group_errors_instead_of_hanging() {
+    let (_group, mut members) = LocalGroup::new(2, Duration::from_millis(200)).unwrap();
+    let err = members[0].all_reduce_sum(&mut [1.0]).unwrap_err();
+    assert!(err.to_string().contains("[1]"), "{err}");
+    let err = members[1].broadcast(&mut [0]).unwrap_err();
+    assert!(err.to_string().contains("replica 0"), "{err}");
+
+    let (group, members) = LocalGroup::new(2, Duration::from_secs(60)).unwrap();
+    let errors: Vec<Error> = std::thread::scope(|s| {
+        let handles: Vec<_> = members
+            .into_iter()
+            .map(|mut m| {
+                s.spawn(move || {
+                    if m.rank() == 0 {
+                        m.all_reduce_sum(&mut [1.0, 2.0]).unwrap_err()
+                    } else {
+                        m.all_gather(&[1]).unwrap_err()
+                    }
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(errors
+        .iter()
+        .all(|e| matches!(e, Error::Distributed { .. })));
+    assert!(group.failure().is_some());
+    assert!(LocalGroup::new(0, Duration::from_secs(1)).is_err());
+}

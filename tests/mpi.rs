@@ -1,0 +1,307 @@
+//! Data parallelism over MPI (the `mpi` feature), through the real example under mpirun:
+//! `mpirun -np 2 train_mlp --distributed mpi` ends with the weights and optimizer state of one
+//! process with the same flags (within 1e-5 relative), and a rank that is killed, or stopped
+//! without dying, brings the other rank down with an error within 30 s instead of a hang.
+//!
+//! The example must be built first with the same profile and feature:
+//! `cargo build --features mpi --example train_mlp && cargo test --features mpi --test mpi`
+//! (what .ci/run does).
+#![cfg(feature = "mpi")]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// How long a job may take to end after one of its ranks is killed or stopped.
+const STOP_WITHIN: Duration = Duration::from_secs(30);
+
+/// One job at a time: each runs two ranks, and the machine may have two cores.
+fn one_job_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The train_mlp built beside this test binary (target/<profile>/examples/train_mlp).
+fn example() -> PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/<test>");
+    let path = profile_dir.join("examples").join("train_mlp");
+    assert!(
+        path.exists(),
+        "{} is missing: build it first with `cargo build --features mpi --example train_mlp` \
+         (add --release when testing with --release)",
+        path.display()
+    );
+    path
+}
+
+/// A temporary folder removed on drop.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(name: &str) -> TempDir {
+        let p = std::env::temp_dir().join(format!("fitgrad-mpi-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&p);
+        std::fs::create_dir_all(&p).unwrap();
+        TempDir(p)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A small, quick run of the example (its weights depend on nothing else).
+fn flags(epochs: u32) -> Vec<String> {
+    [
+        "--hidden",
+        "32",
+        "--epochs",
+        &epochs.to_string(),
+        "--batch-size",
+        "64",
+        "--seed",
+        "5",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// mpirun with 2 ranks of the example; `env` reaches every rank.
+fn mpirun(args: &[String], env: &[(&str, &str)]) -> Command {
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", "2"]);
+    // Containers often forbid the cross-memory attach OpenMPI's shared-memory transport tries
+    // first; copying through shared memory works everywhere.
+    cmd.args(["--mca", "btl_vader_single_copy_mechanism", "none"]);
+    for (k, v) in env {
+        cmd.env(k, v);
+        cmd.args(["-x", k]);
+    }
+    cmd.arg(example())
+        .args(args)
+        .arg("--distributed")
+        .arg("mpi");
+    cmd
+}
+
+/// max |a - b| / max |b| over one tensor.
+fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b
+        .iter()
+        .fold(0.0f64, |m, v| m.max(v.abs() as f64))
+        .max(1e-30);
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).abs() / scale)
+        .fold(0.0, f64::max)
+}
+
+fn run_ok(mut cmd: Command, what: &str) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    let text = format!(
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{text}",
+        out.status
+    );
+    text
+}
+
+/// Two ranks and one process with the same flags save the same model and optimizer state.
+#[test]
+fn two_ranks_give_the_weights_of_one_process() {
+    let _one = one_job_at_a_time();
+    let tmp = TempDir::new("weights");
+    let (single, dist) = (
+        tmp.0.join("single.safetensors"),
+        tmp.0.join("dist.safetensors"),
+    );
+    let mut one = Command::new(example());
+    one.args(flags(2)).arg("--save").arg(&single);
+    run_ok(one, "one process");
+    let mut args = flags(2);
+    args.extend(["--json".into(), "--save".into(), dist.display().to_string()]);
+    // A loaded machine may keep one rank compiling kernels for a while: no timeout here.
+    let text = run_ok(
+        mpirun(&args, &[("FITGRAD_DIST_TIMEOUT", "300")]),
+        "mpirun -np 2",
+    );
+    eprintln!("{text}");
+    assert!(
+        text.contains("\"ranks\":2"),
+        "rank 0 reports 2 ranks:\n{text}"
+    );
+
+    let a = fitgrad::checkpoint::load(&dist).unwrap();
+    let b = fitgrad::checkpoint::load(&single).unwrap();
+    assert_eq!(
+        a.tensors.keys().collect::<Vec<_>>(),
+        b.tensors.keys().collect::<Vec<_>>()
+    );
+    let mut worst = 0.0f64;
+    for (name, t) in &b.tensors {
+        let d = rel_diff(&a.tensors[name].to_f32(), &t.to_f32());
+        eprintln!("{name}: {d:e}");
+        assert!(
+            d <= 1e-5,
+            "{name} differs by {d:e} relative (max |a-b| / max |b|)"
+        );
+        worst = worst.max(d);
+    }
+    eprintln!("worst relative difference over model and optimizer state: {worst:e}");
+    assert_eq!(a.metadata.get("step"), b.metadata.get("step"));
+}
+
+/// Sends `sig` to `pid` through the shell's own `kill` (no procps needed); whether it was sent.
+fn kill(sig: &str, pid: u32) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("kill {sig} {pid} 2>/dev/null")])
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// A running 2-rank job: mpirun, the ranks' pids (from their start-up line) and everything
+/// the job wrote to stderr so far.
+struct Job {
+    child: Child,
+    pids: Vec<u32>,
+    lines: mpsc::Receiver<String>,
+    log: Vec<String>,
+}
+
+impl Job {
+    fn start(env: &[(&str, &str)]) -> Job {
+        let mut child = mpirun(&flags(100_000), env)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("mpirun starts");
+        let stderr = child.stderr.take().unwrap();
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut job = Job {
+            child,
+            pids: vec![0; 2],
+            lines,
+            log: Vec::new(),
+        };
+        // "rank R of 2: pid P, ..." once a rank has joined training.
+        let deadline = Instant::now() + Duration::from_secs(300);
+        while job.pids.contains(&0) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = job
+                .lines
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("the ranks did not start:\n{}", job.log.join("\n")));
+            if let Some(rest) = line.strip_prefix("rank ") {
+                let rank: usize = rest.split(' ').next().unwrap().parse().unwrap();
+                let pid = rest.split("pid ").nth(1).unwrap();
+                job.pids[rank] = pid.split(',').next().unwrap().parse().unwrap();
+            }
+            job.log.push(line);
+        }
+        job
+    }
+
+    fn signal(&self, sig: &str, rank: usize) {
+        assert!(kill(sig, self.pids[rank]), "kill {sig} {}", self.pids[rank]);
+    }
+
+    /// Waits up to `limit` for mpirun to end; its status and the whole stderr.
+    fn wait(&mut self, limit: Duration) -> (Option<std::process::ExitStatus>, String) {
+        let deadline = Instant::now() + limit;
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break Some(s);
+            }
+            if Instant::now() >= deadline {
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        // The reader ends when every process holding the pipe is gone.
+        let drain = Instant::now() + Duration::from_secs(5);
+        while let Ok(l) = self
+            .lines
+            .recv_timeout(drain.saturating_duration_since(Instant::now()))
+        {
+            self.log.push(l);
+        }
+        (status, self.log.join("\n"))
+    }
+}
+
+impl Drop for Job {
+    fn drop(&mut self) {
+        // Nothing outlives the test, whatever it found.
+        for pid in &self.pids {
+            if *pid != 0 {
+                kill("-KILL", *pid);
+            }
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// SIGKILL of rank 1 mid-run: the job ends with an error within 30 s.
+#[test]
+fn a_killed_rank_stops_the_other_within_30_s() {
+    let _one = one_job_at_a_time();
+    let mut job = Job::start(&[]);
+    std::thread::sleep(Duration::from_secs(2));
+    let killed = Instant::now();
+    job.signal("-KILL", 1);
+    let (status, log) = job.wait(STOP_WITHIN);
+    let status = status.unwrap_or_else(|| {
+        panic!("the job still ran {STOP_WITHIN:?} after rank 1 was killed:\n{log}")
+    });
+    assert!(!status.success(), "the job must fail:\n{log}");
+    eprintln!(
+        "the job ended {:?} after the kill ({status}):\n{log}",
+        killed.elapsed()
+    );
+}
+
+/// SIGSTOP of rank 1 mid-run (alive, but never answering): rank 0's collective times out, it
+/// says so and aborts every rank, within 30 s.
+#[test]
+fn a_stopped_rank_times_out_and_stops_every_rank() {
+    let _one = one_job_at_a_time();
+    let mut job = Job::start(&[("FITGRAD_DIST_TIMEOUT", "5")]);
+    std::thread::sleep(Duration::from_secs(2));
+    let stopped = Instant::now();
+    job.signal("-STOP", 1);
+    let (status, log) = job.wait(STOP_WITHIN);
+    let status = status.unwrap_or_else(|| {
+        panic!("the job still ran {STOP_WITHIN:?} after rank 1 was stopped:\n{log}")
+    });
+    assert!(!status.success(), "the job must fail:\n{log}");
+    assert!(
+        log.contains("rank 0 of 2") && log.contains("did not complete within 5 s"),
+        "rank 0 must say which collective timed out:\n{log}"
+    );
+    eprintln!(
+        "the job ended {:?} after the stop ({status}):\n{log}",
+        stopped.elapsed()
+    );
+}
