@@ -26,9 +26,14 @@
 //! 64 the parameters, their gradients and AdamW's two moments are most of the peak. With
 //! `--batch-size 1024` activations dominate, and `--memory-budget` at half the printed peak
 //! trains the same model in smaller accumulated micro-batches.
+//!
+//! `--distributed mpi` runs it as one rank of an MPI job (`mpirun -np 2 ...`, built with
+//! `--features mpi`): each rank trains its share of every batch; rank 0 prints, evaluates and
+//! saves.
 
 use clap::Parser;
 use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner};
+use fitgrad::distributed::Job;
 use fitgrad::nn::{self, Dropout, LayerNorm, Linear, Module};
 use fitgrad::optim::{AdamW, Optimizer};
 use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
@@ -113,6 +118,12 @@ struct Args {
     /// (cubic schedule from 5% to 60% of the steps), and report the sparsity of each layer.
     #[arg(long)]
     prune: Option<f32>,
+    /// `mpi`: this process is one rank of data-parallel training started by mpirun (built with
+    /// `--features mpi`). The batch flags give the whole job's batch, split across the ranks;
+    /// rank 0 prints, evaluates and saves. At --dropout 0 the weights are those of one process
+    /// with the same flags; with dropout each rank draws its own masks, as micro-batches do.
+    #[arg(long)]
+    distributed: Option<String>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -269,17 +280,22 @@ fn invalid(reason: String) -> Error {
     }
 }
 
-/// Training forwards (= dropout calls per layer) in `epochs` epochs of `n` samples, with
-/// `eff` samples per step split into micro-batches of `micro`.
-fn forwards_in(epochs: u64, n: usize, eff: usize, micro: usize) -> u64 {
+/// This rank's training forwards (= dropout calls per layer) in `epochs` epochs of `n`
+/// samples, with `eff` samples per step, its share of them split into micro-batches of `micro`.
+fn forwards_in(epochs: u64, n: usize, eff: usize, micro: usize, dist: &Job) -> u64 {
     let per_epoch: usize = (0..n)
         .step_by(eff)
-        .map(|start| (n - start).min(eff).div_ceil(micro))
+        .map(|start| dist.share((n - start).min(eff)).len().div_ceil(micro))
         .sum();
     epochs * per_epoch as u64
 }
 
-fn run(args: Args) -> Result<()> {
+fn run(args: Args, dist: &Job) -> Result<()> {
+    // Rank 0 reports; the other ranks train quietly.
+    let root = dist.is_root();
+    macro_rules! say {
+        ($($t:tt)*) => { if root { println!($($t)*); } };
+    }
     let precision: Precision = args.precision.parse()?;
     if precision == Precision::F16 {
         return Err(invalid(
@@ -325,11 +341,11 @@ fn run(args: Args) -> Result<()> {
     options.memory_budget = budget;
     let device = Device::with_options(options)?;
     let info = device.info();
-    println!("adapter: {}", info.adapter);
+    say!("adapter: {}", info.adapter);
     let spec = match args.dataset.as_str() {
         "auto" if !Path::new(FASHION_MNIST_DIR).is_dir() => "digits",
         "auto" if info.adapter.is_cpu() => {
-            println!("(a CPU adapter: training on the digits; --dataset fashion-mnist for more)");
+            say!("(a CPU adapter: training on the digits; --dataset fashion-mnist for more)");
             "digits"
         }
         "auto" => "fashion-mnist",
@@ -337,7 +353,7 @@ fn run(args: Args) -> Result<()> {
     };
 
     let (train, test): (Dataset, Dataset) = data::load(spec, args.seed)?;
-    println!(
+    say!(
         "dataset: {} ({} train, {} test, {} features, {} classes)",
         train.name,
         train.len(),
@@ -367,7 +383,7 @@ fn run(args: Args) -> Result<()> {
         &device,
         "samples/s",
     );
-    println!(
+    say!(
         "model: residual MLP {} -> {} x {} blocks (dropout {}) -> {} ({} parameters), AdamW lr {}, {}, batch {} x {} accumulation steps",
         train.dim,
         args.width,
@@ -391,7 +407,7 @@ fn run(args: Args) -> Result<()> {
         })
         .transpose()?;
     if let Some(b) = budget {
-        let micro = match trainer.fit_to_budget(&train, b) {
+        match trainer.fit_to_budget(&train, b) {
             Err(Error::BudgetTooSmall { .. }) => {
                 // What a one-sample step keeps alive: a floor no micro-batch can go under.
                 let one = trainer.plan_at(&train, &[0], 1, None, 0)?;
@@ -406,9 +422,16 @@ fn run(args: Args) -> Result<()> {
                     Bytes(fixed)
                 )));
             }
-            other => other?,
-        };
-        println!(
+            other => {
+                other?;
+            }
+        }
+    }
+    // Fitted to the whole batch as on one process; a rank refits to its share.
+    let all_reduce = dist.join(&mut trainer, &train)?;
+    if let Some(b) = budget {
+        let micro = trainer.micro_batch();
+        say!(
             "memory budget {}: micro-batch {micro} of {} ({} micro-batches per step)",
             Bytes(b),
             args.batch_size,
@@ -420,8 +443,10 @@ fn run(args: Args) -> Result<()> {
     let planning = Instant::now();
     let plan = trainer.plan(&train)?;
     if args.plan {
-        print!("{plan}");
-        println!(
+        if root {
+            print!("{plan}");
+        }
+        say!(
             "  (planned by running the step on the device's planning mode in {:.0} ms)",
             planning.elapsed().as_secs_f64() * 1e3
         );
@@ -429,7 +454,7 @@ fn run(args: Args) -> Result<()> {
     }
     if args.prealloc {
         let reserved = trainer.prealloc(&train)?;
-        println!("reserved {} up front", Bytes(reserved));
+        say!("reserved {} up front", Bytes(reserved));
     }
     report.set_plan(plan.clone());
     for (key, value) in [
@@ -483,9 +508,9 @@ fn run(args: Args) -> Result<()> {
             // The masks are not in the checkpoint; the pruned weights are its zeros.
             p.mask_zeros()?;
         }
-        let forwards = forwards_in(first_epoch, train.len(), eff, trainer.micro_batch());
+        let forwards = forwards_in(first_epoch, train.len(), eff, trainer.micro_batch(), dist);
         trainer.model.skip_dropout_masks(forwards);
-        println!(
+        say!(
             "resumed from {} after {first_epoch} epochs ({} steps)",
             path.display(),
             trainer.steps()
@@ -503,8 +528,12 @@ fn run(args: Args) -> Result<()> {
     let mut capture = StepCapture::new();
     let mut eval_secs = 0.0;
     for epoch in first_epoch..epochs {
-        let bar = ProgressBar::new(steps_per_epoch)
-            .with_style(style.clone())
+        let bar = if root {
+            ProgressBar::new(steps_per_epoch)
+        } else {
+            ProgressBar::hidden()
+        }
+        .with_style(style.clone())
             .with_prefix(format!("{}", epoch + 1));
         let epoch_start = Instant::now();
         trainer.train_epoch(&train, args.seed, epoch, |t, done, total| {
@@ -532,7 +561,7 @@ fn run(args: Args) -> Result<()> {
         let epoch_secs = epoch_start.elapsed().as_secs_f64();
         let events = trainer.take_events();
         for e in &events {
-            println!("  {e}");
+            say!("  {e}");
         }
         report.add_events(&events);
         report.log_epoch(
@@ -548,11 +577,14 @@ fn run(args: Args) -> Result<()> {
             report.log_eval(trainer.steps(), Some(epoch), "test", &e);
             eval_secs += eval_start.elapsed().as_secs_f64();
         }
-        if let Some(path) = &args.save {
+        if let (Some(path), true) = (&args.save, root) {
             trainer.save_checkpoint(path, epoch + 1)?;
         }
     }
     device.sync()?;
+    if !root {
+        return Ok(());
+    }
     let train_secs = started.elapsed().as_secs_f64() - eval_secs;
     let epochs_run = epochs.saturating_sub(first_epoch);
     let samples_per_s = (train.len() as u64 * epochs_run) as f64 / train_secs.max(1e-9);
@@ -617,7 +649,7 @@ fn run(args: Args) -> Result<()> {
 
     if args.json {
         let s = &summary.stats;
-        let j = serde_json::json!({
+        let mut j = serde_json::json!({
             "adapter": info.adapter.name,
             "backend": info.adapter.backend,
             "dataset": train.name,
@@ -647,6 +679,7 @@ fn run(args: Args) -> Result<()> {
             "train_seconds": train_secs,
             "samples_per_s": samples_per_s,
         });
+        dist.add_to_json(&mut j, all_reduce.as_ref());
         println!("{j}");
     }
     Ok(())
@@ -665,11 +698,5 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
     };
-    match run(args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    Job::main(args.distributed.clone().as_deref(), |dist| run(args, dist))
 }

@@ -8,11 +8,14 @@
 //! sample of generated text. `--help` lists the flags; `--json` ends stdout with one JSON
 //! object; `--report report.html` / `--report-json report.json` write the run's report (the
 //! memory timeline of a step beside the planner's, the loss curves, throughput, the memory
-//! table). Every flag is checked before any device work.
+//! table). Every flag is checked before any device work. `--distributed mpi` runs it as one
+//! rank of an MPI job (`mpirun -np 2 ...`, built with `--features mpi`): each rank trains its
+//! share of every batch; rank 0 prints, evaluates, samples and saves.
 //!
 //! tests/train_gpt_cli.rs includes this file as a module and calls [`prepare`] and [`train`].
 
 use clap::Parser;
+use fitgrad::distributed::Job;
 use fitgrad::nn::{AttentionKind, Gpt, GptConfig, Module};
 use fitgrad::optim::{decay_groups, AdamW, LrSchedule};
 use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
@@ -127,6 +130,12 @@ pub struct Args {
     /// Write the report's data as JSON to this file.
     #[arg(long)]
     pub report_json: Option<PathBuf>,
+    /// `mpi`: this process is one rank of data-parallel training started by mpirun (built with
+    /// `--features mpi`). The batch flags give the whole job's batch, split across the ranks;
+    /// rank 0 prints, evaluates, samples and saves. At --dropout 0 (the default) the weights
+    /// are those of one process with the same flags.
+    #[arg(long)]
+    pub distributed: Option<String>,
 }
 
 /// What a run ends with.
@@ -356,12 +365,17 @@ impl StepOrder {
     }
 }
 
-/// Trains, evaluates, samples and prints, on `device`.
-pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
+/// Trains, evaluates, samples and prints, on `device`, as this process's part of `dist` (on
+/// ranks other than 0: trains only, and the report has no validation loss or sample).
+pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<Report> {
+    let root = dist.is_root();
+    macro_rules! say {
+        ($($t:tt)*) => { if root { println!($($t)*); } };
+    }
     let info = device.info().clone();
-    println!("adapter: {}", info.adapter);
+    say!("adapter: {}", info.adapter);
     let corpus = &setup.corpus;
-    println!(
+    say!(
         "text: {} ({} characters, {} distinct; {} train, {} validation)",
         corpus.name,
         corpus.len(),
@@ -393,7 +407,9 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
     };
     let (mut trainer, choice) = if setup.fit_auto {
         let (trainer, choice) = Trainer::build_fit_auto(device, &setup.train, build)?;
-        print!("{choice}");
+        if root {
+            print!("{choice}");
+        }
         (trainer, Some(choice))
     } else {
         (
@@ -401,6 +417,8 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
             None,
         )
     };
+    // Fitted to the whole batch as on one process; a rank refits to its share.
+    let all_reduce = dist.join(&mut trainer, &setup.train)?;
     // What `--fit auto` chose, for the JSON line (null without it).
     let fit_json = choice.as_ref().map(|c| {
         serde_json::json!({
@@ -415,7 +433,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
     if let Some(b) = setup.budget {
         let micro = trainer.micro_batch();
         report.set_budget(b, args.batch_size, micro, choice);
-        println!(
+        say!(
             "memory budget {}: micro-batch {micro} of {} ({} accumulated micro-batches per step)",
             Bytes(b),
             args.batch_size,
@@ -425,8 +443,10 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
     let planning = Instant::now();
     let plan = trainer.plan(&setup.train)?;
     if args.plan {
-        print!("{plan}");
-        println!(
+        if root {
+            print!("{plan}");
+        }
+        say!(
             "  (planned by running the step on the device's planning mode in {:.0} ms)",
             planning.elapsed().as_secs_f64() * 1e3
         );
@@ -440,10 +460,10 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
     }
     if args.prealloc {
         let reserved = trainer.prealloc(&setup.train)?;
-        println!("reserved {} up front", Bytes(reserved));
+        say!("reserved {} up front", Bytes(reserved));
     }
     let cfg = trainer.model.gpt_config();
-    println!(
+    say!(
         "model: GPT {} layers, dim {}, {} heads, context {} ({} parameters), {}, AdamW lr {}{}, batch {} x {} accumulation steps{}",
         cfg.layers,
         cfg.dim,
@@ -463,7 +483,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
     );
     if let Some(path) = &args.resume {
         trainer.resume_from(path)?;
-        println!(
+        say!(
             "resumed from {} after {} steps",
             path.display(),
             trainer.steps()
@@ -530,8 +550,12 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
     } else {
         EVAL_BATCH
     };
-    let bar = ProgressBar::new(args.steps)
-        .with_style(
+    let bar = if root {
+        ProgressBar::new(args.steps)
+    } else {
+        ProgressBar::hidden()
+    }
+    .with_style(
             ProgressStyle::with_template("step {pos}/{len} [{bar:30}] {msg} ({elapsed})")
                 .expect("valid template")
                 .progress_chars("=> "),
@@ -567,7 +591,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
             bar.set_message(format!("loss {train_loss:.3}, {rate:.0} tokens/s"));
             report.log_step(done, loss, Some(rate));
         }
-        if args.eval_every > 0 && done % args.eval_every == 0 && done < args.steps {
+        if root && args.eval_every > 0 && done % args.eval_every == 0 && done < args.steps {
             let eval_start = Instant::now();
             // At the training micro-batch: evaluation keeps no graph, so it stays below the
             // step's peak, and the summary's peak stays the training step's (the planned one).
@@ -589,12 +613,21 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
         }
         let events = trainer.take_events();
         for e in &events {
-            bar.suspend(|| println!("  {e}"));
+            bar.suspend(|| say!("  {e}"));
         }
         report.add_events(&events);
     }
     bar.finish();
     device.sync()?;
+    if !root {
+        return Ok(Report {
+            train_loss,
+            valid_loss: f32::NAN,
+            bigram,
+            steps: trainer.steps(),
+            sample: String::new(),
+        });
+    }
     let secs = started.elapsed().as_secs_f64() - eval_secs;
     let steps_run = args.steps.saturating_sub(first_step);
     let tokens_per_s = (steps_run as f64 * (eff * args.context) as f64) / secs.max(1e-9);
@@ -659,7 +692,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
 
     if args.json {
         let s = &summary.stats;
-        let j = serde_json::json!({
+        let mut j = serde_json::json!({
             "adapter": info.adapter.name,
             "backend": info.adapter.backend,
             "text": corpus.name,
@@ -690,6 +723,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
             "train_seconds": secs,
             "tokens_per_s": tokens_per_s,
         });
+        dist.add_to_json(&mut j, all_reduce.as_ref());
         println!("{j}");
     }
     Ok(Report {
@@ -702,19 +736,13 @@ pub fn train(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
 }
 
 /// [`prepare`], [`open_device`], [`train`].
-pub fn run(args: &Args) -> Result<Report> {
+pub fn run(args: &Args, dist: &Job) -> Result<Report> {
     let setup = prepare(args)?;
     let device = open_device(args, &setup)?;
-    train(args, setup, &device)
+    train(args, setup, &device, dist)
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    match run(&args) {
-        Ok(_) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    Job::main(args.distributed.as_deref(), |dist| run(&args, dist).map(drop))
 }

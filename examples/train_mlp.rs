@@ -273,20 +273,8 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     } else {
         (Trainer::build_within_budget(&device, &train, build)?, None)
     };
-    let all_reduce = dist.attach(&mut trainer)?;
-    if all_reduce.is_some() {
-        if let Some(b) = budget {
-            // The budget was fitted to the whole batch; this rank runs only its share.
-            trainer.fit_to_budget(&train, b)?;
-        }
-        eprintln!(
-            "rank {} of {}: pid {}, {}, training on its share of every batch of {eff}",
-            dist.rank(),
-            dist.size(),
-            std::process::id(),
-            info.adapter.name
-        );
-    }
+    // Fitted to the whole batch as on one process; a rank refits to its share.
+    let all_reduce = dist.join(&mut trainer, &train)?;
     // The pruner's masks (as many bytes as the weights) are made now, so the plan counts them;
     // under a budget the micro-batch is chosen again with them in use.
     let mut pruner = prune
@@ -598,7 +586,7 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
 
     if args.json {
         let s = &summary.stats;
-        let j = serde_json::json!({
+        let mut j = serde_json::json!({
             "adapter": info.adapter.name,
             "backend": info.adapter.backend,
             "dataset": train.name,
@@ -631,21 +619,8 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
             "steps": trainer.steps(),
             "train_seconds": train_secs,
             "samples_per_s": samples_per_s,
-            "ranks": dist.size(),
         });
-        let mut j = j;
-        if let Some(s) = &all_reduce {
-            let s = s.lock().unwrap_or_else(|p| p.into_inner()).clone();
-            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / s.steps.max(1) as f64;
-            j["all_reduce"] = serde_json::json!({
-                "steps": s.steps,
-                "buffer_bytes": s.buffer_bytes,
-                "round_trip_ms_per_step": ms(s.round_trip()),
-                "gather_ms_per_step": ms(s.gather),
-                "communicate_ms_per_step": ms(s.communicate),
-                "scatter_ms_per_step": ms(s.scatter),
-            });
-        }
+        dist.add_to_json(&mut j, all_reduce.as_ref());
         println!("{j}");
     }
     Ok(())
@@ -676,19 +651,5 @@ fn unique_suffix() -> String {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    let dist = match Job::from_flag(args.distributed.as_deref()) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    match run(args, &dist) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            dist.fail(&e);
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    Job::main(args.distributed.clone().as_deref(), |dist| run(args, dist))
 }

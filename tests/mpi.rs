@@ -1,11 +1,12 @@
-//! Data parallelism over MPI (the `mpi` feature), through the real example under mpirun:
-//! `mpirun -np 2 train_mlp --distributed mpi` ends with the weights and optimizer state of one
-//! process with the same flags (within 1e-5 relative), and a rank that is killed, or stopped
-//! without dying, brings the other rank down with an error within 30 s instead of a hang.
+//! Data parallelism over MPI (the `mpi` feature), through the real examples under mpirun:
+//! `mpirun -np 2 <example> --distributed mpi` ends with the weights and optimizer state of one
+//! process with the same flags (within 1e-5 relative) for train_mlp, custom_model and
+//! train_gpt, and a rank that is killed, or stopped without dying, brings the other rank down
+//! with an error within 30 s instead of a hang.
 //!
-//! The example must be built first with the same profile and feature:
-//! `cargo build --features mpi --example train_mlp && cargo test --features mpi --test mpi`
-//! (what .ci/run does).
+//! The examples must be built first with the same profile and feature:
+//! `cargo build --features mpi --example train_mlp --example custom_model --example train_gpt
+//! && cargo test --features mpi --test mpi` (what .ci/run does).
 #![cfg(feature = "mpi")]
 
 use std::io::{BufRead, BufReader};
@@ -23,17 +24,17 @@ fn one_job_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The train_mlp built beside this test binary (target/<profile>/examples/train_mlp).
-fn example() -> PathBuf {
+/// The example `name` built beside this test binary (target/<profile>/examples/<name>).
+fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("the test binary's path");
     let profile_dir = exe
         .parent()
         .and_then(Path::parent)
         .expect("target/<profile>/deps/<test>");
-    let path = profile_dir.join("examples").join("train_mlp");
+    let path = profile_dir.join("examples").join(name);
     assert!(
         path.exists(),
-        "{} is missing: build it first with `cargo build --features mpi --example train_mlp` \
+        "{} is missing: build it first with `cargo build --features mpi --example {name}` \
          (add --release when testing with --release)",
         path.display()
     );
@@ -58,25 +59,28 @@ impl Drop for TempDir {
     }
 }
 
-/// A small, quick run of the example (its weights depend on nothing else).
+/// Owned strings of `flags`.
+fn strings(flags: &[&str]) -> Vec<String> {
+    flags.iter().map(|s| s.to_string()).collect()
+}
+
+/// A small, quick run of train_mlp (its weights depend on nothing else).
 fn flags(epochs: u32) -> Vec<String> {
-    [
+    let epochs = epochs.to_string();
+    strings(&[
         "--hidden",
         "32",
         "--epochs",
-        &epochs.to_string(),
+        &epochs,
         "--batch-size",
         "64",
         "--seed",
         "5",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    ])
 }
 
-/// mpirun with 2 ranks of the example; `env` reaches every rank.
-fn mpirun(args: &[String], env: &[(&str, &str)]) -> Command {
+/// mpirun with 2 ranks of the example `name`; `env` reaches every rank.
+fn mpirun(name: &str, args: &[String], env: &[(&str, &str)]) -> Command {
     let mut cmd = Command::new("mpirun");
     cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", "2"]);
     // Containers often forbid the cross-memory attach OpenMPI's shared-memory transport tries
@@ -86,7 +90,7 @@ fn mpirun(args: &[String], env: &[(&str, &str)]) -> Command {
         cmd.env(k, v);
         cmd.args(["-x", k]);
     }
-    cmd.arg(example())
+    cmd.arg(example(name))
         .args(args)
         .arg("--distributed")
         .arg("mpi");
@@ -120,29 +124,30 @@ fn run_ok(mut cmd: Command, what: &str) -> String {
     text
 }
 
-/// Two ranks and one process with the same flags save the same model and optimizer state.
-#[test]
-fn two_ranks_give_the_weights_of_one_process() {
+/// Runs the example `name` with `args` as one process and as 2 MPI ranks, each saving a
+/// checkpoint (`--save`), and asserts that the two hold the same tensors (model and optimizer
+/// state) within 1e-5 relative and the same step; returns the worst relative difference.
+fn two_ranks_match_one_process(name: &str, args: &[String]) -> f64 {
     let _one = one_job_at_a_time();
-    let tmp = TempDir::new("weights");
+    let tmp = TempDir::new(name);
     let (single, dist) = (
         tmp.0.join("single.safetensors"),
         tmp.0.join("dist.safetensors"),
     );
-    let mut one = Command::new(example());
-    one.args(flags(2)).arg("--save").arg(&single);
-    run_ok(one, "one process");
-    let mut args = flags(2);
+    let mut one = Command::new(example(name));
+    one.args(args).arg("--save").arg(&single);
+    run_ok(one, &format!("{name}, one process"));
+    let mut args = args.to_vec();
     args.extend(["--json".into(), "--save".into(), dist.display().to_string()]);
     // A loaded machine may keep one rank compiling kernels for a while: no timeout here.
     let text = run_ok(
-        mpirun(&args, &[("FITGRAD_DIST_TIMEOUT", "300")]),
-        "mpirun -np 2",
+        mpirun(name, &args, &[("FITGRAD_DIST_TIMEOUT", "300")]),
+        &format!("{name}, mpirun -np 2"),
     );
     eprintln!("{text}");
     assert!(
         text.contains("\"ranks\":2"),
-        "rank 0 reports 2 ranks:\n{text}"
+        "rank 0 of {name} reports 2 ranks:\n{text}"
     );
 
     let a = fitgrad::checkpoint::load(&dist).unwrap();
@@ -152,17 +157,83 @@ fn two_ranks_give_the_weights_of_one_process() {
         b.tensors.keys().collect::<Vec<_>>()
     );
     let mut worst = 0.0f64;
-    for (name, t) in &b.tensors {
-        let d = rel_diff(&a.tensors[name].to_f32(), &t.to_f32());
-        eprintln!("{name}: {d:e}");
+    for (tensor, t) in &b.tensors {
+        let d = rel_diff(&a.tensors[tensor].to_f32(), &t.to_f32());
+        eprintln!("{name} {tensor}: {d:e}");
         assert!(
             d <= 1e-5,
-            "{name} differs by {d:e} relative (max |a-b| / max |b|)"
+            "{name}: {tensor} differs by {d:e} relative (max |a-b| / max |b|)"
         );
         worst = worst.max(d);
     }
-    eprintln!("worst relative difference over model and optimizer state: {worst:e}");
+    eprintln!(
+        "{name}: worst relative difference over {} tensors of model and optimizer state: {worst:e}",
+        b.tensors.len()
+    );
+    assert!(a.metadata.contains_key("step"), "{name}: no step saved");
     assert_eq!(a.metadata.get("step"), b.metadata.get("step"));
+    worst
+}
+
+/// Two ranks and one process with the same flags save the same model and optimizer state.
+#[test]
+fn two_ranks_give_the_weights_of_one_process() {
+    two_ranks_match_one_process("train_mlp", &flags(2));
+}
+
+/// The same for the residual MLP defined in custom_model: the digits' last batch of 29 gives
+/// uneven shares (15 and 14); dropout 0, since each rank draws its own masks.
+#[test]
+fn custom_model_on_two_ranks_gives_the_weights_of_one_process() {
+    let args = strings(&[
+        "--dataset",
+        "digits",
+        "--width",
+        "32",
+        "--blocks",
+        "1",
+        "--dropout",
+        "0",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "64",
+        "--seed",
+        "3",
+    ]);
+    two_ranks_match_one_process("custom_model", &args);
+}
+
+/// The same for train_gpt on a short text: clipping, an evaluation and a checkpoint mid-run
+/// (rank 0 only), and the sample at the end.
+#[test]
+fn train_gpt_on_two_ranks_gives_the_weights_of_one_process() {
+    let tmp = TempDir::new("gpt-text");
+    let text = tmp.0.join("text.txt");
+    let line = "to be, or not to be, that is the question: whether 'tis nobler in the mind. ";
+    std::fs::write(&text, line.repeat(30)).unwrap();
+    let text = text.display().to_string();
+    let args = strings(&[
+        "--text",
+        &text,
+        "--steps",
+        "6",
+        "--layers",
+        "1",
+        "--dim",
+        "32",
+        "--heads",
+        "2",
+        "--context",
+        "16",
+        "--batch-size",
+        "8",
+        "--eval-every",
+        "3",
+        "--sample-len",
+        "20",
+    ]);
+    two_ranks_match_one_process("train_gpt", &args);
 }
 
 /// Sends `sig` to `pid` through the shell's own `kill` (no procps needed); whether it was sent.
@@ -184,7 +255,7 @@ struct Job {
 
 impl Job {
     fn start(env: &[(&str, &str)]) -> Job {
-        let mut child = mpirun(&flags(100_000), env)
+        let mut child = mpirun("train_mlp", &flags(100_000), env)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()

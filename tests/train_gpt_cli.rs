@@ -11,6 +11,7 @@ mod train_gpt;
 
 use clap::Parser;
 use common::*;
+use fitgrad::distributed::Job;
 use fitgrad::{Device, DeviceOptions, Error};
 use std::io::Write;
 use train_gpt::{prepare, train, Args};
@@ -149,10 +150,10 @@ fn tiny_run_saves_resumes_and_samples(dev: &Device) {
     let ckpt = dir.path().join("gpt.safetensors");
     let ckpt_s = ckpt.display().to_string();
     let first = args(f.path(), &["--steps", "3", "--save", &ckpt_s]);
-    let report = train(&first, prepare(&first).unwrap(), &device_like(dev)).unwrap();
+    let report = train(&first, prepare(&first).unwrap(), &device_like(dev), &Job::Single).unwrap();
     assert_eq!(report.steps, 3);
     let more = args(f.path(), &["--resume", &ckpt_s]);
-    let report = train(&more, prepare(&more).unwrap(), &device_like(dev)).unwrap();
+    let report = train(&more, prepare(&more).unwrap(), &device_like(dev), &Job::Single).unwrap();
     assert_eq!(report.steps, 6, "resumed to the asked step count");
     let vocab = fitgrad::train::text::CharVocab::from_text(TEXT).unwrap();
     let uniform = (vocab.len() as f32).ln();
@@ -185,7 +186,7 @@ fn tiny_run_fits_a_budget(dev: &Device) {
         &["--steps", "2", "--sample-len", "0", "--eval-every", "0"],
     );
     let fresh = device_like(dev);
-    let report = train(&a, prepare(&a).unwrap(), &fresh).unwrap();
+    let report = train(&a, prepare(&a).unwrap(), &fresh, &Job::Single).unwrap();
     let plain = fresh.memory_stats().peak_bytes_reserved;
     let budget = format!("{plain}");
     let a = args(
@@ -203,7 +204,7 @@ fn tiny_run_fits_a_budget(dev: &Device) {
     );
     let budgeted = device_like(dev);
     budgeted.set_memory_budget(Some(plain)).unwrap();
-    let fitted = train(&a, prepare(&a).unwrap(), &budgeted).unwrap();
+    let fitted = train(&a, prepare(&a).unwrap(), &budgeted, &Job::Single).unwrap();
     assert!(fitted.valid_loss.is_finite() && report.valid_loss.is_finite());
     assert!(budgeted.memory_stats().peak_bytes_reserved <= plain);
 }

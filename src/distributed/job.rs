@@ -1,10 +1,15 @@
 //! [`Job`]: how a process takes part in training, alone or as one rank of an MPI job, as a
-//! `--distributed` flag chooses it; what the examples share so that each needs a few lines.
+//! `--distributed` flag chooses it; what the examples share so that each needs a few lines:
+//! the command's end ([`Job::main`]), joining the job after the trainer is built and fitted as
+//! on one process ([`Job::join`]), this rank's share of a batch, and the JSON fields.
 
 use super::allreduce::AllReduceStats;
+use super::comm::share_of;
 use crate::nn::Module;
-use crate::train::Trainer;
+use crate::train::{BatchSource, TrainModel, Trainer};
 use crate::{Error, Result};
+use std::ops::Range;
+use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
 
 /// This process's part in a training run.
@@ -39,6 +44,27 @@ impl Job {
         }
     }
 
+    /// A command's whole run as this process's part of the job `flag` names, and its exit
+    /// code: `body` runs in the job; a flag or body error is printed to stderr, and on an MPI
+    /// rank a body error stops every rank ([`Job::fail`]).
+    pub fn main(flag: Option<&str>, body: impl FnOnce(&Job) -> Result<()>) -> ExitCode {
+        let job = match Job::from_flag(flag) {
+            Ok(j) => j,
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        match body(&job) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                job.fail(&e);
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
+        }
+    }
+
     /// This process's rank (0 alone); rank 0 prints, evaluates and writes checkpoints.
     pub fn rank(&self) -> usize {
         match self {
@@ -62,6 +88,12 @@ impl Job {
         self.rank() == 0
     }
 
+    /// The positions of this rank's share of a batch of `n` samples (all of them alone): the
+    /// samples its trainer runs of each step.
+    pub fn share(&self, n: usize) -> Range<usize> {
+        share_of(n, self.rank(), self.size())
+    }
+
     /// Makes `trainer` this rank's replica ([`attach`](super::attach)) and returns its all-reduce statistics;
     /// nothing for one process.
     pub fn attach<M: Module>(
@@ -75,6 +107,61 @@ impl Job {
             }
             #[cfg(feature = "mpi")]
             Job::Mpi(m) => Ok(Some(super::attach(trainer, m.communicator()?)?)),
+        }
+    }
+
+    /// Joins the job with a trainer built (and fitted to its device's budget) as on one
+    /// process: [`Job::attach`], then, under a budget, the micro-batch fitted again to this
+    /// rank's share, and the rank's start-up line on stderr (`rank R of N: pid P, ...`, what
+    /// a launcher's log shows). Nothing changes for one process. Call it on every rank at the
+    /// same point, before planning, preallocating or resuming: a `--fit auto` choice made
+    /// before it is one process's, the same on every rank.
+    pub fn join<M, D>(
+        &self,
+        trainer: &mut Trainer<M>,
+        data: &D,
+    ) -> Result<Option<Arc<Mutex<AllReduceStats>>>>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let stats = self.attach(trainer)?;
+        if stats.is_some() {
+            if let Some(budget) = trainer.device().memory_stats().budget {
+                trainer.fit_to_budget(data, budget)?;
+            }
+            eprintln!(
+                "rank {} of {}: pid {}, {}, training on its share of every batch of {}",
+                self.rank(),
+                self.size(),
+                std::process::id(),
+                trainer.device().info().adapter.name,
+                trainer.effective_batch()
+            );
+        }
+        Ok(stats)
+    }
+
+    /// Adds the job to a run's JSON object `j`: `ranks`, and with `stats` (an MPI rank's)
+    /// `all_reduce` (steps, buffer bytes, milliseconds per step of the round trip and of its
+    /// gather, communication and scatter).
+    pub fn add_to_json(
+        &self,
+        j: &mut serde_json::Value,
+        stats: Option<&Arc<Mutex<AllReduceStats>>>,
+    ) {
+        j["ranks"] = self.size().into();
+        if let Some(s) = stats {
+            let s = crate::device::lock(s).clone();
+            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3 / s.steps.max(1) as f64;
+            j["all_reduce"] = serde_json::json!({
+                "steps": s.steps,
+                "buffer_bytes": s.buffer_bytes,
+                "round_trip_ms_per_step": ms(s.round_trip()),
+                "gather_ms_per_step": ms(s.gather),
+                "communicate_ms_per_step": ms(s.communicate),
+                "scatter_ms_per_step": ms(s.scatter),
+            });
         }
     }
 
