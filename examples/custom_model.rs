@@ -534,7 +534,7 @@ fn run(args: Args, dist: &Job) -> Result<()> {
             ProgressBar::hidden()
         }
         .with_style(style.clone())
-            .with_prefix(format!("{}", epoch + 1));
+        .with_prefix(format!("{}", epoch + 1));
         let epoch_start = Instant::now();
         trainer.train_epoch(&train, args.seed, epoch, |t, done, total| {
             if let Some(p) = &mut pruner {

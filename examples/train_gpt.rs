@@ -556,11 +556,11 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         ProgressBar::hidden()
     }
     .with_style(
-            ProgressStyle::with_template("step {pos}/{len} [{bar:30}] {msg} ({elapsed})")
-                .expect("valid template")
-                .progress_chars("=> "),
-        )
-        .with_position(trainer.steps().min(args.steps));
+        ProgressStyle::with_template("step {pos}/{len} [{bar:30}] {msg} ({elapsed})")
+            .expect("valid template")
+            .progress_chars("=> "),
+    )
+    .with_position(trainer.steps().min(args.steps));
     // On a new machine the first steps compile every kernel (lavapipe: tens of seconds); the
     // driver caches them on disk for the next run.
     bar.set_message("compiling GPU kernels (first run on this machine only)...");
@@ -744,5 +744,7 @@ pub fn run(args: &Args, dist: &Job) -> Result<Report> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
-    Job::main(args.distributed.as_deref(), |dist| run(&args, dist).map(drop))
+    Job::main(args.distributed.as_deref(), |dist| {
+        run(&args, dist).map(drop)
+    })
 }

@@ -10,6 +10,7 @@
 #![cfg(feature = "mpi")]
 
 use std::io::{BufRead, BufReader};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -126,8 +127,16 @@ fn run_ok(mut cmd: Command, what: &str) -> String {
 
 /// Runs the example `name` with `args` as one process and as 2 MPI ranks, each saving a
 /// checkpoint (`--save`), and asserts that the two hold the same tensors (model and optimizer
-/// state) within 1e-5 relative and the same step; returns the worst relative difference.
-fn two_ranks_match_one_process(name: &str, args: &[String]) -> f64 {
+/// state) within 1e-5 relative and the same step.
+///
+/// `rounding_only` names elements (tensor, range) whose gradient is zero in exact arithmetic:
+/// AdamW turns their rounding, which any other order of additions changes, into updates, so
+/// they are not compared; each run must keep them below 1% of their tensor's largest value.
+fn two_ranks_match_one_process(
+    name: &str,
+    args: &[String],
+    rounding_only: &[(&str, Range<usize>)],
+) {
     let _one = one_job_at_a_time();
     let tmp = TempDir::new(name);
     let (single, dist) = (
@@ -157,28 +166,42 @@ fn two_ranks_match_one_process(name: &str, args: &[String]) -> f64 {
         b.tensors.keys().collect::<Vec<_>>()
     );
     let mut worst = 0.0f64;
+    let mut differ = Vec::new();
     for (tensor, t) in &b.tensors {
-        let d = rel_diff(&a.tensors[tensor].to_f32(), &t.to_f32());
+        let (mut x, mut y) = (a.tensors[tensor].to_f32(), t.to_f32());
+        let scale = y.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        for (_, range) in rounding_only.iter().filter(|(n, _)| n == tensor) {
+            for v in x[range.clone()].iter_mut().chain(&mut y[range.clone()]) {
+                assert!(
+                    v.abs() <= 0.01 * scale,
+                    "{name}: {tensor}[{range:?}] holds {v}, not rounding-sized beside {scale}"
+                );
+                *v = 0.0;
+            }
+        }
+        let d = rel_diff(&x, &y);
         eprintln!("{name} {tensor}: {d:e}");
-        assert!(
-            d <= 1e-5,
-            "{name}: {tensor} differs by {d:e} relative (max |a-b| / max |b|)"
-        );
+        if d > 1e-5 {
+            differ.push(format!("{tensor} by {d:e}"));
+        }
         worst = worst.max(d);
     }
+    assert!(
+        differ.is_empty(),
+        "{name}: tensors differ by more than 1e-5 relative (max |a-b| / max |b|): {differ:?}"
+    );
     eprintln!(
         "{name}: worst relative difference over {} tensors of model and optimizer state: {worst:e}",
         b.tensors.len()
     );
     assert!(a.metadata.contains_key("step"), "{name}: no step saved");
     assert_eq!(a.metadata.get("step"), b.metadata.get("step"));
-    worst
 }
 
 /// Two ranks and one process with the same flags save the same model and optimizer state.
 #[test]
 fn two_ranks_give_the_weights_of_one_process() {
-    two_ranks_match_one_process("train_mlp", &flags(2));
+    two_ranks_match_one_process("train_mlp", &flags(2), &[]);
 }
 
 /// The same for the residual MLP defined in custom_model: the digits' last batch of 29 gives
@@ -201,11 +224,15 @@ fn custom_model_on_two_ranks_gives_the_weights_of_one_process() {
         "--seed",
         "3",
     ]);
-    two_ranks_match_one_process("custom_model", &args);
+    two_ranks_match_one_process("custom_model", &args, &[]);
 }
 
 /// The same for train_gpt on a short text: clipping, an evaluation and a checkpoint mid-run
-/// (rank 0 only), and the sample at the end.
+/// (rank 0 only), and the sample at the end. The key bias (the middle third of qkv.bias) has a
+/// zero gradient, softmax ignoring what all scores of a row share, so it is left out. Both
+/// runs accumulate two micro-batches of 4, the ranks' shares: with one micro-batch of 8 a few
+/// elements of other tensors, whose gradients are as small as their rounding, also move apart
+/// (up to 2e-5 relative in mlp.fc.weight).
 #[test]
 fn train_gpt_on_two_ranks_gives_the_weights_of_one_process() {
     let tmp = TempDir::new("gpt-text");
@@ -227,13 +254,17 @@ fn train_gpt_on_two_ranks_gives_the_weights_of_one_process() {
         "--context",
         "16",
         "--batch-size",
-        "8",
+        "4",
+        "--accum-steps",
+        "2",
         "--eval-every",
         "3",
         "--sample-len",
         "20",
     ]);
-    two_ranks_match_one_process("train_gpt", &args);
+    // dim 32: q, k and v biases are elements 0..32, 32..64 and 64..96.
+    let key_bias = [("model.blocks.0.attn.qkv.bias", 32..64)];
+    two_ranks_match_one_process("train_gpt", &args, &key_bias);
 }
 
 /// Sends `sig` to `pid` through the shell's own `kill` (no procps needed); whether it was sent.
@@ -284,9 +315,15 @@ impl Job {
                 .recv_timeout(left)
                 .unwrap_or_else(|_| panic!("the ranks did not start:\n{}", job.log.join("\n")));
             if let Some(rest) = line.strip_prefix("rank ") {
-                let rank: usize = rest.split(' ').next().unwrap().parse().unwrap();
-                let pid = rest.split("pid ").nth(1).unwrap();
-                job.pids[rank] = pid.split(',').next().unwrap().parse().unwrap();
+                let parsed = (|| {
+                    let rank: usize = rest.split(' ').next()?.parse().ok()?;
+                    let pid = rest.split("pid ").nth(1)?.split(',').next()?.parse().ok()?;
+                    Some((rank, pid))
+                })();
+                let (rank, pid) = parsed.unwrap_or_else(|| {
+                    panic!("not a start-up line: {line:?}\n{}", job.log.join("\n"))
+                });
+                job.pids[rank] = pid;
             }
             job.log.push(line);
         }

@@ -150,10 +150,22 @@ fn tiny_run_saves_resumes_and_samples(dev: &Device) {
     let ckpt = dir.path().join("gpt.safetensors");
     let ckpt_s = ckpt.display().to_string();
     let first = args(f.path(), &["--steps", "3", "--save", &ckpt_s]);
-    let report = train(&first, prepare(&first).unwrap(), &device_like(dev), &Job::Single).unwrap();
+    let report = train(
+        &first,
+        prepare(&first).unwrap(),
+        &device_like(dev),
+        &Job::Single,
+    )
+    .unwrap();
     assert_eq!(report.steps, 3);
     let more = args(f.path(), &["--resume", &ckpt_s]);
-    let report = train(&more, prepare(&more).unwrap(), &device_like(dev), &Job::Single).unwrap();
+    let report = train(
+        &more,
+        prepare(&more).unwrap(),
+        &device_like(dev),
+        &Job::Single,
+    )
+    .unwrap();
     assert_eq!(report.steps, 6, "resumed to the asked step count");
     let vocab = fitgrad::train::text::CharVocab::from_text(TEXT).unwrap();
     let uniform = (vocab.len() as f32).ln();

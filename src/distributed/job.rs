@@ -8,6 +8,7 @@ use super::comm::share_of;
 use crate::nn::Module;
 use crate::train::{BatchSource, TrainModel, Trainer};
 use crate::{Error, Result};
+use std::io::Write;
 use std::ops::Range;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
@@ -130,14 +131,17 @@ impl Job {
             if let Some(budget) = trainer.device().memory_stats().budget {
                 trainer.fit_to_budget(data, budget)?;
             }
-            eprintln!(
-                "rank {} of {}: pid {}, {}, training on its share of every batch of {}",
+            let line = format!(
+                "rank {} of {}: pid {}, {}, training on its share of every batch of {}\n",
                 self.rank(),
                 self.size(),
                 std::process::id(),
                 trainer.device().info().adapter.name,
                 trainer.effective_batch()
             );
+            // One write: the ranks share the launcher's stderr, and a line written in pieces
+            // (as `eprintln!` writes its arguments) can interleave with another rank's.
+            let _ = std::io::stderr().write_all(line.as_bytes());
         }
         Ok(stats)
     }
