@@ -54,6 +54,16 @@ fn one_line(label: &str) -> String {
     label.lines().collect::<Vec<_>>().join(" ")
 }
 
+/// A legend entry drawn as a swatch (`area`) or a line with this dash pattern.
+fn item(name: &str, color: &str, dash: &'static str, area: bool) -> LegendItem {
+    LegendItem {
+        name: name.into(),
+        color: color.into(),
+        dash,
+        area,
+    }
+}
+
 /// ` data-key="value"` for each attribute, values escaped.
 fn data_attrs(data: &[(String, String)]) -> String {
     data.iter()
@@ -189,7 +199,7 @@ impl BarChart {
             .flat_map(|b| &b.references)
         {
             if !out.iter().any(|(n, _)| *n == r.name) {
-                out.push((&r.name, OWN_DEFAULT_COLOR));
+                out.push((r.name.as_str(), OWN_DEFAULT_COLOR));
             }
         }
         out
@@ -197,12 +207,6 @@ impl BarChart {
 
     /// Series (swatches), per-bar references, per-group references and lines across.
     fn legend(&self, own: &[(&str, &str)]) -> Vec<LegendItem> {
-        let item = |name: &str, color: &str, dash: &'static str, area: bool| LegendItem {
-            name: name.into(),
-            color: color.into(),
-            dash,
-            area,
-        };
         let series = self.series.iter().map(|s| item(&s.name, &s.color, "", true));
         let own = own
             .iter()
