@@ -1,7 +1,8 @@
 //! Drawing a [`BarChart`]: layout of the group labels, then bars with their whiskers, own
 //! references and value labels, group references, lines across, and the plot's frame.
 
-use super::super::{escape, fit_range, frame, open_svg, text_width, y_axis, LegendItem, Scale};
+use super::super::{escape, fit_range, frame, open_svg, text_width, y_axis};
+use super::super::{Axis, LegendItem, Scale};
 use super::super::DASH;
 use super::{Bar, BarChart};
 use std::fmt::Write;
@@ -47,6 +48,11 @@ impl Plot {
     fn y(&self, v: f64) -> f64 {
         self.sy.map(v).clamp(self.top, self.bottom)
     }
+}
+
+/// Whether `v` can be drawn on `axis` (a log axis has no place for 0 and below).
+fn shown(axis: &Axis, v: f64) -> bool {
+    v.is_finite() && (!axis.log || v > 0.0)
 }
 
 /// A group's label on one line: its lines joined by spaces.
@@ -130,7 +136,8 @@ impl BarChart {
                     Some(bar) => self.draw_bar(&mut svg, &plot, x, bar, &s.name, &s.color, &group),
                     None => self.draw_bar(&mut svg, &plot, x, &Bar::missing(), &s.name, "", &group),
                 }
-                for r in s.bars.get(g).map_or(&[][..], |b| &b.references[..]) {
+                let own = s.bars.get(g).map_or(&[][..], |b| &b.references[..]);
+                for r in own.iter().filter(|r| shown(&self.y, r.value)) {
                     let i = styles.iter().position(|(n, _)| *n == r.name).unwrap_or(0);
                     let (color, dash) = (styles[i].1, OWN_DASH[i % OWN_DASH.len()]);
                     let title = r.title.clone().unwrap_or_else(|| {
@@ -278,7 +285,7 @@ impl BarChart {
         group: &str,
     ) {
         let data = data_attrs(&bar.data);
-        let shown = |v: f64| v.is_finite() && (!self.y.log || v > 0.0);
+        let shown = |v: f64| shown(&self.y, v);
         let Some(v) = bar.value.filter(|v| shown(*v)) else {
             let title = bar
                 .title
