@@ -225,7 +225,9 @@ fn adapter_color(i: usize) -> &'static str {
 /// the small ones visible).
 fn wants_log(values: &[f64], ratio: f64) -> bool {
     let pos = values.iter().copied().filter(|v| v.is_finite() && *v > 0.0);
-    let (lo, hi) = pos.fold((f64::INFINITY, 0.0f64), |(lo, hi), v| (lo.min(v), hi.max(v)));
+    let (lo, hi) = pos.fold((f64::INFINITY, 0.0f64), |(lo, hi), v| {
+        (lo.min(v), hi.max(v))
+    });
     hi > 0.0 && hi / lo > ratio
 }
 
@@ -233,7 +235,10 @@ fn wants_log(values: &[f64], ratio: f64) -> bool {
 /// adapter's missing figures are "n/a"), the spread of its runs as a whisker, and each
 /// reference measured on that adapter as a tick across its own bar.
 fn chart(r: &Report, s: &Section) -> String {
-    let groups = s.rows.iter().map(|(shape, dtype)| format!("{shape}\n{dtype}"));
+    let groups = s
+        .rows
+        .iter()
+        .map(|(shape, dtype)| format!("{shape}\n{dtype}"));
     let mut values = Vec::new();
     for f in &s.figures {
         values.extend([f.rate, f.rate_at_min_ms, f.rate_at_max_ms]);
@@ -255,19 +260,19 @@ fn chart(r: &Report, s: &Section) -> String {
         c = c.bar_reference(ref_label(name), s.ref_color(name));
     }
     for (i, a) in r.adapters.iter().enumerate() {
-        let bars = s
-            .rows
-            .iter()
-            .map(|row| {
-                let bar = match s.get(*row, &a.id) {
-                    Some(f) => figure_bar(s, &a.id, f),
-                    None if a.error.is_some() => Bar::missing()
-                        .title(format!("{}: not measured: the adapter failed", a.id)),
-                    None => Bar::missing().title(format!("{}: not measured", a.id)),
-                };
-                bar.data("adapter", &a.id).data("shape", row.0)
-            })
-            .collect();
+        let bars =
+            s.rows
+                .iter()
+                .map(|row| {
+                    let bar = match s.get(*row, &a.id) {
+                        Some(f) => figure_bar(s, &a.id, f),
+                        None if a.error.is_some() => Bar::missing()
+                            .title(format!("{}: not measured: the adapter failed", a.id)),
+                        None => Bar::missing().title(format!("{}: not measured", a.id)),
+                    };
+                    bar.data("adapter", &a.id).data("shape", row.0)
+                })
+                .collect();
         let failed = if a.error.is_some() { " (failed)" } else { "" };
         c = c.bars(format!("{}{failed}", a.id), adapter_color(i), bars);
     }
@@ -320,7 +325,12 @@ fn table(r: &Report, s: &Section) -> String {
     }
     h += "</tr>";
     for row in &s.rows {
-        let _ = write!(h, "<tr><td>{}</td><td>{}</td>", escape(row.0), escape(row.1));
+        let _ = write!(
+            h,
+            "<tr><td>{}</td><td>{}</td>",
+            escape(row.0),
+            escape(row.1)
+        );
         for a in &r.adapters {
             let Some(f) = s.get(*row, &a.id) else {
                 h += if a.error.is_some() {

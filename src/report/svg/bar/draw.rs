@@ -1,9 +1,9 @@
 //! Drawing a [`BarChart`]: layout of the group labels, then bars with their whiskers, own
 //! references and value labels, group references, lines across, and the plot's frame.
 
+use super::super::DASH;
 use super::super::{escape, fit_range, frame, open_svg, text_width, y_axis};
 use super::super::{Axis, LegendItem, Scale};
-use super::super::DASH;
 use super::{Bar, BarChart};
 use std::fmt::Write;
 
@@ -83,7 +83,9 @@ impl BarChart {
         let styles = self.own_styles();
         let legend = self.legend(&styles);
         let bar_values = self.series.iter().flat_map(|s| &s.bars).flat_map(|b| {
-            let spread = b.spread.map_or([None, None], |(lo, hi)| [Some(lo), Some(hi)]);
+            let spread = b
+                .spread
+                .map_or([None, None], |(lo, hi)| [Some(lo), Some(hi)]);
             b.value
                 .into_iter()
                 .chain(spread.into_iter().flatten())
@@ -141,7 +143,12 @@ impl BarChart {
                     let i = styles.iter().position(|(n, _)| *n == r.name).unwrap_or(0);
                     let (color, dash) = (styles[i].1, OWN_DASH[i % OWN_DASH.len()]);
                     let title = r.title.clone().unwrap_or_else(|| {
-                        format!("{}, {}, {group}: {}", r.name, s.name, self.y.format(r.value))
+                        format!(
+                            "{}, {}, {group}: {}",
+                            r.name,
+                            s.name,
+                            self.y.format(r.value)
+                        )
                     });
                     let y = plot.y(r.value);
                     let _ = write!(
@@ -172,7 +179,13 @@ impl BarChart {
                     );
                 }
             }
-            group_label(&mut svg, name, gx + group_w / 2.0, plot_bottom, labels.rotate);
+            group_label(
+                &mut svg,
+                name,
+                gx + group_w / 2.0,
+                plot_bottom,
+                labels.rotate,
+            );
         }
         for (label, color, v) in &self.hlines {
             let y = plot.y(*v);
@@ -214,12 +227,18 @@ impl BarChart {
 
     /// Series (swatches), per-bar references, per-group references and lines across.
     fn legend(&self, own: &[(&str, &str)]) -> Vec<LegendItem> {
-        let series = self.series.iter().map(|s| item(&s.name, &s.color, "", true));
+        let series = self
+            .series
+            .iter()
+            .map(|s| item(&s.name, &s.color, "", true));
         let own = own
             .iter()
             .enumerate()
             .map(|(i, (n, c))| item(n, c, OWN_DASH[i % OWN_DASH.len()], false));
-        let groups = self.references.iter().map(|r| item(&r.name, &r.color, DASH, false));
+        let groups = self
+            .references
+            .iter()
+            .map(|r| item(&r.name, &r.color, DASH, false));
         let lines = self.hlines.iter().map(|(l, c, _)| item(l, c, DASH, false));
         series.chain(own).chain(groups).chain(lines).collect()
     }

@@ -59,7 +59,10 @@ fn whiskers_span_the_spread_inside_the_plot() {
         let bar_top = num(b, "y");
         assert!(top <= hi && lo <= bottom, "{w} outside {top}..{bottom}");
         // The spread straddles the value: its top above the bar's, its bottom inside the bar.
-        assert!(hi < bar_top && bar_top < lo, "{w} against the bar at {bar_top}");
+        assert!(
+            hi < bar_top && bar_top < lo,
+            "{w} against the bar at {bar_top}"
+        );
     }
     // The taller spread (4..20) reaches higher than the shorter (8..12).
     assert!(whisker(whiskers[1]).0 < whisker(whiskers[0]).0);
@@ -92,9 +95,7 @@ fn each_series_bar_has_its_own_reference() {
             PALETTE[0],
             vec![
                 Bar::new(10.0).reference("naive", 2.0),
-                Bar::new(12.0)
-                    .reference("naive", 3.0)
-                    .reference("cpu", 1.0),
+                Bar::new(12.0).reference("naive", 3.0).reference("cpu", 1.0),
             ],
         )
         .bars(
@@ -135,7 +136,9 @@ fn group_labels_break_or_rotate() {
     let short = BarChart::new("t", vec!["256\nf32".into(), "512\nf16".into()])
         .series("s", PALETTE[0], vec![Some(1.0), Some(2.0)])
         .to_svg();
-    assert!(elements(&short, "fg-group").iter().all(|g| !g.contains("rotate(")));
+    assert!(elements(&short, "fg-group")
+        .iter()
+        .all(|g| !g.contains("rotate(")));
     assert_eq!(elements(&short, "fg-group").len(), 2);
     assert!(short.contains(">256<tspan") && short.contains(">f16</tspan>"));
     assert_eq!(attr(&short, "height"), "340");
@@ -167,7 +170,9 @@ fn titles_and_data_attributes_are_escaped() {
                 Bar::new(1.0)
                     .title("a <b> & c")
                     .data("Adapter Name", r#"gpu "0" <vk> & 'x'"#),
-                Bar::missing().title("failed: <oom>").data("adapter", "gpu&1"),
+                Bar::missing()
+                    .title("failed: <oom>")
+                    .data("adapter", "gpu&1"),
             ],
         )
         .to_svg();
@@ -186,8 +191,7 @@ fn titles_and_data_attributes_are_escaped() {
 #[test]
 fn values_are_written_over_wide_bars_only() {
     let chart = |series: usize, labels: bool| {
-        let mut c =
-            BarChart::new("t", vec!["a".into()]).y_axis(Axis::number("").range(0.0, 20.0));
+        let mut c = BarChart::new("t", vec!["a".into()]).y_axis(Axis::number("").range(0.0, 20.0));
         for _ in 0..series {
             c = c.bars("s", PALETTE[0], vec![Bar::new(12.5).spread(10.0, 14.0)]);
         }
