@@ -6,11 +6,11 @@
 use crate::bench_report::{
     cpu_text, memory_text, num, reference_text, subgroup_text, timing_text, yes_no, Figure, Report,
 };
-use crate::svg::{color, esc, Scale, Svg};
+use fitgrad::report::svg::{escape, Axis, Bar, BarChart, PALETTE};
 use std::fmt::Write;
 
-/// Dash patterns of the reference lines, in order of first appearance.
-const REF_DASH: &[&str] = &["", "6 3", "2 2", "8 3 2 3"];
+/// Colours of the reference ticks, in order of first appearance (the chart gives each a dash
+/// pattern too).
 const REF_COLOR: &[&str] = &["#222", "#c0392b", "#6c3483", "#117a65"];
 
 /// One operation's figures: rows are (shape, dtype) in first-seen order.
@@ -19,7 +19,7 @@ struct Section<'a> {
     unit: &'a str,
     rows: Vec<(&'a str, &'a str)>,
     figures: Vec<&'a Figure>,
-    /// Reference names in first-seen order (their line styles).
+    /// Reference names in first-seen order (their colours).
     refs: Vec<&'a str>,
 }
 
@@ -62,9 +62,10 @@ impl Section<'_> {
             .find(|f| f.adapter == adapter && (f.shape.as_str(), f.dtype.as_str()) == row)
     }
 
-    fn ref_style(&self, name: &str) -> (&'static str, &'static str) {
+    /// A reference's colour, by its first appearance in the section.
+    fn ref_color(&self, name: &str) -> &'static str {
         let i = self.refs.iter().position(|r| *r == name).unwrap_or(0);
-        (REF_COLOR[i % REF_COLOR.len()], REF_DASH[i % REF_DASH.len()])
+        REF_COLOR[i % REF_COLOR.len()]
     }
 }
 
@@ -80,20 +81,21 @@ pub fn page(r: &Report) -> String {
     h += "<p class=\"how\">Each bar is an adapter's rate at its median time (higher is \
           better); the whisker spans the rates of its slowest and fastest runs. Lines across a \
           bar are references measured in the same run on that adapter (or on the host CPU); \
-          a ratio is the figure's rate over the reference's. Below each chart, every figure: \
-          rate, time, repetitions, kernel chosen and references.</p>\n";
+          a ratio is the figure's rate over the reference's; n/a marks a figure the adapter did \
+          not measure. Below each chart, every figure: rate, time, repetitions, kernel chosen \
+          and references.</p>\n";
     let secs = sections(r);
     h += "<nav><b>Operations:</b> ";
     for (i, s) in secs.iter().enumerate() {
-        let _ = write!(h, "<a href=\"#op{i}\">{}</a> ", esc(s.op));
+        let _ = write!(h, "<a href=\"#op{i}\">{}</a> ", escape(s.op));
     }
     h += "</nav>\n";
     for (i, s) in secs.iter().enumerate() {
         let _ = writeln!(
             h,
             "<section id=\"op{i}\"><h2>{} <small>({})</small></h2>",
-            esc(s.op),
-            esc(s.unit)
+            escape(s.op),
+            escape(s.unit)
         );
         h += &chart(r, s);
         h += &table(r, s);
@@ -114,7 +116,7 @@ const CSS: &str = "body{font-family:system-ui,sans-serif;margin:1.5em;color:#222
 table{border-collapse:collapse;margin:0.5em 0 1.5em}td,th{border:1px solid #ccc;padding:3px 6px;\
 vertical-align:top;text-align:left;font-size:13px}th{background:#f3f3f3}.num{font-weight:600}\
 .sub{color:#555;font-size:11px}.failed{color:#b00020;font-weight:600}.swatch{display:inline-block;\
-width:10px;height:10px;margin-right:4px}svg.chart{max-width:100%;height:auto;display:block}\
+width:10px;height:10px;margin-right:4px}svg.fg-chart{max-width:100%;height:auto;display:block}\
 .how{max-width:60em;color:#444}nav a{margin-right:0.6em}footer{color:#777;margin-top:2em}";
 
 fn context_html(r: &Report) -> String {
@@ -148,7 +150,7 @@ fn context_html(r: &Report) -> String {
     ];
     let mut h = String::from("<h2>Context</h2><table class=\"context\">");
     for (k, v) in rows {
-        let _ = write!(h, "<tr><th>{}</th><td>{}</td></tr>", esc(k), esc(&v));
+        let _ = write!(h, "<tr><th>{}</th><td>{}</td></tr>", escape(k), escape(&v));
     }
     h + "</table>\n"
 }
@@ -177,221 +179,132 @@ fn adapters_html(r: &Report) -> String {
             Some(e) => format!(
                 "<span class=\"failed\">failed</span> after {} s: {}",
                 num(a.seconds),
-                esc(e)
+                escape(e)
             ),
-            None => format!("{} in {} s", esc(&a.status), num(a.seconds)),
+            None => format!("{} in {} s", escape(&a.status), num(a.seconds)),
         };
         let _ = write!(
             h,
             "<tr><td><span class=\"swatch\" style=\"background:{}\"></span>{}</td>\
              <td>{}</td><td>{}</td><td>{}</td><td>{}<div class=\"sub\">{}</div></td><td>{}</td>\
              <td>{}</td><td>{}</td><td class=\"sub\">{}</td><td>{}</td><td>{}</td></tr>",
-            color(i),
-            esc(&a.id),
-            esc(&a.vendor),
-            esc(&a.backend),
-            esc(&a.device_type),
-            esc(&a.driver),
-            esc(&a.driver_info),
-            esc(&memory_text(a.memory_bytes)),
+            adapter_color(i),
+            escape(&a.id),
+            escape(&a.vendor),
+            escape(&a.backend),
+            escape(&a.device_type),
+            escape(&a.driver),
+            escape(&a.driver_info),
+            escape(&memory_text(a.memory_bytes)),
             f16,
-            esc(&subgroup_text(a.device.as_ref())),
-            esc(&limits),
+            escape(&subgroup_text(a.device.as_ref())),
+            escape(&limits),
             a.host_cpu
                 .as_ref()
-                .map_or("—".into(), |c| esc(&cpu_text(c))),
+                .map_or("—".into(), |c| escape(&cpu_text(c))),
             status
         );
     }
     h + "</table>\n"
 }
 
-/// Chart geometry, pixels.
-const W: f64 = 960.0;
-const PLOT_H: f64 = 240.0;
-const LEFT: f64 = 78.0;
-const RIGHT: f64 = 16.0;
+/// The chart's size before rotated shape labels add their room, pixels.
+const CHART_W: f64 = 960.0;
+const CHART_H: f64 = 340.0;
 
-/// One section's bar chart.
+/// Rates spanning more than this ratio are drawn on a log axis, where the small ones (a CPU
+/// adapter beside a discrete GPU) still show as bars.
+const LOG_ABOVE_RATIO: f64 = 30.0;
+
+/// Adapter `i`'s colour, in charts, legends and tables alike.
+fn adapter_color(i: usize) -> &'static str {
+    PALETTE[i % PALETTE.len()]
+}
+
+/// Whether the positive values among `values` span more than `ratio` (then a log axis keeps
+/// the small ones visible).
+fn wants_log(values: &[f64], ratio: f64) -> bool {
+    let pos = values.iter().copied().filter(|v| v.is_finite() && *v > 0.0);
+    let (lo, hi) = pos.fold((f64::INFINITY, 0.0f64), |(lo, hi), v| {
+        (lo.min(v), hi.max(v))
+    });
+    hi > 0.0 && hi / lo > ratio
+}
+
+/// One section's bar chart: a group per (shape, dtype), a bar per adapter in each (a failed
+/// adapter's missing figures are "n/a"), the spread of its runs as a whisker, and each
+/// reference measured on that adapter as a tick across its own bar.
 fn chart(r: &Report, s: &Section) -> String {
-    let plot_w = W - LEFT - RIGHT;
-    let n_groups = s.rows.len().max(1);
-    let n_ad = r.adapters.len().max(1);
-    let group_w = plot_w / n_groups as f64;
-    let bar_w = (group_w * 0.8 / n_ad as f64).min(48.0);
-    // Legend rows: adapters, then references, laid out left to right by estimated width.
-    let mut legend: Vec<(String, LegendMark)> = r
-        .adapters
-        .iter()
-        .enumerate()
-        .map(|(i, a)| {
-            let failed = if a.error.is_some() { " (failed)" } else { "" };
-            (format!("{}{failed}", a.id), LegendMark::Box(color(i)))
-        })
-        .collect();
-    for name in &s.refs {
-        let (c, d) = s.ref_style(name);
-        legend.push((format!("reference: {name}"), LegendMark::Line(c, d)));
-    }
-    let mut lx = LEFT;
-    let mut ly = 16.0;
-    let mut placed = Vec::new();
-    for (text, mark) in legend {
-        let w = 22.0 + 6.4 * text.chars().count() as f64 + 16.0;
-        if lx + w > W - RIGHT && lx > LEFT {
-            lx = LEFT;
-            ly += 18.0;
-        }
-        placed.push((lx, ly, text, mark));
-        lx += w;
-    }
-    let top = ly + 18.0;
-    // Group labels: shape over dtype, rotated when they do not fit their group.
-    let longest = s
+    let groups = s
         .rows
         .iter()
-        .map(|r| r.0.chars().count())
-        .max()
-        .unwrap_or(0) as f64;
-    let rotate = longest * 6.2 > group_w * 0.95;
-    let bottom = if rotate { 30.0 + longest * 5.0 } else { 44.0 };
-    let height = top + PLOT_H + bottom;
-    let base = top + PLOT_H;
-
+        .map(|(shape, dtype)| format!("{shape}\n{dtype}"));
     let mut values = Vec::new();
     for f in &s.figures {
         values.extend([f.rate, f.rate_at_min_ms, f.rate_at_max_ms]);
         values.extend(f.references.iter().map(|x| x.rate));
     }
-    let log = Scale::wants_log(&values, 30.0);
-    let scale = Scale::covering(&values, log, (base, top));
-    let mut g = Svg::new(W, height, "chart", &format!("{} in {}", s.op, s.unit));
-
-    for (x, y, text, mark) in &placed {
-        match mark {
-            LegendMark::Box(c) => g.rect(*x, y - 10.0, 12.0, 12.0, c, "", ""),
-            LegendMark::Line(c, d) => g.line((*x, y - 4.0), (x + 18.0, y - 4.0), c, 2.0, d, "", ""),
-        }
-        g.text(x + 22.0, *y, text, 12.0, "start", 0.0);
-    }
-    // Grid and y axis.
-    for t in scale.ticks() {
-        let y = scale.y(t);
-        g.line((LEFT, y), (W - RIGHT, y), "#e4e4e4", 1.0, "", "", "");
-        g.text(LEFT - 6.0, y + 4.0, &tick_label(t), 11.0, "end", 0.0);
-    }
-    g.line((LEFT, top), (LEFT, base), "#555", 1.0, "", "", "");
-    g.line((LEFT, base), (W - RIGHT, base), "#555", 1.0, "", "", "");
-    let axis = if scale.is_log() {
-        format!("{} (log scale)", s.unit)
+    let axis = if wants_log(&values, LOG_ABOVE_RATIO) {
+        Axis::number(format!("{} (log scale)", s.unit)).log()
     } else {
-        s.unit.to_string()
+        Axis::number(s.unit)
     };
-    g.text(16.0, top + PLOT_H / 2.0, &axis, 12.0, "middle", -90.0);
-
-    for (gi, row) in s.rows.iter().enumerate() {
-        let gx = LEFT + gi as f64 * group_w;
-        let x0 = gx + (group_w - bar_w * n_ad as f64) / 2.0;
-        for (ai, a) in r.adapters.iter().enumerate() {
-            let Some(f) = s.get(*row, &a.id) else {
-                continue;
-            };
-            let x = x0 + ai as f64 * bar_w;
-            let y = scale.y(f.rate);
-            let tip = format!(
-                "{}: {} {} {}: {} {}, {}",
-                a.id,
-                row.0,
-                row.1,
-                s.op,
-                num(f.rate),
-                s.unit,
-                timing_text(&f.time)
-            );
-            let attrs = format!(
-                r#"class="bar" data-adapter="{}" data-shape="{}""#,
-                esc(&a.id),
-                esc(row.0)
-            );
-            // At least one pixel, so a tiny rate still shows as a bar.
-            let hgt = (base - y).max(1.0);
-            g.rect(
-                x + 1.0,
-                base - hgt,
-                bar_w - 2.0,
-                hgt,
-                color(ai),
-                &attrs,
-                &tip,
-            );
-            if f.time.reps > 1 {
-                let (cx, lo, hi) = (
-                    x + bar_w / 2.0,
-                    scale.y(f.rate_at_max_ms),
-                    scale.y(f.rate_at_min_ms),
-                );
-                g.line((cx, lo), (cx, hi), "#333", 1.0, "", "", "");
-                g.line((cx - 3.0, hi), (cx + 3.0, hi), "#333", 1.0, "", "", "");
-                g.line((cx - 3.0, lo), (cx + 3.0, lo), "#333", 1.0, "", "", "");
-            }
-            for rf in &f.references {
-                let (c, d) = s.ref_style(&rf.name);
-                let ry = scale.y(rf.rate);
-                let tip = format!("{} on {}", reference_text(rf, s.unit), a.id);
-                g.line(
-                    (x - 2.0, ry),
-                    (x + bar_w + 2.0, ry),
-                    c,
-                    2.0,
-                    d,
-                    r#"class="ref""#,
-                    &tip,
-                );
-            }
-            if bar_w >= 30.0 {
-                // Above the whisker's top, which the label would otherwise cross.
-                let top = y.min(scale.y(f.rate_at_min_ms));
-                g.text(
-                    x + bar_w / 2.0,
-                    top - 4.0,
-                    &num(f.rate),
-                    10.0,
-                    "middle",
-                    0.0,
-                );
-            }
-        }
-        let cx = gx + group_w / 2.0;
-        if rotate {
-            g.text(
-                cx,
-                base + 14.0,
-                &format!("{} {}", row.0, row.1),
-                11.0,
-                "end",
-                -35.0,
-            );
-        } else {
-            g.text(cx, base + 16.0, row.0, 11.0, "middle", 0.0);
-            g.text(cx, base + 30.0, row.1, 11.0, "middle", 0.0);
-        }
+    let mut c = BarChart::new(
+        format!("{}: {} per adapter and shape", s.op, s.unit),
+        groups.collect(),
+    )
+    .size(CHART_W, CHART_H)
+    .y_axis(axis)
+    .value_labels();
+    for name in &s.refs {
+        c = c.bar_reference(ref_label(name), s.ref_color(name));
     }
-    g.finish() + "\n"
+    for (i, a) in r.adapters.iter().enumerate() {
+        let bars =
+            s.rows
+                .iter()
+                .map(|row| {
+                    let bar = match s.get(*row, &a.id) {
+                        Some(f) => figure_bar(s, &a.id, f),
+                        None if a.error.is_some() => Bar::missing()
+                            .title(format!("{}: not measured: the adapter failed", a.id)),
+                        None => Bar::missing().title(format!("{}: not measured", a.id)),
+                    };
+                    bar.data("adapter", &a.id).data("shape", row.0)
+                })
+                .collect();
+        let failed = if a.error.is_some() { " (failed)" } else { "" };
+        c = c.bars(format!("{}{failed}", a.id), adapter_color(i), bars);
+    }
+    c.to_svg() + "\n"
 }
 
-/// A tick's value without trailing zeros ("0.1", "2.5", "100").
-fn tick_label(v: f64) -> String {
-    let s = num(v);
-    if s.contains('.') && !s.contains('e') {
-        s.trim_end_matches('0').trim_end_matches('.').to_string()
-    } else {
-        s
+/// A figure's bar: its rate at the median time, the rates of its slowest and fastest runs,
+/// its references.
+fn figure_bar(s: &Section, adapter: &str, f: &Figure) -> Bar {
+    let tip = format!(
+        "{adapter}: {} {} {}: {} {}, {}",
+        f.shape,
+        f.dtype,
+        s.op,
+        num(f.rate),
+        s.unit,
+        timing_text(&f.time)
+    );
+    let mut bar = Bar::new(f.rate).title(tip);
+    if f.time.reps > 1 {
+        bar = bar.spread(f.rate_at_max_ms, f.rate_at_min_ms);
     }
+    for rf in &f.references {
+        let tip = format!("{} on {adapter}", reference_text(rf, s.unit));
+        bar = bar.titled_reference(ref_label(&rf.name), rf.rate, tip);
+    }
+    bar
 }
 
-enum LegendMark {
-    Box(&'static str),
-    Line(&'static str, &'static str),
+/// A reference's legend entry.
+fn ref_label(name: &str) -> String {
+    format!("reference: {name}")
 }
 
 /// One section's table: a row per (shape, dtype), a column per adapter.
@@ -401,8 +314,8 @@ fn table(r: &Report, s: &Section) -> String {
         let _ = write!(
             h,
             "<th><span class=\"swatch\" style=\"background:{}\"></span>{}{}</th>",
-            color(i),
-            esc(&a.id),
+            adapter_color(i),
+            escape(&a.id),
             if a.error.is_some() {
                 " <span class=\"failed\">(failed)</span>"
             } else {
@@ -412,7 +325,12 @@ fn table(r: &Report, s: &Section) -> String {
     }
     h += "</tr>";
     for row in &s.rows {
-        let _ = write!(h, "<tr><td>{}</td><td>{}</td>", esc(row.0), esc(row.1));
+        let _ = write!(
+            h,
+            "<tr><td>{}</td><td>{}</td>",
+            escape(row.0),
+            escape(row.1)
+        );
         for a in &r.adapters {
             let Some(f) = s.get(*row, &a.id) else {
                 h += if a.error.is_some() {
@@ -426,22 +344,22 @@ fn table(r: &Report, s: &Section) -> String {
                 h,
                 "<td><span class=\"num\">{} {}</span> <span class=\"sub\">({}–{})</span><br>{}",
                 num(f.rate),
-                esc(&f.unit),
+                escape(&f.unit),
                 num(f.rate_at_max_ms),
                 num(f.rate_at_min_ms),
-                esc(&timing_text(&f.time))
+                escape(&timing_text(&f.time))
             );
             if !f.kernel.is_empty() {
-                let _ = write!(h, "<div class=\"sub\">kernel {}</div>", esc(&f.kernel));
+                let _ = write!(h, "<div class=\"sub\">kernel {}</div>", escape(&f.kernel));
             }
             if !f.note.is_empty() {
-                let _ = write!(h, "<div class=\"sub\">{}</div>", esc(&f.note));
+                let _ = write!(h, "<div class=\"sub\">{}</div>", escape(&f.note));
             }
             for rf in &f.references {
                 let _ = write!(
                     h,
                     "<div class=\"sub\">{}</div>",
-                    esc(&reference_text(rf, &f.unit))
+                    escape(&reference_text(rf, &f.unit))
                 );
             }
             h += "</td>";
@@ -472,7 +390,7 @@ mod tests {
         let mut missing = Vec::new();
         walk(&json, "", &mut |path, v| {
             let shown = match v {
-                Value::String(s) => s.is_empty() || html.contains(&esc(s)),
+                Value::String(s) => s.is_empty() || html.contains(&escape(s)),
                 Value::Number(n) if n.is_u64() => html.contains(&n.to_string()),
                 Value::Number(n) => html.contains(&num(n.as_f64().unwrap())),
                 _ => true,
@@ -497,36 +415,65 @@ mod tests {
         }
     }
 
-    /// One bar per figure, each adapter's bars in its colour; a failed adapter is named with
-    /// its error, and its missing figures say why.
     #[test]
-    fn tick_labels_drop_trailing_zeros() {
-        let t: Vec<String> = [0.01, 0.1, 1.0, 2.5, 10.0, 100.0, 1000.0]
-            .map(tick_label)
-            .into();
-        assert_eq!(t, ["0.01", "0.1", "1", "2.5", "10", "100", "1000"]);
+    fn a_log_axis_when_rates_span_more_than_30x() {
+        assert!(wants_log(&[0.3, 470.0], LOG_ABOVE_RATIO));
+        assert!(!wants_log(&[3.0, 47.0], LOG_ABOVE_RATIO));
+        // Zero and non-finite rates are not drawn on a log axis, so they do not count.
+        assert!(!wants_log(&[0.0, 5.0, 100.0, f64::NAN], LOG_ABOVE_RATIO));
+        assert!(!wants_log(&[], LOG_ABOVE_RATIO));
+        // The same through the page: one shape measured on two adapters, 20x and 40x apart.
+        let mut report = fixture();
+        let mut one = report.results[0].clone();
+        one.references.clear();
+        let figure = |adapter: &str, rate: f64| Figure {
+            adapter: adapter.into(),
+            rate,
+            rate_at_min_ms: rate,
+            rate_at_max_ms: rate,
+            ..one.clone()
+        };
+        let (a, b) = (report.adapters[0].id.clone(), report.adapters[1].id.clone());
+        report.results = vec![figure(&a, 1.0), figure(&b, 20.0)];
+        assert!(!page(&report).contains("(log scale)"));
+        report.results = vec![figure(&a, 1.0), figure(&b, 40.0)];
+        assert_eq!(page(&report).matches("(log scale)").count(), 1);
     }
 
+    /// One bar per figure, each adapter's bars in its colour, found by the chart's `data-*`
+    /// hook; a failed adapter is named with its error, and its missing figures say why.
     #[test]
     fn one_bar_per_adapter_per_shape() {
         let report = fixture();
         let html = page(&report);
-        assert_eq!(html.matches("class=\"bar\"").count(), report.results.len());
+        assert_eq!(
+            html.matches("class=\"fg-bar\"").count(),
+            report.results.len()
+        );
         for (i, a) in report.adapters.iter().enumerate() {
             let n = report.results.iter().filter(|f| f.adapter == a.id).count();
             let bars = html
                 .matches(&format!(
-                    "fill=\"{}\" class=\"bar\" data-adapter=\"{}\"",
-                    color(i),
-                    esc(&a.id)
+                    "fill=\"{}\" class=\"fg-bar\" data-adapter=\"{}\"",
+                    adapter_color(i),
+                    escape(&a.id)
                 ))
                 .count();
             assert_eq!(bars, n, "{}", a.id);
+            // Every shape of every section has a bar or an "n/a" for each adapter.
+            let missing = html
+                .matches(&format!(
+                    "class=\"fg-missing\" data-adapter=\"{}\"",
+                    escape(&a.id)
+                ))
+                .count();
+            let shapes: usize = sections(&report).iter().map(|s| s.rows.len()).sum();
+            assert_eq!(bars + missing, shapes, "{}", a.id);
         }
         let failed: Vec<_> = report.failed().collect();
         assert!(!failed.is_empty(), "the fixture has a failed adapter");
         for a in failed {
-            assert!(html.contains(&esc(a.error.as_deref().unwrap())));
+            assert!(html.contains(&escape(a.error.as_deref().unwrap())));
         }
         assert!(html.contains("not measured: the adapter failed"));
         assert_eq!(html.matches("<svg").count(), sections(&report).len());

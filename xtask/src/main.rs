@@ -12,7 +12,6 @@ mod bench_context;
 mod bench_html;
 mod bench_ops;
 mod bench_report;
-mod svg;
 
 use std::process::{Command, ExitCode};
 

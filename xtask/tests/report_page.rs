@@ -79,11 +79,11 @@ fn url(p: &Path) -> String {
 const PROBE: &str = r#"<script>
 (function () {
   var out = [];
-  document.querySelectorAll('svg.chart').forEach(function (s, i) {
+  document.querySelectorAll('svg.fg-chart').forEach(function (s, i) {
     var r = s.getBoundingClientRect();
     out.push('svg ' + r.width + ' ' + r.height);
   });
-  document.querySelectorAll('svg.chart rect.bar').forEach(function (b) {
+  document.querySelectorAll('svg.fg-chart rect.fg-bar').forEach(function (b) {
     var r = b.getBoundingClientRect();
     out.push('bar ' + r.width + ' ' + r.height + ' ' + b.getAttribute('data-adapter'));
   });

@@ -1,20 +1,144 @@
-//! [`BarChart`]: groups along x, one bar per series in each, reference ticks per group and
-//! reference lines across.
+//! [`BarChart`]: groups along x, one bar per series in each. A [`Bar`] can carry a spread
+//! whisker, references measured beside it alone, a hover title and `data-*` attributes;
+//! references per group and lines across the chart go beside them. The drawing is in
+//! `bar/draw.rs`.
 
-use super::{escape, fit_range, frame, open_svg, y_axis};
-use super::{Axis, LegendItem, Scale};
-use std::fmt::Write;
+mod draw;
 
-/// One series of a [`BarChart`]: a bar in each group (`None`: no value there, e.g. an adapter
-/// that failed, drawn as "n/a").
+use super::Axis;
+
+/// One bar of a [`BarChart`] series: its value, or none ("n/a" is written in its place), and
+/// what is drawn with it.
+///
+/// ```
+/// use fitgrad::report::svg::{Bar, BarChart, PALETTE};
+/// let svg = BarChart::new("GFLOP/s", vec!["256".into(), "512".into()])
+///     .bar_reference("naive kernel", "#222")
+///     .bars(
+///         "gpu",
+///         PALETTE[0],
+///         vec![
+///             Bar::new(40.0).spread(36.0, 42.0).reference("naive kernel", 8.0),
+///             Bar::missing().title("gpu failed before 512").data("adapter", "gpu"),
+///         ],
+///     )
+///     .to_svg();
+/// assert!(svg.contains("fg-whisker") && svg.contains(r#"data-adapter="gpu""#));
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct Bar {
+    value: Option<f64>,
+    spread: Option<(f64, f64)>,
+    references: Vec<OwnReference>,
+    title: Option<String>,
+    data: Vec<(String, String)>,
+}
+
+/// A reference of one bar: its style's name, value and hover title.
+#[derive(Clone, Debug)]
+struct OwnReference {
+    name: String,
+    value: f64,
+    title: Option<String>,
+}
+
+impl Bar {
+    /// A bar of height `value`.
+    pub fn new(value: f64) -> Bar {
+        Bar {
+            value: Some(value),
+            ..Bar::default()
+        }
+    }
+
+    /// No value here (a figure that was not measured): "n/a" stands in the bar's place, with
+    /// the bar's title and `data-*` attributes.
+    pub fn missing() -> Bar {
+        Bar::default()
+    }
+
+    /// A whisker from `lo` to `hi` over the bar: the spread of what the value summarises (the
+    /// rates of the slowest and fastest of repeated runs about their median). Kept inside the
+    /// plot where the axis range cuts it.
+    pub fn spread(mut self, lo: f64, hi: f64) -> Bar {
+        self.spread = Some((lo.min(hi), lo.max(hi)));
+        self
+    }
+
+    /// A reference measured beside this bar alone (a naive kernel run on the same adapter),
+    /// drawn as a tick across this bar only; bars of other series have their own. `name` is
+    /// its legend entry and style (see [`BarChart::bar_reference`]).
+    pub fn reference(self, name: impl Into<String>, value: f64) -> Bar {
+        self.push_reference(name.into(), value, None)
+    }
+
+    /// [`Bar::reference`] with its own hover title instead of "name, series, group: value".
+    pub fn titled_reference(
+        self,
+        name: impl Into<String>,
+        value: f64,
+        title: impl Into<String>,
+    ) -> Bar {
+        self.push_reference(name.into(), value, Some(title.into()))
+    }
+
+    fn push_reference(mut self, name: String, value: f64, title: Option<String>) -> Bar {
+        self.references.push(OwnReference { name, value, title });
+        self
+    }
+
+    /// The hover title, instead of "series, group: value".
+    pub fn title(mut self, title: impl Into<String>) -> Bar {
+        self.title = Some(title.into());
+        self
+    }
+
+    /// A `data-KEY="value"` attribute on the bar's element (and on the "n/a" of a missing
+    /// one), for a page's tests or stylesheet to find bars by what they stand for. The value
+    /// is escaped; `key` is lowercased, and anything but ASCII letters, digits and '-' in it
+    /// becomes '-'.
+    pub fn data(mut self, key: &str, value: impl Into<String>) -> Bar {
+        let key = key
+            .chars()
+            .map(|c| match c.to_ascii_lowercase() {
+                c @ ('a'..='z' | '0'..='9' | '-') => c,
+                _ => '-',
+            })
+            .collect();
+        self.data.push((key, value.into()));
+        self
+    }
+}
+
+impl From<Option<f64>> for Bar {
+    fn from(v: Option<f64>) -> Bar {
+        v.map_or_else(Bar::missing, Bar::new)
+    }
+}
+
+/// One series of a [`BarChart`]: a bar in each group.
 struct BarSeries {
+    name: String,
+    color: String,
+    bars: Vec<Bar>,
+}
+
+/// A reference per group: one value for a whole group, ticked across all its bars.
+struct GroupReference {
     name: String,
     color: String,
     values: Vec<Option<f64>>,
 }
 
-/// Bars in groups: each group (a shape) holds one bar per series (an adapter), with reference
-/// ticks per group (a naive kernel, a CPU baseline) and reference lines across the chart.
+/// Bars in groups: each group (a shape) holds one bar per series (an adapter). Bars may carry
+/// spread whiskers and references of their own ([`Bar`]); a reference per group (a CPU
+/// baseline shared by every adapter) ticks across a whole group; horizontal lines cross the
+/// chart.
+///
+/// Group labels break into lines at `'\n'` ("shape\ndtype"); when a line is wider than its
+/// group, each label is written on one line, rotated, and the chart grows taller (and its left
+/// margin wider) by the room they take. Bars are at most 56 pixels wide, centred in their
+/// group.
 pub struct BarChart {
     title: String,
     id: Option<String>,
@@ -23,8 +147,11 @@ pub struct BarChart {
     y: Axis,
     groups: Vec<String>,
     series: Vec<BarSeries>,
-    references: Vec<BarSeries>,
+    references: Vec<GroupReference>,
+    /// Styles of per-bar references, by name: (name, colour), in declaration order.
+    bar_references: Vec<(String, String)>,
     hlines: Vec<(String, String, f64)>,
+    value_labels: bool,
 }
 
 impl BarChart {
@@ -39,7 +166,9 @@ impl BarChart {
             groups,
             series: Vec::new(),
             references: Vec::new(),
+            bar_references: Vec::new(),
             hlines: Vec::new(),
+            value_labels: false,
         }
     }
 
@@ -49,7 +178,7 @@ impl BarChart {
         self
     }
 
-    /// Sets the size in pixels.
+    /// Sets the size in pixels (the height before rotated group labels add theirs).
     pub fn size(mut self, width: f64, height: f64) -> Self {
         self.width = width.max(200.0);
         self.height = height.max(120.0);
@@ -62,17 +191,18 @@ impl BarChart {
         self
     }
 
-    /// A series: one bar per group, in group order.
-    pub fn series(
-        mut self,
-        name: impl Into<String>,
-        color: &str,
-        values: Vec<Option<f64>>,
-    ) -> Self {
+    /// A series of plain bars: one value per group, in group order (`None`: "n/a").
+    pub fn series(self, name: impl Into<String>, color: &str, values: Vec<Option<f64>>) -> Self {
+        let bars = values.into_iter().map(Bar::from).collect();
+        self.bars(name, color, bars)
+    }
+
+    /// A series of [`Bar`]s: one per group, in group order.
+    pub fn bars(mut self, name: impl Into<String>, color: &str, bars: Vec<Bar>) -> Self {
         self.series.push(BarSeries {
             name: name.into(),
             color: color.into(),
-            values,
+            bars,
         });
         self
     }
@@ -84,11 +214,23 @@ impl BarChart {
         color: &str,
         values: Vec<Option<f64>>,
     ) -> Self {
-        self.references.push(BarSeries {
+        self.references.push(GroupReference {
             name: name.into(),
             color: color.into(),
             values,
         });
+        self
+    }
+
+    /// Declares the style of the per-bar references named `name` ([`Bar::reference`]): their
+    /// colour, with a dash pattern of their own by declaration order (solid, dashed, dotted,
+    /// dash-dot), and one legend entry. Names bars use without a declaration are styled in
+    /// dark grey, after the declared ones, in the order bars name them.
+    pub fn bar_reference(mut self, name: impl Into<String>, color: &str) -> Self {
+        let name = name.into();
+        if !self.bar_references.iter().any(|(n, _)| *n == name) {
+            self.bar_references.push((name, color.into()));
+        }
         self
     }
 
@@ -98,123 +240,13 @@ impl BarChart {
         self
     }
 
-    /// The `<svg>` element.
-    pub fn to_svg(&self) -> String {
-        let (left, right, bottom) = (74.0, 24.0, 58.0);
-        let legend: Vec<LegendItem> = self
-            .series
-            .iter()
-            .map(|s| LegendItem {
-                name: s.name.clone(),
-                color: s.color.clone(),
-                dashed: false,
-                area: true,
-            })
-            .chain(self.references.iter().map(|s| LegendItem {
-                name: s.name.clone(),
-                color: s.color.clone(),
-                dashed: true,
-                area: false,
-            }))
-            .chain(self.hlines.iter().map(|(l, c, _)| LegendItem {
-                name: l.clone(),
-                color: c.clone(),
-                dashed: true,
-                area: false,
-            }))
-            .collect();
-        let values = self
-            .series
-            .iter()
-            .chain(&self.references)
-            .flat_map(|s| s.values.iter().flatten().copied())
-            .chain(self.hlines.iter().map(|h| h.2));
-        let (y_lo, y_hi) = fit_range(&self.y, values, !self.y.log);
-        let mut svg = String::new();
-        open_svg(&mut svg, self.width, self.height, &self.title, &self.id);
-        let top = frame(&mut svg, &self.title, self.width, &legend, left, right);
-        let (plot_top, plot_bottom) = (top + 8.0, self.height - bottom);
-        let sy = Scale {
-            lo: y_lo,
-            hi: y_hi,
-            px_lo: plot_bottom,
-            px_hi: plot_top,
-            log: self.y.log,
-        };
-        y_axis(&mut svg, &self.y, &sy, left, self.width - right);
-        let plot_w = self.width - left - right;
-        let groups = self.groups.len().max(1) as f64;
-        let group_w = plot_w / groups;
-        let bars = self.series.len().max(1) as f64;
-        let bar_w = (group_w * 0.8 / bars).max(1.0);
-        let base = sy.map(if self.y.log { y_lo } else { 0.0f64.max(y_lo) });
-        for (g, name) in self.groups.iter().enumerate() {
-            let gx = left + g as f64 * group_w;
-            let x0 = gx + group_w * 0.1;
-            for (k, s) in self.series.iter().enumerate() {
-                let x = x0 + k as f64 * bar_w;
-                match s.values.get(g).copied().flatten() {
-                    Some(v) if !self.y.log || v > 0.0 => {
-                        let y = sy.map(v);
-                        let _ = write!(
-                            svg,
-                            r#"<rect x="{x:.1}" y="{:.1}" width="{:.1}" height="{:.1}" fill="{}" class="fg-bar"><title>{}, {}: {}</title></rect>"#,
-                            y.min(base),
-                            (bar_w - 1.0).max(0.5),
-                            (base - y).abs().max(0.5),
-                            s.color,
-                            escape(&s.name),
-                            escape(name),
-                            escape(&self.y.format(v))
-                        );
-                    }
-                    _ => {
-                        let _ = write!(
-                            svg,
-                            r##"<text x="{:.1}" y="{:.1}" font-size="10" fill="#a00" text-anchor="middle">n/a</text>"##,
-                            x + bar_w / 2.0,
-                            base - 4.0
-                        );
-                    }
-                }
-            }
-            for r in &self.references {
-                if let Some(v) = r.values.get(g).copied().flatten() {
-                    let y = sy.map(v);
-                    let _ = write!(
-                        svg,
-                        r#"<line x1="{:.1}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="{}" stroke-width="2" stroke-dasharray="5 3"><title>{}, {}: {}</title></line>"#,
-                        gx + group_w * 0.05,
-                        gx + group_w * 0.95,
-                        r.color,
-                        escape(&r.name),
-                        escape(name),
-                        escape(&self.y.format(v))
-                    );
-                }
-            }
-            let _ = write!(
-                svg,
-                r#"<text x="{:.1}" y="{:.1}" font-size="11" text-anchor="middle">{}</text>"#,
-                gx + group_w / 2.0,
-                plot_bottom + 16.0,
-                escape(name)
-            );
-        }
-        for (label, color, v) in &self.hlines {
-            let y = sy.map(*v);
-            let _ = write!(
-                svg,
-                r#"<line x1="{left}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="{color}" stroke-width="1.5" stroke-dasharray="8 4"><title>{}</title></line>"#,
-                self.width - right,
-                escape(label)
-            );
-        }
-        let _ = write!(
-            svg,
-            r##"<rect x="{left}" y="{plot_top:.1}" width="{plot_w:.1}" height="{:.1}" fill="none" stroke="#888"/></svg>"##,
-            plot_bottom - plot_top
-        );
-        svg
+    /// Writes each bar's value above it (above its whisker), where the bar is at least 30
+    /// pixels wide; narrower bars keep it in their hover title.
+    pub fn value_labels(mut self) -> Self {
+        self.value_labels = true;
+        self
     }
 }
+
+#[cfg(test)]
+mod tests;

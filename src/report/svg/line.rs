@@ -1,7 +1,7 @@
 //! [`LineChart`]: lines, stacked areas, shaded bands, reference lines and labelled points over a
 //! numeric x.
 
-use super::{escape, fit_range, fnv, frame, open_svg, text_width, ticks, y_axis};
+use super::{escape, fit_range, fnv, frame, open_svg, text_width, ticks, y_axis, DASH};
 use super::{Axis, LegendItem, Scale};
 use std::fmt::Write;
 
@@ -209,7 +209,7 @@ impl LineChart {
                     legend.push(LegendItem {
                         name: name.clone(),
                         color: color.clone(),
-                        dashed: *dashed,
+                        dash: if *dashed { DASH } else { "" },
                         area: false,
                     });
                     xs.extend(points.iter().map(|p| p.0));
@@ -227,7 +227,7 @@ impl LineChart {
                         legend.push(LegendItem {
                             name: name.clone(),
                             color: color.clone(),
-                            dashed: false,
+                            dash: "",
                             area: true,
                         });
                     }
@@ -251,7 +251,7 @@ impl LineChart {
                     legend.push(LegendItem {
                         name: label.clone(),
                         color: color.clone(),
-                        dashed: *dashed,
+                        dash: if *dashed { DASH } else { "" },
                         area: false,
                     });
                     ys.push(*y);

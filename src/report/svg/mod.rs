@@ -1,7 +1,10 @@
 //! SVG charts written by hand, as inline `<svg>` elements for self-contained pages: a
 //! [`LineChart`] (lines, stacked areas, shaded bands, reference lines, labelled points over a
-//! numeric x) and a [`BarChart`] (one bar per series in each group, reference ticks per group,
-//! reference lines). Axes get round ticks; [`Axis::bytes`] puts them on powers of 1024.
+//! numeric x) and a [`BarChart`] (one bar per series in each group; per [`Bar`] a spread
+//! whisker, references of its own, a hover title and `data-*` attributes; reference ticks per
+//! group, reference lines, value labels, group labels that break or rotate). Axes get round
+//! ticks; [`Axis::bytes`] puts them on powers of 1024, [`Axis::log`] on decades. The training
+//! report and the benchmark page (`cargo xtask bench`) both draw with these.
 //!
 //! ```
 //! use fitgrad::report::svg::{Axis, LineChart, PALETTE};
@@ -19,7 +22,7 @@
 mod bar;
 mod line;
 
-pub use bar::BarChart;
+pub use bar::{Bar, BarChart};
 pub use line::LineChart;
 
 use std::fmt::Write;
@@ -244,11 +247,15 @@ fn text_width(text: &str, size: f64) -> f64 {
     text.chars().count() as f64 * size * 0.56
 }
 
-/// A legend entry: a name and how it is drawn.
+/// The dash pattern of dashed lines and their legend entries.
+const DASH: &str = "6 3";
+
+/// A legend entry: a name and how it is drawn (a swatch for an area, else a line with this
+/// stroke-dasharray, "" for solid).
 struct LegendItem {
     name: String,
     color: String,
-    dashed: bool,
+    dash: &'static str,
     area: bool,
 }
 
@@ -286,10 +293,10 @@ fn frame(
                 svg,
                 r#"<line x1="{x}" y1="{y1}" x2="{x2}" y2="{y1}" stroke="{}" stroke-width="2.5"{}/>"#,
                 item.color,
-                if item.dashed {
-                    r#" stroke-dasharray="6 3""#
+                if item.dash.is_empty() {
+                    String::new()
                 } else {
-                    ""
+                    format!(r#" stroke-dasharray="{}""#, item.dash)
                 },
                 y1 = y - 4.0,
                 x2 = x + 16.0
