@@ -5,10 +5,9 @@
 //! 16 KiB adapter; finite differences; fused = composed; bitwise repeatability; the memory the
 //! fused forward saves; empty inputs; and the typed errors.
 
-mod common;
 
-use common::gradcheck::{check_grads, input};
-use common::*;
+use crate::common::gradcheck::{check_grads, input};
+use crate::common::*;
 use fitgrad::{AttentionKind, AttentionOptions, DType, Device, Error, Tensor};
 use proptest::prelude::*;
 

@@ -1,10 +1,9 @@
 //! Creating tensors: zeros / ones / full, from_slice / to_vec round trips, scalar, reshape, and
 //! the seeded random constructors, on every device and in f32 and f16.
 
-mod common;
 
-use common::strategies::shape;
-use common::*;
+use crate::common::strategies::shape;
+use crate::common::*;
 use fitgrad::{DType, Device, DeviceOptions, Tensor};
 use half::f16;
 use proptest::prelude::*;

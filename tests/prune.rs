@@ -4,9 +4,8 @@
 //! and hold through optimizer steps (every pruned weight exactly 0 after training); 80%
 //! sparsity on the digits costs at most 2 points of accuracy; bad settings are typed errors.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use fitgrad::compress::{PruneConfig, PruneSchedule, PruneScope, Pruner};
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::train::data::{self, Dataset};
@@ -360,7 +359,7 @@ fn digits() -> &'static (Dataset, Dataset) {
     DIGITS.get_or_init(|| data::load("digits", 0).expect("the embedded digits load"))
 }
 
-common::device_tests!(
+crate::common::device_tests!(
     one_shot_matches_reference,
     gradual_pruning_holds_through_training,
     eighty_percent_costs_at_most_two_points,

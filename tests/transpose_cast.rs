@@ -1,10 +1,9 @@
 //! transpose (last two dims) and to_dtype (f32 <-> f16 casts and same-dtype copies) against the
 //! CPU reference, on every device.
 
-mod common;
 
-use common::strategies::{shape, shape_rank};
-use common::*;
+use crate::common::strategies::{shape, shape_rank};
+use crate::common::*;
 use fitgrad::{DType, Device, Tensor};
 use half::f16;
 use proptest::prelude::*;

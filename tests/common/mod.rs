@@ -1,11 +1,12 @@
 //! Shared helpers of the integration tests: the devices to run on, plain-loop CPU references,
 //! host data generation and tolerant comparison.
 //!
-//! Every test binary includes this module with `mod common;` and uses a different part of it,
+//! tests/suite.rs declares this module once; each test file uses a different part of it,
 //! hence the `dead_code` allowance.
 #![allow(dead_code)]
 
 pub mod gradcheck;
+pub mod report_run;
 
 use fitgrad::{DType, Device, DeviceOptions, Tensor};
 use half::f16;
@@ -15,6 +16,17 @@ use std::sync::OnceLock;
 // ---------------------------------------------------------------------------------------------
 // Devices
 // ---------------------------------------------------------------------------------------------
+
+/// The name the test harness knows test `name` of the calling module by, for a test that runs
+/// another test of this binary in a child process (`--exact` needs the whole path):
+/// `test_name(module_path!(), "child")` is "checkpoint::child" in tests/checkpoint.rs.
+pub fn test_name(module_path: &str, name: &str) -> String {
+    // module_path!() starts with the crate's name ("suite"), which test names leave out.
+    match module_path.split_once("::") {
+        Some((_, module)) => format!("{module}::{name}"),
+        None => name.to_string(),
+    }
+}
 
 /// Backends tried when FITGRAD_BACKEND is not set.
 const BACKENDS: [&str; 4] = ["vulkan", "gl", "metal", "dx12"];
