@@ -14,11 +14,10 @@
 //! Most properties run on the first device of `devices()`; a composed network and the broadcast
 //! binary ops run on every device.
 
-mod common;
 
-use common::gradcheck::{check_grads, compare, input, Res};
-use common::strategies::cap;
-use common::*;
+use crate::common::gradcheck::{check_grads, compare, input, Res};
+use crate::common::strategies::cap;
+use crate::common::*;
 use fitgrad::{Activation, DType, Device, DeviceOptions, Error, MatmulOptions, Tensor};
 use proptest::prelude::*;
 
@@ -1299,7 +1298,7 @@ fn deep_graph_backward_and_drop() {
     }
     let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
         .args([
-            "deep_graph_child",
+            test_name(module_path!(), "deep_graph_child").as_str(),
             "--exact",
             "--ignored",
             "--nocapture",

@@ -3,9 +3,8 @@
 //! damaged, foreign and mismatched files give `Error::Data` (never a panic); a process killed
 //! during saves leaves the previous checkpoint loadable; Python's `safetensors` reads the file.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use fitgrad::checkpoint::{self, Checkpoint, HostTensor, ScalerState, TrainingState};
 use fitgrad::nn::{cross_entropy, Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, Optimizer, Sgd};
@@ -786,7 +785,7 @@ fn killed_during_save_keeps_the_previous_checkpoint() {
         let mut child = std::process::Command::new(&exe)
             .args([
                 "--exact",
-                "kill_child_saver",
+                test_name(module_path!(), "kill_child_saver").as_str(),
                 "--ignored",
                 "--nocapture",
                 "--test-threads=1",

@@ -7,9 +7,8 @@
 //! model with dequantized weights, and a quantized Gpt's file round-trips; the custom model
 //! learns as a student of an Mlp.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use fitgrad::compress::{
     distillation_loss, quantize_model, Distill, DistillConfig, PruneConfig, Pruner,
     QuantizedLinear, QuantizedModel,
@@ -270,7 +269,7 @@ fn custom_model_as_a_student(dev: &Device) {
     assert_ne!(param_values(&t.model.student), before);
 }
 
-common::device_tests!(
+crate::common::device_tests!(
     custom_model_prunes_and_quantizes,
     gpt_prunes_and_quantizes,
     custom_model_as_a_student,

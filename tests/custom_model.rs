@@ -11,9 +11,8 @@
 //! checks that it still fits its budget and that the weights do differ (so the p = 0
 //! comparison is the one that tests the split).
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use fitgrad::nn::{self, Dropout, LayerNorm, Linear, Module};
 use fitgrad::optim::AdamW;
 use fitgrad::train::data::Dataset;

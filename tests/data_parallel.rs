@@ -5,9 +5,8 @@
 //! others instead of leaving them waiting. The in-process group's collectives are checked
 //! without a device.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use fitgrad::distributed::{share_of, Communicator, DataParallel, LocalGroup};
 use fitgrad::memory::Category;
 use fitgrad::nn::{Activation, Mlp, Module};

@@ -5,11 +5,10 @@
 //! `nn::Dropout` (eval identity, a new mask per training call, reproducible from the seed,
 //! replayable with `next_seed` / `forward_with_seed`).
 
-mod common;
 
-use common::gradcheck::{check_grads, input};
-use common::strategies::shape;
-use common::*;
+use crate::common::gradcheck::{check_grads, input};
+use crate::common::strategies::shape;
+use crate::common::*;
 use fitgrad::nn::{Dropout, Module};
 use fitgrad::{DType, Device, DeviceOptions, Error, Tensor};
 use proptest::prelude::*;

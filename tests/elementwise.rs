@@ -1,10 +1,9 @@
 //! Binary (broadcast), scalar and unary kernels against the CPU reference, on every device and
 //! in f32 and f16.
 
-mod common;
 
-use common::strategies::{broadcast_pair, shape};
-use common::*;
+use crate::common::strategies::{broadcast_pair, shape};
+use crate::common::*;
 use fitgrad::{DType, Device, Tensor};
 use proptest::prelude::*;
 

@@ -1,9 +1,8 @@
 //! Every misuse returns a typed error (never a panic) that names the op and what was wrong, and
 //! the device keeps working afterwards.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use fitgrad::{DType, Device, DeviceOptions, Error, Tensor};
 use half::f16;
 

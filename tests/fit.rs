@@ -16,9 +16,8 @@
 //! block takes about two minutes to compile, and timing the candidates of a shape class more.
 //! Where activations must dominate, that means narrow layers and large batches.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use fitgrad::nn::{self, Activation, Mlp, Module};
 use fitgrad::optim::GradScaler;
 use fitgrad::train::data::{self, Dataset};

@@ -10,9 +10,8 @@
 //! The big model is only planned (the planner compiles and runs nothing); each trainer gets a
 //! device of its own, since plans start from the arena as it is.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use fitgrad::nn::{Mlp, Module};
 use fitgrad::optim::Sgd;
 use fitgrad::train::{

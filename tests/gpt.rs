@@ -6,9 +6,8 @@
 //! full forward; generation against an uncached reference, reproducible for a seed; the
 //! configuration and input errors, before any device work; the checkpoint file round trip.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use fitgrad::checkpoint::{Checkpoint, TrainingState};
 use fitgrad::nn::{AttentionKind, Gpt, GptConfig, Mlp, Module};
 use fitgrad::optim::{AdamW, Optimizer};

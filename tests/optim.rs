@@ -4,9 +4,8 @@
 //! f32 parameters. Also: state created lazily and then no allocation at all, hyperparameter and
 //! parameter errors, state save / load.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use fitgrad::optim::{AdamW, Optimizer, OptimizerState, Sgd};
 use fitgrad::{DType, Device, DeviceOptions, Error, Tensor};
 

@@ -2,10 +2,9 @@
 //! f16. Rows of 64 or more elements take the workgroup tree reduction, shorter ones a serial
 //! loop; both are covered.
 
-mod common;
 
-use common::strategies::shape;
-use common::*;
+use crate::common::strategies::shape;
+use crate::common::*;
 use fitgrad::{DType, Device, Tensor};
 use proptest::prelude::*;
 

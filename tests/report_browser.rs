@@ -4,11 +4,9 @@
 //! non-zero size. Under CI=true a missing Chromium is a failure; elsewhere the test says
 //! SKIPPED.
 
-mod common;
-#[path = "common/report_run.rs"]
-mod report_run;
+use crate::common::report_run;
 
-use common::*;
+use crate::common::*;
 use fitgrad::report::browser::{rendered_svgs, with_svg_probe, Chromium};
 use std::io::Write;
 

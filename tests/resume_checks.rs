@@ -1,9 +1,8 @@
 //! Resume refuses a checkpoint whose run had other settings that change the math: the
 //! optimizer's hyperparameters, the base learning rate, the schedule, the effective batch.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
 use fitgrad::train::{Trainer, TrainerConfig};

@@ -3,10 +3,9 @@
 //! shared by many, rows past what the registers hold), -inf entries, all -inf rows, NaN, huge
 //! values, determinism, and the errors of cross-entropy.
 
-mod common;
 
-use common::strategies::{cap, shape_rank, MAX_NUMEL};
-use common::*;
+use crate::common::strategies::{cap, shape_rank, MAX_NUMEL};
+use crate::common::*;
 use fitgrad::{DType, Device, Error, Tensor};
 use proptest::prelude::*;
 

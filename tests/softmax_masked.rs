@@ -5,9 +5,8 @@
 //! entirely masked rows; the backward rule against central finite differences; bitwise
 //! repeatability; the default options matching plain softmax bit for bit; and the typed errors.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use fitgrad::{DType, Device, Error, SoftmaxOptions, Tensor};
 use proptest::prelude::*;
 

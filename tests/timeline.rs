@@ -8,9 +8,8 @@
 //! Each test opens a device of its own on its backend, so no other test's tensors show in the
 //! statistics.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use fitgrad::memory::{EventKind, Role, SizeClass, Timeline};
 use fitgrad::nn::{Activation, Linear, Mlp, Module};
 use fitgrad::optim::{AdamW, Optimizer, Sgd};

@@ -4,9 +4,8 @@
 //! AdamW, a short run on the embedded digits learns, evaluation records nothing, and bad
 //! configurations or batches are typed errors that leave the trainer usable.
 
-mod common;
 
-use common::*;
+use crate::common::*;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::train::data::{self, Dataset};
 use fitgrad::train::{Trainer, TrainerConfig};
@@ -24,7 +23,7 @@ fn digits() -> &'static (Dataset, Dataset) {
     DIGITS.get_or_init(|| data::load("digits", SEED).expect("the embedded digits load"))
 }
 
-/// The first device of `common::devices()`, or `None` after its loud SKIPPED.
+/// The first device of `crate::common::devices()`, or `None` after its loud SKIPPED.
 fn first_device() -> Option<Device> {
     devices().into_iter().next()
 }

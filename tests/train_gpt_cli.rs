@@ -3,14 +3,12 @@
 //! the uninterrupted run's step count, samples text of the asked length from the vocabulary,
 //! and fits a budget with `--fit auto`.
 
-mod common;
-
 #[allow(dead_code)] // the example's `main`
 #[path = "../examples/train_gpt.rs"]
 mod train_gpt;
 
 use clap::Parser;
-use common::*;
+use crate::common::*;
 use fitgrad::distributed::Job;
 use fitgrad::{Device, DeviceOptions, Error};
 use std::io::Write;

@@ -2,10 +2,9 @@
 //! every device and in f32 and f16; the edges (+-1e4, +-inf, NaN, zeros, negative bases) and the
 //! argument errors.
 
-mod common;
 
-use common::strategies::shape;
-use common::*;
+use crate::common::strategies::shape;
+use crate::common::*;
 use fitgrad::{DType, Device, Error, Tensor};
 use proptest::prelude::*;
 
