@@ -5,7 +5,6 @@
 //! 16 KiB adapter; finite differences; fused = composed; bitwise repeatability; the memory the
 //! fused forward saves; empty inputs; and the typed errors.
 
-
 use crate::common::gradcheck::{check_grads, input};
 use crate::common::*;
 use fitgrad::{AttentionKind, AttentionOptions, DType, Device, Error, Tensor};
@@ -206,7 +205,6 @@ fn fused(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> fitgrad::Result<Te
         .kind(AttentionKind::Fused);
     q.attention_with(k, v, &opts)
 }
-
 
 /// Sequence lengths around the tiles (8, 16 and 32 rows): 1, odd, past one tile, not a multiple.
 fn seq_len() -> impl Strategy<Value = usize> {

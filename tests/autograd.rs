@@ -14,7 +14,6 @@
 //! Most properties run on the first device of `devices()`; a composed network and the broadcast
 //! binary ops run on every device.
 
-
 use crate::common::gradcheck::{check_grads, compare, input, Res};
 use crate::common::strategies::cap;
 use crate::common::*;

@@ -2,7 +2,6 @@
 //! smallest budget that works (and a run with exactly that budget succeeds); a budget of 0 or
 //! above the adapter's reported memory, and a reservation past it, are typed errors.
 
-
 use crate::common::*;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, Optimizer};

@@ -3,7 +3,6 @@
 //! damaged, foreign and mismatched files give `Error::Data` (never a panic); a process killed
 //! during saves leaves the previous checkpoint loadable; Python's `safetensors` reads the file.
 
-
 use crate::common::*;
 use fitgrad::checkpoint::{self, Checkpoint, HostTensor, ScalerState, TrainingState};
 use fitgrad::nn::{cross_entropy, Activation, Mlp, Module};

@@ -7,7 +7,6 @@
 //! model with dequantized weights, and a quantized Gpt's file round-trips; the custom model
 //! learns as a student of an Mlp.
 
-
 use crate::common::*;
 use fitgrad::compress::{
     distillation_loss, quantize_model, Distill, DistillConfig, PruneConfig, Pruner,

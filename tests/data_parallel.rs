@@ -5,7 +5,6 @@
 //! others instead of leaving them waiting. The in-process group's collectives are checked
 //! without a device.
 
-
 use crate::common::*;
 use fitgrad::distributed::{share_of, Communicator, DataParallel, LocalGroup};
 use fitgrad::memory::Category;

@@ -6,7 +6,6 @@
 //! trains bit for bit as the student alone); a Gpt teacher and student on token batches; and
 //! the typed errors.
 
-
 use crate::common::gradcheck::{check_grads, input};
 use crate::common::*;
 use fitgrad::compress::{distillation_loss, Distill, DistillConfig};

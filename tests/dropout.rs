@@ -5,7 +5,6 @@
 //! `nn::Dropout` (eval identity, a new mask per training call, reproducible from the seed,
 //! replayable with `next_seed` / `forward_with_seed`).
 
-
 use crate::common::gradcheck::{check_grads, input};
 use crate::common::strategies::shape;
 use crate::common::*;

@@ -1,7 +1,6 @@
 //! Binary (broadcast), scalar and unary kernels against the CPU reference, on every device and
 //! in f32 and f16.
 
-
 use crate::common::strategies::{broadcast_pair, shape};
 use crate::common::*;
 use fitgrad::{DType, Device, Tensor};

@@ -3,7 +3,6 @@
 //! row, odd sizes, lengths around the workgroup, empty), finite differences, bitwise
 //! repeatability, the errors (checked before any device work), and `nn::Embedding`.
 
-
 use crate::common::gradcheck::{check_grads, input};
 use crate::common::strategies::cap;
 use crate::common::*;

@@ -16,7 +16,6 @@
 //! block takes about two minutes to compile, and timing the candidates of a shape class more.
 //! Where activations must dominate, that means narrow layers and large batches.
 
-
 use crate::common::*;
 use fitgrad::nn::{self, Activation, Mlp, Module};
 use fitgrad::optim::GradScaler;

@@ -6,7 +6,6 @@
 //! arena as they were and runs nothing; the trainer trains on a worker thread; an Mlp is rebuilt
 //! from its checkpoint alone.
 
-
 use crate::common::*;
 use fitgrad::nn::{Activation, Linear, Mlp, Module, Sequential};
 use fitgrad::optim::{AdamW, Optimizer, Sgd};

@@ -4,7 +4,6 @@
 //! with and without weight and bias; constant rows; finite differences; bitwise repeatability;
 //! the errors (before any device work); and `nn::LayerNorm`.
 
-
 use crate::common::gradcheck::{check_grads, input};
 use crate::common::strategies::{cap, shape_rank};
 use crate::common::*;

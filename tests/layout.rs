@@ -5,7 +5,6 @@
 //! transposed operand read in place, a shared operand), forward on every device and backward
 //! against finite differences.
 
-
 use crate::common::gradcheck::{check_grads, input, Res};
 use crate::common::strategies::{cap, dim, shape, shape_rank, MAX_NUMEL};
 use crate::common::*;

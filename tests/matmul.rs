@@ -1,7 +1,6 @@
 //! Matmul kernels against a plain-loop reference: every variant, transposed operands, batches,
 //! the fused bias + activation, f32 and f16, on every device.
 
-
 use crate::common::*;
 use fitgrad::MatmulVariant as Variant;
 use fitgrad::{Activation, DType, Device, Error, MatmulOptions, Tensor};

@@ -3,7 +3,6 @@
 //! takes the optimizer's own weight decay; `decay_groups`' rule; `fresh()` keeping the groups;
 //! the state round trip through a checkpoint; and the errors.
 
-
 use crate::common::*;
 use fitgrad::checkpoint::{Checkpoint, TrainingState};
 use fitgrad::nn::Module;

@@ -4,7 +4,6 @@
 //! and hold through optimizer steps (every pruned weight exactly 0 after training); 80%
 //! sparsity on the digits costs at most 2 points of accuracy; bad settings are typed errors.
 
-
 use crate::common::*;
 use fitgrad::compress::{PruneConfig, PruneSchedule, PruneScope, Pruner};
 use fitgrad::nn::{Activation, Mlp, Module};

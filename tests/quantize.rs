@@ -5,7 +5,6 @@
 //! every Linear of a custom model; the digits MLP in int8 (weights <= 0.27x the f32 bytes,
 //! accuracy within 1 point); the safetensors round trip; and the typed errors.
 
-
 use crate::common::*;
 use fitgrad::compress::{quantize_model, quantize_rows, QuantizedLinear, QuantizedMlp};
 use fitgrad::nn::{Activation, Mlp, Module};

@@ -2,7 +2,6 @@
 //! f16. Rows of 64 or more elements take the workgroup tree reduction, shorter ones a serial
 //! loop; both are covered.
 
-
 use crate::common::strategies::shape;
 use crate::common::*;
 use fitgrad::{DType, Device, Tensor};

@@ -1,7 +1,6 @@
 //! Resume refuses a checkpoint whose run had other settings that change the math: the
 //! optimizer's hyperparameters, the base learning rate, the schedule, the effective batch.
 
-
 use crate::common::*;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};

@@ -5,7 +5,6 @@
 //! gradients against finite differences (ties and zeros included: the central difference there
 //! is torch's 0.5 split and 0).
 
-
 use crate::common::gradcheck::{check_grads, input, Res};
 use crate::common::strategies::{cap, shape};
 use crate::common::*;

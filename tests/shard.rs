@@ -2,7 +2,6 @@
 //! the epoch order equal to the in-memory order, sharded training equal to in-memory training
 //! for any shard size, and a dataset larger than the memory budget training in shards.
 
-
 use crate::common::device_tests;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, Sgd};
@@ -137,7 +136,8 @@ fn epoch_order_is_the_in_memory_order() {
 fn dataset_larger_than_the_budget_trains_in_shards() {
     // 40,000 x 64 f32 = 10 MiB of features under a 4 MiB budget.
     let budget = 4 << 20;
-    let Some(dev) = crate::common::fresh_device(DeviceOptions::default().memory_budget(budget)) else {
+    let Some(dev) = crate::common::fresh_device(DeviceOptions::default().memory_budget(budget))
+    else {
         return;
     };
     let mut data = synthetic(40_000, 64);

@@ -4,7 +4,6 @@
 //! AdamW, a short run on the embedded digits learns, evaluation records nothing, and bad
 //! configurations or batches are typed errors that leave the trainer usable.
 
-
 use crate::common::*;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::train::data::{self, Dataset};

@@ -7,8 +7,8 @@
 #[path = "../examples/train_gpt.rs"]
 mod train_gpt;
 
-use clap::Parser;
 use crate::common::*;
+use clap::Parser;
 use fitgrad::distributed::Job;
 use fitgrad::{Device, DeviceOptions, Error};
 use std::io::Write;

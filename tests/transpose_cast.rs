@@ -1,7 +1,6 @@
 //! transpose (last two dims) and to_dtype (f32 <-> f16 casts and same-dtype copies) against the
 //! CPU reference, on every device.
 
-
 use crate::common::strategies::{shape, shape_rank};
 use crate::common::*;
 use fitgrad::{DType, Device, Tensor};
@@ -16,7 +15,6 @@ device_tests!(
     casts_of_subnormals_and_overflow,
     cast_of_nan_stays_nan
 );
-
 
 fn check_transpose(dev: &Device, dtype: DType, dims: &[usize], seed: u64) -> Result<(), String> {
     let what = format!("transpose of {dims:?} {dtype} on {}", label(dev));

@@ -2,7 +2,6 @@
 //! every device and in f32 and f16; the edges (+-1e4, +-inf, NaN, zeros, negative bases) and the
 //! argument errors.
 
-
 use crate::common::strategies::shape;
 use crate::common::*;
 use fitgrad::{DType, Device, Error, Tensor};
