@@ -14,9 +14,11 @@
 //! Most properties run on the first device of `devices()`; a composed network and the broadcast
 //! binary ops run on every device.
 
-use crate::common::gradcheck::{check_grads, compare, input, Res};
-use crate::common::strategies::cap;
-use crate::common::*;
+mod common;
+
+use common::gradcheck::{check_grads, compare, input, Res};
+use common::strategies::cap;
+use common::*;
 use fitgrad::{Activation, DType, Device, DeviceOptions, Error, MatmulOptions, Tensor};
 use proptest::prelude::*;
 
@@ -1297,7 +1299,7 @@ fn deep_graph_backward_and_drop() {
     }
     let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
         .args([
-            test_name(module_path!(), "deep_graph_child").as_str(),
+            "deep_graph_child",
             "--exact",
             "--ignored",
             "--nocapture",

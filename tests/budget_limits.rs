@@ -2,7 +2,9 @@
 //! smallest budget that works (and a run with exactly that budget succeeds); a budget of 0 or
 //! above the adapter's reported memory, and a reservation past it, are typed errors.
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, Optimizer};
 use fitgrad::train::{HostRows, Trainer, TrainerConfig};

@@ -3,7 +3,9 @@
 //! damaged, foreign and mismatched files give `Error::Data` (never a panic); a process killed
 //! during saves leaves the previous checkpoint loadable; Python's `safetensors` reads the file.
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::checkpoint::{self, Checkpoint, HostTensor, ScalerState, TrainingState};
 use fitgrad::nn::{cross_entropy, Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, Optimizer, Sgd};
@@ -784,7 +786,7 @@ fn killed_during_save_keeps_the_previous_checkpoint() {
         let mut child = std::process::Command::new(&exe)
             .args([
                 "--exact",
-                test_name(module_path!(), "kill_child_saver").as_str(),
+                "kill_child_saver",
                 "--ignored",
                 "--nocapture",
                 "--test-threads=1",

@@ -3,7 +3,9 @@
 //! a gradient, the no-clip case (gradients bit for bit unchanged), a single parameter, the norm
 //! as a tensor, bitwise repeatability, and the errors.
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::optim::{clip_grad_norm, clip_grad_norm_tensor};
 use fitgrad::{DType, Device, Error, Tensor};
 

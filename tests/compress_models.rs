@@ -7,7 +7,9 @@
 //! model with dequantized weights, and a quantized Gpt's file round-trips; the custom model
 //! learns as a student of an Mlp.
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::compress::{
     distillation_loss, quantize_model, Distill, DistillConfig, PruneConfig, Pruner,
     QuantizedLinear, QuantizedModel,
@@ -268,7 +270,7 @@ fn custom_model_as_a_student(dev: &Device) {
     assert_ne!(param_values(&t.model.student), before);
 }
 
-crate::common::device_tests!(
+common::device_tests!(
     custom_model_prunes_and_quantizes,
     gpt_prunes_and_quantizes,
     custom_model_as_a_student,

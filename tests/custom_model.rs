@@ -11,7 +11,9 @@
 //! checks that it still fits its budget and that the weights do differ (so the p = 0
 //! comparison is the one that tests the split).
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::nn::{self, Dropout, LayerNorm, Linear, Module};
 use fitgrad::optim::AdamW;
 use fitgrad::train::data::Dataset;

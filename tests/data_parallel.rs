@@ -5,7 +5,9 @@
 //! others instead of leaving them waiting. The in-process group's collectives are checked
 //! without a device.
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::distributed::{share_of, Communicator, DataParallel, LocalGroup};
 use fitgrad::memory::Category;
 use fitgrad::nn::{Activation, Mlp, Module};

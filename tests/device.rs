@@ -1,7 +1,9 @@
 //! The device itself: adapter listing and choice, info, equality, sync, and running on a wgpu
 //! device the application already owns (`Device::from_wgpu`).
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::{DType, Device, DeviceOptions, Tensor};
 use half::f16;
 

@@ -6,8 +6,10 @@
 //! trains bit for bit as the student alone); a Gpt teacher and student on token batches; and
 //! the typed errors.
 
-use crate::common::gradcheck::{check_grads, input};
-use crate::common::*;
+mod common;
+
+use common::gradcheck::{check_grads, input};
+use common::*;
 use fitgrad::compress::{distillation_loss, Distill, DistillConfig};
 use fitgrad::nn::{Activation, Gpt, GptConfig, Mlp, Module};
 use fitgrad::train::data::{self, Dataset};
@@ -332,7 +334,7 @@ fn bad_settings_are_typed_errors(dev: &Device) {
     ));
 }
 
-crate::common::device_tests!(
+common::device_tests!(
     loss_and_gradient_match_reference,
     distill_trains_the_student_only,
     alpha_zero_is_the_student_alone,

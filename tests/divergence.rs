@@ -2,7 +2,9 @@
 //! the step, before the update (the weights stay as they were), and never replaces a good
 //! checkpoint with a NaN one; resuming with another precision is refused.
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::Sgd;
 use fitgrad::train::{Precision, Trainer, TrainerConfig};

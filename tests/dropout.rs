@@ -5,9 +5,11 @@
 //! `nn::Dropout` (eval identity, a new mask per training call, reproducible from the seed,
 //! replayable with `next_seed` / `forward_with_seed`).
 
-use crate::common::gradcheck::{check_grads, input};
-use crate::common::strategies::shape;
-use crate::common::*;
+mod common;
+
+use common::gradcheck::{check_grads, input};
+use common::strategies::shape;
+use common::*;
 use fitgrad::nn::{Dropout, Module};
 use fitgrad::{DType, Device, DeviceOptions, Error, Tensor};
 use proptest::prelude::*;

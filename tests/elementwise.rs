@@ -1,8 +1,10 @@
 //! Binary (broadcast), scalar and unary kernels against the CPU reference, on every device and
 //! in f32 and f16.
 
-use crate::common::strategies::{broadcast_pair, shape};
-use crate::common::*;
+mod common;
+
+use common::strategies::{broadcast_pair, shape};
+use common::*;
 use fitgrad::{DType, Device, Tensor};
 use proptest::prelude::*;
 

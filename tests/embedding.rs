@@ -3,9 +3,11 @@
 //! row, odd sizes, lengths around the workgroup, empty), finite differences, bitwise
 //! repeatability, the errors (checked before any device work), and `nn::Embedding`.
 
-use crate::common::gradcheck::{check_grads, input};
-use crate::common::strategies::cap;
-use crate::common::*;
+mod common;
+
+use common::gradcheck::{check_grads, input};
+use common::strategies::cap;
+use common::*;
 use fitgrad::nn::{Embedding, Module};
 use fitgrad::{DType, Device, DeviceOptions, Error, Tensor};
 use proptest::prelude::*;

@@ -1,7 +1,9 @@
 //! Every misuse returns a typed error (never a panic) that names the op and what was wrong, and
 //! the device keeps working afterwards.
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::{DType, Device, DeviceOptions, Error, Tensor};
 use half::f16;
 

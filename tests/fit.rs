@@ -16,7 +16,9 @@
 //! block takes about two minutes to compile, and timing the candidates of a shape class more.
 //! Where activations must dominate, that means narrow layers and large batches.
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::nn::{self, Activation, Mlp, Module};
 use fitgrad::optim::GradScaler;
 use fitgrad::train::data::{self, Dataset};

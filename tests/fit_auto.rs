@@ -10,7 +10,9 @@
 //! The big model is only planned (the planner compiles and runs nothing); each trainer gets a
 //! device of its own, since plans start from the arena as it is.
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::nn::{Mlp, Module};
 use fitgrad::optim::Sgd;
 use fitgrad::train::{

@@ -6,7 +6,9 @@
 //! arena as they were and runs nothing; the trainer trains on a worker thread; an Mlp is rebuilt
 //! from its checkpoint alone.
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::nn::{Activation, Linear, Mlp, Module, Sequential};
 use fitgrad::optim::{AdamW, Optimizer, Sgd};
 use fitgrad::train::{

@@ -6,7 +6,9 @@
 //! full forward; generation against an uncached reference, reproducible for a seed; the
 //! configuration and input errors, before any device work; the checkpoint file round trip.
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::checkpoint::{Checkpoint, TrainingState};
 use fitgrad::nn::{AttentionKind, Gpt, GptConfig, Mlp, Module};
 use fitgrad::optim::{AdamW, Optimizer};

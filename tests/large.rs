@@ -2,7 +2,9 @@
 //! kernels turn back into a linear index. The only tests with large tensors (tens of millions of
 //! elements, built on the GPU from small inputs so little crosses the bus).
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::{DType, Device};
 
 device_tests!(

@@ -4,9 +4,11 @@
 //! with and without weight and bias; constant rows; finite differences; bitwise repeatability;
 //! the errors (before any device work); and `nn::LayerNorm`.
 
-use crate::common::gradcheck::{check_grads, input};
-use crate::common::strategies::{cap, shape_rank};
-use crate::common::*;
+mod common;
+
+use common::gradcheck::{check_grads, input};
+use common::strategies::{cap, shape_rank};
+use common::*;
 use fitgrad::nn::{LayerNorm, Module};
 use fitgrad::{DType, Device, DeviceOptions, Error, Tensor};
 use proptest::prelude::*;

@@ -5,9 +5,11 @@
 //! transposed operand read in place, a shared operand), forward on every device and backward
 //! against finite differences.
 
-use crate::common::gradcheck::{check_grads, input, Res};
-use crate::common::strategies::{cap, dim, shape, shape_rank, MAX_NUMEL};
-use crate::common::*;
+mod common;
+
+use common::gradcheck::{check_grads, input, Res};
+use common::strategies::{cap, dim, shape, shape_rank, MAX_NUMEL};
+use common::*;
 use fitgrad::{DType, Device, Error, MatmulOptions, Tensor};
 use proptest::prelude::*;
 
@@ -361,7 +363,7 @@ fn layout_errors_are_typed() {
     assert_err(x.transpose_dims(0, 3), "transpose_dims out of range", arg);
     assert_err(s.transpose_dims(0, 0), "transpose_dims of a scalar", arg);
     // Tensors on two devices.
-    if let Some(other) = crate::common::fresh_device(Default::default()) {
+    if let Some(other) = common::fresh_device(Default::default()) {
         let z = Tensor::zeros(&other, &[2, 3, 4], DType::F32).unwrap();
         assert_err(Tensor::cat(&[&x, &z], 0), "cat across devices", |e| {
             matches!(e, Error::DeviceMismatch { .. })

@@ -2,8 +2,10 @@
 //! device and in f32 and f16: ties (first index wins), NaN (the first NaN wins), -inf, rows
 //! short and long, determinism, and the errors.
 
-use crate::common::strategies::shape_rank;
-use crate::common::*;
+mod common;
+
+use common::strategies::shape_rank;
+use common::*;
 use fitgrad::{DType, Device, Error, Tensor};
 use proptest::prelude::*;
 

@@ -2,7 +2,9 @@
 //! reset_peak, merging of freed neighbours, and the report. Each test opens devices of its own
 //! (one per backend) so that no other test's tensors show in the statistics.
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::{DType, Device, DeviceOptions, Error, MemoryStats, Tensor};
 
 const KIB: u64 = 1 << 10;

@@ -1,7 +1,9 @@
 //! Device::nonfinite: the fused "any NaN or inf" check over several tensors, on every device and
 //! in f32 and f16, with the bad value anywhere (first, last, the odd tail of a packed f16 tensor).
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::{DType, Device, Error, Tensor};
 
 device_tests!(finds_nan_and_inf_anywhere);

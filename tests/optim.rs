@@ -4,7 +4,9 @@
 //! f32 parameters. Also: state created lazily and then no allocation at all, hyperparameter and
 //! parameter errors, state save / load.
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::optim::{AdamW, Optimizer, OptimizerState, Sgd};
 use fitgrad::{DType, Device, DeviceOptions, Error, Tensor};
 

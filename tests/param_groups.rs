@@ -3,7 +3,9 @@
 //! takes the optimizer's own weight decay; `decay_groups`' rule; `fresh()` keeping the groups;
 //! the state round trip through a checkpoint; and the errors.
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::checkpoint::{Checkpoint, TrainingState};
 use fitgrad::nn::Module;
 use fitgrad::optim::{decay_groups, AdamW, Optimizer, ParamGroup, Sgd};

@@ -2,8 +2,10 @@
 //! f16. Rows of 64 or more elements take the workgroup tree reduction, shorter ones a serial
 //! loop; both are covered.
 
-use crate::common::strategies::shape;
-use crate::common::*;
+mod common;
+
+use common::strategies::shape;
+use common::*;
 use fitgrad::{DType, Device, Tensor};
 use proptest::prelude::*;
 

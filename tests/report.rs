@@ -4,9 +4,11 @@
 //! op; both files are written atomically; a budget draws its line and names the strategy;
 //! paths that cannot be written are typed errors before anything runs.
 
-use crate::common::report_run;
+mod common;
+#[path = "common/report_run.rs"]
+mod report_run;
 
-use crate::common::*;
+use common::*;
 use fitgrad::report::{check_output_path, TrainingReport};
 use fitgrad::{Bytes, Device, Error};
 

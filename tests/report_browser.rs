@@ -4,9 +4,11 @@
 //! non-zero size. Under CI=true a missing Chromium is a failure; elsewhere the test says
 //! SKIPPED.
 
-use crate::common::report_run;
+mod common;
+#[path = "common/report_run.rs"]
+mod report_run;
 
-use crate::common::*;
+use common::*;
 use fitgrad::report::browser::{rendered_svgs, with_svg_probe, Chromium};
 use std::io::Write;
 

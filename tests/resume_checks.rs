@@ -1,7 +1,9 @@
 //! Resume refuses a checkpoint whose run had other settings that change the math: the
 //! optimizer's hyperparameters, the base learning rate, the schedule, the effective batch.
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
 use fitgrad::train::{Trainer, TrainerConfig};

@@ -5,9 +5,11 @@
 //! gradients against finite differences (ties and zeros included: the central difference there
 //! is torch's 0.5 split and 0).
 
-use crate::common::gradcheck::{check_grads, input, Res};
-use crate::common::strategies::{cap, shape};
-use crate::common::*;
+mod common;
+
+use common::gradcheck::{check_grads, input, Res};
+use common::strategies::{cap, shape};
+use common::*;
 use fitgrad::{DType, Device, Error, Tensor};
 use proptest::prelude::*;
 
@@ -265,7 +267,7 @@ fn abs_matches_reference(dev: &Device) {
 
 fn maximum_and_minimum_match_reference(dev: &Device) {
     proptest!(ProptestConfig::with_cases(16), |(
-        (ad, bd) in crate::common::strategies::broadcast_pair(),
+        (ad, bd) in common::strategies::broadcast_pair(),
         seed in any::<u64>(),
     )| {
         for dtype in DTYPES {
@@ -383,7 +385,7 @@ fn selection_errors_are_typed() {
     // An f16 condition or mask on f32 values is fine.
     assert!(Tensor::where_(&h, &x, &x).is_ok());
     assert!(x.masked_fill(&h, 1.0).is_ok());
-    if let Some(other) = crate::common::fresh_device(Default::default()) {
+    if let Some(other) = common::fresh_device(Default::default()) {
         let z = Tensor::zeros(&other, &[2, 3], DType::F32).unwrap();
         let dm = |e: &Error| matches!(e, Error::DeviceMismatch { .. });
         assert_err(x.maximum(&z), "maximum across devices", dm);

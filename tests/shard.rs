@@ -2,7 +2,9 @@
 //! the epoch order equal to the in-memory order, sharded training equal to in-memory training
 //! for any shard size, and a dataset larger than the memory budget training in shards.
 
-use crate::common::device_tests;
+mod common;
+
+use common::device_tests;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, Sgd};
 use fitgrad::train::data::Dataset;
@@ -106,7 +108,7 @@ fn shard_file_round_trip_and_errors() {
 
 #[test]
 fn epoch_order_is_the_in_memory_order() {
-    let Some(dev) = crate::common::fresh_device(DeviceOptions::default()) else {
+    let Some(dev) = common::fresh_device(DeviceOptions::default()) else {
         return;
     };
     let data = synthetic(230, 3);
@@ -136,8 +138,7 @@ fn epoch_order_is_the_in_memory_order() {
 fn dataset_larger_than_the_budget_trains_in_shards() {
     // 40,000 x 64 f32 = 10 MiB of features under a 4 MiB budget.
     let budget = 4 << 20;
-    let Some(dev) = crate::common::fresh_device(DeviceOptions::default().memory_budget(budget))
-    else {
+    let Some(dev) = common::fresh_device(DeviceOptions::default().memory_budget(budget)) else {
         return;
     };
     let mut data = synthetic(40_000, 64);
@@ -212,7 +213,7 @@ fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
 /// micro-batches, so batches span shards and micro-batches split across their pieces.
 #[test]
 fn sharded_training_equals_in_memory_training() {
-    let Some(dev) = crate::common::devices().into_iter().next() else {
+    let Some(dev) = common::devices().into_iter().next() else {
         return;
     };
     let n = 45;
@@ -307,7 +308,7 @@ fn a_file_changed_after_open_is_a_data_error() {
     assert!(s.read_rows(&[0]).is_ok(), "the original file reads again");
 
     // Replaced mid-epoch: shard 3's read starts after the replacement.
-    if let Some(dev) = crate::common::devices().into_iter().next() {
+    if let Some(dev) = common::devices().into_iter().next() {
         let mut it = s.epoch(&dev, 0, 0);
         assert!(it.next().unwrap().is_ok());
         ShardedDataset::create(&synthetic(41, 4), &path).unwrap();
@@ -344,7 +345,7 @@ fn a_file_changed_after_open_is_a_data_error() {
 fn rows_match_the_host(dev: &Device) {
     for (dtype, cols) in [(DType::F32, 3usize), (DType::F16, 3), (DType::F16, 4)] {
         let host: Vec<f32> = (0..7 * cols).map(|i| i as f32).collect();
-        let t = crate::common::upload(dev, &host, &[7, cols], dtype);
+        let t = common::upload(dev, &host, &[7, cols], dtype);
         for (a, b) in [(0, 7), (1, 4), (3, 3), (5, 7), (6, 7)] {
             let r = t.rows(a, b).unwrap();
             assert_eq!(r.dims(), [b - a, cols]);
@@ -352,7 +353,7 @@ fn rows_match_the_host(dev: &Device) {
                 r.to_vec_f32().unwrap(),
                 host[a * cols..b * cols],
                 "{} {dtype} cols {cols} rows {a}..{b}",
-                crate::common::label(dev)
+                common::label(dev)
             );
         }
         assert!(matches!(t.rows(5, 8), Err(Error::Shape { .. })));

@@ -3,8 +3,10 @@
 //! shared by many, rows past what the registers hold), -inf entries, all -inf rows, NaN, huge
 //! values, determinism, and the errors of cross-entropy.
 
-use crate::common::strategies::{cap, shape_rank, MAX_NUMEL};
-use crate::common::*;
+mod common;
+
+use common::strategies::{cap, shape_rank, MAX_NUMEL};
+use common::*;
 use fitgrad::{DType, Device, Error, Tensor};
 use proptest::prelude::*;
 

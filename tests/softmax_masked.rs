@@ -5,7 +5,9 @@
 //! entirely masked rows; the backward rule against central finite differences; bitwise
 //! repeatability; the default options matching plain softmax bit for bit; and the typed errors.
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::{DType, Device, Error, SoftmaxOptions, Tensor};
 use proptest::prelude::*;
 

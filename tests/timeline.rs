@@ -8,7 +8,9 @@
 //! Each test opens a device of its own on its backend, so no other test's tensors show in the
 //! statistics.
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::memory::{EventKind, Role, SizeClass, Timeline};
 use fitgrad::nn::{Activation, Linear, Mlp, Module};
 use fitgrad::optim::{AdamW, Optimizer, Sgd};

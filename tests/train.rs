@@ -4,7 +4,9 @@
 //! AdamW, a short run on the embedded digits learns, evaluation records nothing, and bad
 //! configurations or batches are typed errors that leave the trainer usable.
 
-use crate::common::*;
+mod common;
+
+use common::*;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::train::data::{self, Dataset};
 use fitgrad::train::{Trainer, TrainerConfig};
@@ -22,7 +24,7 @@ fn digits() -> &'static (Dataset, Dataset) {
     DIGITS.get_or_init(|| data::load("digits", SEED).expect("the embedded digits load"))
 }
 
-/// The first device of `crate::common::devices()`, or `None` after its loud SKIPPED.
+/// The first device of `common::devices()`, or `None` after its loud SKIPPED.
 fn first_device() -> Option<Device> {
     devices().into_iter().next()
 }

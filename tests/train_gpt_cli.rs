@@ -3,12 +3,14 @@
 //! the uninterrupted run's step count, samples text of the asked length from the vocabulary,
 //! and fits a budget with `--fit auto`.
 
+mod common;
+
 #[allow(dead_code)] // the example's `main`
 #[path = "../examples/train_gpt.rs"]
 mod train_gpt;
 
-use crate::common::*;
 use clap::Parser;
+use common::*;
 use fitgrad::distributed::Job;
 use fitgrad::{Device, DeviceOptions, Error};
 use std::io::Write;

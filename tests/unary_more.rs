@@ -2,8 +2,10 @@
 //! every device and in f32 and f16; the edges (+-1e4, +-inf, NaN, zeros, negative bases) and the
 //! argument errors.
 
-use crate::common::strategies::shape;
-use crate::common::*;
+mod common;
+
+use common::strategies::shape;
+use common::*;
 use fitgrad::{DType, Device, Error, Tensor};
 use proptest::prelude::*;
 

@@ -1,12 +1,11 @@
 //! Shared helpers of the integration tests: the devices to run on, plain-loop CPU references,
 //! host data generation and tolerant comparison.
 //!
-//! tests/suite.rs declares this module once; each test file uses a different part of it,
+//! Every test binary includes this module with `mod common;` and uses a different part of it,
 //! hence the `dead_code` allowance.
 #![allow(dead_code)]
 
 pub mod gradcheck;
-pub mod report_run;
 
 use fitgrad::{DType, Device, DeviceOptions, Tensor};
 use half::f16;
@@ -16,17 +15,6 @@ use std::sync::OnceLock;
 // ---------------------------------------------------------------------------------------------
 // Devices
 // ---------------------------------------------------------------------------------------------
-
-/// The name the test harness knows test `name` of the calling module by, for a test that runs
-/// another test of this binary in a child process (`--exact` needs the whole path):
-/// `test_name(module_path!(), "child")` is "checkpoint::child" in tests/checkpoint.rs.
-pub fn test_name(module_path: &str, name: &str) -> String {
-    // module_path!() starts with the crate's name ("suite"), which test names leave out.
-    match module_path.split_once("::") {
-        Some((_, module)) => format!("{module}::{name}"),
-        None => name.to_string(),
-    }
-}
 
 /// Backends tried when FITGRAD_BACKEND is not set.
 const BACKENDS: [&str; 4] = ["vulkan", "gl", "metal", "dx12"];
@@ -151,22 +139,6 @@ fn keyed_devices() -> Vec<(String, Device)> {
     match DEVICES.get_or_init(open_all) {
         Ok(devs) => devs.clone(),
         Err(msg) => panic!("{msg}"),
-    }
-}
-
-/// The dtypes worth testing a kernel in on `dev`: f32 and f16, except on a forced-packed-f16
-/// twin, where only f16 differs (an f32 kernel is the same shader as on the native device, and
-/// a software adapter would compile it again for nothing).
-pub fn dtypes(dev: &Device) -> &'static [DType] {
-    let info = dev.info();
-    let twin = !info.f16_native
-        && keyed_devices().iter().any(|(_, d)| {
-            d.info().f16_native && d.info().adapter.wgpu_backend == info.adapter.wgpu_backend
-        });
-    if twin {
-        &[DType::F16]
-    } else {
-        &[DType::F32, DType::F16]
     }
 }
 
@@ -685,19 +657,16 @@ pub mod strategies {
     }
 
     /// Halves the largest dim until the element count is at most `max` (keeps odd sizes odd
-    /// often enough: 513 -> 256 -> 128, 1025 -> 512, 257 -> 128, 17 -> 8). An empty dim counts
-    /// as 1: a reduction over it fills the other dims (a sum over the 0 of [63, 0, 1000, 1000]
-    /// has 63M elements).
+    /// often enough: 513 -> 256 -> 128, 1025 -> 512, 257 -> 128, 17 -> 8).
     pub fn cap(mut dims: Vec<usize>, max: usize) -> Vec<usize> {
-        let numel = |d: &[usize]| d.iter().map(|&n| n.max(1)).product::<usize>();
-        while numel(&dims) > max {
+        while dims.iter().product::<usize>() > max {
             let (i, _) = dims
                 .iter()
                 .enumerate()
                 .max_by_key(|(_, &d)| d)
                 .expect("a rank-0 shape has one element");
             dims[i] = (dims[i] / 2) | 1;
-            if dims[i] == 1 && numel(&dims) > max {
+            if dims[i] == 1 && dims.iter().product::<usize>() > max {
                 // Cannot happen with max >= 1, but never loop forever.
                 break;
             }
