@@ -208,7 +208,6 @@ fn fused(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> fitgrad::Result<Te
     q.attention_with(k, v, &opts)
 }
 
-const DTYPES: [DType; 2] = [DType::F32, DType::F16];
 
 /// Sequence lengths around the tiles (8, 16 and 32 rows): 1, odd, past one tile, not a multiple.
 fn seq_len() -> impl Strategy<Value = usize> {
@@ -241,7 +240,7 @@ fn fused_matches_the_reference(dev: &Device) {
         ([1, 2, 47, 3], true),
     ];
     for (k, (dims, causal)) in fixed.into_iter().enumerate() {
-        for dtype in DTYPES {
+        for &dtype in dtypes(dev) {
             let c = Case::new(dims, causal, dtype, 10 + k as u64);
             check_case(dev, &c, dtype, "attention", &|q, k, v| {
                 fused(q, k, v, causal)
@@ -253,7 +252,7 @@ fn fused_matches_the_reference(dev: &Device) {
         ProptestConfig::with_cases(12),
         |(b in 1usize..3, h in 1usize..3, t in seq_len(), d in head_dim(), causal in any::<bool>(),
           f16 in any::<bool>(), seed in any::<u64>())| {
-            let dtype = if f16 { DType::F16 } else { DType::F32 };
+            let dtype = dtypes(dev)[usize::from(f16) % dtypes(dev).len()];
             // Keep lavapipe quick: at most ~12k elements.
             let b = if b * h * t * d > 12_000 { 1 } else { b };
             let c = Case::new([b, h, t, d], causal, dtype, seed);
@@ -319,7 +318,7 @@ fn each_fused_variant_matches_the_reference(dev: &Device) {
             ProptestConfig::with_cases(6),
             |(h in 1usize..4, t in seq_len(), d in head_dim(), causal in any::<bool>(),
               f16 in any::<bool>(), seed in any::<u64>())| {
-                let dtype = if f16 { DType::F16 } else { DType::F32 };
+                let dtype = dtypes(dev)[usize::from(f16) % dtypes(dev).len()];
                 let c = Case::new([1, h, t, d], causal, dtype, seed);
                 check_case(dev, &c, dtype, "subgroup attention", &|q, k, v| {
                     q.attention_fused_subgroup(k, v, causal)
@@ -364,7 +363,7 @@ fn gradients_match_finite_differences(dev: &Device) {
 
 /// The fused kernels and the composed ops agree, forward and backward.
 fn fused_matches_composed(dev: &Device) {
-    for dtype in DTYPES {
+    for &dtype in dtypes(dev) {
         for causal in [true, false] {
             let c = Case::new([2, 2, 19, 24], causal, dtype, 50);
             let what = format!(
@@ -389,7 +388,7 @@ fn fused_matches_composed(dev: &Device) {
 
 /// The same inputs twice give the same bits, forward and backward.
 fn fused_is_bitwise_repeatable(dev: &Device) {
-    for dtype in DTYPES {
+    for &dtype in dtypes(dev) {
         let c = Case::new([1, 2, 45, 40], true, dtype, 60);
         let bits = || -> Vec<Vec<u32>> {
             run(dev, &c, dtype, &|q, k, v| fused(q, k, v, true))

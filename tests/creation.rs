@@ -23,7 +23,6 @@ device_tests!(
     copy_duplicates_data
 );
 
-const DTYPES: [DType; 2] = [DType::F32, DType::F16];
 
 /// The bits a tensor of `dtype` holding `v` has, widened to u32 for comparison.
 fn bits_in(dtype: DType, v: f32) -> u32 {
@@ -74,7 +73,7 @@ fn zeros_ones_full(dev: &Device) {
         dims in shape(),
         v in prop_oneof![Just(0.1f32), Just(-3.7f32), Just(1e-3f32), Just(65504.0f32), -1e3f32..1e3],
     )| {
-        for dtype in DTYPES {
+        for &dtype in dtypes(dev) {
             let what = |op: &str| format!("{op} {dims:?} {dtype} on {}", label(dev));
             let z = Tensor::zeros(dev, &dims, dtype).unwrap();
             check_filled(&what("zeros"), &z, &dims, 0.0).map_err(TestCaseError::fail)?;
@@ -161,7 +160,7 @@ fn scalar_and_item(dev: &Device) {
 /// from_slice() holds the uploaded data even though work that wrote the old tensor was still
 /// pending (not yet submitted) when it was dropped.
 fn reused_blocks_hold_the_new_contents(dev: &Device) {
-    for dtype in DTYPES {
+    for &dtype in dtypes(dev) {
         let what = format!("{dtype} on {}", label(dev));
         for _ in 0..5 {
             let x = Tensor::full(dev, &[1000], 7.0, dtype).unwrap();
@@ -193,7 +192,7 @@ fn reshape_shares_data() {
     let Some(dev) = fresh_device(DeviceOptions::default()) else {
         return;
     };
-    for dtype in DTYPES {
+    for &dtype in dtypes(dev) {
         let data = host_data(11, 24, -5.0, 5.0);
         let x = upload(&dev, &data, &[2, 3, 4], dtype);
         let before = dev.memory_stats();
@@ -239,7 +238,7 @@ fn bits_of(t: &Tensor) -> Vec<u32> {
 #[test]
 fn random_same_seed_same_values_on_every_device() {
     let devs = devices();
-    for dtype in DTYPES {
+    for &dtype in dtypes(dev) {
         let mut reference: Option<(Vec<u32>, Vec<u32>)> = None;
         for dev in &devs {
             let u = Tensor::rand_uniform(dev, &[7, 33], -1.0, 2.0, 1234, dtype).unwrap();
@@ -259,7 +258,7 @@ fn random_same_seed_same_values_on_every_device() {
 }
 
 fn random_different_seeds_differ(dev: &Device) {
-    for dtype in DTYPES {
+    for &dtype in dtypes(dev) {
         let a = bits_of(&Tensor::rand_uniform(dev, &[1000], 0.0, 1.0, 1, dtype).unwrap());
         let b = bits_of(&Tensor::rand_uniform(dev, &[1000], 0.0, 1.0, 2, dtype).unwrap());
         let same = a.iter().zip(&b).filter(|(x, y)| x == y).count();
@@ -330,7 +329,7 @@ fn rand_uniform_f16_values_are_below_high(dev: &Device) {
 }
 
 fn randn_mean_and_std(dev: &Device) {
-    for dtype in DTYPES {
+    for &dtype in dtypes(dev) {
         for (mean, std, seed) in [(0.0f32, 1.0f32, 5u64), (3.0, 0.5, 6), (-1.0, 2.0, 7)] {
             let t = Tensor::randn(dev, &[10_000], mean, std, seed, dtype).unwrap();
             let (m, s) = mean_std(&t.to_vec_f32().unwrap());

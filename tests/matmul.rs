@@ -236,7 +236,7 @@ const SAMPLED: [Variant; 4] = [VARIANTS[1], VARIANTS[3], VARIANTS[5], VARIANTS[6
 
 fn kernels_match_the_reference_on_random_shapes(dev: &Device) {
     proptest!(ProptestConfig::with_cases(8), |(c in case(), seed in any::<u64>())| {
-        for dtype in [DType::F32, DType::F16] {
+        for &dtype in dtypes(dev) {
             check(dev, dtype, &c, &SAMPLED, seed).map_err(TestCaseError::fail)?;
         }
     });
@@ -258,7 +258,7 @@ fn every_variant_in_every_transposed_form(dev: &Device) {
             bias: true,
             act: [Activation::Relu, Activation::Gelu][i % 2],
         };
-        for dtype in [DType::F32, DType::F16] {
+        for &dtype in dtypes(dev) {
             check(dev, dtype, &c, &VARIANTS, i as u64).unwrap_or_else(|e| panic!("{e}"));
         }
     }
@@ -284,7 +284,7 @@ fn edges_and_empty(dev: &Device) {
         plain(4, 0, 3),
         plain(65, 67, 130),
     ] {
-        for dtype in [DType::F32, DType::F16] {
+        for &dtype in dtypes(dev) {
             check(dev, dtype, &c, &VARIANTS, 5).unwrap_or_else(|e| panic!("{e}"));
         }
     }

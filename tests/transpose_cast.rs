@@ -18,7 +18,6 @@ device_tests!(
     cast_of_nan_stays_nan
 );
 
-const DTYPES: [DType; 2] = [DType::F32, DType::F16];
 
 fn check_transpose(dev: &Device, dtype: DType, dims: &[usize], seed: u64) -> Result<(), String> {
     let what = format!("transpose of {dims:?} {dtype} on {}", label(dev));
@@ -117,7 +116,7 @@ fn cast_values(seed: u64, n: usize) -> Vec<f32> {
 
 fn transpose_matches_reference(dev: &Device) {
     proptest!(ProptestConfig::with_cases(24), |(dims in shape_rank(2, 4), seed in any::<u64>())| {
-        for dtype in DTYPES {
+        for &dtype in dtypes(dev) {
             check_transpose(dev, dtype, &dims, seed).map_err(TestCaseError::fail)?;
         }
     });
@@ -152,7 +151,7 @@ fn transpose_fixed_shapes(dev: &Device) {
         &[2, 0, 3],
         &[100, 100],
     ];
-    for dtype in DTYPES {
+    for &dtype in dtypes(dev) {
         for (i, dims) in shapes.iter().enumerate() {
             check_transpose(dev, dtype, dims, i as u64).unwrap_or_else(|e| panic!("{e}"));
         }

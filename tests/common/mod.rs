@@ -142,6 +142,22 @@ fn keyed_devices() -> Vec<(String, Device)> {
     }
 }
 
+/// The dtypes worth testing a kernel in on `dev`: f32 and f16, except on a forced-packed-f16
+/// twin, where only f16 differs (an f32 kernel is the same shader as on the native device, and
+/// a software adapter would compile it again for nothing).
+pub fn dtypes(dev: &Device) -> &'static [DType] {
+    let info = dev.info();
+    let twin = !info.f16_native
+        && keyed_devices().iter().any(|(_, d)| {
+            d.info().f16_native && d.info().adapter.backend == info.adapter.backend
+        });
+    if twin {
+        &[DType::F16]
+    } else {
+        &[DType::F32, DType::F16]
+    }
+}
+
 /// Runs `test` on the shared device of backend `key` (see [`device_tests!`]). When this machine
 /// has no such adapter the test is skipped loudly; when it has no adapter at all, that is a
 /// failure under CI=true (as for [`devices`]).
