@@ -149,7 +149,7 @@ pub fn dtypes(dev: &Device) -> &'static [DType] {
     let info = dev.info();
     let twin = !info.f16_native
         && keyed_devices().iter().any(|(_, d)| {
-            d.info().f16_native && d.info().adapter.backend == info.adapter.backend
+            d.info().f16_native && d.info().adapter.wgpu_backend == info.adapter.wgpu_backend
         });
     if twin {
         &[DType::F16]
@@ -673,16 +673,19 @@ pub mod strategies {
     }
 
     /// Halves the largest dim until the element count is at most `max` (keeps odd sizes odd
-    /// often enough: 513 -> 256 -> 128, 1025 -> 512, 257 -> 128, 17 -> 8).
+    /// often enough: 513 -> 256 -> 128, 1025 -> 512, 257 -> 128, 17 -> 8). An empty dim counts
+    /// as 1: a reduction over it fills the other dims (a sum over the 0 of [63, 0, 1000, 1000]
+    /// has 63M elements).
     pub fn cap(mut dims: Vec<usize>, max: usize) -> Vec<usize> {
-        while dims.iter().product::<usize>() > max {
+        let numel = |d: &[usize]| d.iter().map(|&n| n.max(1)).product::<usize>();
+        while numel(&dims) > max {
             let (i, _) = dims
                 .iter()
                 .enumerate()
                 .max_by_key(|(_, &d)| d)
                 .expect("a rank-0 shape has one element");
             dims[i] = (dims[i] / 2) | 1;
-            if dims[i] == 1 && dims.iter().product::<usize>() > max {
+            if dims[i] == 1 && numel(&dims) > max {
                 // Cannot happen with max >= 1, but never loop forever.
                 break;
             }
