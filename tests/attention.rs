@@ -208,7 +208,6 @@ fn fused(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> fitgrad::Result<Te
     q.attention_with(k, v, &opts)
 }
 
-
 /// Sequence lengths around the tiles (8, 16 and 32 rows): 1, odd, past one tile, not a multiple.
 fn seq_len() -> impl Strategy<Value = usize> {
     prop::sample::select(vec![1usize, 2, 5, 8, 9, 16, 17, 31, 33, 40, 47, 70])

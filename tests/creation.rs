@@ -23,7 +23,6 @@ device_tests!(
     copy_duplicates_data
 );
 
-
 /// The bits a tensor of `dtype` holding `v` has, widened to u32 for comparison.
 fn bits_in(dtype: DType, v: f32) -> u32 {
     match dtype {
@@ -192,7 +191,7 @@ fn reshape_shares_data() {
     let Some(dev) = fresh_device(DeviceOptions::default()) else {
         return;
     };
-    for &dtype in dtypes(dev) {
+    for &dtype in dtypes(&dev) {
         let data = host_data(11, 24, -5.0, 5.0);
         let x = upload(&dev, &data, &[2, 3, 4], dtype);
         let before = dev.memory_stats();
@@ -238,7 +237,7 @@ fn bits_of(t: &Tensor) -> Vec<u32> {
 #[test]
 fn random_same_seed_same_values_on_every_device() {
     let devs = devices();
-    for &dtype in dtypes(dev) {
+    for dtype in [DType::F32, DType::F16] {
         let mut reference: Option<(Vec<u32>, Vec<u32>)> = None;
         for dev in &devs {
             let u = Tensor::rand_uniform(dev, &[7, 33], -1.0, 2.0, 1234, dtype).unwrap();

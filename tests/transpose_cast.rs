@@ -18,7 +18,6 @@ device_tests!(
     cast_of_nan_stays_nan
 );
 
-
 fn check_transpose(dev: &Device, dtype: DType, dims: &[usize], seed: u64) -> Result<(), String> {
     let what = format!("transpose of {dims:?} {dtype} on {}", label(dev));
     let host = as_dtype(&host_data(seed, numel(dims), -10.0, 10.0), dtype);
