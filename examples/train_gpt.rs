@@ -86,7 +86,8 @@ pub struct Args {
     /// precision (cheapest first), and print each planned candidate.
     #[arg(long)]
     pub fit: Option<String>,
-    /// Recompute each block in backward instead of keeping its activations.
+    /// Recompute each block's attention and MLP halves in backward instead of keeping their
+    /// activations.
     #[arg(long)]
     pub checkpoint_activations: bool,
     /// fused, composed or auto (fused where the adapter runs it).

@@ -309,11 +309,11 @@ fn checkpointed_blocks_are_exact_with_dropout(dev: &Device) {
 
 fn checkpointed_blocks_lower_the_peak(dev: &Device) {
     let Some(fresh) = fresh_like(dev) else { return };
-    // Four blocks: checkpointed, the step keeps each block's input and one block's
-    // recomputed activations at a time. The peak measured here also holds the gradients that
-    // backward creates (a fixed share at this width), so the whole peak falls to under 0.65x;
-    // the activations alone fall to under half (the planner's categories: 0.29x at 4 blocks of
-    // train_gpt's default width).
+    // Four blocks: checkpointed, the step keeps the input of each block's two residual halves
+    // and one half's recomputed activations at a time. The peak measured here also holds the
+    // gradients that backward creates (a fixed share at this width), so the whole peak falls
+    // to under 0.65x; the activations alone fall to under half (the planner's categories at
+    // train_gpt's default width: 0.47x at 2 blocks, 0.30x at 4).
     let mut cfg = GptConfig::new(VOCAB, 16, 4, 4, 32);
     cfg.dropout = 0.1;
     let gpt = Gpt::new(&fresh, cfg).unwrap();

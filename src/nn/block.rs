@@ -52,8 +52,28 @@ pub struct GptBlock {
 impl GptBlock {
     /// x (B, T, C) -> (B, T, C), every matmul in `dtype` (x must have it).
     pub fn forward_in(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
-        let h = x.add(&self.attn.forward_in(&self.ln1.forward(x)?, dtype)?)?;
-        h.add(&self.mlp.forward_in(&self.ln2.forward(&h)?, dtype)?)
+        self.mlp_half(&self.attention_half(x, dtype)?, dtype)
+    }
+
+    /// The block's first residual half: x (B, T, C) -> x + attn(ln1(x)). A checkpointed GPT
+    /// runs each half as its own segment, so backward recomputes half a block at a time.
+    pub fn attention_half(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        x.add(&self.attn.forward_in(&self.ln1.forward(x)?, dtype)?)
+    }
+
+    /// The block's second residual half: h (B, T, C) -> h + mlp(ln2(h)).
+    pub fn mlp_half(&self, h: &Tensor, dtype: DType) -> Result<Tensor> {
+        h.add(&self.mlp.forward_in(&self.ln2.forward(h)?, dtype)?)
+    }
+
+    /// The parameters of [`attention_half`](Self::attention_half) (ln1, attn) and of
+    /// [`mlp_half`](Self::mlp_half) (ln2, mlp), the inputs of each checkpointed segment.
+    pub fn half_parameters(&self) -> [Vec<Tensor>; 2] {
+        let mut attn = self.ln1.parameters();
+        attn.extend(self.attn.parameters());
+        let mut mlp = self.ln2.parameters();
+        mlp.extend(self.mlp.parameters());
+        [attn, mlp]
     }
 
     /// `forward_in` of new positions after those cached in `kv` (which gets their keys and
@@ -65,7 +85,7 @@ impl GptBlock {
         dtype: DType,
     ) -> Result<Tensor> {
         let h = x.add(&self.attn.forward_cached(&self.ln1.forward(x)?, kv, dtype)?)?;
-        h.add(&self.mlp.forward_in(&self.ln2.forward(&h)?, dtype)?)
+        self.mlp_half(&h, dtype)
     }
 }
 

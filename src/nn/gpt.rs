@@ -1,8 +1,8 @@
 //! `Gpt`: a GPT-2 style decoder-only transformer (nanoGPT's layout): token and position
 //! embeddings, embedding dropout, pre-LayerNorm blocks, a final LayerNorm and a head tied to
-//! the token embedding. Each block can run under [`checkpoint`](crate::tensor::autograd::checkpoint)
-//! (only its input kept; exact with dropout, see src/tensor/autograd/replay.rs). Generation with a KV
-//! cache is in src/nn/generate.rs.
+//! the token embedding. Each block can run under [`checkpoint`](crate::tensor::autograd::checkpoint),
+//! as two segments, one per residual half (only their inputs kept; exact with dropout, see
+//! src/tensor/autograd/replay.rs). Generation with a KV cache is in src/nn/generate.rs.
 
 use super::attention::CausalSelfAttention;
 use super::block::{FeedForward, GptBlock};
@@ -270,9 +270,10 @@ impl Gpt {
     }
 
     /// Turns block checkpointing on or off for the next forwards (a trainer switching memory
-    /// strategies). With it on, a block keeps only its input for the backward pass and runs its
-    /// forward again there, with the same dropout masks: loss and gradients are the same as
-    /// without it, and the activation peak is about one block's instead of every block's.
+    /// strategies). With it on, each residual half of a block (attention, MLP) keeps only its
+    /// input for the backward pass and runs its forward again there, with the same dropout
+    /// masks: loss and gradients are the same as without it, and the activation peak is about
+    /// half a block's instead of every block's.
     pub fn set_checkpoint_blocks(&self, on: bool) {
         self.checkpoint_blocks.store(on, Ordering::Relaxed);
     }
@@ -489,12 +490,19 @@ impl Gpt {
         let checkpointed = self.checkpoint_blocks();
         for block in &self.blocks {
             x = if checkpointed {
-                // Only x is kept; backward reruns the block (same dropout masks).
-                let params = block.parameters();
-                let refs: Vec<&Tensor> = params.iter().collect();
+                // Two segments per block: only the input of each residual half (B, T, C) is
+                // kept, and backward reruns one half at a time (same dropout masks), so the
+                // recomputed activations at any moment are half a block's, not a whole one's.
+                let [attn_params, mlp_params] = block.half_parameters();
+                let refs: Vec<&Tensor> = attn_params.iter().collect();
                 let b = block.clone();
-                crate::tensor::autograd::checkpoint(&[&x], &refs, move |xs| {
-                    b.forward_in(&xs[0], dtype)
+                let h = crate::tensor::autograd::checkpoint(&[&x], &refs, move |xs| {
+                    b.attention_half(&xs[0], dtype)
+                })?;
+                let refs: Vec<&Tensor> = mlp_params.iter().collect();
+                let b = block.clone();
+                crate::tensor::autograd::checkpoint(&[&h], &refs, move |xs| {
+                    b.mlp_half(&xs[0], dtype)
                 })?
             } else {
                 block.forward_in(&x, dtype)?
