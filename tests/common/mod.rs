@@ -47,6 +47,22 @@ fn no_device(detail: &str) {
     ));
 }
 
+/// Mesa's CPU drivers (lavapipe, llvmpipe) compile every pipeline with LLVM, and in the tests
+/// that compile is most of the time: each test binary is a new process, and lavapipe keeps no
+/// compiled pipeline between processes. The tests' shapes are small, so LLVM's optimization
+/// passes cost far more than they save; `GALLIVM_PERF=nopt` skips them (the same WGSL, naga
+/// output and driver path, unoptimized machine code; ARCHITECTURE.md has the figures). Set here,
+/// before the first adapter is opened (Mesa reads it then), in the test processes only: examples
+/// and benchmarks run optimized. A `GALLIVM_PERF` already set (even empty) is left as it is.
+fn quick_driver_compiles() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        if std::env::var_os("GALLIVM_PERF").is_none() {
+            std::env::set_var("GALLIVM_PERF", "nopt");
+        }
+    });
+}
+
 /// A short label for a device: backend plus f16 mode, e.g. "vulkan/f16-native".
 pub fn label(dev: &Device) -> String {
     let info = dev.info();
@@ -75,6 +91,7 @@ fn key(backend: &str, forced_packed: bool) -> String {
 /// The devices with their keys, or (under CI=true, when there are none) the message to fail
 /// with.
 fn open_all() -> Result<Vec<(String, Device)>, String> {
+    quick_driver_compiles();
     let mut devs: Vec<(String, Device)> = Vec::new();
     let mut failures = Vec::new();
     let env_backend = std::env::var("FITGRAD_BACKEND")
@@ -218,6 +235,7 @@ pub(crate) use device_tests;
 /// FITGRAD_BACKEND through `Device::with_options`. `None` (after a loud SKIPPED) when there is no
 /// adapter and CI is not "true".
 pub fn fresh_device(opts: DeviceOptions) -> Option<Device> {
+    quick_driver_compiles();
     match Device::with_options(opts) {
         Ok(d) => Some(d),
         Err(e) => {
