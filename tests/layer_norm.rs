@@ -151,9 +151,23 @@ fn check(
     ));
     let want = expect_in(want, dtype);
     let got = download(&y, dims, dtype).map_err(|e| format!("{what}: {e}"))?;
-    // (x - mean) * rstd is within a few f32 ulps of |xhat| <= sqrt(c); times |w| <= 2.
+    // (x - mean) * rstd is within a few f32 ulps of |xhat| <= sqrt(c); times |w| <= 2. The
+    // mean itself is only as exact as an f32 near max |x| (an ulp there), and with an offset
+    // and a row of close values that error is large against x - mean: rstd scales it.
+    let cancel: Vec<f64> = x64
+        .chunks(c.max(1))
+        .map(|row| {
+            let n = row.len().max(1) as f64;
+            let mean = row.iter().sum::<f64>() / n;
+            let var = row.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n;
+            let max = row.iter().fold(0f64, |m, v| m.max(v.abs()));
+            4.0 * f64::from(f32::EPSILON) * max / (var + EPS as f64).sqrt()
+        })
+        .collect();
+    let w_abs = |i: usize| if w.is_some() { w64[i % c].abs() } else { 1.0 };
     check_close_by(&what, &got, &want, |i| {
-        tol(dtype, want[i], 4e-6 * (1.0 + want[i].abs() as f64))
+        let f32_err = 4e-6 * (1.0 + want[i].abs() as f64) + cancel[i / c] * w_abs(i);
+        tol(dtype, want[i], f32_err)
     })?;
 
     y.backward_with(upload(dev, &g_host, dims, dtype))
