@@ -279,8 +279,10 @@ fn fused_matches_the_reference(dev: &Device) {
             .unwrap_or_else(|e| panic!("{e}"));
         }
     }
+    // Each new (head-dim bucket, causal, dtype) draws cold compiles of a second or more per
+    // kernel on lavapipe; the fixed shapes above cover every bucket in both dtypes.
     proptest!(
-        ProptestConfig::with_cases(12),
+        ProptestConfig::with_cases(8),
         |(b in 1usize..3, h in 1usize..3, t in seq_len(), d in head_dim(), causal in any::<bool>(),
           f16 in any::<bool>(), seed in any::<u64>())| {
             let dtype = dtypes(dev)[usize::from(f16) % dtypes(dev).len()];
@@ -346,7 +348,7 @@ fn each_fused_variant_matches_the_reference(dev: &Device) {
             .unwrap_or_else(|e| panic!("{e}"));
         }
         proptest!(
-            ProptestConfig::with_cases(6),
+            ProptestConfig::with_cases(4),
             |(h in 1usize..4, t in seq_len(), d in head_dim(), causal in any::<bool>(),
               f16 in any::<bool>(), seed in any::<u64>())| {
                 let dtype = dtypes(dev)[usize::from(f16) % dtypes(dev).len()];
