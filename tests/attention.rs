@@ -285,7 +285,7 @@ fn fused_matches_the_reference(dev: &Device) {
         ProptestConfig::with_cases(8),
         |(b in 1usize..3, h in 1usize..3, t in seq_len(), d in head_dim(), causal in any::<bool>(),
           f16 in any::<bool>(), seed in any::<u64>())| {
-            let dtype = dtypes(dev)[usize::from(f16) % dtypes(dev).len()];
+            let dtype = dtype_for(dev, f16);
             // Keep lavapipe quick: at most ~12k elements.
             let b = if b * h * t * d > 12_000 { 1 } else { b };
             let c = Case::new([b, h, t, d], causal, dtype, seed);
@@ -351,7 +351,7 @@ fn each_fused_variant_matches_the_reference(dev: &Device) {
             ProptestConfig::with_cases(4),
             |(h in 1usize..4, t in seq_len(), d in head_dim(), causal in any::<bool>(),
               f16 in any::<bool>(), seed in any::<u64>())| {
-                let dtype = dtypes(dev)[usize::from(f16) % dtypes(dev).len()];
+                let dtype = dtype_for(dev, f16);
                 let c = Case::new([1, h, t, d], causal, dtype, seed);
                 check_case(dev, &c, dtype, "subgroup attention", &|q, k, v| {
                     q.attention_fused_subgroup(k, v, causal)

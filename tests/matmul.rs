@@ -230,10 +230,11 @@ fn case() -> impl Strategy<Value = Case> {
         })
 }
 
-/// One of each kernel family. Every random case compiles a pipeline per variant it runs (its
-/// transposes, bias and activation are compiled in), and a cold compile costs lavapipe about a
-/// second, so each random case runs one of these, drawn with the case; the fixed cases below
-/// run all of VARIANTS in every transposed form (`fixed_variants`).
+/// One of each kernel family. A random case mostly compiles a pipeline per variant it runs
+/// (transposes, the operands' vec4 alignment and, for subgroup blocks, bias and activation are
+/// part of the pipeline), and a cold compile costs lavapipe about a second, so each random case
+/// runs one of these, drawn with the case; the fixed cases below run all of VARIANTS in every
+/// transposed form (`fixed_variants`).
 const SAMPLED: [Variant; 4] = [VARIANTS[1], VARIANTS[3], VARIANTS[5], VARIANTS[6]];
 
 /// The variants the fixed cases run on `dev`: all of them, except on GL, where each family
@@ -293,8 +294,8 @@ fn edges_and_empty(dev: &Device) {
         ta: false,
         tb: false,
         bias: true,
-        // The flags of `every_variant_in_every_transposed_form`'s first form, so these cases
-        // run its pipelines and compile none of their own.
+        // The first transposed form's epilogue, which subgroup blocks compile in: cases of the
+        // same alignment share its pipelines.
         act: Activation::Relu,
     };
     // k = 0 gives relu(bias) alone; m or n = 0 gives an empty result.

@@ -146,7 +146,7 @@ fn one_shot_matches_reference(dev: &Device) {
         a in dim.clone(), b in dim.clone(), c in dim.clone(), d in dim,
         s in 0.0f32..0.99, global in any::<bool>(), f16 in any::<bool>(), seed in any::<u64>(),
     )| {
-        let dtype = dtypes(dev)[usize::from(f16) % dtypes(dev).len()];
+        let dtype = dtype_for(dev, f16);
         check_one_shot(dev, &[[a, b], [c, d]], s, global, dtype, seed);
     });
     // Fixed edges: nothing pruned, one element, the nearest count above a half.

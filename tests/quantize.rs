@@ -166,7 +166,7 @@ fn qmatmul_matches_dequantized_reference(dev: &Device) {
         batch in prop_oneof![3 => Just(1usize), 1 => 2usize..4],
         bias in any::<bool>(), act in act, f16 in any::<bool>(), seed in any::<u64>(),
     )| {
-        let dtype = dtypes(dev)[usize::from(f16) % dtypes(dev).len()];
+        let dtype = dtype_for(dev, f16);
         check_case(dev, (batch, m, n, k), bias, act, dtype, seed);
     });
     // Fixed edges: one of everything; K = 5 (a tail word), N = 6 (packed f16 rows staged).

@@ -47,10 +47,10 @@ fn no_device(detail: &str) {
     ));
 }
 
-/// Mesa's CPU drivers (lavapipe, llvmpipe) compile every pipeline with LLVM, and in the tests
-/// that compile is most of the time: each test binary is a new process, and lavapipe keeps no
-/// compiled pipeline between processes. The tests' shapes are small, so LLVM's optimization
-/// passes cost far more than they save; `GALLIVM_PERF=nopt` skips them (the same WGSL, naga
+/// Mesa's CPU drivers (lavapipe, llvmpipe) compile every pipeline with LLVM, and on a machine
+/// whose shader cache is still empty (a fresh CI machine) that compile is most of the tests'
+/// time. The tests' shapes are small, so LLVM's optimization passes cost far more than they
+/// save; `GALLIVM_PERF=nopt` skips them (the same WGSL, naga
 /// output and driver path, unoptimized machine code; ARCHITECTURE.md has the figures). Set here,
 /// before the first adapter is opened (Mesa reads it then), in the test processes only: examples
 /// and benchmarks run optimized. A `GALLIVM_PERF` already set (even empty) is left as it is.
@@ -173,6 +173,13 @@ pub fn dtypes(dev: &Device) -> &'static [DType] {
     } else {
         &[DType::F32, DType::F16]
     }
+}
+
+/// The dtype a random case tests on `dev` when it draws `f16` (see [`dtypes`]: always f16 on a
+/// forced-packed twin).
+pub fn dtype_for(dev: &Device, f16: bool) -> DType {
+    let d = dtypes(dev);
+    d[usize::from(f16) % d.len()]
 }
 
 /// Runs `test` on the shared device of backend `key` (see [`device_tests!`]). When this machine
