@@ -38,7 +38,7 @@ use fitgrad::nn::{self, Dropout, LayerNorm, Linear, Module};
 use fitgrad::optim::{AdamW, Optimizer};
 use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
 use fitgrad::train::data::{self, Dataset};
-use fitgrad::train::{ClassBatch, EvalBatch, Precision, StepContext, TrainModel};
+use fitgrad::train::{ClassBatch, EvalBatch, Phase, Precision, StepContext, TrainModel};
 use fitgrad::train::{Trainer, TrainerConfig};
 use fitgrad::{Activation, Bytes, DType, Device, DeviceOptions, Error, Result, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -51,7 +51,7 @@ const FASHION_MNIST_DIR: &str = "/usr/share/datasets/fashion-mnist";
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a residual MLP defined in this example with fitgrad's Trainer")]
-struct Args {
+pub struct Args {
     /// auto (Fashion-MNIST when installed and the adapter is a GPU, else digits), digits
     /// (embedded), fashion-mnist, mnist, or a path (a CSV file with a label column, or a folder
     /// of IDX files).
@@ -290,7 +290,7 @@ fn forwards_in(epochs: u64, n: usize, eff: usize, micro: usize, dist: &Job) -> u
     epochs * per_epoch as u64
 }
 
-fn run(args: Args, dist: &Job) -> Result<()> {
+pub fn run(args: Args, dist: &Job) -> Result<()> {
     // Rank 0 reports; the other ranks train quietly.
     let root = dist.is_root();
     macro_rules! say {
@@ -365,19 +365,24 @@ fn run(args: Args, dist: &Job) -> Result<()> {
         .epochs
         .unwrap_or(if train.len() <= 10_000 { 8 } else { 2 });
 
-    let model = ResMlp::new(
-        &device,
-        train.dim,
-        args.width,
-        args.blocks,
-        train.classes,
-        args.dropout as f32,
-        args.seed,
-    )?;
     let lr = args.lr as f32;
-    let optimizer: Box<dyn Optimizer> = Box::new(AdamW::new(model.parameters(), lr)?);
     let config = TrainerConfig::new(args.batch_size, args.accum_steps, lr).precision(precision);
-    let mut trainer = Trainer::new(model, optimizer, config)?;
+    // The model is built inside the budget logic: a budget too small for the model itself
+    // gets the smallest budget that works, as one too small for a step does.
+    let build = || {
+        let model = ResMlp::new(
+            &device,
+            train.dim,
+            args.width,
+            args.blocks,
+            train.classes,
+            args.dropout as f32,
+            args.seed,
+        )?;
+        let optimizer: Box<dyn Optimizer> = Box::new(AdamW::new(model.parameters(), lr)?);
+        Trainer::new(model, optimizer, config.clone())
+    };
+    let mut trainer = Trainer::build_within_budget(&device, &train, build)?;
     let mut report = TrainingReport::new(
         format!("custom_model (residual MLP) on {}", train.name),
         &device,
@@ -406,26 +411,9 @@ fn run(args: Args, dist: &Job) -> Result<()> {
             Pruner::new(&trainer.model, cfg)
         })
         .transpose()?;
-    if let Some(b) = budget {
-        match trainer.fit_to_budget(&train, b) {
-            Err(Error::BudgetTooSmall { .. }) => {
-                // What a one-sample step keeps alive: a floor no micro-batch can go under.
-                let one = trainer.plan_at(&train, &[0], 1, None, 0)?;
-                let fixed = one.parameters + one.gradients + one.optimizer_state;
-                return Err(invalid(format!(
-                    "--memory-budget {}: not even a micro-batch of one sample fits; such a \
-                     step keeps {} in use (the arena rounds up a little more), {} of it the \
-                     parameters, their gradients and AdamW's moments. Raise the budget or make \
-                     the model smaller (--width, --blocks)",
-                    Bytes(b),
-                    Bytes(one.peak),
-                    Bytes(fixed)
-                )));
-            }
-            other => {
-                other?;
-            }
-        }
+    // The masks count: under a budget the micro-batch is chosen again with them in use.
+    if let (Some(b), Some(_)) = (budget, &pruner) {
+        trainer.fit_to_budget(&train, b)?;
     }
     // Fitted to the whole batch as on one process; a rank refits to its share.
     let all_reduce = dist.join(&mut trainer, &train)?;
@@ -439,12 +427,31 @@ fn run(args: Args, dist: &Job) -> Result<()> {
         );
         report.set_budget(b, args.batch_size, micro, None);
     }
-    // The steady-state step's peak, planned by running it on the device's planning mode.
+    // The whole run, planned by running it on the device's planning mode: the steady-state
+    // step, then the test set at the training micro-batch under a budget (a batch that does
+    // not fit is split) or in large batches; rank 0 alone evaluates.
     let planning = Instant::now();
-    let plan = trainer.plan(&train)?;
+    let budgeted = budget.is_some();
+    let eval_batch = move |t: &Trainer<ResMlp>| if budgeted { t.micro_batch() } else { 1024 };
+    let mut phases: Vec<Phase<'_, ResMlp>> = Vec::new();
+    if root && reporting {
+        phases.push((
+            "evaluation after each epoch",
+            Box::new(|t| t.evaluate(&test, t.micro_batch()).map(drop)),
+        ));
+    }
+    if root {
+        phases.push((
+            "evaluation",
+            Box::new(|t| t.evaluate(&test, eval_batch(t)).map(drop)),
+        ));
+    }
+    let run_plan = trainer.plan_whole_run(&train, &mut phases)?;
+    drop(phases);
+    let plan = run_plan.step.clone();
     if args.plan {
         if root {
-            print!("{plan}");
+            print!("{plan}{run_plan}");
         }
         say!(
             "  (planned by running the step on the device's planning mode in {:.0} ms)",
@@ -591,13 +598,7 @@ fn run(args: Args, dist: &Job) -> Result<()> {
     // Training's memory, before evaluation's batches count.
     let summary = trainer.memory_summary();
     let measured = summary.stats.peak_bytes_in_use;
-    // Evaluation keeps no graph, so the training micro-batch always fits the budget.
-    let eval_batch = if budget.is_some() {
-        trainer.micro_batch()
-    } else {
-        1024
-    };
-    let eval = trainer.evaluate(&test, eval_batch)?;
+    let eval = trainer.evaluate(&test, eval_batch(&trainer))?;
     let accuracy = eval.accuracy.unwrap_or(f32::NAN);
     println!(
         "test: loss {:.4}, accuracy {:.2}% ({:.1} s training, {samples_per_s:.0} samples/s)",
@@ -628,6 +629,13 @@ fn run(args: Args, dist: &Job) -> Result<()> {
         "peak reserved: planned {} / measured {}",
         Bytes(plan.peak_reserved),
         Bytes(summary.stats.peak_bytes_reserved)
+    );
+    // The whole run's peak, evaluation included, beside its plan.
+    let run = device.memory_stats();
+    println!(
+        "whole run: peak reserved planned {} / measured {}",
+        Bytes(run_plan.peak_reserved),
+        Bytes(run.peak_bytes_reserved)
     );
     println!("{}", device.memory_report());
     report.set_step_memory(capture.finish());
@@ -667,9 +675,11 @@ fn run(args: Args, dist: &Job) -> Result<()> {
             "memory_budget": budget,
             "planned_peak_bytes": plan.peak,
             "planned_peak_reserved": plan.peak_reserved,
-            "peak_bytes_in_use": s.peak_bytes_in_use,
-            "peak_bytes": s.peak_bytes_reserved,
-            "buffers_created": s.buffers_created,
+            "planned_run_peak_reserved": run_plan.peak_reserved,
+            "peak_bytes_in_use": run.peak_bytes_in_use,
+            "peak_bytes": run.peak_bytes_reserved,
+            "step_peak_bytes": s.peak_bytes_reserved,
+            "buffers_created": run.buffers_created,
             "skipped_steps": trainer.scaler().map_or(0, |s| s.skipped_steps()),
             "steps": trainer.steps(),
             "final_loss": final_loss,

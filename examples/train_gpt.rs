@@ -20,7 +20,7 @@ use fitgrad::nn::{AttentionKind, Gpt, GptConfig, Module};
 use fitgrad::optim::{decay_groups, AdamW, LrSchedule};
 use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
 use fitgrad::train::text::{TextCorpus, TextDataset};
-use fitgrad::train::{BatchSource, Precision, Trainer, TrainerConfig};
+use fitgrad::train::{BatchSource, Phase, Precision, Trainer, TrainerConfig};
 use fitgrad::{Bytes, Device, DeviceOptions, Error, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
@@ -152,6 +152,11 @@ pub struct Report {
     pub steps: u64,
     /// The generated sample (empty with --sample-len 0).
     pub sample: String,
+    /// The device's peak bytes reserved over the whole run, evaluation and sampling
+    /// included (`peak_bytes` of the JSON; 0 for `--plan`).
+    pub peak_bytes: u64,
+    /// The whole run's planned peak reserved.
+    pub planned_run_peak: u64,
 }
 
 /// Everything the flags ask for, checked on the host.
@@ -442,10 +447,48 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         );
     }
     let planning = Instant::now();
-    let plan = trainer.plan(&setup.train)?;
+    // The whole run, planned in order: steps, the evaluations, the sample with its KV cache.
+    // Evaluation runs at the training micro-batch under a budget (it splits a batch that
+    // does not fit), else in few large forwards; rank 0 alone evaluates and samples.
+    let budgeted = setup.budget.is_some();
+    let eval_batch = move |t: &Trainer<Gpt>| {
+        if budgeted {
+            t.micro_batch()
+        } else {
+            EVAL_BATCH
+        }
+    };
+    let prompt = &corpus.valid[..1];
+    let mut phases: Vec<Phase<'_, Gpt>> = Vec::new();
+    if root && args.eval_every > 0 && args.eval_every < args.steps {
+        phases.push((
+            "evaluation during training",
+            Box::new(|t| t.evaluate(&setup.valid_head, t.micro_batch()).map(drop)),
+        ));
+    }
+    if root {
+        phases.push((
+            "evaluation",
+            Box::new(|t| t.evaluate(&setup.valid, eval_batch(t)).map(drop)),
+        ));
+    }
+    if root && args.sample_len > 0 {
+        phases.push((
+            "generation",
+            Box::new(|t| {
+                let g = t
+                    .model
+                    .generate(prompt, args.sample_len, args.temperature, args.seed);
+                g.map(drop)
+            }),
+        ));
+    }
+    let run_plan = trainer.plan_whole_run(&setup.train, &mut phases)?;
+    drop(phases);
+    let plan = run_plan.step.clone();
     if args.plan {
         if root {
-            print!("{plan}");
+            print!("{plan}{run_plan}");
         }
         say!(
             "  (planned by running the step on the device's planning mode in {:.0} ms)",
@@ -457,6 +500,8 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             bigram,
             steps: trainer.steps(),
             sample: String::new(),
+            peak_bytes: 0,
+            planned_run_peak: run_plan.peak_reserved,
         });
     }
     if args.prealloc {
@@ -544,13 +589,6 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         report.setting(key, value);
     }
 
-    // The final evaluation over the whole validation part: few large forwards without a
-    // budget; under one, the training micro-batch (no graph is kept, so it always fits).
-    let eval_batch = if setup.budget.is_some() {
-        trainer.micro_batch()
-    } else {
-        EVAL_BATCH
-    };
     let bar = if root {
         ProgressBar::new(args.steps)
     } else {
@@ -627,6 +665,8 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             bigram,
             steps: trainer.steps(),
             sample: String::new(),
+            peak_bytes: device.memory_stats().peak_bytes_reserved,
+            planned_run_peak: run_plan.peak_reserved,
         });
     }
     let secs = started.elapsed().as_secs_f64() - eval_secs;
@@ -637,7 +677,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
     }
     // Training's memory, before evaluation and sampling count.
     let summary = trainer.memory_summary();
-    let valid = trainer.evaluate(&setup.valid, eval_batch)?;
+    let valid = trainer.evaluate(&setup.valid, eval_batch(&trainer))?;
     report.log_eval(trainer.steps(), None, "validation", &valid);
     let valid_loss = valid.loss;
     let uniform = (corpus.vocab.len() as f64).ln();
@@ -670,6 +710,13 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         String::new()
     };
 
+    // The whole run's peak, evaluation and sampling included, beside its plan.
+    let run = device.memory_stats();
+    println!(
+        "whole run: peak reserved planned {} / measured {}",
+        Bytes(run_plan.peak_reserved),
+        Bytes(run.peak_bytes_reserved)
+    );
     report.set_step_memory(capture.finish());
     report.set_memory(summary.stats.clone());
     report
@@ -718,9 +765,11 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             "train_loss": train_loss,
             "val_loss": valid_loss,
             "bigram_val_loss": bigram,
-            "peak_bytes": s.peak_bytes_reserved,
-            "peak_bytes_in_use": s.peak_bytes_in_use,
-            "buffers_created": s.buffers_created,
+            "planned_run_peak_reserved": run_plan.peak_reserved,
+            "peak_bytes": run.peak_bytes_reserved,
+            "peak_bytes_in_use": run.peak_bytes_in_use,
+            "step_peak_bytes": s.peak_bytes_reserved,
+            "buffers_created": run.buffers_created,
             "train_seconds": secs,
             "tokens_per_s": tokens_per_s,
         });
@@ -733,6 +782,8 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         bigram,
         steps: trainer.steps(),
         sample,
+        peak_bytes: run.peak_bytes_reserved,
+        planned_run_peak: run_plan.peak_reserved,
     })
 }
 

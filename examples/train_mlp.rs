@@ -13,7 +13,7 @@ use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
 use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
 use fitgrad::train::data;
-use fitgrad::train::{Precision, Trainer, TrainerConfig};
+use fitgrad::train::{Phase, Precision, ShardedView, Trainer, TrainerConfig};
 use fitgrad::{Bytes, DType, Device, DeviceOptions};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::process::ExitCode;
@@ -21,7 +21,7 @@ use std::time::Instant;
 
 #[derive(Parser, Debug)]
 #[command(about = "Train an MLP classifier with fitgrad")]
-struct Args {
+pub struct Args {
     /// digits (embedded), fashion-mnist, mnist, or a path (a CSV file with a label column, or a
     /// folder of IDX files).
     #[arg(long, default_value = "digits")]
@@ -118,7 +118,7 @@ struct Args {
     quantize: bool,
 }
 
-fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
+pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     // Rank 0 reports; the other ranks train quietly.
     let root = dist.rank() == 0;
     macro_rules! say {
@@ -264,17 +264,20 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         };
         Trainer::new(model, optimizer, config.clone())
     };
+    // The planner sees the training set as the run trains it: with --shard-size, with the
+    // shards the epoch keeps on the device.
+    let view = ShardedView::new(&train, args.shard_size, eff)?;
     let (mut trainer, choice) = if fit_auto {
-        let (trainer, choice) = Trainer::build_fit_auto(&device, &train, build)?;
+        let (trainer, choice) = Trainer::build_fit_auto(&device, &view, build)?;
         if root {
             print!("{choice}");
         }
         (trainer, Some(choice))
     } else {
-        (Trainer::build_within_budget(&device, &train, build)?, None)
+        (Trainer::build_within_budget(&device, &view, build)?, None)
     };
     // Fitted to the whole batch as on one process; a rank refits to its share.
-    let all_reduce = dist.join(&mut trainer, &train)?;
+    let all_reduce = dist.join(&mut trainer, &view)?;
     // The pruner's masks (as many bytes as the weights) are made now, so the plan counts them;
     // under a budget the micro-batch is chosen again with them in use.
     let mut pruner = prune
@@ -284,7 +287,7 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         })
         .transpose()?;
     if let (Some(b), Some(_)) = (budget, &pruner) {
-        trainer.fit_to_budget(&train, b)?;
+        trainer.fit_to_budget(&view, b)?;
     }
     let mut report =
         TrainingReport::new(format!("train_mlp on {}", train.name), &device, "samples/s");
@@ -299,10 +302,29 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         );
     }
     let planning = Instant::now();
-    let plan = trainer.plan(&train)?;
+    // The whole run: steps, then the test set at the training micro-batch under a budget
+    // (a batch that does not fit is split) or in large batches; rank 0 alone evaluates.
+    let budgeted = budget.is_some();
+    let eval_batch = move |t: &Trainer<Mlp>| if budgeted { t.micro_batch() } else { 1024 };
+    let mut phases: Vec<Phase<'_, Mlp>> = Vec::new();
+    if root && reporting {
+        phases.push((
+            "evaluation after each epoch",
+            Box::new(|t| t.evaluate(&test, t.micro_batch()).map(drop)),
+        ));
+    }
+    if root {
+        phases.push((
+            "evaluation",
+            Box::new(|t| t.evaluate(&test, eval_batch(t)).map(drop)),
+        ));
+    }
+    let run_plan = trainer.plan_whole_run(&view, &mut phases)?;
+    drop(phases);
+    let plan = run_plan.step.clone();
     if args.plan {
         if root {
-            print!("{plan}");
+            print!("{plan}{run_plan}");
         }
         say!(
             "  (planned by running the step on the device's planning mode in {:.0} ms)",
@@ -311,7 +333,7 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         return Ok(());
     }
     if args.prealloc {
-        let reserved = trainer.prealloc(&train)?;
+        let reserved = trainer.prealloc(&view)?;
         say!("reserved {} up front", Bytes(reserved));
     }
     report.set_plan(plan.clone());
@@ -513,12 +535,7 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     let samples_per_s = (train.len() as u64 * epochs_run) as f64 / train_secs.max(1e-9);
     // Training's memory, before evaluation's larger batches count.
     let summary = trainer.memory_summary();
-    // Evaluation keeps no graph, so the training micro-batch always fits the budget.
-    let eval_batch = if budget.is_some() {
-        trainer.micro_batch()
-    } else {
-        1024
-    };
+    let eval_batch = eval_batch(&trainer);
     let eval = trainer.evaluate(&test, eval_batch)?;
     let (test_loss, test_accuracy) = (eval.loss, eval.accuracy.unwrap_or(f32::NAN));
     println!(
@@ -566,6 +583,13 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         Bytes(plan.peak),
         Bytes(summary.stats.peak_bytes_in_use)
     );
+    // The whole run's peak, evaluation included, beside its plan.
+    let run = device.memory_stats();
+    println!(
+        "whole run: peak reserved planned {} / measured {}",
+        Bytes(run_plan.peak_reserved),
+        Bytes(run.peak_bytes_reserved)
+    );
     println!("{}", device.memory_report());
     report.set_step_memory(capture.finish());
     report.set_memory(summary.stats.clone());
@@ -611,9 +635,11 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
             "weight_bytes": int8.map(|q| q.0),
             "int8_weight_bytes": int8.map(|q| q.1),
             "int8_test_accuracy": int8.and_then(|q| q.2),
-            "peak_bytes": s.peak_bytes_reserved,
-            "peak_bytes_in_use": s.peak_bytes_in_use,
-            "buffers_created": s.buffers_created,
+            "planned_run_peak_reserved": run_plan.peak_reserved,
+            "peak_bytes": run.peak_bytes_reserved,
+            "peak_bytes_in_use": run.peak_bytes_in_use,
+            "step_peak_bytes": s.peak_bytes_reserved,
+            "buffers_created": run.buffers_created,
             "parameter_bytes": summary.parameter_bytes,
             "optimizer_state_bytes": summary.optimizer_state_bytes,
             "steps": trainer.steps(),

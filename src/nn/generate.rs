@@ -146,6 +146,13 @@ impl Gpt {
         let mut cache = self.kv_cache();
         // The cache covers out[start..start + cache.len()].
         let mut start = 0;
+        // While planning (the whole run's plan), readbacks are zeros: any token will do, and
+        // once the window has slid twice every later step repeats the same allocations.
+        let planning = self
+            .parameters()
+            .first()
+            .is_some_and(|p| p.device().is_planning());
+        let mut slides = 0;
         for _ in 0..max_new {
             let n = out.len();
             let w = n.saturating_sub(context);
@@ -155,6 +162,7 @@ impl Gpt {
                 // First step, or the window slid: every position moved.
                 cache.clear();
                 start = w;
+                slides += usize::from(w > 0);
                 self.forward_cached(&out[w..], 1, n - w, &mut cache)?
             };
             // The last position's distribution, (V).
@@ -163,6 +171,13 @@ impl Gpt {
                 .narrow(1, t - 1, 1)?
                 .softmax_masked(SoftmaxOptions::new().scale(scale))?
                 .to_vec_f32()?;
+            if planning {
+                if slides >= 2 {
+                    break;
+                }
+                out.push(0);
+                continue;
+            }
             out.push(sample(&probs, &mut rng).ok_or_else(|| {
                 bad("the next-token probabilities are not finite (do the weights hold NaN?)".into())
             })?);

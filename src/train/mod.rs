@@ -11,6 +11,7 @@ mod fit;
 mod model;
 mod plan;
 mod rows;
+mod run_plan;
 pub mod shard;
 mod summary;
 mod sync;
@@ -24,7 +25,8 @@ pub use model::{
     TensorBatch, TensorDataset, TrainModel,
 };
 pub use plan::Plan;
-pub use rows::HostRows;
+pub use run_plan::{Phase, PhasePlan, RunPlan};
+pub use rows::{HostRows, ShardedView};
 pub use summary::{Evaluation, MemorySummary};
 pub use sync::GradientSync;
 pub use trainer::{Trainer, TrainerConfig};

@@ -434,7 +434,7 @@ impl<M: Module> Trainer<M> {
                     let old = self.micro;
                     let budget = self.device.memory_stats().budget;
                     let planned = budget.and_then(|b| {
-                        self.largest_fitting(data, indices, b, old - 1)
+                        self.largest_fitting(data, indices, Some(b), old - 1)
                             .ok()
                             .flatten()
                     });
@@ -629,7 +629,11 @@ impl<M: Module> Trainer<M> {
     }
 
     /// Mean loss (and accuracy, where the model reports it) over `data`, in batches of
-    /// `batch` without recording, with the model in eval mode.
+    /// `batch` without recording, with the model in eval mode. A batch that runs out of memory
+    /// (a budget's typed error, raised before the driver is asked) is split in halves and the
+    /// evaluation goes on from it, so a budget bounds evaluation too; only one sample that
+    /// does not fit is an error. While planning, only the batches that can set the peak run
+    /// (the first two and a shorter last one).
     pub fn evaluate<D>(&self, data: &D, batch: usize) -> Result<Evaluation>
     where
         D: BatchSource,
@@ -638,19 +642,41 @@ impl<M: Module> Trainer<M> {
         let _g = crate::no_grad();
         self.model.set_training(false);
         let ctx = self.context(false);
-        let idx: Vec<usize> = (0..data.len()).collect();
+        let planning = self.device.is_planning();
+        let n = data.len();
         let result = (|| {
             let (mut loss, mut correct, mut counted) = (0.0f64, 0usize, true);
-            for chunk in idx.chunks(batch.max(1)) {
-                let b = data.batch(chunk)?;
-                let e = self.model.evaluate_batch(&b, &ctx)?;
-                loss += e.loss as f64 * chunk.len() as f64;
+            let (mut at, mut size, mut done) = (0, batch.max(1), 0);
+            while at < n {
+                if planning && done >= 2 {
+                    // The middle batches repeat the second's allocations: on to the last.
+                    let rest = n - at;
+                    let last = match rest % size {
+                        0 => size,
+                        r => r,
+                    };
+                    at = n - last.min(rest);
+                }
+                let len = size.min(n - at);
+                let chunk: Vec<usize> = (at..at + len).collect();
+                let e = match data
+                    .batch(&chunk)
+                    .and_then(|b| self.model.evaluate_batch(&b, &ctx))
+                {
+                    Err(Error::OutOfMemory { .. }) if size > 1 => {
+                        size = len.div_ceil(2);
+                        continue;
+                    }
+                    other => other?,
+                };
+                loss += e.loss as f64 * len as f64;
                 match e.correct {
                     Some(c) => correct += c,
                     None => counted = false,
                 }
+                (at, done) = (at + len, done + 1);
             }
-            let n = data.len().max(1) as f64;
+            let n = n.max(1) as f64;
             Ok(Evaluation {
                 loss: (loss / n) as f32,
                 accuracy: counted.then_some((correct as f64 / n) as f32),
