@@ -293,7 +293,7 @@ impl<M: Module> Trainer<M> {
                     budget,
                     minimum,
                     what: format!(
-                        "a training step of {} parameters with micro-batches of one sample",
+                        "a training step of {} parameters at any micro-batch",
                         self.model.num_parameters()
                     ),
                 })
@@ -356,7 +356,9 @@ impl<M: Module> Trainer<M> {
                 device.empty_cache();
                 Ok(fits)
             };
-            Ok((smallest_fitting(one.peak, one.peak_reserved, fits)?, params))
+            // From 0: under a budget the arena lays the model out in other segments, and a
+            // run can need less than the unbudgeted plan's peak in use.
+            Ok((smallest_fitting(0, one.peak_reserved, fits)?, params))
         });
         device.empty_cache();
         device.set_memory_budget(Some(budget))?;
@@ -366,8 +368,7 @@ impl<M: Module> Trainer<M> {
             minimum,
             what: if what.is_empty() {
                 format!(
-                    "the model ({params} parameters) with its optimizer and a training step \
-                     of one-sample micro-batches"
+                    "the model ({params} parameters) with its optimizer and a training step"
                 )
             } else {
                 what
@@ -375,18 +376,23 @@ impl<M: Module> Trainer<M> {
         })
     }
 
-    /// The smallest budget under which a step of one-sample micro-batches fits the arena as
-    /// it is now: between the plan's peak in use (nothing fits below it) and its peak reserved
-    /// without a budget (which fits), found by bisection on whole 256-byte blocks. A run with
-    /// exactly this budget succeeds.
+    /// The smallest budget under which a step at some micro-batch fits the arena as it is
+    /// now (what [`Trainer::fit_to_budget`] then finds), found by bisection on whole 256-byte
+    /// blocks up to the one-sample step's peak reserved without a budget (which fits). A run
+    /// with exactly this budget succeeds; one byte less does not.
     pub(super) fn smallest_budget<D>(&mut self, data: &D, indices: &[usize]) -> Result<u64>
     where
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
         let free = self.plan_at(data, indices, 1, None, 0)?;
-        smallest_fitting(free.peak, free.peak_reserved, |budget| {
-            Ok(self.plan_within(data, indices, 1, Some(budget))?.is_some())
+        // From 0, and any micro-batch: one sample is not always the cheapest step (with
+        // accumulation the first micro-batch's gradients wait for the next one's).
+        let max = self.config.batch_size;
+        smallest_fitting(0, free.peak_reserved, |budget| {
+            Ok(self
+                .largest_fitting(data, indices, Some(budget), max)?
+                .is_some())
         })
     }
 

@@ -113,7 +113,7 @@ impl<M: Module> Trainer<M> {
             return self.run_plan_at(data, &idx, lo, Some(budget), phases);
         }
         let free = self.run_plan_at(data, &idx, 1, None, phases)?;
-        let minimum = smallest_fitting(free.peak, free.peak_reserved, |b| {
+        let minimum = smallest_fitting(0, free.peak_reserved, |b| {
             Ok(self.run_within(data, &idx, 1, b, phases)?.is_some())
         })?;
         let names: Vec<&str> = phases.iter().map(|p| p.0).collect();
