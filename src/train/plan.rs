@@ -344,12 +344,13 @@ impl<M: Module> Trainer<M> {
         let minimum = free.and_then(|(one, params)| {
             let fits = |b: u64| {
                 device.set_memory_budget(Some(b))?;
+                // What fit_to_budget decides, without its own search for a minimum.
                 let fits = match build() {
-                    Ok(mut t) => match t.fit_to_budget(data, b) {
-                        Ok(_) => true,
-                        Err(Error::BudgetTooSmall { .. }) => false,
-                        Err(e) => return Err(e),
-                    },
+                    Ok(mut t) => {
+                        let idx = t.plan_indices(data)?;
+                        let max = t.config.batch_size;
+                        t.largest_fitting(data, &idx, Some(b), max)?.is_some()
+                    }
                     Err(Error::OutOfMemory { .. }) => false,
                     Err(e) => return Err(e),
                 };
