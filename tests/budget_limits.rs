@@ -115,7 +115,10 @@ fn micro_batches_stay_within_the_per_buffer_limit() {
         let dev = fresh_with_budget(budget).unwrap();
         let mut t = Trainer::build_within_budget(&dev, &rows, || build(&dev)).unwrap();
         let micro = t.micro_batch();
-        assert!(micro < n && micro as u64 * 4096 * 4 <= limit, "{micro} of {n}");
+        assert!(
+            micro < n && micro as u64 * 4096 * 4 <= limit,
+            "{micro} of {n}"
+        );
         let plan = t.plan(&rows).unwrap();
         assert_eq!(plan.micro_batch, micro);
         if budget.is_none() {

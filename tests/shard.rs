@@ -205,7 +205,11 @@ fn plans_count_the_shards_so_prealloc_and_budgets_hold() {
     let trainer = |dev: &Device| {
         let model = Mlp::new(dev, &[64, 32, 10], Activation::Relu, 0)?;
         let opt = AdamW::new(model.parameters(), 1e-3)?;
-        Trainer::new(model, Box::new(opt), TrainerConfig::default().batch_size(32))
+        Trainer::new(
+            model,
+            Box::new(opt),
+            TrainerConfig::default().batch_size(32),
+        )
     };
     let view = ShardedView::new(&data, Some(70), 32).unwrap();
     let mut t = trainer(&dev).unwrap();
@@ -222,7 +226,10 @@ fn plans_count_the_shards_so_prealloc_and_budgets_hold() {
         after.buffers_created, before.buffers_created,
         "a buffer was created during training after prealloc"
     );
-    assert!(after.peak_bytes_in_use <= sharded.peak, "{after:?} vs {sharded:?}");
+    assert!(
+        after.peak_bytes_in_use <= sharded.peak,
+        "{after:?} vs {sharded:?}"
+    );
 
     // The smallest budgets, in memory and through the view (from a budget of 1 KiB).
     let smallest = |through_view: bool| {

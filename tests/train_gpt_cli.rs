@@ -252,7 +252,11 @@ fn tiny_budgeted_run(
 fn tiny_run_minimum_budget_works_as_printed(dev: &Device) {
     let f = text_file(TEXT.repeat(20).as_bytes());
     let flags = ["--eval-every", "0", "--sample-len", "4"];
-    let run = |b: &str| tiny_budgeted_run(dev, f.path(), &flags, Some(b)).0.map(drop);
+    let run = |b: &str| {
+        tiny_budgeted_run(dev, f.path(), &flags, Some(b))
+            .0
+            .map(drop)
+    };
     budget_figure::figure_passed_back_works(run, "1KiB");
 }
 

@@ -274,9 +274,10 @@ impl<M: Module> Trainer<M> {
             None => match self.plan_at(data, idx, micro, None, 0) {
                 Ok(p) => (p, ""),
                 // Figures of 0: the step cannot be made on this adapter at all.
-                Err(Error::Limit { .. }) => {
-                    (super::Plan::default(), " (past the adapter's per-buffer limit)")
-                }
+                Err(Error::Limit { .. }) => (
+                    super::Plan::default(),
+                    " (past the adapter's per-buffer limit)",
+                ),
                 Err(e) => return Err(e),
             },
         };

@@ -25,8 +25,8 @@ pub use model::{
     TensorBatch, TensorDataset, TrainModel,
 };
 pub use plan::Plan;
-pub use run_plan::{Phase, PhasePlan, RunPlan};
 pub use rows::{HostRows, ShardedView};
+pub use run_plan::{Phase, PhasePlan, RunPlan};
 pub use summary::{Evaluation, MemorySummary};
 pub use sync::GradientSync;
 pub use trainer::{Trainer, TrainerConfig};

@@ -15,10 +15,10 @@
 
 use super::model::{BatchSource, TrainModel};
 use super::Trainer;
+use crate::device::PlanScope;
 use crate::error::Bytes;
 use crate::memory::{Category, Timeline};
 use crate::nn::Module;
-use crate::device::PlanScope;
 use crate::{Device, Error, Result, Tensor};
 use std::fmt;
 
@@ -368,9 +368,7 @@ impl<M: Module> Trainer<M> {
             budget,
             minimum,
             what: if what.is_empty() {
-                format!(
-                    "the model ({params} parameters) with its optimizer and a training step"
-                )
+                format!("the model ({params} parameters) with its optimizer and a training step")
             } else {
                 what
             },

@@ -18,7 +18,10 @@ use std::fmt;
 
 /// One phase of a run besides its training steps, for [`Trainer::plan_whole_run`]: a name
 /// ("evaluation", "generation") and the code it runs, called on the planning device.
-pub type Phase<'a, M> = (&'static str, Box<dyn FnMut(&mut Trainer<M>) -> Result<()> + 'a>);
+pub type Phase<'a, M> = (
+    &'static str,
+    Box<dyn FnMut(&mut Trainer<M>) -> Result<()> + 'a>,
+);
 
 /// The planned peaks of one phase.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -62,12 +65,7 @@ impl fmt::Display for RunPlan {
                 Bytes(reserved).to_string()
             )
         };
-        row(
-            f,
-            "training step",
-            self.step.peak,
-            self.step.peak_reserved,
-        )?;
+        row(f, "training step", self.step.peak, self.step.peak_reserved)?;
         for p in &self.phases {
             row(f, &p.name, p.peak, p.peak_reserved)?;
         }

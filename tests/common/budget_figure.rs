@@ -34,4 +34,3 @@ pub fn figure_passed_back_works(run: impl Fn(&str) -> fitgrad::Result<()>, too_s
         "--memory-budget {less}: {again}"
     );
 }
-
