@@ -127,3 +127,28 @@ fn micro_batches_stay_within_the_per_buffer_limit() {
         }
     }
 }
+
+/// Evaluation under a budget splits a batch that does not fit instead of failing: 4,096
+/// samples at once would need 4 MiB per hidden layer under a 1.5 MiB budget; the loss and
+/// accuracy are those of small batches without a budget, and the budget holds.
+#[test]
+fn evaluation_splits_batches_to_fit_the_budget() {
+    let budget = 3 << 19;
+    let Some(dev) = fresh_with_budget(Some(budget)) else {
+        return;
+    };
+    let n = 4096;
+    let x = host_data(5, n * 16, -1.0, 1.0);
+    let y: Vec<u32> = (0..n as u32).map(|i| i % 4).collect();
+    let rows = HostRows::new(&x, &y).unwrap();
+    let t = build(&dev).unwrap();
+    let split = t.evaluate(&rows, n).unwrap();
+    assert!(dev.memory_stats().peak_bytes_reserved <= budget);
+    dev.set_memory_budget(None).unwrap();
+    let small = t.evaluate(&rows, 64).unwrap();
+    assert!(
+        (split.loss - small.loss).abs() <= 1e-5 * small.loss.abs(),
+        "{split:?} {small:?}"
+    );
+    assert_eq!(split.accuracy, small.accuracy);
+}
