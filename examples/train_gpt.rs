@@ -445,6 +445,13 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             args.batch_size,
             args.batch_size.div_ceil(micro) * args.accum_steps
         );
+    } else if trainer.micro_batch() < args.batch_size {
+        say!(
+            "micro-batch {} of {}: a larger one would pass the adapter's per-buffer limit \
+             (gradients accumulate, the result is unchanged)",
+            trainer.micro_batch(),
+            args.batch_size
+        );
     }
     let planning = Instant::now();
     // The whole run, planned in order: steps, the evaluations, the sample with its KV cache.
