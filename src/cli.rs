@@ -193,3 +193,71 @@ pub fn print_plan(plan: &crate::train::Plan, json: bool, planned_in: std::time::
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_name_the_flag_and_the_bound() {
+        assert!(check_counts("t", &[("--a", 1, 1, 3), ("--b", 3, 1, 3)]).is_ok());
+        let low = check_counts("t", &[("--a", 0, 1, 3)])
+            .unwrap_err()
+            .to_string();
+        assert!(low.contains("--a must be at least 1"), "{low}");
+        let high = check_counts("t", &[("--a", 2, 1, 3), ("--b", 9, 1, 3)])
+            .unwrap_err()
+            .to_string();
+        assert!(high.contains("--b 9 is more than 3"), "{high}");
+    }
+
+    #[test]
+    fn resume_progress() {
+        let p = Path::new("c.st");
+        assert!(!check_resume_progress(p, 3, 6, "--steps").unwrap());
+        assert!(check_resume_progress(p, 6, 6, "--steps").unwrap());
+        let err = check_resume_progress(p, 7, 6, "--steps")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--steps 6") && err.contains("nothing"),
+            "{err}"
+        );
+    }
+
+    /// The only test that sets these variables; the tuner, reading them meanwhile in other
+    /// tests, only warns and keeps its defaults.
+    #[test]
+    fn environment_values_are_checked() {
+        assert!(check_environment().is_ok());
+        for (var, bad, good) in [
+            ("FITGRAD_AUTOTUNE", "maybe", "OFF"),
+            ("FITGRAD_AUTOTUNE_BUDGET", "abc", "2.5"),
+        ] {
+            std::env::set_var(var, bad);
+            let err = check_environment().unwrap_err().to_string();
+            std::env::set_var(var, good);
+            let ok = check_environment();
+            std::env::remove_var(var);
+            assert!(err.contains(var) && err.contains(bad), "{err}");
+            assert!(ok.is_ok(), "{var}={good}: {ok:?}");
+        }
+    }
+
+    #[test]
+    fn limit_errors_get_the_flags() {
+        let e = Error::Limit {
+            op: "alloc",
+            what: "binding size",
+            value: 10,
+            limit: 5,
+        };
+        let named = name_flags("x", e, "lower --batch-size").to_string();
+        assert!(
+            named.contains("limit of 5") && named.contains("--batch-size"),
+            "{named}"
+        );
+        let other = name_flags("x", Error::Gpu("g".into()), "lower --batch-size").to_string();
+        assert!(!other.contains("--batch-size"));
+    }
+}

@@ -381,7 +381,23 @@ impl<M: Module> Trainer<M> {
     /// loss scaler and the position in training (`epochs_done` full epochs) to a safetensors
     /// file, atomically: a crash mid-save leaves the previous file intact.
     pub fn save_checkpoint(&self, path: &std::path::Path, epochs_done: u64) -> Result<()> {
-        // A diverged model must not replace a good file.
+        // A diverged model must not replace a good file: one whose weights are not finite,
+        // or whose loss scaling stopped training (finite weights that overflow every step).
+        if let Some(sc) = &self.scaler {
+            let most = self.config.max_skipped_in_a_row;
+            if most > 0 && sc.skipped_in_a_row() > most {
+                return Err(Error::NonFinite {
+                    step: self.step,
+                    what: format!(
+                        "the last {} tries overflowed, so the checkpoint was not written ({} \
+                         keeps what it held)",
+                        sc.skipped_in_a_row(),
+                        path.display()
+                    ),
+                    remedy: REMEDY.into(),
+                });
+            }
+        }
         let params = self.model.parameters();
         if self.device.nonfinite(&params.iter().collect::<Vec<_>>())? {
             return Err(Error::NonFinite {
