@@ -465,7 +465,9 @@ fn shard_file_removed_on_sigint_and_sigterm() {
             .unwrap();
         let mut path = None;
         for line in BufReader::new(child.stdout.take().unwrap()).lines() {
-            if let Some(p) = line.unwrap().strip_prefix("shard file: ") {
+            // The harness may print "test NAME ... " before it on the same line.
+            let line = line.unwrap();
+            if let Some((_, p)) = line.split_once("shard file: ") {
                 path = Some(PathBuf::from(p));
                 break;
             }
