@@ -50,7 +50,7 @@ struct Args {
     #[arg(long, default_value_t = 4)]
     accumulation_steps: u64,
     /// SGD learning rate.
-    #[arg(long, default_value_t = 0.01)]
+    #[arg(long, default_value_t = 0.01, allow_negative_numbers = true)]
     lr: f32,
     /// Seed of the weights and the random data.
     #[arg(long, default_value_t = 0)]

@@ -18,8 +18,9 @@
 //! Saving goes through [`write_atomic`](crate::fsutil::write_atomic): the bytes land in a
 //! temporary file that is flushed to disk and renamed over the old checkpoint, so a crash or a
 //! kill mid-save leaves the previous checkpoint whole (and possibly a `.NAME.tmp-PID-RANDOM`
-//! file beside it). Loading checks everything a damaged or foreign file can get wrong and returns
-//! [`Error::Data`] naming the file; it never panics on bad input.
+//! file beside it, which the next save to that path removes once PID no longer runs). Loading
+//! checks everything a damaged or foreign file can get wrong and returns [`Error::Data`] naming
+//! the file; it never panics on bad input.
 //!
 //! ```no_run
 //! use fitgrad::checkpoint::{self, TrainingState};

@@ -10,7 +10,8 @@ use std::path::Path;
 ///
 /// The temporary file is `.NAME.tmp-PID-RANDOM` (a unique name per call, so threads and
 /// processes saving to the same path never share one); it is removed on any error, and only a
-/// kill between its creation and the rename leaves it behind. After the rename the folder is
+/// kill between its creation and the rename leaves it behind, until the next save to `path`
+/// removes those whose process no longer runs. After the rename the folder is
 /// synced too (on unix), so the new name itself survives a power cut.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let io = |source| Error::Io {

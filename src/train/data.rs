@@ -316,7 +316,7 @@ fn load_unchecked(spec: &str, seed: u64, label_column: Option<&str>) -> Result<(
                 Ok(Dataset::from_csv(path, label_column)?.split(TEST_FRACTION, seed))
             } else {
                 Err(Error::InvalidArgument {
-                    op: "data::load",
+                    op: "--dataset",
                     reason: format!(
                         "'{spec}' is neither a known dataset (digits, mnist, fashion-mnist) \
                          nor an existing file or directory"
