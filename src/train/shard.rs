@@ -18,7 +18,7 @@
 pub use super::temp_shard::TempShardFile;
 
 use super::data::Dataset;
-use super::model::epoch_permutation;
+use super::order::epoch_permutation;
 use crate::{Device, Error, Result, Tensor};
 use std::fs::File;
 use std::io::Read;
