@@ -645,7 +645,9 @@ fn run(args: Args, dist: &Job) -> Result<()> {
         );
         if reporting {
             let eval_start = Instant::now();
-            let e = trainer.evaluate(&test, trainer.micro_batch())?;
+            let e = trainer
+                .evaluate(&test, trainer.micro_batch())?
+                .finite(trainer.steps(), "test")?;
             report.log_eval(trainer.steps(), Some(epoch), "test", &e);
             eval_secs += eval_start.elapsed().as_secs_f64();
         }
