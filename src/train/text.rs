@@ -28,6 +28,10 @@ pub const VALID_FRACTION: f64 = 0.1;
 /// windows are 128 MiB, one binding's limit).
 pub const MAX_VOCAB: usize = 1 << 16;
 
+/// The largest vocabulary whose bigram counts are a dense table (2,048² u64 are 32 MiB); a
+/// larger one counts only the pairs that occur, in a hash map (10-15x slower per pair).
+const DENSE_BIGRAM_VOCAB: usize = 2048;
+
 /// The distinct characters of a text, sorted; a character's id is its position.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CharVocab {
@@ -382,20 +386,32 @@ pub fn bigram_baseline(train: &[u32], valid: &[u32], vocab: usize) -> Result<f64
             "token id {id} is outside the vocabulary of {vocab}"
         ));
     }
-    // Only the pairs that occur are counted (a vocabulary of 65,536 would make a dense
-    // (vocab, vocab) table of 32 GiB); a pair never seen has count 0.
-    let mut counts: HashMap<(u32, u32), u64> = HashMap::new();
+    // A dense (vocab, vocab) table while it is small (up to 2,048 characters: 32 MiB), else
+    // only the pairs that occur (65,536 characters would make a dense table of 32 GiB).
+    let dense = vocab <= DENSE_BIGRAM_VOCAB;
+    let mut table = vec![0u64; if dense { vocab * vocab } else { 0 }];
+    let mut pairs: HashMap<(u32, u32), u64> = HashMap::new();
     let mut row_totals = vec![0u64; vocab];
     for w in train.windows(2) {
-        *counts.entry((w[0], w[1])).or_insert(0) += 1;
+        if dense {
+            table[w[0] as usize * vocab + w[1] as usize] += 1;
+        } else {
+            *pairs.entry((w[0], w[1])).or_insert(0) += 1;
+        }
         row_totals[w[0] as usize] += 1;
     }
+    let count = |a: u32, b: u32| {
+        if dense {
+            table[a as usize * vocab + b as usize]
+        } else {
+            pairs.get(&(a, b)).copied().unwrap_or(0)
+        }
+    };
     let v = vocab as f64;
     let nats: f64 = valid
         .windows(2)
         .map(|w| {
-            let pair = counts.get(&(w[0], w[1])).copied().unwrap_or(0);
-            let p = (pair as f64 + 1.0) / (row_totals[w[0] as usize] as f64 + v);
+            let p = (count(w[0], w[1]) as f64 + 1.0) / (row_totals[w[0] as usize] as f64 + v);
             -p.ln()
         })
         .sum();
