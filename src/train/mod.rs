@@ -16,6 +16,7 @@ mod run_plan;
 pub mod shard;
 mod summary;
 mod sync;
+mod temp_shard;
 pub mod text;
 mod trainer;
 
