@@ -21,6 +21,7 @@ pub mod distributed;
 mod dtype;
 pub mod error;
 mod fsutil;
+pub mod hf;
 mod kernels;
 pub mod memory;
 pub mod nn;

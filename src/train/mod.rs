@@ -16,6 +16,7 @@ mod summary;
 mod sync;
 pub mod text;
 mod trainer;
+mod window_loss;
 
 pub use events::TrainEvent;
 pub use fit::{Candidate, FitChoice};
@@ -28,6 +29,7 @@ pub use rows::HostRows;
 pub use summary::{Evaluation, MemorySummary};
 pub use sync::GradientSync;
 pub use trainer::{Trainer, TrainerConfig};
+pub use window_loss::{window_loss, WindowLoss};
 
 use crate::DType;
 
