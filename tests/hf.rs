@@ -7,6 +7,10 @@
 
 mod common;
 
+#[allow(dead_code)] // the example's `main`
+#[path = "../examples/finetune.rs"]
+mod finetune;
+
 use common::*;
 use fitgrad::checkpoint::HostTensor;
 use fitgrad::hf::{save_gpt2, PretrainedGpt, Tokenizer};
@@ -39,11 +43,17 @@ fn eval_text() -> String {
     std::fs::read_to_string(fixtures().join("eval.txt")).unwrap()
 }
 
-device_tests!(
-    logits_match_transformers,
-    eval_loss_matches_transformers,
-    export_reads_back,
-);
+device_tests!(logits_match_transformers, eval_loss_matches_transformers);
+
+#[test]
+fn export_reads_back() {
+    run_on("vulkan", export_reads_back_on)
+}
+
+#[test]
+fn finetune_example() {
+    run_on("vulkan", finetune_on)
+}
 
 fn logits_match_transformers(dev: &Device) {
     let exp = expected();
@@ -95,16 +105,6 @@ fn eval_loss_matches_transformers(dev: &Device) {
             );
         }
     }
-    // Read as f16, the f16 file's model computes in f16: close, not exact.
-    let gpt = PretrainedGpt::open(&fixtures().join("gpt2-tiny-f16-sharded"), DType::F16)
-        .unwrap()
-        .build(dev)
-        .unwrap();
-    let want = exp["models"]["gpt2-tiny-f16-sharded"]["eval"]["32"]["eval_loss"]
-        .as_f64()
-        .unwrap();
-    let got = window_loss(&gpt, &ids, 32, 4, DType::F16).unwrap().loss;
-    assert!((got - want).abs() < 0.05, "f16: {got} against {want}");
 }
 
 /// Every parameter of `a` equals `b`'s, bit for bit.
@@ -117,7 +117,7 @@ fn same_weights(a: &Gpt, b: &Gpt) {
     }
 }
 
-fn export_reads_back(dev: &Device) {
+fn export_reads_back_on(dev: &Device) {
     let dir = tempfile::tempdir().unwrap();
     // A loaded model, with its tokenizer.
     let src = fixtures().join("gpt2-tiny-bf16");
@@ -363,4 +363,72 @@ fn bad_folders_are_refused_before_device_work() {
     std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
     let folder = PretrainedGpt::open(&dir, DType::F32).unwrap();
     assert!(matches!(folder.tokenizer(), Err(Error::Data { reason, .. }) if reason.contains("tokenizer.json")));
+}
+
+fn finetune_args(extra: &[&str]) -> finetune::Args {
+    use clap::Parser;
+    let mut all = vec!["finetune".to_string()];
+    all.extend(extra.iter().map(|s| s.to_string()));
+    finetune::Args::try_parse_from(&all).unwrap_or_else(|e| panic!("{all:?}: {e}"))
+}
+
+/// `finetune` on `dev` with these flags.
+fn finetune_run(dev: &Device, extra: &[&str]) -> finetune::Report {
+    let args = finetune_args(extra);
+    let setup = finetune::prepare(&args).unwrap();
+    finetune::run(&args, setup, dev).unwrap()
+}
+
+fn finetune_on(dev: &Device) {
+    let exp = expected();
+    let eval = fixtures().join("eval.txt");
+    let eval = eval.to_str().unwrap();
+    // --steps 0: the loaded model's loss, transformers' within 1e-4, for each fixture.
+    for name in MODELS {
+        let model = fixtures().join(name);
+        let r = finetune_run(
+            dev,
+            &["--model", model.to_str().unwrap(), "--eval-text", eval, "--context", "32", "--steps", "0", "--json"],
+        );
+        let want = exp["models"][name]["eval"]["32"]["eval_loss"].as_f64().unwrap();
+        let got = r.eval.unwrap().loss;
+        assert!((got - want).abs() <= 1e-4, "{name}: finetune's eval_loss {got}, transformers' {want}");
+    }
+    // Read as f16, the f16 file's model computes in f16: close, not exact.
+    let model = fixtures().join("gpt2-tiny-f16-sharded");
+    let model = model.to_str().unwrap();
+    let r = finetune_run(dev, &["--model", model, "--eval-text", eval, "--precision", "f16"]);
+    let want = exp["models"]["gpt2-tiny-f16-sharded"]["eval"]["32"]["eval_loss"].as_f64().unwrap();
+    let got = r.eval.unwrap().loss;
+    assert!((got - want).abs() < 0.05, "f16: {got} against {want}");
+
+    // A few steps on the eval text itself lower its loss; the saved folder loads and gives the
+    // fine-tuned loss; generation continues the prompt.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("tuned");
+    let r = finetune_run(
+        dev,
+        &["--model", model, "--eval-text", eval, "--text", eval, "--steps", "4", "--lr", "3e-3",
+          "--context", "16", "--save", out.to_str().unwrap(), "--generate", "ROMEO.",
+          "--max-new-tokens", "5"],
+    );
+    let (before, after) = (r.eval_before.unwrap().loss, r.eval.unwrap().loss);
+    assert!(after < before - 0.1, "fine-tuning: {before} -> {after}");
+    assert!(r.generated.unwrap().starts_with("ROMEO."));
+    let again = finetune_run(dev, &["--model", out.to_str().unwrap(), "--eval-text", eval, "--context", "16"]);
+    assert!((again.eval.unwrap().loss - after).abs() <= 1e-5, "the saved folder's loss");
+
+    // Flags refused before any device work.
+    let refused = |extra: &[&str], says: &str| {
+        let mut all = vec!["--model", model];
+        all.extend(extra);
+        match finetune::prepare(&finetune_args(&all)) {
+            Err(e) => assert!(e.to_string().contains(says), "{extra:?}: {e}"),
+            Ok(_) => panic!("{extra:?} accepted"),
+        }
+    };
+    refused(&["--steps", "2"], "--text");
+    refused(&["--context", "33"], "n_positions = 32");
+    refused(&["--fit", "auto"], "--memory-budget");
+    refused(&["--eval-text", "/no/such/file"], "/no/such/file");
 }
