@@ -9,7 +9,7 @@
 //! `--text FILE --steps N` the whole model is fine-tuned first (AdamW, the trainer of
 //! train_gpt: `--batch-size`, `--accum-steps`, `--precision`, `--memory-budget`, `--fit auto`,
 //! `--checkpoint-activations`, `--plan`) and evaluated before and after. `--generate "prompt"`
-//! samples `--max-new-tokens` tokens at `--temperature` with `--seed`; `--save DIR` writes the
+//! samples `--max-new-tokens` tokens at `--temperature`, `--top-k`, `--top-p` with `--seed`; `--save DIR` writes the
 //! model back as a folder transformers loads; `--json` ends stdout with one JSON object. Every
 //! flag and file is checked before any device work.
 //!
@@ -17,7 +17,7 @@
 
 use clap::Parser;
 use fitgrad::hf::{save_gpt2, PretrainedGpt, Tokenizer, TOKENIZER_FILE};
-use fitgrad::nn::{Gpt, Module};
+use fitgrad::nn::{Gpt, Module, Sampling};
 use fitgrad::optim::{decay_groups, AdamW};
 use fitgrad::train::text::TextDataset;
 use fitgrad::train::{window_loss, BatchSource, Precision, Trainer, TrainerConfig, WindowLoss};
@@ -81,6 +81,12 @@ pub struct Args {
     /// Sampling temperature (> 0).
     #[arg(long, default_value_t = 0.8)]
     pub temperature: f32,
+    /// Sample only among the k most probable tokens (1: greedy).
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Sample only among the most probable tokens whose probabilities add up to p, in (0, 1].
+    #[arg(long)]
+    pub top_p: Option<f32>,
     /// Seed of the window order and of sampling.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
@@ -153,21 +159,34 @@ pub fn prepare(args: &Args) -> Result<Setup> {
     let fit_auto = match args.fit.as_deref() {
         None => false,
         Some("auto") if budget.is_none() => {
-            return Err(invalid("--fit auto fits a budget: add --memory-budget".into()))
+            return Err(invalid(
+                "--fit auto fits a budget: add --memory-budget".into(),
+            ))
         }
         Some("auto") => true,
         Some(other) => return Err(invalid(format!("--fit {other}: the one mode is 'auto'"))),
     };
     if args.batch_size == 0 || args.accum_steps == 0 {
-        return Err(invalid("--batch-size and --accum-steps must be at least 1".into()));
+        return Err(invalid(
+            "--batch-size and --accum-steps must be at least 1".into(),
+        ));
     }
     if !(args.lr.is_finite() && args.lr > 0.0) {
-        return Err(invalid(format!("--lr must be a number > 0, got {}", args.lr)));
+        return Err(invalid(format!(
+            "--lr must be a number > 0, got {}",
+            args.lr
+        )));
     }
     if !(args.temperature.is_finite() && args.temperature > 0.0) {
         return Err(invalid(format!(
             "--temperature must be a number > 0, got {}",
             args.temperature
+        )));
+    }
+    if args.top_k == Some(0) || args.top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
+        return Err(invalid(format!(
+            "--top-k must be at least 1 and --top-p in (0, 1], got {:?} and {:?}",
+            args.top_k, args.top_p
         )));
     }
     if (args.steps > 0 || args.plan) && args.text.is_none() {
@@ -221,7 +240,9 @@ pub fn prepare(args: &Args) -> Result<Setup> {
         Some(p) => {
             let ids = tokenizer.encode(p)?;
             if ids.is_empty() {
-                return Err(invalid("--generate needs a prompt of at least one token".into()));
+                return Err(invalid(
+                    "--generate needs a prompt of at least one token".into(),
+                ));
             }
             Some(ids)
         }
@@ -349,7 +370,10 @@ pub fn run(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
         );
     }
     if let Some(prompt) = &setup.prompt {
-        let ids = gpt.generate(prompt, args.max_new_tokens, args.temperature, args.seed)?;
+        let mut sampling = Sampling::new(args.temperature, args.seed);
+        sampling.top_k = args.top_k;
+        sampling.top_p = args.top_p;
+        let ids = gpt.generate_with(prompt, args.max_new_tokens, &sampling)?;
         let text = setup.tokenizer.decode(&ids)?;
         println!("generated:\n{text}");
         report.generated = Some(text);

@@ -14,7 +14,7 @@ mod finetune;
 use common::*;
 use fitgrad::checkpoint::HostTensor;
 use fitgrad::hf::{save_gpt2, PretrainedGpt, Tokenizer};
-use fitgrad::nn::{Gpt, GptConfig, Module};
+use fitgrad::nn::{Gpt, GptConfig, Module, Sampling};
 use fitgrad::train::window_loss;
 use fitgrad::{DType, Device, Error};
 use serde_json::Value;
@@ -51,6 +51,11 @@ fn export_reads_back() {
 }
 
 #[test]
+fn greedy_generation_with_the_cache_equals_without() {
+    run_on("vulkan", greedy_on)
+}
+
+#[test]
 fn finetune_example() {
     run_on("vulkan", finetune_on)
 }
@@ -64,7 +69,11 @@ fn logits_match_transformers(dev: &Device) {
         let folder = PretrainedGpt::open(&fixtures().join(name), DType::F32).unwrap();
         let gpt = folder.build(dev).unwrap();
         gpt.set_training(false);
-        let got = gpt.forward_ids(&ids, 1, ids.len()).unwrap().to_vec_f32().unwrap();
+        let got = gpt
+            .forward_ids(&ids, 1, ids.len())
+            .unwrap()
+            .to_vec_f32()
+            .unwrap();
         let want = st.tensor(name).unwrap();
         assert_eq!(want.shape(), [ids.len(), gpt.gpt_config().vocab_size]);
         let want: Vec<f32> = bytemuck::pod_collect_to_vec(want.data());
@@ -113,7 +122,11 @@ fn same_weights(a: &Gpt, b: &Gpt) {
     assert_eq!(pa.len(), pb.len());
     for ((na, ta), (nb, tb)) in pa.iter().zip(&pb) {
         assert_eq!(na, nb);
-        assert_eq!(HostTensor::read(ta).unwrap(), HostTensor::read(tb).unwrap(), "{na}");
+        assert_eq!(
+            HostTensor::read(ta).unwrap(),
+            HostTensor::read(tb).unwrap(),
+            "{na}"
+        );
     }
 }
 
@@ -136,6 +149,11 @@ fn export_reads_back_on(dev: &Device) {
         serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
     assert_eq!(json["layer_norm_epsilon"].as_f64().unwrap() as f32, 1e-3);
     assert_eq!(json["architectures"][0], "GPT2LMHeadModel");
+    // The tokenizer's <|endoftext|> (id 0 in the fixtures') starts and ends texts.
+    assert_eq!(
+        (json["bos_token_id"].as_u64(), json["eos_token_id"].as_u64()),
+        (Some(0), Some(0))
+    );
     // The crate's own model (odd sizes, another eps), without a tokenizer.
     let mut cfg = GptConfig::new(13, 6, 1, 3, 9);
     cfg.layer_norm_eps = 1e-6;
@@ -184,7 +202,9 @@ fn tokenizer_matches_the_python_library() {
     let dir = tempfile::tempdir().unwrap();
     let bad = dir.path().join("tokenizer.json");
     std::fs::write(&bad, "{\"model\": 3}").unwrap();
-    assert!(matches!(Tokenizer::from_file(&bad), Err(Error::Data { path, .. }) if path.ends_with("tokenizer.json")));
+    assert!(
+        matches!(Tokenizer::from_file(&bad), Err(Error::Data { path, .. }) if path.ends_with("tokenizer.json"))
+    );
 }
 
 /// A copy of fixture `name` in a temporary folder, for breaking.
@@ -204,7 +224,10 @@ fn copy_of(name: &str) -> (tempfile::TempDir, PathBuf) {
 fn refused(dir: &Path, file: &str, words: &[&str]) {
     match PretrainedGpt::open(dir, DType::F32) {
         Err(Error::Data { path, reason }) => {
-            assert!(path.ends_with(file), "{path}: {reason} (expected the file {file})");
+            assert!(
+                path.ends_with(file),
+                "{path}: {reason} (expected the file {file})"
+            );
             for w in words {
                 assert!(reason.contains(w), "{path}: {reason} (expected '{w}')");
             }
@@ -307,7 +330,10 @@ fn bad_folders_are_refused_before_device_work() {
 
     let (_d, dir) = copy_of("gpt2-tiny");
     edit_weights(&dir, st, |ts| {
-        let t = ts.iter_mut().find(|t| t.0 == "transformer.ln_f.bias").unwrap();
+        let t = ts
+            .iter_mut()
+            .find(|t| t.0 == "transformer.ln_f.bias")
+            .unwrap();
         t.1 = safetensors::Dtype::I32;
     });
     refused(&dir, st, &["'transformer.ln_f.bias'", "I32"]);
@@ -353,7 +379,10 @@ fn bad_folders_are_refused_before_device_work() {
     match PretrainedGpt::open(&dir, DType::F16) {
         Err(Error::Data { path, reason }) => {
             assert!(path.ends_with(st), "{path}");
-            assert!(reason.contains("'h.0.ln_2.weight'") && reason.contains("overflows f16"), "{reason}");
+            assert!(
+                reason.contains("'h.0.ln_2.weight'") && reason.contains("overflows f16"),
+                "{reason}"
+            );
         }
         other => panic!("{:?}", other.err()),
     }
@@ -362,7 +391,9 @@ fn bad_folders_are_refused_before_device_work() {
     let (_d, dir) = copy_of("gpt2-tiny");
     std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
     let folder = PretrainedGpt::open(&dir, DType::F32).unwrap();
-    assert!(matches!(folder.tokenizer(), Err(Error::Data { reason, .. }) if reason.contains("tokenizer.json")));
+    assert!(
+        matches!(folder.tokenizer(), Err(Error::Data { reason, .. }) if reason.contains("tokenizer.json"))
+    );
 }
 
 fn finetune_args(extra: &[&str]) -> finetune::Args {
@@ -388,17 +419,37 @@ fn finetune_on(dev: &Device) {
         let model = fixtures().join(name);
         let r = finetune_run(
             dev,
-            &["--model", model.to_str().unwrap(), "--eval-text", eval, "--context", "32", "--steps", "0", "--json"],
+            &[
+                "--model",
+                model.to_str().unwrap(),
+                "--eval-text",
+                eval,
+                "--context",
+                "32",
+                "--steps",
+                "0",
+                "--json",
+            ],
         );
-        let want = exp["models"][name]["eval"]["32"]["eval_loss"].as_f64().unwrap();
+        let want = exp["models"][name]["eval"]["32"]["eval_loss"]
+            .as_f64()
+            .unwrap();
         let got = r.eval.unwrap().loss;
-        assert!((got - want).abs() <= 1e-4, "{name}: finetune's eval_loss {got}, transformers' {want}");
+        assert!(
+            (got - want).abs() <= 1e-4,
+            "{name}: finetune's eval_loss {got}, transformers' {want}"
+        );
     }
     // Read as f16, the f16 file's model computes in f16: close, not exact.
     let model = fixtures().join("gpt2-tiny-f16-sharded");
     let model = model.to_str().unwrap();
-    let r = finetune_run(dev, &["--model", model, "--eval-text", eval, "--precision", "f16"]);
-    let want = exp["models"]["gpt2-tiny-f16-sharded"]["eval"]["32"]["eval_loss"].as_f64().unwrap();
+    let r = finetune_run(
+        dev,
+        &["--model", model, "--eval-text", eval, "--precision", "f16"],
+    );
+    let want = exp["models"]["gpt2-tiny-f16-sharded"]["eval"]["32"]["eval_loss"]
+        .as_f64()
+        .unwrap();
     let got = r.eval.unwrap().loss;
     assert!((got - want).abs() < 0.05, "f16: {got} against {want}");
 
@@ -408,15 +459,45 @@ fn finetune_on(dev: &Device) {
     let out = dir.path().join("tuned");
     let r = finetune_run(
         dev,
-        &["--model", model, "--eval-text", eval, "--text", eval, "--steps", "4", "--lr", "3e-3",
-          "--context", "16", "--save", out.to_str().unwrap(), "--generate", "ROMEO.",
-          "--max-new-tokens", "5"],
+        &[
+            "--model",
+            model,
+            "--eval-text",
+            eval,
+            "--text",
+            eval,
+            "--steps",
+            "4",
+            "--lr",
+            "3e-3",
+            "--context",
+            "16",
+            "--save",
+            out.to_str().unwrap(),
+            "--generate",
+            "ROMEO.",
+            "--max-new-tokens",
+            "5",
+        ],
     );
     let (before, after) = (r.eval_before.unwrap().loss, r.eval.unwrap().loss);
     assert!(after < before - 0.1, "fine-tuning: {before} -> {after}");
     assert!(r.generated.unwrap().starts_with("ROMEO."));
-    let again = finetune_run(dev, &["--model", out.to_str().unwrap(), "--eval-text", eval, "--context", "16"]);
-    assert!((again.eval.unwrap().loss - after).abs() <= 1e-5, "the saved folder's loss");
+    let again = finetune_run(
+        dev,
+        &[
+            "--model",
+            out.to_str().unwrap(),
+            "--eval-text",
+            eval,
+            "--context",
+            "16",
+        ],
+    );
+    assert!(
+        (again.eval.unwrap().loss - after).abs() <= 1e-5,
+        "the saved folder's loss"
+    );
 
     // Flags refused before any device work.
     let refused = |extra: &[&str], says: &str| {
@@ -431,4 +512,44 @@ fn finetune_on(dev: &Device) {
     refused(&["--context", "33"], "n_positions = 32");
     refused(&["--fit", "auto"], "--memory-budget");
     refused(&["--eval-text", "/no/such/file"], "/no/such/file");
+}
+
+/// Greedy (top-k 1) decoding through the KV cache, past the context (the window slides),
+/// against argmax of a whole forward of the last `context` tokens at every step.
+fn greedy_on(dev: &Device) {
+    let gpt = PretrainedGpt::open(&fixtures().join("gpt2-tiny"), DType::F32)
+        .unwrap()
+        .build(dev)
+        .unwrap();
+    let prompt = &ids_of(&expected()["eval_ids"])[..5];
+    let mut greedy = Sampling::new(1.0, 7);
+    greedy.top_k = Some(1);
+    let cached = gpt.generate_with(prompt, 34, &greedy).unwrap();
+    let context = gpt.gpt_config().context;
+    let mut plain = prompt.to_vec();
+    gpt.set_training(false);
+    while plain.len() < cached.len() {
+        let w = &plain[plain.len().saturating_sub(context)..];
+        let logits = gpt
+            .forward_ids(w, 1, w.len())
+            .unwrap()
+            .to_vec_f32()
+            .unwrap();
+        let last = &logits[logits.len() - 320..];
+        let best = (0..320).fold(0, |b, i| if last[i] > last[b] { i } else { b });
+        plain.push(best as u32);
+    }
+    assert_eq!(cached, plain);
+    // Seeded top-p sampling repeats itself.
+    let mut nucleus = Sampling::new(0.9, 3);
+    nucleus.top_p = Some(0.8);
+    assert_eq!(
+        gpt.generate_with(prompt, 8, &nucleus).unwrap(),
+        gpt.generate_with(prompt, 8, &nucleus).unwrap()
+    );
+    nucleus.top_p = Some(1.5);
+    assert!(matches!(
+        gpt.generate_with(prompt, 8, &nucleus),
+        Err(Error::InvalidArgument { .. })
+    ));
 }

@@ -82,9 +82,10 @@ impl Gpt2Config {
             }
         }
         let size = |keys: &[&str]| -> Result<usize> {
-            let v = keys.iter().find_map(|k| json.get(*k)).ok_or_else(|| {
-                bad(format!("no {} (a GPT-2 config has it)", keys.join(" or ")))
-            })?;
+            let v = keys
+                .iter()
+                .find_map(|k| json.get(*k))
+                .ok_or_else(|| bad(format!("no {} (a GPT-2 config has it)", keys.join(" or "))))?;
             v.as_u64()
                 .and_then(|n| usize::try_from(n).ok())
                 .ok_or_else(|| bad(format!("{} = {v} is not a size", keys[0])))

@@ -28,10 +28,13 @@ pub struct FileTensor {
 /// Every tensor of a folder's weights by its name in the files.
 pub type Tensors = BTreeMap<String, FileTensor>;
 
+/// The shard of each tensor, by name, as an index lists them.
+type ShardIndex = BTreeMap<String, String>;
+
 /// The weight files of `dir`: `[model.safetensors]`, or the shards of the index in order.
 /// Errors: neither file ([`Error::Data`] naming the folder), an index that is not JSON or has
 /// no `weight_map`, or a shard name with a path in it.
-pub fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<BTreeMap<String, String>>)> {
+pub fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<ShardIndex>)> {
     let single = dir.join(WEIGHTS_FILE);
     if single.is_file() {
         return Ok((vec![single], None));
@@ -100,7 +103,9 @@ pub fn read_tensors(dir: &Path, dtype: DType, skip: &dyn Fn(&str) -> bool) -> Re
                 if index.get(&name) != file_name.as_ref() {
                     return Err(bad(format!(
                         "the index places it in {}",
-                        index.get(&name).map_or("no shard".into(), |f| format!("'{f}'"))
+                        index
+                            .get(&name)
+                            .map_or("no shard".into(), |f| format!("'{f}'"))
                     )));
                 }
             }
@@ -170,8 +175,8 @@ fn convert(
         DType::F16 => {
             let halves: Vec<half::f16> = values.iter().map(|&v| half::f16::from_f32(v)).collect();
             // Rounded to infinity although finite: past 65504 by more than half a step.
-            if let Some(i) = (0..values.len())
-                .find(|&i| values[i].is_finite() && halves[i].is_infinite())
+            if let Some(i) =
+                (0..values.len()).find(|&i| values[i].is_finite() && halves[i].is_infinite())
             {
                 return Err(format!(
                     "element {i} = {} overflows f16 (largest {}); load it as f32",

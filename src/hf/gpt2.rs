@@ -37,8 +37,18 @@ fn entries(cfg: &GptConfig) -> Vec<Entry> {
         transposed,
     };
     let mut out = vec![
-        e("wte.weight".into(), "wte.weight".into(), &[cfg.vocab_size, c], false),
-        e("wpe.weight".into(), "wpe.weight".into(), &[cfg.context, c], false),
+        e(
+            "wte.weight".into(),
+            "wte.weight".into(),
+            &[cfg.vocab_size, c],
+            false,
+        ),
+        e(
+            "wpe.weight".into(),
+            "wpe.weight".into(),
+            &[cfg.context, c],
+            false,
+        ),
     ];
     for i in 0..cfg.layers {
         let (h, b) = (format!("h.{i}"), format!("blocks.{i}"));
@@ -51,18 +61,43 @@ fn entries(cfg: &GptConfig) -> Vec<Entry> {
         ];
         let norm = |hf: &str, ours: &str, out: &mut Vec<Entry>| {
             for p in ["weight", "bias"] {
-                out.push(e(format!("{h}.{hf}.{p}"), format!("{b}.{ours}.{p}"), &[c], false));
+                out.push(e(
+                    format!("{h}.{hf}.{p}"),
+                    format!("{b}.{ours}.{p}"),
+                    &[c],
+                    false,
+                ));
             }
         };
         norm("ln_1", "ln1", &mut out);
         for (hf, ours, o, i) in &linears[..2] {
-            out.push(e(format!("{h}.{hf}.weight"), format!("{b}.{ours}.weight"), &[*i, *o], true));
-            out.push(e(format!("{h}.{hf}.bias"), format!("{b}.{ours}.bias"), &[*o], false));
+            out.push(e(
+                format!("{h}.{hf}.weight"),
+                format!("{b}.{ours}.weight"),
+                &[*i, *o],
+                true,
+            ));
+            out.push(e(
+                format!("{h}.{hf}.bias"),
+                format!("{b}.{ours}.bias"),
+                &[*o],
+                false,
+            ));
         }
         norm("ln_2", "ln2", &mut out);
         for (hf, ours, o, i) in &linears[2..] {
-            out.push(e(format!("{h}.{hf}.weight"), format!("{b}.{ours}.weight"), &[*i, *o], true));
-            out.push(e(format!("{h}.{hf}.bias"), format!("{b}.{ours}.bias"), &[*o], false));
+            out.push(e(
+                format!("{h}.{hf}.weight"),
+                format!("{b}.{ours}.weight"),
+                &[*i, *o],
+                true,
+            ));
+            out.push(e(
+                format!("{h}.{hf}.bias"),
+                format!("{b}.{ours}.bias"),
+                &[*o],
+                false,
+            ));
         }
     }
     for p in ["weight", "bias"] {
@@ -147,7 +182,9 @@ impl PretrainedGpt {
             if named.contains_key(&short) {
                 return Err(Error::Data {
                     path: t.file,
-                    reason: format!("tensor '{name}' is there both with and without '{BODY_PREFIX}'"),
+                    reason: format!(
+                        "tensor '{name}' is there both with and without '{BODY_PREFIX}'"
+                    ),
                 });
             }
             named.insert(short, t);
@@ -290,6 +327,13 @@ pub fn save_gpt2(model: &Gpt, dir: &Path, tokenizer: Option<&Path>) -> Result<()
     })?;
     crate::write_atomic(&weights_path, &bytes)?;
     let mut json = gpt2_json(&cfg);
+    // GPT-2's one special token starts and ends texts; without a tokenizer there is none.
+    let eot = tokenizer
+        .as_deref()
+        .and_then(|b| super::Tokenizer::from_bytes(b, "tokenizer.json").ok())
+        .and_then(|t| t.token_id("<|endoftext|>"));
+    json["bos_token_id"] = eot.into();
+    json["eos_token_id"] = eot.into();
     json["torch_dtype"] = match cfg.dtype {
         DType::F32 => "float32",
         DType::F16 => "float16",

@@ -25,11 +25,19 @@ impl Tokenizer {
             path: name.clone(),
             source,
         })?;
-        let inner = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| Error::Data {
-            path: name.clone(),
+        Tokenizer::from_bytes(&bytes, &name)
+    }
+
+    /// A tokenizer from the bytes of a `tokenizer.json`; `source` names it in errors.
+    pub fn from_bytes(bytes: &[u8], source: &str) -> Result<Tokenizer> {
+        let inner = tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| Error::Data {
+            path: source.to_string(),
             reason: format!("not a tokenizer.json the tokenizers crate reads: {e}"),
         })?;
-        Ok(Tokenizer { inner, path: name })
+        Ok(Tokenizer {
+            inner,
+            path: source.to_string(),
+        })
     }
 
     /// The ids of `text`, with no special tokens added (a special token's own text, such as

@@ -60,9 +60,8 @@ pub fn window_loss(
     // Window w covers tokens[w C .. min(w C + C + 1, n)]; those with a single token predict
     // nothing.
     let starts: Vec<usize> = (0..tokens.len() - 1).step_by(context).collect();
-    let (full, short): (Vec<usize>, Vec<usize>) = starts
-        .iter()
-        .partition(|&&s| s + context + 1 <= tokens.len());
+    let (full, short): (Vec<usize>, Vec<usize>) =
+        starts.iter().partition(|&&s| s + context < tokens.len());
     let mut nats = 0.0f64;
     let mut groups: Vec<(Vec<usize>, usize)> =
         full.chunks(batch).map(|c| (c.to_vec(), context)).collect();
@@ -73,7 +72,9 @@ pub fn window_loss(
             ids.extend_from_slice(&tokens[s..s + t]);
             targets.extend_from_slice(&tokens[s + 1..s + t + 1]);
         }
-        let mean = model.loss_in(&ids, &targets, starts.len(), *t, dtype)?.item()?;
+        let mean = model
+            .loss_in(&ids, &targets, starts.len(), *t, dtype)?
+            .item()?;
         nats += mean as f64 * (starts.len() * t) as f64;
     }
     Ok(WindowLoss {
