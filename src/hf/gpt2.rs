@@ -256,9 +256,32 @@ impl PretrainedGpt {
         })
     }
 
-    /// The model on `device` with these weights (its `config`, in evaluation mode is up to
-    /// the caller: [`Gpt::new`] starts in training mode, with no dropout unless `config` has it).
+    /// The model on `device` with these weights and `config` ([`Gpt::new`] starts in training
+    /// mode, with no dropout unless `config` has it).
+    ///
+    /// Errors: an [`Error::Limit`] naming the largest tensor when it passes the adapter's
+    /// storage-binding limit (before any device work: GPT-2 124M's f32 token embedding is
+    /// 147 MiB, past lavapipe's 128 MiB; read it as f16), and those of [`Gpt::new`].
     pub fn build(&self, device: &Device) -> Result<Gpt> {
+        let limit = device.info().limits.max_storage_buffer_binding_size;
+        if let Some((name, t)) = self
+            .weights
+            .tensors
+            .iter()
+            .max_by_key(|(_, t)| t.bytes.len())
+            .filter(|(_, t)| t.bytes.len() as u64 > limit)
+        {
+            return Err(Error::Limit {
+                op: "PretrainedGpt::build",
+                what: if name == "wte.weight" {
+                    "the token embedding wte.weight (load it as f16, or use an adapter with larger bindings)"
+                } else {
+                    "a weight's size in bytes"
+                },
+                value: t.bytes.len() as u64,
+                limit,
+            });
+        }
         let gpt = Gpt::new(device, self.config.clone())?;
         self.weights.apply_model(&gpt)?;
         Ok(gpt)
