@@ -287,6 +287,11 @@ impl PretrainedGpt {
         Ok(gpt)
     }
 
+    /// The weights on the host, by [`Gpt`]'s parameter names, in the dtype they were read as.
+    pub fn host_weights(&self) -> &BTreeMap<String, HostTensor> {
+        &self.weights.tensors
+    }
+
     /// The folder's `tokenizer.json`, or an [`Error::Data`] naming the folder if it has none.
     pub fn tokenizer(&self) -> Result<super::Tokenizer> {
         let path = self.dir.join(TOKENIZER_FILE);
