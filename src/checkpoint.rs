@@ -919,7 +919,7 @@ pub(crate) fn safetensors_bytes(
 }
 
 /// `'a', 'b', 'c'`, at most eight names.
-fn list(names: &[String]) -> String {
+pub(crate) fn list(names: &[String]) -> String {
     let mut s: Vec<String> = names.iter().take(8).map(|n| format!("'{n}'")).collect();
     if names.len() > 8 {
         s.push(format!("and {} more", names.len() - 8));

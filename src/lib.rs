@@ -23,6 +23,7 @@ mod dtype;
 pub mod error;
 mod fsutil;
 mod hash;
+pub mod hf;
 mod kernels;
 pub mod memory;
 pub mod nn;

@@ -21,7 +21,7 @@ pub use attention::CausalSelfAttention;
 pub use block::{FeedForward, GptBlock};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
-pub use generate::KvCache;
+pub use generate::{KvCache, Sampling};
 pub use gpt::{Gpt, GptConfig};
 pub use linear::Linear;
 pub use loss::{accuracy, correct, cross_entropy, mse_loss};

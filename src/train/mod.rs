@@ -19,6 +19,7 @@ mod sync;
 mod temp_shard;
 pub mod text;
 mod trainer;
+mod window_loss;
 
 pub use events::TrainEvent;
 pub use fit::{Candidate, FitChoice};
@@ -33,6 +34,7 @@ pub use run_plan::{Phase, PhasePlan, RunPlan};
 pub use summary::{Evaluation, MemorySummary};
 pub use sync::GradientSync;
 pub use trainer::{Trainer, TrainerConfig};
+pub use window_loss::{window_loss, WindowLoss};
 
 use crate::DType;
 
