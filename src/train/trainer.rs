@@ -58,8 +58,9 @@ pub struct TrainerConfig {
     pub clip_grad_norm: Option<f32>,
     /// Loss scaling: more steps than this skipped in a row for overflowing gradients stops
     /// training with [`Error::NonFinite`] (the weights or the loss have blown up, and every
-    /// later step would be skipped too); 0 never stops. The default, 24, lets the scale fall
-    /// from its start of 65,536 to 1/256, past what any start-up overflow needs.
+    /// later step would be skipped too), once the scale is also below 65,536 / 2^this; 0 never
+    /// stops. The default, 24, lets the scale fall from its start of 65,536 to 1/256, past
+    /// what any start-up overflow needs.
     pub max_skipped_in_a_row: u64,
 }
 
@@ -376,26 +377,34 @@ impl<M: Module> Trainer<M> {
         }
     }
 
+    /// Loss scaling skipped more than `max_skipped_in_a_row` tries in a row with the scale
+    /// already below 65,536 / 2^that: the weights or the loss have blown up. A run started
+    /// above the default scale (`set_state`) first halves its way down to it uncounted.
+    fn scaling_blew_up(&self) -> bool {
+        let most = self.config.max_skipped_in_a_row;
+        self.scaler.as_ref().is_some_and(|sc| {
+            let floor = 65536.0 / 2f64.powi(most.min(1000) as i32);
+            most > 0 && sc.skipped_in_a_row() > most && f64::from(sc.scale()) < floor
+        })
+    }
+
     /// Saves the model (and its configuration, where it has one), the optimizer state, the
     /// loss scaler and the position in training (`epochs_done` full epochs) to a safetensors
     /// file, atomically: a crash mid-save leaves the previous file intact.
     pub fn save_checkpoint(&self, path: &std::path::Path, epochs_done: u64) -> Result<()> {
         // A diverged model must not replace a good file: one whose weights are not finite,
         // or whose loss scaling stopped training (finite weights that overflow every step).
-        if let Some(sc) = &self.scaler {
-            let most = self.config.max_skipped_in_a_row;
-            if most > 0 && sc.skipped_in_a_row() > most {
-                return Err(Error::NonFinite {
-                    step: self.step,
-                    what: format!(
-                        "the last {} tries overflowed, so the checkpoint was not written ({} \
-                         keeps what it held)",
-                        sc.skipped_in_a_row(),
-                        path.display()
-                    ),
-                    remedy: REMEDY.into(),
-                });
-            }
+        if let Some(sc) = self.scaler.as_ref().filter(|_| self.scaling_blew_up()) {
+            return Err(Error::NonFinite {
+                step: self.step,
+                what: format!(
+                    "the last {} tries overflowed, so the checkpoint was not written ({} \
+                     keeps what it held)",
+                    sc.skipped_in_a_row(),
+                    path.display()
+                ),
+                remedy: REMEDY.into(),
+            });
         }
         let params = self.model.parameters();
         if self.device.nonfinite(&params.iter().collect::<Vec<_>>())? {
@@ -594,8 +603,8 @@ impl<M: Module> Trainer<M> {
                     scale_before,
                     scale_after,
                 });
-                let (in_a_row, most) = (sc.skipped_in_a_row(), self.config.max_skipped_in_a_row);
-                if most > 0 && in_a_row > most {
+                let in_a_row = sc.skipped_in_a_row();
+                if self.scaling_blew_up() {
                     return Err(Error::NonFinite {
                         step,
                         what: format!(
