@@ -35,6 +35,7 @@ use clap::Parser;
 use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner};
 use fitgrad::distributed::Job;
 use fitgrad::nn::{self, Dropout, LayerNorm, Linear, Module};
+use fitgrad::optim::quant8::f32_adamw_state_bytes;
 use fitgrad::optim::{AdamW, Optimizer};
 use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
 use fitgrad::train::data::{self, Dataset};
@@ -78,6 +79,9 @@ struct Args {
     /// AdamW learning rate.
     #[arg(long, default_value_t = 1e-3, allow_negative_numbers = true)]
     lr: f64,
+    /// adamw, or adamw8bit (both moments in 8 bits for tensors of 4096 elements or more).
+    #[arg(long, default_value = "adamw", value_parser = ["adamw", "adamw8bit"])]
+    optimizer: String,
     /// Seeds the weights, dropout masks, data split and order.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -375,7 +379,12 @@ fn run(args: Args, dist: &Job) -> Result<()> {
         args.seed,
     )?;
     let lr = args.lr as f32;
-    let optimizer: Box<dyn Optimizer> = Box::new(AdamW::new(model.parameters(), lr)?);
+    let adamw = AdamW::new(model.parameters(), lr)?;
+    let optimizer: Box<dyn Optimizer> = if args.optimizer == "adamw8bit" {
+        Box::new(adamw.eight_bit())
+    } else {
+        Box::new(adamw)
+    };
     let config = TrainerConfig::new(args.batch_size, args.accum_steps, lr).precision(precision);
     let mut trainer = Trainer::new(model, optimizer, config)?;
     let mut report = TrainingReport::new(
@@ -479,7 +488,7 @@ fn run(args: Args, dist: &Job) -> Result<()> {
                 trainer.model.num_parameters()
             ),
         ),
-        ("optimizer", format!("AdamW lr {}", args.lr)),
+        ("optimizer", format!("{} lr {}", args.optimizer, args.lr)),
         ("epochs", epochs.to_string()),
         (
             "batch",
@@ -662,6 +671,9 @@ fn run(args: Args, dist: &Job) -> Result<()> {
             "accum_steps": args.accum_steps,
             "micro_batch": trainer.micro_batch(),
             "lr": args.lr,
+            "optimizer": args.optimizer,
+            "optimizer_state_bytes": summary.optimizer_state_bytes,
+            "optimizer_state_bytes_f32": f32_adamw_state_bytes(&trainer.model.parameters()),
             "precision": args.precision,
             "seed": args.seed,
             "memory_budget": budget,

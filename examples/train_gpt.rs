@@ -17,6 +17,7 @@
 use clap::Parser;
 use fitgrad::distributed::Job;
 use fitgrad::nn::{AttentionKind, Gpt, GptConfig, Module};
+use fitgrad::optim::quant8::f32_adamw_state_bytes;
 use fitgrad::optim::{decay_groups, AdamW, LrSchedule};
 use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
 use fitgrad::train::text::{TextCorpus, TextDataset};
@@ -65,6 +66,9 @@ pub struct Args {
     /// AdamW learning rate.
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f32,
+    /// adamw, or adamw8bit (both moments in 8 bits for tensors of 4096 elements or more).
+    #[arg(long, default_value = "adamw", value_parser = ["adamw", "adamw8bit"])]
+    pub optimizer: String,
     /// Cosine decay to 10% with 5% linear warm-up instead of a constant learning rate.
     #[arg(long)]
     pub cosine: bool,
@@ -403,7 +407,10 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         let model = Gpt::new(device, setup.cfg.clone())?;
         // No weight decay on biases, LayerNorms and embeddings' rank-1 parameters.
         let groups = decay_groups(model.named_parameters(), 0.1);
-        let optimizer = AdamW::with_groups(groups, args.lr)?.betas(0.9, 0.95)?;
+        let mut optimizer = AdamW::with_groups(groups, args.lr)?.betas(0.9, 0.95)?;
+        if args.optimizer == "adamw8bit" {
+            optimizer = optimizer.eight_bit();
+        }
         Trainer::new(model, Box::new(optimizer), config.clone())
     };
     let (mut trainer, choice) = if setup.fit_auto {
@@ -516,7 +523,8 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         (
             "optimizer",
             format!(
-                "AdamW lr {}{}",
+                "{} lr {}{}",
+                args.optimizer,
                 args.lr,
                 if args.cosine { ", cosine" } else { "" }
             ),
@@ -704,6 +712,9 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             "context": cfg.context,
             "params": trainer.model.num_parameters(),
             "lr": args.lr,
+            "optimizer": args.optimizer,
+            "optimizer_state_bytes": summary.optimizer_state_bytes,
+            "optimizer_state_bytes_f32": f32_adamw_state_bytes(&trainer.model.parameters()),
             "steps": trainer.steps(),
             "batch_size": args.batch_size,
             "accum_steps": args.accum_steps,

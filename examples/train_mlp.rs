@@ -10,6 +10,7 @@ use clap::Parser;
 use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner, QuantizedMlp};
 use fitgrad::distributed::Job;
 use fitgrad::nn::{Activation, Mlp, Module};
+use fitgrad::optim::quant8::f32_adamw_state_bytes;
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
 use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
 use fitgrad::train::data;
@@ -40,7 +41,7 @@ struct Args {
     /// Learning rate (default: 1e-3 for adamw, 0.05 for sgd).
     #[arg(long)]
     lr: Option<f32>,
-    /// adamw or sgd (sgd uses momentum 0.9).
+    /// adamw, adamw8bit (both moments in 8 bits) or sgd (sgd uses momentum 0.9).
     #[arg(long, default_value = "adamw")]
     optimizer: String,
     /// relu, gelu, tanh or sigmoid.
@@ -187,9 +188,9 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         check_output_path("--report-json", p)?;
     }
     let reporting = args.report.is_some() || args.report_json.is_some();
-    if !matches!(args.optimizer.as_str(), "adamw" | "sgd") {
+    if !matches!(args.optimizer.as_str(), "adamw" | "adamw8bit" | "sgd") {
         return Err(invalid(format!(
-            "unknown optimizer '{}' (adamw or sgd)",
+            "unknown optimizer '{}' (adamw, adamw8bit or sgd)",
             args.optimizer
         )));
     }
@@ -259,6 +260,8 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         let params = model.parameters();
         let optimizer: Box<dyn Optimizer> = if args.optimizer == "sgd" {
             Box::new(Sgd::new(params, lr)?.momentum(0.9)?)
+        } else if args.optimizer == "adamw8bit" {
+            Box::new(AdamW::new(params, lr)?.eight_bit())
         } else {
             Box::new(AdamW::new(params, lr)?)
         };
@@ -616,6 +619,7 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
             "buffers_created": s.buffers_created,
             "parameter_bytes": summary.parameter_bytes,
             "optimizer_state_bytes": summary.optimizer_state_bytes,
+            "optimizer_state_bytes_f32": f32_adamw_state_bytes(&trainer.model.parameters()),
             "steps": trainer.steps(),
             "train_seconds": train_secs,
             "samples_per_s": samples_per_s,

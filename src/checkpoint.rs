@@ -4,7 +4,9 @@
 //!
 //! A file holds tensors `model.<parameter name>` (`model.layers.0.weight`) and
 //! `optim.<state name>` (`optim.0.exp_avg`), f32 or f16 with their shapes, little-endian and
-//! row-major, and string metadata (the format allows no other kind):
+//! row-major; 8-bit optimizer state's codes are 1-D U8 tensors (`optim.3.state1`, one byte per
+//! element, beside their f32 `optim.3.absmax1`). Metadata are strings (the format allows no
+//! other kind):
 //!
 //! | key | value |
 //! |---|---|
@@ -238,6 +240,8 @@ impl safetensors::View for &HostTensor {
 pub struct Checkpoint {
     /// The tensors by their names in the file (`model.layers.0.weight`, `optim.0.exp_avg`).
     pub tensors: BTreeMap<String, HostTensor>,
+    /// 1-D U8 tensors by name: the codes of 8-bit optimizer state (`optim.3.state1`).
+    pub codes: BTreeMap<String, Vec<u8>>,
     /// The string metadata (the table of the module docs).
     pub metadata: BTreeMap<String, String>,
     /// The file it was read from, for error messages (empty for one captured in memory).
@@ -295,6 +299,16 @@ impl Checkpoint {
             for (name, t) in &s.tensors {
                 put(format!("{OPTIM_PREFIX}{name}"), t)?;
             }
+            for code in &s.codes {
+                let name = format!("{OPTIM_PREFIX}{}", code.name);
+                let bytes = crate::optim::quant8::words_to_bytes(&code.words, code.len)?;
+                if c.tensors.contains_key(&name) || c.codes.insert(name.clone(), bytes).is_some() {
+                    return Err(Error::InvalidArgument {
+                        op: "checkpoint::save",
+                        reason: format!("two tensors are named '{name}'"),
+                    });
+                }
+            }
             m.insert("optim.name".into(), opt.name().into());
             for (k, v) in opt.hyperparameters() {
                 m.insert(format!("{OPTIM_HP_PREFIX}{k}"), v);
@@ -329,6 +343,7 @@ impl Checkpoint {
     /// no metadata the bytes are exactly `safetensors::serialize`'s.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         use safetensors::View;
+        let lens: Vec<[usize; 1]> = self.codes.values().map(|b| [b.len()]).collect();
         let tensors: Vec<RawTensor> = self
             .tensors
             .iter()
@@ -338,6 +353,17 @@ impl Checkpoint {
                 dims: &t.dims,
                 bytes: &t.bytes,
             })
+            .chain(
+                self.codes
+                    .iter()
+                    .zip(&lens)
+                    .map(|((name, b), len)| RawTensor {
+                        name,
+                        dtype: safetensors::Dtype::U8,
+                        dims: len,
+                        bytes: b,
+                    }),
+            )
             .collect();
         safetensors_bytes(&tensors, &self.metadata, &self.source)
     }
@@ -370,9 +396,16 @@ impl Checkpoint {
             let dtype = match view.dtype() {
                 safetensors::Dtype::F32 => DType::F32,
                 safetensors::Dtype::F16 => DType::F16,
+                // 8-bit optimizer state's codes.
+                safetensors::Dtype::U8
+                    if name.starts_with(OPTIM_PREFIX) && view.shape().len() == 1 =>
+                {
+                    c.codes.insert(name.to_string(), view.data().to_vec());
+                    continue;
+                }
                 other => {
                     return Err(bad(format!(
-                        "tensor '{name}' has dtype {other}; fitgrad reads F32 and F16"
+                        "tensor '{name}' has dtype {other}; fitgrad reads F32 and F16 (and 1-D U8 optimizer codes)"
                     )))
                 }
             };
@@ -568,10 +601,23 @@ impl Checkpoint {
             }
             tensors.push((short.to_string(), h.to_device(device)?));
         }
+        let mut codes = Vec::new();
+        for (name, bytes) in &self.codes {
+            let Some(short) = name.strip_prefix(OPTIM_PREFIX) else {
+                continue;
+            };
+            codes.push(crate::optim::CodeTensor {
+                name: short.to_string(),
+                words: crate::optim::quant8::bytes_to_words(device, bytes)?,
+                len: bytes.len(),
+            });
+        }
         Ok(OptimizerState {
             step_count,
             param_steps,
             tensors,
+            codes,
+            host: Vec::new(),
         })
     }
 
