@@ -82,6 +82,11 @@ struct Args {
     /// adamw, or adamw8bit (both moments in 8 bits for tensors of 4096 elements or more).
     #[arg(long, default_value = "adamw", value_parser = ["adamw", "adamw8bit"])]
     optimizer: String,
+    /// none, or optimizer: f32 master weights and AdamW's state in host memory (the device
+    /// keeps parameters and gradients; each step reads the gradients back and uploads the
+    /// parameters).
+    #[arg(long, default_value = "none", value_parser = ["none", "optimizer"])]
+    offload: String,
     /// Seeds the weights, dropout masks, data split and order.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -385,7 +390,9 @@ fn run(args: Args, dist: &Job) -> Result<()> {
     } else {
         Box::new(adamw)
     };
-    let config = TrainerConfig::new(args.batch_size, args.accum_steps, lr).precision(precision);
+    let config = TrainerConfig::new(args.batch_size, args.accum_steps, lr)
+        .precision(precision)
+        .offload_optimizer(args.offload == "optimizer");
     let mut trainer = Trainer::new(model, optimizer, config)?;
     let mut report = TrainingReport::new(
         format!("custom_model (residual MLP) on {}", train.name),
@@ -673,11 +680,14 @@ fn run(args: Args, dist: &Job) -> Result<()> {
             "lr": args.lr,
             "optimizer": args.optimizer,
             "optimizer_state_bytes": summary.optimizer_state_bytes,
+            "offload": args.offload,
+            "host_bytes": summary.host_bytes,
             "optimizer_state_bytes_f32": f32_adamw_state_bytes(&trainer.model.parameters()),
             "precision": args.precision,
             "seed": args.seed,
             "memory_budget": budget,
             "planned_peak_bytes": plan.peak,
+            "planned_host_bytes": plan.host_bytes,
             "planned_peak_reserved": plan.peak_reserved,
             "peak_bytes_in_use": s.peak_bytes_in_use,
             "peak_bytes": s.peak_bytes_reserved,

@@ -69,6 +69,11 @@ pub struct Args {
     /// adamw, or adamw8bit (both moments in 8 bits for tensors of 4096 elements or more).
     #[arg(long, default_value = "adamw", value_parser = ["adamw", "adamw8bit"])]
     pub optimizer: String,
+    /// none, or optimizer: f32 master weights and AdamW's state in host memory (the device
+    /// keeps parameters and gradients; each step reads the gradients back and uploads the
+    /// parameters).
+    #[arg(long, default_value = "none", value_parser = ["none", "optimizer"])]
+    pub offload: String,
     /// Cosine decay to 10% with 5% linear warm-up instead of a constant learning rate.
     #[arg(long)]
     pub cosine: bool,
@@ -402,6 +407,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
     let mut config = TrainerConfig::new(args.batch_size, args.accum_steps, args.lr);
     config.schedule = schedule;
     config.precision = setup.precision;
+    config.offload_optimizer = args.offload == "optimizer";
     config.clip_grad_norm = (args.clip_grad_norm > 0.0).then_some(args.clip_grad_norm);
     let build = || {
         let model = Gpt::new(device, setup.cfg.clone())?;
@@ -714,6 +720,8 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             "lr": args.lr,
             "optimizer": args.optimizer,
             "optimizer_state_bytes": summary.optimizer_state_bytes,
+            "offload": args.offload,
+            "host_bytes": summary.host_bytes,
             "optimizer_state_bytes_f32": f32_adamw_state_bytes(&trainer.model.parameters()),
             "steps": trainer.steps(),
             "batch_size": args.batch_size,
@@ -724,6 +732,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             "memory_budget": setup.budget,
             "fit": fit_json,
             "planned_peak_bytes": plan.peak,
+            "planned_host_bytes": plan.host_bytes,
             "planned_peak_reserved": plan.peak_reserved,
             "seed": args.seed,
             "train_loss": train_loss,

@@ -44,6 +44,11 @@ struct Args {
     /// adamw, adamw8bit (both moments in 8 bits) or sgd (sgd uses momentum 0.9).
     #[arg(long, default_value = "adamw")]
     optimizer: String,
+    /// none, or optimizer: f32 master weights and AdamW's state in host memory (the device
+    /// keeps parameters and gradients; each step reads the gradients back and uploads the
+    /// parameters).
+    #[arg(long, default_value = "none", value_parser = ["none", "optimizer"])]
+    offload: String,
     /// relu, gelu, tanh or sigmoid.
     #[arg(long, default_value = "relu")]
     activation: String,
@@ -252,6 +257,7 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         .schedule(schedule)
         .precision(precision);
     config.clip_grad_norm = args.clip_grad_norm;
+    config.offload_optimizer = args.offload == "optimizer";
     // The model is built inside the budget logic: a budget too small for the model itself gets
     // the smallest budget that works, like one too small for a step.
     let build = || {
@@ -604,6 +610,7 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
             "checkpoint_activations": trainer.model.checkpoint_activations,
             "memory_budget": budget,
             "planned_peak_bytes": plan.peak,
+            "planned_host_bytes": plan.host_bytes,
             "planned_peak_reserved": plan.peak_reserved,
             "skipped_steps": trainer.scaler().map_or(0, |s| s.skipped_steps()),
             "seed": args.seed,
@@ -619,6 +626,8 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
             "buffers_created": s.buffers_created,
             "parameter_bytes": summary.parameter_bytes,
             "optimizer_state_bytes": summary.optimizer_state_bytes,
+            "offload": args.offload,
+            "host_bytes": summary.host_bytes,
             "optimizer_state_bytes_f32": f32_adamw_state_bytes(&trainer.model.parameters()),
             "steps": trainer.steps(),
             "train_seconds": train_secs,

@@ -299,6 +299,17 @@ impl Checkpoint {
             for (name, t) in &s.tensors {
                 put(format!("{OPTIM_PREFIX}{name}"), t)?;
             }
+            for h in &s.host {
+                let bytes = bytemuck::cast_slice(&h.values).to_vec();
+                let name = format!("{OPTIM_PREFIX}{}", h.name);
+                let t = HostTensor::new(DType::F32, &h.dims, bytes)?;
+                if c.tensors.insert(name.clone(), t).is_some() {
+                    return Err(Error::InvalidArgument {
+                        op: "checkpoint::save",
+                        reason: format!("two tensors are named '{name}'"),
+                    });
+                }
+            }
             for code in &s.codes {
                 let name = format!("{OPTIM_PREFIX}{}", code.name);
                 let bytes = crate::optim::quant8::words_to_bytes(&code.words, code.len)?;
@@ -568,6 +579,17 @@ impl Checkpoint {
     /// The optimizer's state with its tensors uploaded to `device`, for
     /// [`Optimizer::load_state`].
     pub fn optimizer_state(&self, device: &Device) -> Result<OptimizerState> {
+        self.optimizer_state_in(Some(device))
+    }
+
+    /// The optimizer's state with its f32 tensors in host memory ([`OptimizerState::host`]),
+    /// for an optimizer that keeps its state there ([`Optimizer::state_on_host`]).
+    pub fn optimizer_state_on_host(&self) -> Result<OptimizerState> {
+        self.optimizer_state_in(None)
+    }
+
+    /// Tensors uploaded to `device`, or kept on the host with `None`.
+    fn optimizer_state_in(&self, device: Option<&Device>) -> Result<OptimizerState> {
         let count = |key: &str, v: &str| {
             v.parse::<u64>()
                 .map_err(|_| self.err(format!("metadata {key} = '{v}' is not a count")))
@@ -589,6 +611,7 @@ impl Checkpoint {
             .map(|s| count("optim.param_steps", s))
             .collect::<Result<Vec<u64>>>()?;
         let mut tensors = Vec::new();
+        let mut host = Vec::new();
         for (name, h) in &self.tensors {
             let Some(short) = name.strip_prefix(OPTIM_PREFIX) else {
                 continue;
@@ -599,12 +622,24 @@ impl Checkpoint {
                     h.dims.len()
                 )));
             }
-            tensors.push((short.to_string(), h.to_device(device)?));
+            match device {
+                Some(device) => tensors.push((short.to_string(), h.to_device(device)?)),
+                None => host.push(crate::optim::HostTensorState {
+                    name: short.to_string(),
+                    dims: h.dims.clone(),
+                    values: h.to_f32(),
+                }),
+            }
         }
         let mut codes = Vec::new();
         for (name, bytes) in &self.codes {
             let Some(short) = name.strip_prefix(OPTIM_PREFIX) else {
                 continue;
+            };
+            let Some(device) = device else {
+                return Err(self.err(format!(
+                    "'{name}' holds 8-bit state; an optimizer with its state in host memory keeps f32 state"
+                )));
             };
             codes.push(crate::optim::CodeTensor {
                 name: short.to_string(),
@@ -617,7 +652,7 @@ impl Checkpoint {
             param_steps,
             tensors,
             codes,
-            host: Vec::new(),
+            host,
         })
     }
 
@@ -667,7 +702,11 @@ impl Checkpoint {
                 )));
             }
         }
-        let state = self.optimizer_state(&device)?;
+        let state = if optimizer.state_on_host() {
+            self.optimizer_state_on_host()?
+        } else {
+            self.optimizer_state(&device)?
+        };
         optimizer.load_state(state).map_err(|e| match e {
             Error::InvalidArgument { reason, .. } => {
                 self.err(format!("the optimizer state does not fit: {reason}"))

@@ -1,10 +1,11 @@
 //! Adam with decoupled weight decay (torch.optim.AdamW), with f32 or 8-bit state.
 
 use super::groups::{Groups, ParamGroup};
+use super::offload::{self, HostState, HOST_BYTES_PER_ELEMENT};
 use super::quant8::{self, Moments8, NAMES8};
 use super::{check, grad_of, take_state, zeros_like, CodeTensor, Optimizer, OptimizerState};
 use crate::kernels::optim::{adamw_step, AdamWHyper};
-use crate::{Error, Result, Tensor};
+use crate::{DType, Error, Result, Tensor};
 
 const OP: &str = "AdamW";
 const NAMES: [&str; 2] = ["exp_avg", "exp_avg_sq"];
@@ -56,6 +57,9 @@ pub struct AdamW {
     /// The 8-bit kernel's map table (`quant8::table`), made on the first 8-bit update and
     /// shared with `fresh` copies, so a plan holds the same one table as the real step.
     table: Option<Tensor>,
+    /// With [`AdamW::offload`], each parameter's master weights and moments in host memory
+    /// (made on its first update); `None` keeps the state on the device.
+    host: Option<Vec<Option<HostState>>>,
     /// Updates per parameter: the bias corrections' t (torch keeps it per parameter too).
     param_steps: Vec<u64>,
     steps: u64,
@@ -88,6 +92,7 @@ impl AdamW {
             moments: vec![None; n],
             eight_bit: false,
             table: None,
+            host: None,
             param_steps: vec![0; n],
             steps: 0,
         })
@@ -101,6 +106,70 @@ impl AdamW {
     pub fn eight_bit(mut self) -> AdamW {
         self.eight_bit = true;
         self
+    }
+
+    /// Keeps f32 master weights and both moments in host memory ([`offload`]): each step
+    /// reads the gradients back, updates on the host with several threads and uploads the
+    /// parameters, so the device holds only parameters and gradients. An
+    /// [`Error::HostMemory`](crate::Error::HostMemory) when MemAvailable is short of 12 bytes
+    /// per parameter; [`Error::InvalidArgument`] with 8-bit state or f16 parameters (use mixed
+    /// precision: f32 parameters on the device, f16 compute).
+    pub fn offload(mut self) -> Result<AdamW> {
+        self.offload_to_host()?;
+        Ok(self)
+    }
+
+    /// Whether the state lives in host memory ([`AdamW::offload`]).
+    pub fn is_offloaded(&self) -> bool {
+        self.host.is_some()
+    }
+
+    /// The update of parameter `i` at its next step.
+    fn hyper(&self, i: usize) -> AdamWHyper {
+        AdamWHyper {
+            lr: self.groups.lr(i, self.lr),
+            weight_decay: self.groups.weight_decay(i, self.weight_decay),
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            step: self.param_steps[i] + 1,
+        }
+    }
+
+    /// [`Optimizer::step`] with the state in host memory.
+    fn step_offloaded(&mut self, grads: Vec<Option<Tensor>>) -> Result<()> {
+        let hps: Vec<AdamWHyper> = (0..grads.len()).map(|i| self.hyper(i)).collect();
+        let planning = self.groups.params[0].device().is_planning();
+        if !planning {
+            let host = self.host.as_mut().expect("offloaded");
+            let mut jobs = Vec::new();
+            for (i, (g, st)) in grads.iter().zip(host.iter_mut()).enumerate() {
+                let Some(g) = g else {
+                    continue;
+                };
+                let p = &self.groups.params[i];
+                let n = p.numel();
+                let st = st.get_or_insert_with(|| HostState::zeros(n));
+                // The master weights are read once: on the first update, or after a load.
+                if st.master.len() != n {
+                    st.master = p.to_vec_f32()?;
+                }
+                jobs.push(offload::Job {
+                    param: p,
+                    grad: g,
+                    state: st,
+                    coefficients: hps[i].coefficients(),
+                });
+            }
+            offload::step(jobs)?;
+        }
+        for (i, g) in grads.iter().enumerate() {
+            if g.is_some() {
+                self.param_steps[i] += 1;
+            }
+        }
+        self.steps += 1;
+        Ok(())
     }
 
     /// Whether [`AdamW::eight_bit`] is on.
@@ -165,7 +234,20 @@ impl AdamW {
         check(OP, "beta2", self.beta2, in_unit(self.beta2), "in [0, 1)")?;
         check(OP, "eps", self.eps, self.eps > 0.0, "> 0")?;
         let wd = self.weight_decay;
-        check(OP, "weight_decay", wd, wd >= 0.0, ">= 0")
+        check(OP, "weight_decay", wd, wd >= 0.0, ">= 0")?;
+        if self.eight_bit && self.host.is_some() {
+            return Err(not_with_offload());
+        }
+        Ok(())
+    }
+}
+
+fn not_with_offload() -> Error {
+    Error::InvalidArgument {
+        op: OP,
+        reason: "8-bit state and optimizer offload do not combine: offload keeps f32 state in \
+                 host memory, 8-bit state is for the device; choose one"
+            .into(),
     }
 }
 
@@ -186,6 +268,7 @@ impl Optimizer for AdamW {
             moments: (0..n).map(|_| None).collect(),
             eight_bit: self.eight_bit,
             table: self.table.clone(),
+            host: self.host.as_ref().map(|h| vec![None; h.len()]),
             param_steps: vec![0; n],
             steps: 0,
         })
@@ -218,6 +301,9 @@ impl Optimizer for AdamW {
             .iter()
             .map(|p| grad_of(OP, p))
             .collect::<Result<Vec<_>>>()?;
+        if self.host.is_some() {
+            return self.step_offloaded(grads);
+        }
         // State first, so that running out of memory leaves every parameter and state as it was.
         let mut new = Vec::new();
         for (i, g) in grads.iter().enumerate() {
@@ -243,14 +329,7 @@ impl Optimizer for AdamW {
             let (Some(g), Some(mv)) = (g, &self.moments[i]) else {
                 continue;
             };
-            let hp = AdamWHyper {
-                lr: self.groups.lr(i, self.lr),
-                weight_decay: self.groups.weight_decay(i, self.weight_decay),
-                beta1: self.beta1,
-                beta2: self.beta2,
-                eps: self.eps,
-                step: self.param_steps[i] + 1,
-            };
+            let hp = self.hyper(i);
             let p = &self.groups.params[i];
             match mv {
                 Moments::F32(m, v) => adamw_step(p, g, m, v, &hp)?,
@@ -307,12 +386,73 @@ impl Optimizer for AdamW {
             + table
     }
 
+    fn host_bytes(&self) -> u64 {
+        match self.host {
+            Some(_) => {
+                self.groups
+                    .params
+                    .iter()
+                    .map(|p| p.numel() as u64)
+                    .sum::<u64>()
+                    * HOST_BYTES_PER_ELEMENT
+            }
+            None => 0,
+        }
+    }
+
+    fn offload_to_host(&mut self) -> Result<()> {
+        if self.host.is_some() {
+            return Ok(());
+        }
+        if self.eight_bit {
+            return Err(not_with_offload());
+        }
+        if let Some(p) = self.groups.params.iter().find(|p| p.dtype() == DType::F16) {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: format!(
+                    "optimizer offload keeps f32 master weights in host memory and uploads f32 \
+                     parameters; parameter {p:?} is f16 (use mixed precision: f32 parameters, f16 compute)"
+                ),
+            });
+        }
+        let n: u64 = self.groups.params.iter().map(|p| p.numel() as u64).sum();
+        offload::check_host_memory(
+            "optimizer offload (f32 master weights and AdamW's two moments)",
+            n * HOST_BYTES_PER_ELEMENT,
+        )?;
+        // State already on the device moves to the host.
+        let mut host = Vec::with_capacity(self.moments.len());
+        for mv in &self.moments {
+            host.push(match mv {
+                Some(Moments::F32(m, v)) => Some(HostState {
+                    master: Vec::new(),
+                    m: m.to_vec_f32()?,
+                    v: v.to_vec_f32()?,
+                }),
+                Some(Moments::Q8(_)) => return Err(not_with_offload()),
+                None => None,
+            });
+        }
+        self.moments = vec![None; host.len()];
+        self.host = Some(host);
+        Ok(())
+    }
+
+    fn state_on_host(&self) -> bool {
+        self.host.is_some()
+    }
+
     fn state(&self) -> OptimizerState {
         let mut s = OptimizerState {
             step_count: self.steps,
             param_steps: self.param_steps.clone(),
             ..Default::default()
         };
+        if let Some(host) = &self.host {
+            s.host = offload::host_state(&self.groups.params, host, &NAMES);
+            return s;
+        }
         for (i, mv) in self.moments.iter().enumerate() {
             match mv {
                 Some(Moments::F32(m, v)) => {
@@ -340,6 +480,12 @@ impl Optimizer for AdamW {
 
     fn load_state(&mut self, state: OptimizerState) -> Result<()> {
         let (steps, param_steps) = (state.step_count, state.param_steps.clone());
+        if self.host.is_some() {
+            self.host = Some(offload::load_host(OP, &self.groups.params, &NAMES, state)?);
+            self.param_steps = param_steps;
+            self.steps = steps;
+            return Ok(());
+        }
         let moments = load_moments(self, state)?;
         if self.table.is_none() && moments.iter().any(|m| matches!(m, Some(Moments::Q8(_)))) {
             self.table = Some(quant8::table(self.groups.params[0].device())?);

@@ -18,6 +18,7 @@
 //! **While planning** nothing is read or written: the device holds no optimizer state, so the
 //! step allocates nothing there and the plan is exact without running it.
 
+use super::{HostTensorState, OptimizerState};
 use crate::kernels::optim::AdamWCoefficients;
 use crate::{Error, Result, Tensor};
 use std::sync::mpsc::sync_channel;
@@ -39,6 +40,104 @@ pub(crate) struct HostState {
     pub master: Vec<f32>,
     pub m: Vec<f32>,
     pub v: Vec<f32>,
+}
+
+impl HostState {
+    /// Zero moments; the master weights are read from the device at the first update.
+    pub fn zeros(n: usize) -> HostState {
+        HostState {
+            master: Vec::new(),
+            m: vec![0.0; n],
+            v: vec![0.0; n],
+        }
+    }
+}
+
+/// The moments of each parameter that has them, named `"{i}.{names[k]}"` (the names of
+/// AdamW's device state, so a checkpoint is the same file either way).
+pub(crate) fn host_state(
+    params: &[Tensor],
+    host: &[Option<HostState>],
+    names: &[&str; 2],
+) -> Vec<HostTensorState> {
+    let mut out = Vec::new();
+    for (i, st) in host.iter().enumerate() {
+        if let Some(st) = st {
+            for (name, values) in names.iter().zip([&st.m, &st.v]) {
+                out.push(HostTensorState {
+                    name: format!("{i}.{name}"),
+                    dims: params[i].dims().to_vec(),
+                    values: values.clone(),
+                });
+            }
+        }
+    }
+    out
+}
+
+/// Host state from a loaded [`OptimizerState`]'s `host` entries, checked against `params`:
+/// both moments of a parameter's shape, or none. Master weights are read again from the
+/// parameters at the next update (the checkpoint's model is loaded into them).
+pub(crate) fn load_host(
+    op: &'static str,
+    params: &[Tensor],
+    names: &[&str; 2],
+    state: OptimizerState,
+) -> Result<Vec<Option<HostState>>> {
+    let invalid = |reason: String| Error::InvalidArgument { op, reason };
+    if state.param_steps.len() != params.len() {
+        return Err(invalid(format!(
+            "the state has steps for {} parameters, the optimizer has {}",
+            state.param_steps.len(),
+            params.len()
+        )));
+    }
+    if let Some((k, _)) = state.tensors.first() {
+        return Err(invalid(format!(
+            "device state tensor '{k}' given to an optimizer with its state in host memory"
+        )));
+    }
+    if let Some(c) = state.codes.first() {
+        return Err(invalid(format!(
+            "8-bit state '{}' given to an optimizer with f32 state in host memory",
+            c.name
+        )));
+    }
+    let mut slots: Vec<[Option<Vec<f32>>; 2]> = vec![Default::default(); params.len()];
+    for h in state.host {
+        let parsed = h.name.split_once('.').and_then(|(i, name)| {
+            let i: usize = i.parse().ok()?;
+            let j = names.iter().position(|n| *n == name)?;
+            (i < params.len()).then_some((i, j))
+        });
+        let Some((i, j)) = parsed else {
+            return Err(invalid(format!("unknown state tensor '{}'", h.name)));
+        };
+        if h.dims != params[i].dims() || h.values.len() != params[i].numel() {
+            return Err(Error::Shape {
+                op,
+                lhs: params[i].dims().to_vec(),
+                rhs: h.dims,
+                reason: format!("state tensor '{}' does not fit its parameter", h.name),
+            });
+        }
+        if slots[i][j].replace(h.values).is_some() {
+            return Err(invalid(format!("state tensor '{}' given twice", h.name)));
+        }
+    }
+    slots
+        .into_iter()
+        .enumerate()
+        .map(|(i, [m, v])| match (m, v) {
+            (Some(m), Some(v)) => Ok(Some(HostState {
+                master: Vec::new(),
+                m,
+                v,
+            })),
+            (None, None) => Ok(None),
+            _ => Err(invalid(format!("parameter {i} has only part of its state"))),
+        })
+        .collect()
 }
 
 /// AdamW on host slices of equal length, as shaders/include/adamw.wgsl computes it.

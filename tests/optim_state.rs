@@ -1,18 +1,28 @@
+//! Optimizer state that takes less device memory.
+//!
 //! 8-bit AdamW (`AdamW::eight_bit`): the map against bitsandbytes' formula; the device's
 //! block-wise quantize / dequantize against a plain-loop host reference bit for bit (sizes 1,
 //! odd, a partial last block, just under and over 4096, a block of zeros, f16 input); one fused
 //! update against a host reference of the whole 8-bit step (f32 and f16 gradients, scalar and
 //! quad paths); small tensors keeping f32 state; a short digits run against f32 AdamW with the
 //! planner's peak equal to the measured one; checkpoint resume exact; errors.
+//!
+//! Optimizer offload (`AdamW::offload`, `TrainerConfig::offload_optimizer`): the host update
+//! against the device's over several chunks (f32 and f16 gradients); the trainer with micro-batches and
+//! mixed precision against the on-device run, loss by loss; nothing on the device, the host
+//! bytes in the plan and the summary; checkpoints both ways; combinations it cannot serve.
 
 mod common;
 
 use common::*;
 use fitgrad::checkpoint::{self, TrainingState};
 use fitgrad::nn::{Activation, Mlp, Module};
+use fitgrad::optim::offload::{CHUNK, HOST_BYTES_PER_ELEMENT};
 use fitgrad::optim::quant8::{dynamic_map, f32_adamw_state_bytes, midpoints, BLOCK, MIN_NUMEL};
+use fitgrad::optim::Sgd;
 use fitgrad::optim::{AdamW, Optimizer, Quantized};
 use fitgrad::train::data::{self, Dataset};
+use fitgrad::train::Precision;
 use fitgrad::train::{Trainer, TrainerConfig};
 use fitgrad::{DType, Device, Error, Tensor};
 
@@ -453,7 +463,7 @@ fn checkpoint_resume_is_exact() {
     let Some(dev) = devices().into_iter().next() else {
         return;
     };
-    let dir = std::env::temp_dir().join(format!("fitgrad-8bit-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("fitgrad-8bit-ckpt-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("ckpt.safetensors");
     // fc1 is 80 x 64 = 5120 weights: 8-bit; fc2 64 x 3: f32.
@@ -546,4 +556,214 @@ fn checkpoint_resume_is_exact() {
         "{e}"
     );
     std::fs::remove_dir_all(&dir).ok();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Optimizer offload
+// ---------------------------------------------------------------------------------------------
+
+/// max |a - b| / max |b|.
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs() as f64)).max(1e-30);
+    let diff = a
+        .iter()
+        .zip(b)
+        .fold(0f64, |m, (x, y)| m.max((x - y).abs() as f64));
+    diff / scale
+}
+
+/// Two parameters (one over two chunks, one small) stepped by on-device and offloaded AdamW on
+/// the same gradients, f32 and f16: the host loop computes the shader's formula.
+#[test]
+fn host_update_matches_the_device_kernel() {
+    let Some(dev) = devices().into_iter().next() else {
+        return;
+    };
+    let sizes = [CHUNK + 1001, 7];
+    let mut runs = Vec::new();
+    for offload in [false, true] {
+        let params: Vec<Tensor> = sizes
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| {
+                Tensor::from_slice(&dev, &host_data(20 + k as u64, n, -1.0, 1.0), &[n])
+                    .unwrap()
+                    .with_requires_grad()
+            })
+            .collect();
+        let opt = AdamW::new(params.clone(), 1e-2)
+            .unwrap()
+            .weight_decay(0.1)
+            .unwrap();
+        let mut opt = if offload { opt.offload().unwrap() } else { opt };
+        assert_eq!(opt.is_offloaded(), offload);
+        for t in 0..3u64 {
+            for (k, (p, &n)) in params.iter().zip(&sizes).enumerate() {
+                let g = host_data(40 + 10 * t + k as u64, n, -1.0, 1.0);
+                // Mixed precision's f16 gradients on the last step.
+                let gdt = if t == 2 { DType::F16 } else { DType::F32 };
+                p.set_grad(Some(upload(&dev, &as_dtype(&g, gdt), &[n], gdt)))
+                    .unwrap();
+            }
+            opt.step().unwrap();
+        }
+        if offload {
+            assert_eq!(opt.state_bytes(), 0, "no optimizer state on the device");
+            assert!(opt.state_tensors().is_empty());
+            let n: usize = sizes.iter().sum();
+            assert_eq!(opt.host_bytes(), n as u64 * HOST_BYTES_PER_ELEMENT);
+        }
+        let values: Vec<Vec<f32>> = params.iter().map(|p| p.to_vec::<f32>().unwrap()).collect();
+        let state = opt.state();
+        let moments: Vec<Vec<f32>> = if offload {
+            state.host.iter().map(|h| h.values.clone()).collect()
+        } else {
+            state
+                .tensors
+                .iter()
+                .map(|(_, t)| t.to_vec::<f32>().unwrap())
+                .collect()
+        };
+        runs.push((values, moments));
+    }
+    for k in 0..sizes.len() {
+        let r = rel(&runs[1].0[k], &runs[0].0[k]);
+        assert!(r <= 1e-6, "parameter {k}: host vs device {r:e}");
+    }
+    assert_eq!(runs[1].1.len(), runs[0].1.len());
+    for (k, (a, b)) in runs[1].1.iter().zip(&runs[0].1).enumerate() {
+        assert!(rel(a, b) <= 1e-6, "moment {k}: {:e}", rel(a, b));
+    }
+}
+
+fn offload_trainer(dev: &Device, train: &Dataset, offload: bool, mixed: bool) -> Trainer<Mlp> {
+    let model = Mlp::new(dev, &[train.dim, 48, train.classes], Activation::Relu, SEED).unwrap();
+    let opt = Box::new(AdamW::new(model.parameters(), 3e-3).unwrap());
+    let precision = if mixed {
+        Precision::Mixed
+    } else {
+        Precision::F32
+    };
+    let config = TrainerConfig::default()
+        .batch_size(32)
+        .micro_batch(8)
+        .lr(3e-3)
+        .precision(precision)
+        .offload_optimizer(offload);
+    Trainer::new(model, opt, config).unwrap()
+}
+
+/// Four steps of four micro-batches each, f32 and mixed precision: the offloaded trainer's
+/// losses and weights equal the on-device ones within 1e-5 relative; the device holds no
+/// optimizer state and the plan and summary show the host bytes.
+#[test]
+fn offloaded_training_matches_the_device() {
+    let Some(dev) = fresh_device(Default::default()) else {
+        return;
+    };
+    let (train, _) = digits();
+    for mixed in [false, true] {
+        let mut runs = Vec::new();
+        for offload in [false, true] {
+            let mut t = offload_trainer(&dev, &train, offload, mixed);
+            let mut losses = Vec::new();
+            for s in 0..4usize {
+                let idx: Vec<usize> = (32 * s..32 * (s + 1)).collect();
+                t.step(&train, &idx).unwrap();
+                losses.push(t.take_loss().unwrap());
+            }
+            if offload {
+                let n = t.model.num_parameters() as u64;
+                let plan = t.plan(&train).unwrap();
+                assert_eq!(plan.optimizer_state, 0, "mixed {mixed}");
+                assert_eq!(plan.host_bytes, n * HOST_BYTES_PER_ELEMENT);
+                let summary = t.memory_summary();
+                assert_eq!(summary.optimizer_state_bytes, 0);
+                assert_eq!(summary.host_bytes, n * HOST_BYTES_PER_ELEMENT);
+                assert!(summary.to_string().contains("host memory"));
+            }
+            runs.push((losses, param_values(&t.model)));
+        }
+        for (s, (a, b)) in runs[1].0.iter().zip(&runs[0].0).enumerate() {
+            assert!(
+                ((a - b) / b).abs() <= 1e-5,
+                "mixed {mixed} step {s}: loss {a} vs {b}"
+            );
+        }
+        for (k, (a, b)) in runs[1].1.iter().zip(&runs[0].1).enumerate() {
+            assert!(
+                rel(a, b) <= 1e-5,
+                "mixed {mixed} param {k}: {:e}",
+                rel(a, b)
+            );
+        }
+    }
+}
+
+/// An offloaded run saved and resumed offloaded gives the same bits as going on; the file is
+/// the on-device AdamW's (same names), and loads into it too.
+#[test]
+fn offloaded_checkpoints_resume_exactly() {
+    let Some(dev) = devices().into_iter().next() else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("fitgrad-offload-ckpt-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("ckpt.safetensors");
+    let build = |seed, offload: bool| {
+        let m = Mlp::new(&dev, &[80, 64, 3], Activation::Tanh, seed).unwrap();
+        let o = AdamW::new(m.parameters(), 1e-2).unwrap();
+        (m, if offload { o.offload().unwrap() } else { o })
+    };
+    let (a, mut oa) = build(1, true);
+    steps(&a, &mut oa, &dev, 2);
+    checkpoint::save(&path, &a, Some(&oa), &TrainingState::default().step(2)).unwrap();
+    steps(&a, &mut oa, &dev, 2);
+    let ckpt = checkpoint::load(&path).unwrap();
+    assert_eq!(ckpt.metadata["optim.name"], "adamw");
+    assert_eq!(ckpt.tensors["optim.0.exp_avg"].dims, [64, 80]);
+
+    let (b, mut ob) = build(2, true);
+    ckpt.apply_model(&b).unwrap();
+    ckpt.apply_optimizer(&mut ob).unwrap();
+    steps(&b, &mut ob, &dev, 2);
+    assert_eq!(
+        param_values(&a),
+        param_values(&b),
+        "weights after an offloaded resume"
+    );
+
+    let (c, mut oc) = build(3, false);
+    ckpt.apply_model(&c).unwrap();
+    ckpt.apply_optimizer(&mut oc).unwrap();
+    steps(&c, &mut oc, &dev, 2);
+    let r = worst_rel_diff(&param_values(&c), &param_values(&a));
+    assert!(r <= 1e-5, "resumed on the device: {r:e}");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// What offload cannot serve is refused before training: SGD, 8-bit state, f16 parameters.
+#[test]
+fn offload_refuses_what_it_cannot_serve() {
+    let Some(dev) = devices().into_iter().next() else {
+        return;
+    };
+    let model = || Mlp::new(&dev, &[80, 64, 3], Activation::Relu, 1).unwrap();
+    let invalid = |e: &Error, word: &str| matches!(e, Error::InvalidArgument { reason, .. } if reason.contains(word));
+    let config = TrainerConfig::default().offload_optimizer(true);
+    let m = model();
+    let sgd = Box::new(Sgd::new(m.parameters(), 0.1).unwrap());
+    let e = Trainer::new(m, sgd, config.clone()).err().unwrap();
+    assert!(invalid(&e, "sgd"), "{e}");
+    let m = model();
+    let q8 = Box::new(AdamW::new(m.parameters(), 0.1).unwrap().eight_bit());
+    let e = Trainer::new(m, q8, config).err().unwrap();
+    assert!(invalid(&e, "8-bit"), "{e}");
+    let half = Mlp::with_dtype(&dev, &[8, 4], Activation::Relu, DType::F16, 1).unwrap();
+    let e = AdamW::new(half.parameters(), 0.1)
+        .unwrap()
+        .offload()
+        .err()
+        .unwrap();
+    assert!(invalid(&e, "f16"), "{e}");
 }
