@@ -104,7 +104,7 @@ fn spread(seed: u64, n: usize) -> Vec<f32> {
     (0..n)
         .map(|_| {
             let mag = 10f32.powf(r.uniform(-6.0, 0.0)) * r.uniform(0.5, 3.0);
-            if r.next_u64() % 2 == 0 {
+            if r.next_u64().is_multiple_of(2) {
                 mag
             } else {
                 -mag
