@@ -5,6 +5,7 @@ mod attention;
 pub mod autograd;
 mod dropout;
 mod index_select;
+mod inplace;
 mod layer_norm;
 mod layout;
 mod matmul;
