@@ -37,6 +37,7 @@ use fitgrad::cli::{self, MAX_BATCH, MAX_EPOCHS, MAX_LAYERS, MAX_WIDTH};
 use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner};
 use fitgrad::distributed::Job;
 use fitgrad::nn::{self, Dropout, LayerNorm, Linear, Module};
+use fitgrad::optim::quant8::f32_adamw_state_bytes;
 use fitgrad::optim::{AdamW, Optimizer};
 use fitgrad::report::{StepCapture, TrainingReport};
 use fitgrad::train::data::{self, Dataset};
@@ -84,6 +85,14 @@ pub struct Args {
     /// AdamW learning rate.
     #[arg(long, default_value_t = 1e-3, allow_negative_numbers = true)]
     lr: f64,
+    /// adamw, or adamw8bit (both moments in 8 bits for tensors of 4096 elements or more).
+    #[arg(long, default_value = "adamw", value_parser = ["adamw", "adamw8bit"])]
+    optimizer: String,
+    /// none, or optimizer: f32 master weights and AdamW's state in host memory (the device
+    /// keeps parameters and gradients; each step reads the gradients back and uploads the
+    /// parameters).
+    #[arg(long, default_value = "none", value_parser = ["none", "optimizer"])]
+    offload: String,
     /// Seeds the weights, dropout masks, data split and order.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -436,7 +445,9 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
     };
 
     let lr = args.lr as f32;
-    let config = TrainerConfig::new(args.batch_size, args.accum_steps, lr).precision(precision);
+    let config = TrainerConfig::new(args.batch_size, args.accum_steps, lr)
+        .precision(precision)
+        .offload_optimizer(args.offload == "optimizer");
     // The model is built inside the budget logic: a budget too small for the model itself
     // gets the smallest budget that works, as one too small for a step does.
     let build = || {
@@ -449,7 +460,12 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
             args.dropout as f32,
             args.seed,
         )?;
-        let optimizer: Box<dyn Optimizer> = Box::new(AdamW::new(model.parameters(), lr)?);
+        let adamw = AdamW::new(model.parameters(), lr)?;
+        let optimizer: Box<dyn Optimizer> = if args.optimizer == "adamw8bit" {
+            Box::new(adamw.eight_bit())
+        } else {
+            Box::new(adamw)
+        };
         Trainer::new(model, optimizer, config.clone())
     };
     let mut trainer = Trainer::build_within_budget(&device, &train, build)?;
@@ -553,7 +569,7 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
                 trainer.model.num_parameters()
             ),
         ),
-        ("optimizer", format!("AdamW lr {}", args.lr)),
+        ("optimizer", format!("{} lr {}", args.optimizer, args.lr)),
         ("epochs", epochs.to_string()),
         (
             "batch",
@@ -746,10 +762,16 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
             "accum_steps": args.accum_steps,
             "micro_batch": trainer.micro_batch(),
             "lr": args.lr,
+            "optimizer": args.optimizer,
+            "optimizer_state_bytes": summary.optimizer_state_bytes,
+            "offload": args.offload,
+            "host_bytes": summary.host_bytes,
+            "optimizer_state_bytes_f32": f32_adamw_state_bytes(&trainer.model.parameters()),
             "precision": args.precision,
             "seed": args.seed,
             "memory_budget": budget,
             "planned_peak_bytes": plan.peak,
+            "planned_host_bytes": plan.host_bytes,
             "planned_peak_reserved": plan.peak_reserved,
             "planned_run_peak_reserved": run_plan.peak_reserved,
             "peak_bytes_in_use": run.peak_bytes_in_use,

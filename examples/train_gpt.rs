@@ -19,6 +19,7 @@ use fitgrad::checkpoint::Expect;
 use fitgrad::cli::{self, MAX_BATCH, MAX_LAYERS, MAX_SAMPLE_LEN, MAX_STEPS, MAX_WIDTH};
 use fitgrad::distributed::Job;
 use fitgrad::nn::{AttentionKind, Gpt, GptConfig, Module};
+use fitgrad::optim::quant8::f32_adamw_state_bytes;
 use fitgrad::optim::{decay_groups, AdamW, LrSchedule};
 use fitgrad::report::{StepCapture, TrainingReport};
 use fitgrad::train::text::{TextCorpus, TextDataset};
@@ -67,6 +68,14 @@ pub struct Args {
     /// AdamW learning rate.
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f32,
+    /// adamw, or adamw8bit (both moments in 8 bits for tensors of 4096 elements or more).
+    #[arg(long, default_value = "adamw", value_parser = ["adamw", "adamw8bit"])]
+    pub optimizer: String,
+    /// none, or optimizer: f32 master weights and AdamW's state in host memory (the device
+    /// keeps parameters and gradients; each step reads the gradients back and uploads the
+    /// parameters).
+    #[arg(long, default_value = "none", value_parser = ["none", "optimizer"])]
+    pub offload: String,
     /// Cosine decay to 10% with 5% linear warm-up instead of a constant learning rate.
     #[arg(long)]
     pub cosine: bool,
@@ -452,12 +461,16 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
     let mut config = TrainerConfig::new(args.batch_size, args.accum_steps, args.lr);
     config.schedule = schedule;
     config.precision = setup.precision;
+    config.offload_optimizer = args.offload == "optimizer";
     config.clip_grad_norm = (args.clip_grad_norm > 0.0).then_some(args.clip_grad_norm);
     let build = || {
         let model = Gpt::new(device, setup.cfg.clone())?;
         // No weight decay on biases, LayerNorms and embeddings' rank-1 parameters.
         let groups = decay_groups(model.named_parameters(), 0.1);
-        let optimizer = AdamW::with_groups(groups, args.lr)?.betas(0.9, 0.95)?;
+        let mut optimizer = AdamW::with_groups(groups, args.lr)?.betas(0.9, 0.95)?;
+        if args.optimizer == "adamw8bit" {
+            optimizer = optimizer.eight_bit();
+        }
         Trainer::new(model, Box::new(optimizer), config.clone())
     };
     let (mut trainer, choice) = if setup.fit_auto {
@@ -621,7 +634,8 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         (
             "optimizer",
             format!(
-                "AdamW lr {}{}",
+                "{} lr {}{}",
+                args.optimizer,
                 args.lr,
                 if args.cosine { ", cosine" } else { "" }
             ),
@@ -827,6 +841,11 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             "context": cfg.context,
             "params": trainer.model.num_parameters(),
             "lr": args.lr,
+            "optimizer": args.optimizer,
+            "optimizer_state_bytes": summary.optimizer_state_bytes,
+            "offload": args.offload,
+            "host_bytes": summary.host_bytes,
+            "optimizer_state_bytes_f32": f32_adamw_state_bytes(&trainer.model.parameters()),
             "steps": trainer.steps(),
             "skipped_steps": skipped,
             "batch_size": args.batch_size,
@@ -837,6 +856,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             "memory_budget": setup.budget,
             "fit": fit_json,
             "planned_peak_bytes": plan.peak,
+            "planned_host_bytes": plan.host_bytes,
             "planned_peak_reserved": plan.peak_reserved,
             "seed": args.seed,
             "train_loss": train_loss,

@@ -12,6 +12,7 @@ use fitgrad::cli::{self, MAX_BATCH, MAX_EPOCHS};
 use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner, QuantizedMlp};
 use fitgrad::distributed::Job;
 use fitgrad::nn::{Activation, Mlp, Module};
+use fitgrad::optim::quant8::f32_adamw_state_bytes;
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
 use fitgrad::report::{StepCapture, TrainingReport};
 use fitgrad::train::data;
@@ -47,9 +48,14 @@ pub struct Args {
     /// Learning rate (default: 1e-3 for adamw, 0.05 for sgd).
     #[arg(long)]
     lr: Option<f32>,
-    /// adamw or sgd (sgd uses momentum 0.9).
+    /// adamw, adamw8bit (both moments in 8 bits) or sgd (sgd uses momentum 0.9).
     #[arg(long, default_value = "adamw")]
     optimizer: String,
+    /// none, or optimizer: f32 master weights and AdamW's state in host memory (the device
+    /// keeps parameters and gradients; each step reads the gradients back and uploads the
+    /// parameters).
+    #[arg(long, default_value = "none", value_parser = ["none", "optimizer"])]
+    offload: String,
     /// relu, gelu, tanh or sigmoid.
     #[arg(long, default_value = "relu")]
     activation: String,
@@ -216,9 +222,9 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     .collect();
     cli::check_paths(&inputs, &outputs, &[("--save", "--resume")])?;
     let reporting = args.report.is_some() || args.report_json.is_some();
-    if !matches!(args.optimizer.as_str(), "adamw" | "sgd") {
+    if !matches!(args.optimizer.as_str(), "adamw" | "adamw8bit" | "sgd") {
         return Err(invalid(format!(
-            "unknown optimizer '{}' (adamw or sgd)",
+            "unknown optimizer '{}' (adamw, adamw8bit or sgd)",
             args.optimizer
         )));
     }
@@ -315,6 +321,7 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         .schedule(schedule)
         .precision(precision);
     config.clip_grad_norm = args.clip_grad_norm;
+    config.offload_optimizer = args.offload == "optimizer";
     // The model is built inside the budget logic: a budget too small for the model itself gets
     // the smallest budget that works, like one too small for a step.
     let build = || {
@@ -323,6 +330,8 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         let params = model.parameters();
         let optimizer: Box<dyn Optimizer> = if args.optimizer == "sgd" {
             Box::new(Sgd::new(params, lr)?.momentum(0.9)?)
+        } else if args.optimizer == "adamw8bit" {
+            Box::new(AdamW::new(params, lr)?.eight_bit())
         } else {
             Box::new(AdamW::new(params, lr)?)
         };
@@ -686,6 +695,7 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
             "checkpoint_activations": trainer.model.checkpoint_activations,
             "memory_budget": budget,
             "planned_peak_bytes": plan.peak,
+            "planned_host_bytes": plan.host_bytes,
             "planned_peak_reserved": plan.peak_reserved,
             "skipped_steps": trainer.scaler().map_or(0, |s| s.skipped_steps()),
             "seed": args.seed,
@@ -703,6 +713,9 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
             "buffers_created": run.buffers_created,
             "parameter_bytes": summary.parameter_bytes,
             "optimizer_state_bytes": summary.optimizer_state_bytes,
+            "offload": args.offload,
+            "host_bytes": summary.host_bytes,
+            "optimizer_state_bytes_f32": f32_adamw_state_bytes(&trainer.model.parameters()),
             "steps": trainer.steps(),
             "train_seconds": train_secs,
             "samples_per_s": samples_per_s,

@@ -135,6 +135,22 @@ pub enum Error {
         budget: Option<u64>,
     },
 
+    /// Host memory is short of what an offload keeps there (checked before training starts,
+    /// against MemAvailable of /proc/meminfo).
+    #[error(
+        "{what} needs {} of host memory, and only {} is available (MemAvailable in /proc/meminfo). \
+         Free host memory, or keep the optimizer state on the device (8-bit AdamW takes a quarter of it)",
+        Bytes(*.needed), Bytes(*.available)
+    )]
+    HostMemory {
+        /// What needs it (optimizer offload).
+        what: String,
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes available.
+        available: u64,
+    },
+
     /// A memory budget too small for even the smallest configuration (a micro-batch of one).
     #[error(
         "the memory budget of {} is too small: {what} needs at least {}. \

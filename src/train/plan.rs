@@ -50,6 +50,9 @@ pub struct Plan {
     pub new_buffers: u64,
     /// The op being recorded at the peak, with the phase of the step.
     pub peak_op: Option<String>,
+    /// Host memory the optimizer keeps (optimizer offload), beside the device figures.
+    #[serde(default)]
+    pub host_bytes: u64,
     /// Samples per forward/backward.
     pub micro_batch: usize,
     /// Micro-batches per optimizer step.
@@ -75,6 +78,13 @@ impl fmt::Display for Plan {
         writeln!(f, "  peak reserved     {:>12}", Bytes(self.peak_reserved))?;
         if let Some(op) = &self.peak_op {
             writeln!(f, "  peak reached at   {op}")?;
+        }
+        if self.host_bytes > 0 {
+            writeln!(
+                f,
+                "  host memory       {:>12} (optimizer offload)",
+                Bytes(self.host_bytes)
+            )?;
         }
         if self.all_reduce_buffer > 0 {
             writeln!(
@@ -210,6 +220,7 @@ impl<M: Module> Trainer<M> {
             peak_reserved: stats.peak_bytes_reserved,
             new_buffers: stats.buffers_created - before.buffers_created,
             peak_op: stats.peak_op.clone(),
+            host_bytes: self.optimizer.host_bytes(),
             micro_batch: self.micro,
             micro_batches: self.share(n).len().div_ceil(self.micro),
         }

@@ -56,6 +56,10 @@ pub struct TrainerConfig {
     /// Clip the gradients' total L2 norm to this before each update (torch's
     /// `clip_grad_norm_`, after loss scaling is undone), on the GPU without a readback.
     pub clip_grad_norm: Option<f32>,
+    /// Keep the optimizer's master weights and state in host memory
+    /// ([`Optimizer::offload_to_host`]; AdamW's [`offload`](crate::optim::AdamW::offload)):
+    /// the device holds only parameters and gradients.
+    pub offload_optimizer: bool,
     /// Loss scaling: more steps than this skipped in a row for overflowing gradients stops
     /// training with [`Error::NonFinite`] (the weights or the loss have blown up, and every
     /// later step would be skipped too), once the scale is also below 65,536 / 2^this; 0 never
@@ -75,6 +79,7 @@ impl Default for TrainerConfig {
             precision: Precision::F32,
             check_finite_every: 1,
             clip_grad_norm: None,
+            offload_optimizer: false,
             max_skipped_in_a_row: 24,
         }
     }
@@ -134,6 +139,13 @@ impl TrainerConfig {
         self
     }
 
+    /// Keeps the optimizer's master weights and state in host memory (see
+    /// [`TrainerConfig::offload_optimizer`]).
+    pub fn offload_optimizer(mut self, on: bool) -> Self {
+        self.offload_optimizer = on;
+        self
+    }
+
     /// Clips the gradients' total L2 norm to `max_norm` before each update.
     pub fn clip_grad_norm(mut self, max_norm: f32) -> Self {
         self.clip_grad_norm = Some(max_norm);
@@ -174,7 +186,7 @@ pub struct Trainer<M> {
 impl<M: Module> Trainer<M> {
     /// A trainer for `model`, whose parameters `optimizer` updates. The parameters' dtype must
     /// be the precision's (f16 for [`Precision::F16`], else f32).
-    pub fn new(model: M, optimizer: Box<dyn Optimizer>, config: TrainerConfig) -> Result<Self> {
+    pub fn new(model: M, mut optimizer: Box<dyn Optimizer>, config: TrainerConfig) -> Result<Self> {
         let invalid = |reason: String| {
             Err(Error::InvalidArgument {
                 op: "Trainer::new",
@@ -220,6 +232,9 @@ impl<M: Module> Trainer<M> {
             .micro_batch
             .unwrap_or(config.batch_size)
             .min(config.batch_size);
+        if config.offload_optimizer {
+            optimizer.offload_to_host()?;
+        }
         let scaler = (config.precision == Precision::Mixed).then(GradScaler::new);
         Ok(Trainer {
             model,
@@ -326,11 +341,13 @@ impl<M: Module> Trainer<M> {
         let parameter_bytes = self.model.parameter_bytes();
         let gradient_bytes = parameter_bytes;
         let optimizer_state_bytes = self.optimizer.state_bytes();
+        let host_bytes = self.optimizer.host_bytes();
         let fixed = parameter_bytes + gradient_bytes + optimizer_state_bytes;
         MemorySummary {
             parameter_bytes,
             gradient_bytes,
             optimizer_state_bytes,
+            host_bytes,
             activation_bytes: stats.peak_bytes_in_use.saturating_sub(fixed),
             stats,
         }
