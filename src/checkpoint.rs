@@ -283,7 +283,8 @@ impl Checkpoint {
             }
             Ok(())
         };
-        for (name, t) in model.named_parameters() {
+        // Buffers (batch norm's running statistics) are saved beside the parameters.
+        for (name, t) in model.named_parameters().into_iter().chain(model.named_buffers()) {
             put(format!("{MODEL_PREFIX}{name}"), &t)?;
         }
         let m = &mut c.metadata;
@@ -478,7 +479,8 @@ impl Checkpoint {
     /// written unless all of them fit.
     pub fn apply_model(&self, model: &dyn Module) -> Result<()> {
         let prefix = self.model_prefix();
-        let params = model.named_parameters();
+        let mut params = model.named_parameters();
+        params.extend(model.named_buffers());
         let mut missing = Vec::new();
         let mut plan = Vec::new();
         for (name, p) in &params {

@@ -2,7 +2,9 @@
 //! row-major; `reshape` shares the block, every op writes a new one.
 
 mod attention;
+mod batch_norm;
 pub mod autograd;
+mod conv;
 mod dropout;
 mod index_select;
 mod layer_norm;
@@ -10,6 +12,7 @@ mod layout;
 mod matmul;
 mod operand;
 mod ops;
+mod pool;
 mod random;
 mod select;
 mod softmax;
@@ -18,6 +21,8 @@ pub use crate::dtype::{DType, Element};
 pub use crate::kernels::matmul::Variant as MatmulVariant;
 pub use crate::shape::{Shape, MAX_RANK};
 pub use attention::{AttentionKind, AttentionOptions};
+pub use batch_norm::BatchNormOptions;
+pub use conv::Conv2dOptions;
 pub use matmul::MatmulOptions;
 pub use random::Rng;
 pub use softmax::SoftmaxOptions;
