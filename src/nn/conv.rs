@@ -7,6 +7,7 @@ use super::Module;
 use crate::tensor::autograd;
 use crate::{BatchNormOptions, Conv2dOptions, DType, Device, Error, Result, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 /// `t` in `dtype` (a recorded cast where it differs).
 fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
@@ -100,7 +101,8 @@ impl Module for Conv2d {
 /// the running mean and (unbiased) variance move, in eval the running ones normalize. The
 /// running statistics are f32 buffers (`running_mean`, `running_var`; zeros and ones at the
 /// start): saved in checkpoints, given no gradient. Statistics mix the samples of a batch, so
-/// micro-batches change them, as they do in torch.
+/// micro-batches change them, as they do in torch. Clones share the tensors and the mode.
+#[derive(Clone)]
 pub struct BatchNorm2d {
     /// (C), ones.
     pub weight: Tensor,
@@ -114,7 +116,7 @@ pub struct BatchNorm2d {
     pub momentum: f32,
     /// Added to the variance before the square root.
     pub eps: f32,
-    training: AtomicBool,
+    training: Arc<AtomicBool>,
 }
 
 impl BatchNorm2d {
@@ -134,7 +136,7 @@ impl BatchNorm2d {
             running_var: Tensor::ones(device, &[channels], f)?,
             momentum: 0.1,
             eps: 1e-5,
-            training: AtomicBool::new(true),
+            training: Arc::new(AtomicBool::new(true)),
         })
     }
 

@@ -1,6 +1,6 @@
 //! conv2d (NCHW): options, validation and autograd here; the implicit-GEMM kernels in
 //! src/kernels/conv2d.rs. A 1x1 convolution without stride, padding or groups is a matmul and
-//! runs as one.
+//! runs as one (but for an f16 one with a bias, which the kernel adds before rounding).
 
 use super::operand::staged_f32;
 use super::{DType, Shape, Tensor};
@@ -202,7 +202,10 @@ impl Tensor {
     ) -> Result<Tensor> {
         const OP: &str = "conv2d";
         let geo = geometry(self, weight, bias, opts)?;
-        if geo.kh == 1 && geo.kw == 1 && geo.stride == [1, 1] && geo.padding == [0, 0] && geo.groups == 1 {
+        // An f16 bias added after the matmul would round twice; the kernel adds it in f32.
+        let one_rounding = bias.is_none() || self.dtype() == DType::F32;
+        let pointwise = geo.kh == 1 && geo.kw == 1 && geo.stride == [1, 1] && geo.padding == [0, 0];
+        if pointwise && geo.groups == 1 && one_rounding {
             return self.conv1x1(weight, bias, &geo);
         }
         let dev = self.device();
