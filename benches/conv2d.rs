@@ -47,7 +47,12 @@ fn bench(c: &mut Criterion) {
                 let before = dev.memory_stats().bytes_in_use;
                 dev.reset_peak();
                 let y = xg.conv2d(&wg, None, &opts).unwrap();
-                y.to_dtype(DType::F32).unwrap().sum().unwrap().backward().unwrap();
+                y.to_dtype(DType::F32)
+                    .unwrap()
+                    .sum()
+                    .unwrap()
+                    .backward()
+                    .unwrap();
                 dev.sync().unwrap();
                 let peak = dev.memory_stats().peak_bytes_in_use - before;
                 eprintln!(
@@ -78,7 +83,12 @@ fn bench(c: &mut Criterion) {
                     let xg = x.clone().with_requires_grad();
                     let wg = w.clone().with_requires_grad();
                     let y = xg.conv2d(&wg, None, &opts).unwrap();
-                    y.to_dtype(DType::F32).unwrap().sum().unwrap().backward().unwrap();
+                    y.to_dtype(DType::F32)
+                        .unwrap()
+                        .sum()
+                        .unwrap()
+                        .backward()
+                        .unwrap();
                     dev.sync().unwrap();
                 })
             });
@@ -87,7 +97,12 @@ fn bench(c: &mut Criterion) {
                     let a = wm.clone().with_requires_grad();
                     let bm = cols.clone().with_requires_grad();
                     let y = a.matmul(&bm).unwrap();
-                    y.to_dtype(DType::F32).unwrap().sum().unwrap().backward().unwrap();
+                    y.to_dtype(DType::F32)
+                        .unwrap()
+                        .sum()
+                        .unwrap()
+                        .backward()
+                        .unwrap();
                     dev.sync().unwrap();
                 })
             });

@@ -186,7 +186,15 @@ impl ResBlock {
             vec![]
         } else {
             vec![Downsample {
-                conv: Conv2d::new(dev, cin, cout, 1, Conv2dOptions::new().stride(2), false, seed + 2)?,
+                conv: Conv2d::new(
+                    dev,
+                    cin,
+                    cout,
+                    1,
+                    Conv2dOptions::new().stride(2),
+                    false,
+                    seed + 2,
+                )?,
                 norm: Norm::new(dev, group, cout)?,
             }]
         };
@@ -241,7 +249,13 @@ impl ResNet {
             let count = args.blocks + usize::from(first);
             for b in 0..count {
                 let c_in = if b == 0 { cin } else { cout };
-                blocks.push(ResBlock::new(dev, group, c_in, cout, s(100 * stage as u64 + 10 * b as u64))?);
+                blocks.push(ResBlock::new(
+                    dev,
+                    group,
+                    c_in,
+                    cout,
+                    s(100 * stage as u64 + 10 * b as u64),
+                )?);
             }
             cin = cout;
         }
@@ -260,7 +274,11 @@ impl ResNet {
     fn forward_in(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
         let b = x.dims()[0];
         let x = x.reshape(&[b, 1, self.side, self.side])?;
-        let x = if x.dtype() == dtype { x } else { x.to_dtype(dtype)? };
+        let x = if x.dtype() == dtype {
+            x
+        } else {
+            x.to_dtype(dtype)?
+        };
         let mut h = self.stem_norm.forward(&self.stem.forward(&x)?)?.relu()?;
         let ckpt = self.checkpoint.load(Ordering::Relaxed) && autograd::is_grad_enabled();
         for block in &self.blocks {
@@ -349,7 +367,9 @@ fn run(args: Args, dist: &Job) -> Result<()> {
         n => return Err(invalid(format!("--norm batch or group, got '{n}'"))),
     };
     if args.width == 0 || args.batch_size == 0 || args.accum_steps == 0 {
-        return Err(invalid("--width, --batch-size and --accum-steps must be positive".into()));
+        return Err(invalid(
+            "--width, --batch-size and --accum-steps must be positive".into(),
+        ));
     }
     if !(args.lr.is_finite() && args.lr > 0.0) {
         return Err(invalid(format!("--lr must be positive, got {}", args.lr)));
@@ -497,7 +517,13 @@ fn run(args: Args, dist: &Job) -> Result<()> {
         for e in trainer.take_events() {
             say!("  {e}");
         }
-        report.log_epoch(epoch, trainer.steps(), final_loss, train.len() as f64 / secs, secs);
+        report.log_epoch(
+            epoch,
+            trainer.steps(),
+            final_loss,
+            train.len() as f64 / secs,
+            secs,
+        );
         if let (Some(path), true) = (&args.save, root) {
             trainer.save_checkpoint(path, epoch + 1)?;
         }

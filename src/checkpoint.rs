@@ -284,7 +284,11 @@ impl Checkpoint {
             Ok(())
         };
         // Buffers (batch norm's running statistics) are saved beside the parameters.
-        for (name, t) in model.named_parameters().into_iter().chain(model.named_buffers()) {
+        for (name, t) in model
+            .named_parameters()
+            .into_iter()
+            .chain(model.named_buffers())
+        {
             put(format!("{MODEL_PREFIX}{name}"), &t)?;
         }
         let m = &mut c.metadata;

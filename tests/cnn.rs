@@ -11,7 +11,11 @@ use common::*;
 use fitgrad::nn::{AvgPool2d, BatchNorm2d, Conv2d, GroupNorm, MaxPool2d, Module};
 use fitgrad::{BatchNormOptions, Conv2dOptions, DType, Device, DeviceOptions, Error, Tensor};
 
-device_tests!(pools_match_reference, norms_match_reference, cnn_is_bitwise_repeatable);
+device_tests!(
+    pools_match_reference,
+    norms_match_reference,
+    cnn_is_bitwise_repeatable
+);
 
 const EPS: f32 = 1e-5;
 
@@ -58,8 +62,14 @@ impl PoolCase {
         }
         let y0 = (oy * self.s[0]) as i64 - self.p[0] as i64;
         let x0 = (ox * self.s[1]) as i64 - self.p[1] as i64;
-        let ys = [y0.max(0) as usize, ((y0 + self.k[0] as i64) as usize).min(h)];
-        let xs = [x0.max(0) as usize, ((x0 + self.k[1] as i64) as usize).min(w)];
+        let ys = [
+            y0.max(0) as usize,
+            ((y0 + self.k[0] as i64) as usize).min(h),
+        ];
+        let xs = [
+            x0.max(0) as usize,
+            ((x0 + self.k[1] as i64) as usize).min(w),
+        ];
         let div = match self.kind {
             Kind::Avg(false) => ((ys[1] - ys[0]) * (xs[1] - xs[0])) as f64,
             _ => (self.k[0] * self.k[1]) as f64,
@@ -83,10 +93,10 @@ impl PoolCase {
                         .collect();
                     if let Kind::Max = self.kind {
                         // The first largest, rows then columns.
-                        let best = idx
-                            .iter()
-                            .copied()
-                            .fold(idx[0], |b, i| if x[i] > x[b] { i } else { b });
+                        let best =
+                            idx.iter()
+                                .copied()
+                                .fold(idx[0], |b, i| if x[i] > x[b] { i } else { b });
                         y.push(x[best]);
                         route.push(vec![(best, 1.0)]);
                     } else {
@@ -253,7 +263,13 @@ fn ref_group_norm(x: &[f64], w: &[f64], b: &[f64], [n, c, hw]: [usize; 3], g: us
 /// directly, the gradients through an f64 central difference of sum(y g) (a smooth function,
 /// computed here in the test on the same f64 references).
 fn norms_match_reference(dev: &Device) {
-    let cases: &[&[usize]] = &[&[2, 3, 4, 5], &[4, 6, 3, 3], &[3, 4], &[1, 2, 7, 9], &[16, 2, 20, 20]];
+    let cases: &[&[usize]] = &[
+        &[2, 3, 4, 5],
+        &[4, 6, 3, 3],
+        &[3, 4],
+        &[1, 2, 7, 9],
+        &[16, 2, 20, 20],
+    ];
     for &dtype in dtypes(dev) {
         for (k, dims) in cases.iter().enumerate() {
             let [n, c] = [dims[0], dims[1]];
@@ -289,7 +305,11 @@ fn norms_match_reference(dev: &Device) {
             // weight, plus the bias): the roundings are those of |xhat w| <= |y| + |b|.
             check_close_by(&format!("group_norm {what}"), &got, &want, |i| {
                 let mag = want[i].abs() + 2.0 * b_host[(i / hw) % c].abs();
-                let rounding = if dtype == DType::F16 { 3.0 * f16_ulp(mag) } else { 0.0 };
+                let rounding = if dtype == DType::F16 {
+                    3.0 * f16_ulp(mag)
+                } else {
+                    0.0
+                };
                 tol(dtype, want[i]) + 1e-5 * (1.0 + want[i].abs()) + rounding
             })
             .unwrap_or_else(|e| panic!("{e}"));
@@ -316,7 +336,11 @@ fn cnn_gradients_match_finite_differences() {
         check_grads(
             &dev,
             &format!("{c:?}"),
-            &[input(host_data(70 + k as u64, numel(&c.dims), -1.0, 1.0), &c.dims, true)],
+            &[input(
+                host_data(70 + k as u64, numel(&c.dims), -1.0, 1.0),
+                &c.dims,
+                true,
+            )],
             70 + k as u64,
             &|t| c.run(&t[0]),
             &|v| c.reference(&v[0]).0,
@@ -387,8 +411,14 @@ fn batch_norm_running_statistics_follow_torch() {
     let got_m = bn.running_mean.to_vec_f32().unwrap();
     let got_v = bn.running_var.to_vec_f32().unwrap();
     for ch in 0..2 {
-        assert!((got_m[ch] as f64 - mean[ch]).abs() < 1e-6, "{got_m:?} vs {mean:?}");
-        assert!((got_v[ch] as f64 - var[ch]).abs() < 1e-6, "{got_v:?} vs {var:?}");
+        assert!(
+            (got_m[ch] as f64 - mean[ch]).abs() < 1e-6,
+            "{got_m:?} vs {mean:?}"
+        );
+        assert!(
+            (got_v[ch] as f64 - var[ch]).abs() < 1e-6,
+            "{got_v:?} vs {var:?}"
+        );
     }
     assert!((var[0] - 2.535667).abs() < 1e-6 && (var[1] - 1.451667).abs() < 1e-6);
     // Eval: (x - running mean) / sqrt(running var + eps) (weight 1, bias 0); no update.
@@ -397,7 +427,11 @@ fn batch_norm_running_statistics_follow_torch() {
     for (i, &v) in x_host.iter().enumerate() {
         let ch = (i / 2) % 2;
         let want = (v as f64 - mean[ch]) / (var[ch] + EPS as f64).sqrt();
-        assert!((y[i] as f64 - want).abs() < 1e-5, "eval {i}: {} vs {want}", y[i]);
+        assert!(
+            (y[i] as f64 - want).abs() < 1e-5,
+            "eval {i}: {} vs {want}",
+            y[i]
+        );
     }
     assert_eq!(bn.running_mean.to_vec_f32().unwrap(), got_m);
     // Buffers are named, saved beside the parameters, and get no gradient.
@@ -425,7 +459,12 @@ fn cnn_is_bitwise_repeatable(dev: &Device) {
                 .unwrap()
                 .global_avg_pool2d()
                 .unwrap();
-            y.to_dtype(DType::F32).unwrap().sum().unwrap().backward().unwrap();
+            y.to_dtype(DType::F32)
+                .unwrap()
+                .sum()
+                .unwrap()
+                .backward()
+                .unwrap();
             [y.to_vec_f32(), x.grad().unwrap().to_vec_f32()]
                 .map(|v| v.unwrap().into_iter().map(f32::to_bits).collect::<Vec<_>>())
         };
@@ -502,7 +541,12 @@ fn cnn_layers() {
     let names: Vec<String> = conv.named_parameters().into_iter().map(|p| p.0).collect();
     assert_eq!(names, ["weight", "bias"]);
     assert_eq!(conv.weight.dims(), [4, 3, 3, 3]);
-    let x = upload(&dev, &host_data(1, 2 * 3 * 6 * 6, -1.0, 1.0), &[2, 3, 6, 6], DType::F32);
+    let x = upload(
+        &dev,
+        &host_data(1, 2 * 3 * 6 * 6, -1.0, 1.0),
+        &[2, 3, 6, 6],
+        DType::F32,
+    );
     let y = conv.forward(&x).unwrap();
     let f = x
         .conv2d(&conv.weight, conv.bias.as_ref(), &conv.options)
@@ -524,7 +568,12 @@ fn cnn_layers() {
     let xh = x.to_dtype(DType::F16).unwrap();
     let yh = bn.forward(&conv.forward(&xh).unwrap()).unwrap();
     assert_eq!(yh.dtype(), DType::F16);
-    yh.to_dtype(DType::F32).unwrap().sum().unwrap().backward().unwrap();
+    yh.to_dtype(DType::F32)
+        .unwrap()
+        .sum()
+        .unwrap()
+        .backward()
+        .unwrap();
     assert_eq!(conv.weight.grad().unwrap().dtype(), DType::F32);
     assert_eq!(bn.weight.grad().unwrap().dtype(), DType::F32);
     // The running statistics go through a checkpoint with the parameters.

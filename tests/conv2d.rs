@@ -103,10 +103,10 @@ impl Conv {
                         for ci in 0..cg {
                             for ky in 0..self.k[0] {
                                 for kx in 0..self.k[1] {
-                                    let iy = (oy * self.s[0] + ky * self.d[0]) as i64
-                                        - self.p[0] as i64;
-                                    let ix = (ox * self.s[1] + kx * self.d[1]) as i64
-                                        - self.p[1] as i64;
+                                    let iy =
+                                        (oy * self.s[0] + ky * self.d[0]) as i64 - self.p[0] as i64;
+                                    let ix =
+                                        (ox * self.s[1] + kx * self.d[1]) as i64 - self.p[1] as i64;
                                     if iy < 0
                                         || ix < 0
                                         || iy >= self.h as i64
@@ -158,7 +158,13 @@ fn reference(cv: &Conv, x: &[f64], w: &[f64], b: &[f64], g: &[f64]) -> Ref {
     let mut r = Ref {
         y: cv.forward(x, w, cv.bias.then_some(b)),
         y_abs: (0..ny)
-            .map(|i| if cv.bias { b[(i / plane) % cv.oc].abs() } else { 0.0 })
+            .map(|i| {
+                if cv.bias {
+                    b[(i / plane) % cv.oc].abs()
+                } else {
+                    0.0
+                }
+            })
             .collect(),
         dx: vec![0.0; x.len()],
         dx_abs: vec![0.0; x.len()],
@@ -216,7 +222,10 @@ fn check(dev: &Device, dtype: DType, cv: &Conv, seed: u64) -> Result<(), String>
         .conv2d(&w, b.as_ref(), &cv.opts())
         .map_err(|e| format!("{what}: {e}"))?;
     if y.dims() != yd {
-        return Err(format!("{what}: output dims {:?}, expected {yd:?}", y.dims()));
+        return Err(format!(
+            "{what}: output dims {:?}, expected {yd:?}",
+            y.dims()
+        ));
     }
     let r = reference(
         cv,
@@ -350,8 +359,16 @@ fn conv2d_gradients_match_finite_differences() {
     for (k, cv) in cases.iter().enumerate() {
         let seed = 30 + k as u64;
         let inputs = [
-            input(host_data(seed, numel(&cv.x_dims()), -1.0, 1.0), &cv.x_dims(), true),
-            input(host_data(seed ^ 1, numel(&cv.w_dims()), -1.0, 1.0), &cv.w_dims(), true),
+            input(
+                host_data(seed, numel(&cv.x_dims()), -1.0, 1.0),
+                &cv.x_dims(),
+                true,
+            ),
+            input(
+                host_data(seed ^ 1, numel(&cv.w_dims()), -1.0, 1.0),
+                &cv.w_dims(),
+                true,
+            ),
             input(host_data(seed ^ 2, cv.oc, -1.0, 1.0), &[cv.oc], true),
         ];
         let opts = cv.opts();
@@ -376,14 +393,29 @@ fn conv2d_peak_is_inputs_outputs_and_gradients() {
     };
     // x and y are (2, 32, 32, 32) f32, 256 KiB each; the weight 32 x 32 x 3 x 3, 36 KiB.
     let cv = conv(2, 32, [32, 32], 32, [3, 3], 1, 1, 1, 1, true);
-    let x = upload(&dev, &host_data(1, numel(&cv.x_dims()), -1.0, 1.0), &cv.x_dims(), DType::F32)
-        .with_requires_grad();
-    let w = upload(&dev, &host_data(2, numel(&cv.w_dims()), -1.0, 1.0), &cv.w_dims(), DType::F32)
-        .with_requires_grad();
+    let x = upload(
+        &dev,
+        &host_data(1, numel(&cv.x_dims()), -1.0, 1.0),
+        &cv.x_dims(),
+        DType::F32,
+    )
+    .with_requires_grad();
+    let w = upload(
+        &dev,
+        &host_data(2, numel(&cv.w_dims()), -1.0, 1.0),
+        &cv.w_dims(),
+        DType::F32,
+    )
+    .with_requires_grad();
     let b = Tensor::zeros(&dev, &[cv.oc], DType::F32)
         .unwrap()
         .with_requires_grad();
-    let g = upload(&dev, &host_data(3, numel(&cv.y_dims()), -1.0, 1.0), &cv.y_dims(), DType::F32);
+    let g = upload(
+        &dev,
+        &host_data(3, numel(&cv.y_dims()), -1.0, 1.0),
+        &cv.y_dims(),
+        DType::F32,
+    );
     dev.sync().unwrap();
     let before = dev.memory_stats().bytes_in_use;
     dev.reset_peak();
@@ -401,7 +433,10 @@ fn conv2d_peak_is_inputs_outputs_and_gradients() {
         peak <= new + (1 << 20),
         "peak {peak} above the inputs, more than y and the gradients ({new}) + 1 MiB"
     );
-    assert!(im2col > 1 << 20, "the shape must make a column buffer visible");
+    assert!(
+        im2col > 1 << 20,
+        "the shape must make a column buffer visible"
+    );
 }
 
 /// Bad shapes, groups and options are typed errors, raised before anything is allocated.
@@ -445,5 +480,8 @@ fn conv2d_errors_come_before_device_work() {
     assert!(matches!(x.conv2d(&h, None, &o), Err(Error::DType { .. })));
     assert_eq!(dev.memory_stats().allocations, before);
     // A valid call right after still works: padding 1 keeps 5x5.
-    assert_eq!(x.conv2d(&w, None, &o.padding(1)).unwrap().dims(), [1, 6, 5, 5]);
+    assert_eq!(
+        x.conv2d(&w, None, &o.padding(1)).unwrap().dims(),
+        [1, 6, 5, 5]
+    );
 }

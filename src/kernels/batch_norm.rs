@@ -3,8 +3,8 @@
 //! sums (shaders/batch_norm_sums.wgsl) and the input gradient (shaders/batch_norm_dx.wgsl).
 //! x is (N, C, HW); statistics and sums are f32 (2, C).
 
-use super::{pair_groups, Operand, Storage, BATCH_NORM, BATCH_NORM_DX, BATCH_NORM_STATS};
 use super::BATCH_NORM_SUMS;
+use super::{pair_groups, Operand, Storage, BATCH_NORM, BATCH_NORM_DX, BATCH_NORM_STATS};
 use crate::Result;
 
 /// The sizes of one batch norm: x is (n, c, hw).

@@ -143,11 +143,7 @@ pub(crate) fn forward<T: Operand>(
     let s = Storage::of(dev, x.dtype());
     let tm = tile_rows(geo.ocg());
     let m_blocks = geo.ocg().div_ceil(tm);
-    let k = CONV2D_FWD.kernel_with(
-        dev,
-        &[s, s, s, Storage::of(dev, y.dtype())],
-        &consts(tm),
-    )?;
+    let k = CONV2D_FWD.kernel_with(dev, &[s, s, s, Storage::of(dev, y.dtype())], &consts(tm))?;
     let b = bias.unwrap_or(wt);
     dev.dispatch3(
         &k,

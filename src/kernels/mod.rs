@@ -615,7 +615,12 @@ pub const BATCH_NORM_STATS: ShaderFile = ShaderFile {
         include_str!("../../shaders/batch_norm_stats.wgsl")
     ),
     // Without running statistics, stats is bound as rmean and rvar too (never written).
-    bindings: &[("x", false), ("stats", true), ("rmean", true), ("rvar", true)],
+    bindings: &[
+        ("x", false),
+        ("stats", true),
+        ("rmean", true),
+        ("rvar", true),
+    ],
 };
 pub const BATCH_NORM: ShaderFile = ShaderFile {
     name: "batch_norm",
@@ -638,7 +643,12 @@ pub const BATCH_NORM_SUMS: ShaderFile = ShaderFile {
         include_str!("../../shaders/include/batch_norm_channels.wgsl"),
         include_str!("../../shaders/batch_norm_sums.wgsl")
     ),
-    bindings: &[("dy", false), ("x", false), ("stats", false), ("sums", true)],
+    bindings: &[
+        ("dy", false),
+        ("x", false),
+        ("stats", false),
+        ("sums", true),
+    ],
 };
 pub const BATCH_NORM_DX: ShaderFile = ShaderFile {
     name: "batch_norm_dx",

@@ -72,7 +72,12 @@ pub(crate) fn forward<T: Operand>(x: &T, pool: &Pool, out: &T) -> Result<()> {
     let dev = x.device();
     let s = Storage::of(dev, x.dtype());
     let k = POOL2D_FWD.kernel(dev, &[s, s])?;
-    dev.dispatch(&k, &pool.params(n), &[x.block(), out.block()], pair_groups(n))
+    dev.dispatch(
+        &k,
+        &pool.params(n),
+        &[x.block(), out.block()],
+        pair_groups(n),
+    )
 }
 
 /// dx (planes, h, w) = the pooling's input gradient from x and dy (planes, oh, ow); one dtype.

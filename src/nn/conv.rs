@@ -62,8 +62,8 @@ impl Conv2d {
         let fan_in = in_channels / g * kernel * kernel;
         let bound = 1.0 / (fan_in as f32).sqrt();
         let dims = [out_channels, in_channels / g, kernel, kernel];
-        let weight =
-            Tensor::rand_uniform(device, &dims, -bound, bound, seed, DType::F32)?.with_requires_grad();
+        let weight = Tensor::rand_uniform(device, &dims, -bound, bound, seed, DType::F32)?
+            .with_requires_grad();
         let bias = if bias {
             let s = seed ^ 0x9e37_79b9_7f4a_7c15;
             Some(

@@ -48,9 +48,7 @@ fn indexed<'a>(
             } else {
                 m.named_parameters()
             };
-            named
-                .into_iter()
-                .map(move |(n, t)| (format!("{i}.{n}"), t))
+            named.into_iter().map(move |(n, t)| (format!("{i}.{n}"), t))
         })
         .collect()
 }

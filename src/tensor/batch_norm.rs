@@ -53,7 +53,14 @@ fn channels(x: &Tensor, op: &'static str) -> Result<[usize; 3]> {
 }
 
 /// Checks that `t` is (C) with `x`'s device and `dtype`.
-fn per_channel(x: &Tensor, t: &Tensor, c: usize, dtype: DType, op: &'static str, what: &str) -> Result<()> {
+fn per_channel(
+    x: &Tensor,
+    t: &Tensor,
+    c: usize,
+    dtype: DType,
+    op: &'static str,
+    what: &str,
+) -> Result<()> {
     if t.device() != x.device() {
         return Err(Error::DeviceMismatch { op });
     }

@@ -131,10 +131,7 @@ fn geometry(
     let [sh, sw] = opts.stride;
     let [ph, pw] = opts.padding;
     let [dh, dw] = opts.dilation;
-    let (Some(oh), Some(ow)) = (
-        out_size(h, kh, sh, ph, dh),
-        out_size(w, kw, sw, pw, dw),
-    ) else {
+    let (Some(oh), Some(ow)) = (out_size(h, kh, sh, ph, dh), out_size(w, kw, sw, pw, dw)) else {
         return Err(shape_err(
             weight.dims(),
             format!(
@@ -210,11 +207,7 @@ impl Tensor {
         }
         let dev = self.device();
         let dtype = self.dtype();
-        let y = Tensor::uninit(
-            dev,
-            Shape::new(&[geo.n, geo.oc, geo.oh, geo.ow])?,
-            dtype,
-        )?;
+        let y = Tensor::uninit(dev, Shape::new(&[geo.n, geo.oc, geo.oh, geo.ow])?, dtype)?;
         let w = weight.detach();
         staged_f32(&y, needs_f32_staging(dev, dtype, geo.oh * geo.ow), |y| {
             conv2d::forward(self, &w, bias, &geo, y)

@@ -2,8 +2,8 @@
 //! row-major; `reshape` shares the block, every op writes a new one.
 
 mod attention;
-mod batch_norm;
 pub mod autograd;
+mod batch_norm;
 mod conv;
 mod dropout;
 mod index_select;
