@@ -8,7 +8,7 @@
 //! model has few labels of its own, which is where the teacher's soft targets teach most. The
 //! teacher trains with a strong weight decay (`--teacher-weight-decay`), which keeps its logits
 //! moderate: at high T the soft term asks the student to reproduce the teacher's logits, and a
-//! saturated teacher's take many steps to reach. ARCHITECTURE.md has the measurements, with
+//! saturated teacher's take many steps to reach. docs/design-notes.md has the measurements, with
 //! the full training set too.
 //!
 //! It prints the teacher's accuracy, both students' test accuracy after every epoch, the best

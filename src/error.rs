@@ -233,3 +233,11 @@ pub enum Error {
 
 /// `Result` with fitgrad's [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// An [`Error::Data`] naming the file `path`.
+pub(crate) fn data_err(path: &std::path::Path, reason: impl Into<String>) -> Error {
+    Error::Data {
+        path: path.display().to_string(),
+        reason: reason.into(),
+    }
+}

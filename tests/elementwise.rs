@@ -17,7 +17,8 @@ device_tests!(
     relu_keeps_nan,
     division_by_zero_gives_inf_and_nan,
     long_op_chain_crosses_flushes,
-    ops_from_several_threads
+    ops_from_several_threads,
+    in_place_add_and_fill
 );
 
 const DTYPES: [DType; 2] = [DType::F32, DType::F16];
@@ -287,4 +288,37 @@ fn ops_from_several_threads(dev: &Device) {
             });
         }
     });
+}
+
+/// `add_` writes over its own block the bits `add` returns; `fill_` sets every element; both
+/// refuse what would hide a change from autograd or need a broadcast.
+fn in_place_add_and_fill(dev: &Device) {
+    for &dtype in dtypes(dev) {
+        for (i, dims) in [&[0][..], &[1], &[7], &[3, 171]].iter().enumerate() {
+            let n = numel(dims);
+            let a_host = as_dtype(&host_data(40 + i as u64, n, -4.0, 4.0), dtype);
+            let b_host = as_dtype(&host_data(50 + i as u64, n, -4.0, 4.0), dtype);
+            let a = upload(dev, &a_host, dims, dtype);
+            let b = upload(dev, &b_host, dims, dtype);
+            let want = download(&a.add(&b).unwrap(), dims, dtype).unwrap();
+            a.add_(&b).unwrap();
+            let got = download(&a, dims, dtype).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "add_ {dims:?} {dtype}");
+            a.fill_(-2.5).unwrap();
+            assert_eq!(
+                download(&a, dims, dtype).unwrap(),
+                vec![-2.5; n],
+                "fill_ {dims:?}"
+            );
+        }
+        let a = Tensor::zeros(dev, &[3, 4], dtype).unwrap();
+        let wrong = Tensor::zeros(dev, &[4], dtype).unwrap();
+        assert!(matches!(a.add_(&wrong), Err(fitgrad::Error::Shape { .. })));
+        let leaf = Tensor::zeros(dev, &[3], DType::F32)
+            .unwrap()
+            .with_requires_grad();
+        let err = leaf.fill_(1.0).unwrap_err().to_string();
+        assert!(err.contains("detach"), "{err}");
+    }
 }

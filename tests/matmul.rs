@@ -241,7 +241,7 @@ const SAMPLED: [Variant; 4] = [VARIANTS[1], VARIANTS[3], VARIANTS[5], VARIANTS[6
 /// runs once (the naive reference, a skinny and a square register block, a workgroup tile; GL
 /// has no subgroups): the kernels are the same WGSL on every backend, GL's translation of
 /// each construct is covered by one variant of each family, and GL's cold compiles were the
-/// largest part of this file's cold run (ARCHITECTURE.md, the cost of a cold `cargo test`).
+/// largest part of this file's cold run (docs/design-notes.md, the cost of a cold `cargo test`).
 fn fixed_variants(dev: &Device) -> &'static [Variant] {
     const GL: [Variant; 4] = [VARIANTS[0], VARIANTS[1], VARIANTS[2], VARIANTS[5]];
     if dev.info().adapter.wgpu_backend == fitgrad::wgpu::Backend::Gl {

@@ -23,7 +23,7 @@ pub struct DistillConfig {
 }
 
 impl Default for DistillConfig {
-    /// alpha 0.5, T = 4: examples/distill.rs's settings (ARCHITECTURE.md has what they gave).
+    /// alpha 0.5, T = 4: examples/distill.rs's settings (docs/design-notes.md has what they gave).
     fn default() -> DistillConfig {
         DistillConfig::new(0.5, 4.0)
     }

@@ -101,7 +101,7 @@ pub(crate) fn plan_for(
 /// The kernels for head dim `d` on an adapter with `limits` (a CPU adapter if `cpu`, with
 /// subgroups of `subgroup` lanes if any); otherwise the reason the fused kernels cannot run.
 /// On CPU adapters with subgroups `Auto` takes the subgroup blocks: at T >= 512 they ran
-/// forward + backward 3-5x faster than the tiles there (ARCHITECTURE.md has the figures).
+/// forward + backward 3-5x faster than the tiles there (docs/design-notes.md has the figures).
 pub(crate) fn plan(
     limits: &DeviceLimits,
     d: usize,
@@ -191,32 +191,6 @@ fn tiles(
                 tiles(COLS[COLS.len() - 1]).workgroup_bytes()
             )
         })
-}
-
-/// Every storage combination the attention shaders are built in (the registry's validation).
-pub(crate) fn storage_variants(name: &str) -> Vec<Vec<Storage>> {
-    use Storage::*;
-    let f = F32;
-    let mut out: Vec<Vec<Storage>> = Vec::new();
-    for (s, o) in [
-        (F32, F32),
-        (F16, F16),
-        (F16Packed, F16Packed),
-        (F16Packed, F32),
-    ] {
-        // The workgroup and subgroup variants of a pass bind the same tensors.
-        out.push(if name.ends_with("fwd") {
-            // q, k, v, o, lse
-            vec![s, s, s, o, f]
-        } else if name.ends_with("dq") {
-            // q, k, v, o, dO, lse, dQ, delta
-            vec![s, s, s, s, s, f, o, f]
-        } else {
-            // q, k, v, dO, lse, delta, dK, dV
-            vec![s, s, s, s, f, f, o, o]
-        });
-    }
-    out
 }
 
 /// The scores' scale, 1 / sqrt(D): one copy for the fused kernels and the composed path.
@@ -561,7 +535,7 @@ mod tests {
         }
         for file in [&ATTENTION_FWD, &ATTENTION_BWD_DQ, &ATTENTION_BWD_DKV] {
             for &t in &seen {
-                for storage in storage_variants(file.name) {
+                for storage in crate::kernels::storage_variants(file) {
                     let src = assemble(
                         &specialize(file.body, &consts(t)),
                         &file.with_storage(&storage),

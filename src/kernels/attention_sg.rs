@@ -39,7 +39,7 @@ pub(crate) struct Blocks {
 /// Rows per subgroup, and rows of the other side per lane and tile, in every pass: 16 rows
 /// against tiles of 32 (8 lanes x 4). On lavapipe at (1, 4, 1024, 64) blocks of 8 rows, or 2
 /// per lane, ran 1.5-2x slower; 32 rows up to 1.5x faster but took twice as long to compile
-/// (ARCHITECTURE.md has the figures).
+/// (docs/design-notes.md has the figures).
 const ROWS: u32 = 16;
 const PER_LANE: u32 = 4;
 
@@ -395,7 +395,7 @@ pub(crate) fn validation_sources(file: &ShaderFile) -> Vec<(String, String)> {
         } else {
             b.queries
         };
-        for storage in super::attention::storage_variants(file.name) {
+        for storage in super::storage_variants(file) {
             for vec in [false, true] {
                 out.push((
                     format!("{} {block:?} vec {vec} {storage:?}", file.name),

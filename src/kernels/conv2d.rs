@@ -112,20 +112,6 @@ fn consts(tm: usize) -> [(&'static str, u32); 2] {
     [("TM", tm as u32), ("TN", TN as u32)]
 }
 
-/// The storages the forward and dx kernels are built in: one per tensor, and packed f16
-/// inputs writing an f32 output (planes of odd size, staged by the caller).
-pub(crate) fn storage_variants(bindings: usize) -> Vec<Vec<Storage>> {
-    use Storage::*;
-    let mut out: Vec<Vec<Storage>> = [F32, F16, F16Packed]
-        .iter()
-        .map(|&s| vec![s; bindings])
-        .collect();
-    let mut staged = vec![F16Packed; bindings];
-    staged[bindings - 1] = F32;
-    out.push(staged);
-    out
-}
-
 /// y (n, oc, oh, ow) = conv2d(x, wt) + bias (oc, x's dtype, optional). y needs no f32 staging
 /// ([`super::softmax::needs_f32_staging`] of the plane oh ow).
 pub(crate) fn forward<T: Operand>(

@@ -796,7 +796,9 @@ pub fn variants(file: &ShaderFile) -> Vec<Vec<Binding>> {
     out
 }
 
-fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
+/// Every storage combination `file` is built in (the registry's validation and the kernels'
+/// own tests).
+pub(crate) fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
     use Storage::*;
     let n = file.bindings.len();
     match file.name {
@@ -885,9 +887,13 @@ fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
             .collect(),
         // Attention's row statistics are f32; packed f16 outputs with D odd are written to f32.
         "attention_fwd" | "attention_bwd_dq" | "attention_bwd_dkv" | "attention_sg_fwd"
-        | "attention_sg_dq" | "attention_sg_dkv" => attention::storage_variants(file.name),
+        | "attention_sg_dq" | "attention_sg_dkv" => attention_storage(file.name),
         // Outputs of packed f16 with odd planes are written to f32 first; weight partials are f32.
-        "conv2d_fwd" | "conv2d_dx" => conv2d::storage_variants(n),
+        "conv2d_fwd" | "conv2d_dx" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s; n])
+            .chain([[vec![F16Packed; n - 1], vec![F32]].concat()])
+            .collect(),
         "conv2d_dw" => [F32, F16, F16Packed]
             .iter()
             .map(|&s| vec![s, s, F32])
@@ -911,6 +917,32 @@ fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
             .collect(),
         _ => [F32, F16, F16Packed].iter().map(|&s| vec![s; n]).collect(),
     }
+}
+
+/// The attention passes' storage combinations; the workgroup and subgroup variants of a pass
+/// bind the same tensors.
+fn attention_storage(name: &str) -> Vec<Vec<Storage>> {
+    use Storage::*;
+    let f = F32;
+    let mut out: Vec<Vec<Storage>> = Vec::new();
+    for (s, o) in [
+        (F32, F32),
+        (F16, F16),
+        (F16Packed, F16Packed),
+        (F16Packed, F32),
+    ] {
+        out.push(if name.ends_with("fwd") {
+            // q, k, v, o, lse
+            vec![s, s, s, o, f]
+        } else if name.ends_with("dq") {
+            // q, k, v, o, dO, lse, dQ, delta
+            vec![s, s, s, s, s, f, o, f]
+        } else {
+            // q, k, v, dO, lse, delta, dK, dV
+            vec![s, s, s, s, f, f, o, o]
+        });
+    }
+    out
 }
 
 /// Parses and validates `src` with naga, with the capabilities fitgrad's shaders rely on

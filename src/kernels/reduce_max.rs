@@ -9,7 +9,7 @@ use crate::Result;
 const ROW_PER_WORKGROUP: usize = 64;
 
 /// Elements each invocation of mode 0 aims to scan: with fewer invocations per output, several
-/// outputs share a workgroup and its two barriers (ARCHITECTURE.md, "Measurements behind the
+/// outputs share a workgroup and its two barriers (docs/design-notes.md, "Measurements behind the
 /// constants").
 const PER_LANE: usize = 32;
 

@@ -18,7 +18,7 @@ const ROW_PER_WORKGROUP: usize = 64;
 /// Quads per invocation held in registers (CHUNKS in the shaders), which is also what a row aims
 /// for: rows up to 4 * 256 * 8 = 8192 elements are read from memory once, and with fewer
 /// invocations per row more elements share each invocation's fixed costs (the merge and its
-/// exps) and each workgroup's two barriers (ARCHITECTURE.md, "Measurements behind the
+/// exps) and each workgroup's two barriers (docs/design-notes.md, "Measurements behind the
 /// constants").
 const CHUNKS: usize = 8;
 

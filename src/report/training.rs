@@ -299,16 +299,6 @@ impl TrainingReport {
         })
     }
 
-    /// The report as one self-contained HTML page.
-    pub fn to_html(&self) -> String {
-        super::training_page::render(self)
-    }
-
-    /// Writes [`TrainingReport::to_html`] to `path`, atomically.
-    pub fn write_html(&self, path: &Path) -> Result<()> {
-        crate::write_atomic(path, self.to_html().as_bytes())
-    }
-
     /// Writes [`TrainingReport::to_json`] to `path`, atomically.
     pub fn write_json(&self, path: &Path) -> Result<()> {
         crate::write_atomic(path, self.to_json().as_bytes())

@@ -6,7 +6,20 @@ use super::html::Page;
 use super::svg::{Axis, LineChart, PALETTE};
 use super::training::{StepMemory, TrainingReport};
 use crate::memory::{Category, OpPoint, Role, RoleBytes, Timeline};
-use crate::Bytes;
+use crate::{Bytes, Result};
+use std::path::Path;
+
+impl TrainingReport {
+    /// The report as one self-contained HTML page.
+    pub fn to_html(&self) -> String {
+        render(self)
+    }
+
+    /// Writes [`TrainingReport::to_html`] to `path`, atomically.
+    pub fn write_html(&self, path: &Path) -> Result<()> {
+        crate::write_atomic(path, self.to_html().as_bytes())
+    }
+}
 
 /// Most points a chart over the ops draws; longer steps are reduced to the highest point of
 /// each run of ops (so the peak stays).
@@ -42,7 +55,7 @@ const PLANNED: &str = "#222222";
 const BUDGET: &str = "#c00000";
 
 /// The page.
-pub(super) fn render(r: &TrainingReport) -> String {
+fn render(r: &TrainingReport) -> String {
     let mut page = Page::new(format!("fitgrad report: {}", r.title));
     page.heading(1, &r.title);
     let adapter = r

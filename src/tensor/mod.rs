@@ -7,6 +7,7 @@ mod batch_norm;
 mod conv;
 mod dropout;
 mod index_select;
+mod inplace;
 mod layer_norm;
 mod layout;
 mod matmul;

@@ -4,8 +4,20 @@
 
 use std::path::Path;
 
-use super::data::{check_labels, data_err, Dataset};
+use crate::error::data_err;
 use crate::Result;
+
+/// A CSV's rows split into features and labels, before any dataset-level check.
+pub(super) struct CsvTable {
+    /// Row-major, `dim` per row.
+    pub features: Vec<f32>,
+    pub labels: Vec<u32>,
+    pub dim: usize,
+    /// Each row's line in the file, for messages.
+    pub lines: Vec<usize>,
+    /// The label column as a message names it: `'label'` or `the last, column 5`.
+    pub column: String,
+}
 
 /// The delimiters `from_csv` recognizes, in the order a tie between their counts is settled:
 /// a tab or a semicolon in a file split by commas is rare, while commas often appear inside
@@ -85,7 +97,7 @@ pub(super) fn parse_csv(
     bytes: &[u8],
     label_column: Option<&str>,
     delimiter: Option<u8>,
-) -> Result<Dataset> {
+) -> Result<CsvTable> {
     let text = std::str::from_utf8(bytes).map_err(|e| {
         let line = 1 + bytes[..e.valid_up_to()]
             .iter()
@@ -199,23 +211,11 @@ pub(super) fn parse_csv(
     } else {
         format!("the last, column {}", label_col + 1)
     };
-    check_labels(path, &labels, &column, |row| format!("line {}", lines[row]))?;
-    let classes = labels.iter().map(|&l| l as usize + 1).max().unwrap_or(0);
-    let name = path
-        .file_name()
-        .map(|s| s.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let name = name.strip_suffix(".gz").unwrap_or(&name);
-    let name = [".csv", ".tsv"]
-        .iter()
-        .find_map(|ext| name.strip_suffix(ext))
-        .unwrap_or(name)
-        .to_string();
-    Ok(Dataset {
-        name,
+    Ok(CsvTable {
         features,
         labels,
         dim,
-        classes,
+        lines,
+        column,
     })
 }

@@ -9,7 +9,9 @@ use std::fs;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
 
-use super::csv_file::parse_csv;
+use super::csv_file::{parse_csv, CsvTable};
+use super::order::{epoch_permutation, permutation};
+pub(super) use crate::error::data_err;
 use crate::tensor::Rng;
 use crate::{Error, Result};
 
@@ -72,6 +74,7 @@ impl Dataset {
         let path = Path::new("digits.csv.gz (embedded)");
         let mut d = gunzip_if_gz(path, DIGITS_CSV_GZ.to_vec())
             .and_then(|csv| parse_csv(path, &csv, None, None))
+            .and_then(|table| csv_dataset(path, table))
             .expect("the embedded digits.csv.gz parses");
         d.name = "digits".to_string();
         d.classes = 10;
@@ -145,7 +148,7 @@ impl Dataset {
     /// (see [`load`]) is an error. Features are kept as they are; see `normalize_max`.
     pub fn from_csv(path: &Path, label_column: Option<&str>) -> Result<Dataset> {
         let bytes = read_maybe_gz(path)?;
-        parse_csv(path, &bytes, label_column, None)
+        csv_dataset(path, parse_csv(path, &bytes, label_column, None)?)
     }
 
     /// [`Dataset::from_csv`] with fields split at `delimiter` (an ASCII byte such as `b';'`).
@@ -164,7 +167,10 @@ impl Dataset {
             });
         }
         let bytes = read_maybe_gz(path)?;
-        parse_csv(path, &bytes, label_column, Some(delimiter))
+        csv_dataset(
+            path,
+            parse_csv(path, &bytes, label_column, Some(delimiter))?,
+        )
     }
 
     /// Divides every feature by the largest absolute feature, so the data lies in [-1, 1]
@@ -198,7 +204,7 @@ impl Dataset {
 
     /// The row order for one epoch: a permutation of 0..len that depends only on (seed, epoch).
     pub fn shuffled_order(&self, seed: u64, epoch: u64) -> Vec<usize> {
-        super::model::epoch_permutation(self.len(), seed, epoch)
+        epoch_permutation(self.len(), seed, epoch)
     }
 
     /// Copies the rows `indices` into `features_out` ((indices.len(), dim)) and `labels_out`,
@@ -349,12 +355,38 @@ fn first_few(v: &[usize]) -> String {
     s.join(", ")
 }
 
+/// A parsed CSV as a dataset: labels checked for outliers, classes the largest label + 1,
+/// named after the file without its extensions.
+fn csv_dataset(path: &Path, t: CsvTable) -> Result<Dataset> {
+    check_labels(path, &t.labels, &t.column, |row| {
+        format!("line {}", t.lines[row])
+    })?;
+    let classes = t.labels.iter().map(|&l| l as usize + 1).max().unwrap_or(0);
+    let name = path
+        .file_name()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let name = name.strip_suffix(".gz").unwrap_or(&name);
+    let name = [".csv", ".tsv"]
+        .iter()
+        .find_map(|ext| name.strip_suffix(ext))
+        .unwrap_or(name)
+        .to_string();
+    Ok(Dataset {
+        name,
+        features: t.features,
+        labels: t.labels,
+        dim: t.dim,
+        classes,
+    })
+}
+
 /// Refuses a label far outside the others: the model's output layer would get `label + 1`
 /// classes, almost all of them never seen. That is a label ≥ 1000 x the number of distinct
 /// labels, or one above 255 and more than 10x the next largest distinct label. `column` names
 /// the label column and `locate(row)` the row ("line 7") in the message. (IDX labels are bytes,
 /// at most 255, so neither can happen there.)
-pub(super) fn check_labels(
+fn check_labels(
     path: &Path,
     labels: &[u32],
     column: &str,
@@ -391,24 +423,6 @@ pub(super) fn check_labels(
             u64::from(max) + 1
         ),
     ))
-}
-
-/// Fisher–Yates over 0..n.
-pub(crate) fn permutation(n: usize, rng: &mut Rng) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..n).collect();
-    for i in (1..n).rev() {
-        // Multiply-shift maps 64 random bits to 0..=i; the bias is below 2^-32 for any real n.
-        let j = ((u128::from(rng.next_u64()) * (i as u128 + 1)) >> 64) as usize;
-        order.swap(i, j);
-    }
-    order
-}
-
-pub(super) fn data_err(path: &Path, reason: impl Into<String>) -> Error {
-    Error::Data {
-        path: path.display().to_string(),
-        reason: reason.into(),
-    }
 }
 
 fn io_err(path: &Path, source: io::Error) -> Error {

@@ -9,6 +9,7 @@ pub mod data;
 mod events;
 mod fit;
 mod model;
+mod order;
 mod plan;
 mod rows;
 pub mod shard;
@@ -20,9 +21,10 @@ mod trainer;
 pub use events::TrainEvent;
 pub use fit::{Candidate, FitChoice};
 pub use model::{
-    epoch_permutation, Batch, BatchSource, ClassBatch, EvalBatch, Features, StepContext,
-    TensorBatch, TensorDataset, TrainModel,
+    Batch, BatchSource, ClassBatch, EvalBatch, Features, StepContext, TensorBatch, TensorDataset,
+    TrainModel,
 };
+pub use order::epoch_permutation;
 pub use plan::Plan;
 pub use rows::HostRows;
 pub use summary::{Evaluation, MemorySummary};

@@ -9,9 +9,9 @@
 //! by [`Dataset`]) and [`TensorBatch`] (inputs and f32 targets of any rank, made by
 //! [`TensorDataset`]).
 
-use super::data::{permutation, Dataset};
+use super::data::Dataset;
+use super::order::epoch_permutation;
 use crate::nn::{self, Mlp, Module};
-use crate::tensor::Rng;
 use crate::{DType, Device, Error, Result, Tensor};
 
 /// What a model's forward knows about the step it runs in.
@@ -53,14 +53,6 @@ pub trait BatchSource {
     fn epoch_order(&self, seed: u64, epoch: u64) -> Vec<usize> {
         epoch_permutation(self.len(), seed, epoch)
     }
-}
-
-/// The seeded shuffle of 0..n for one epoch (the one copy every data source uses).
-pub fn epoch_permutation(n: usize, seed: u64, epoch: u64) -> Vec<usize> {
-    // Hash the epoch before mixing it in: SplitMix64 streams whose seeds differ by a multiple
-    // of its increment are shifted copies of each other.
-    let mut rng = Rng::new(seed ^ Rng::new(epoch ^ 0xA076_1D64_78BD_642F).next_u64());
-    permutation(n, &mut rng)
 }
 
 /// What evaluation gets from one batch.

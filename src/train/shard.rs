@@ -16,7 +16,7 @@
 //! length): a file replaced under a running epoch is an [`Error::Data`], not garbage samples.
 
 use super::data::Dataset;
-use super::model::epoch_permutation;
+use super::order::epoch_permutation;
 use crate::{Device, Error, Result, Tensor};
 use std::fs::File;
 use std::io::Read;

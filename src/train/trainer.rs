@@ -13,7 +13,6 @@ use super::rows::{DeviceRows, HostRows};
 use super::summary::{Evaluation, MemorySummary};
 use super::sync::GradientSync;
 use super::Precision;
-use crate::kernels::elementwise::{self, BinaryOp};
 use crate::memory::Category;
 use crate::nn::Module;
 use crate::optim::{GradScaler, LrSchedule, Optimizer};
@@ -301,7 +300,7 @@ impl<M: Module> Trainer<M> {
             return Ok(f32::NAN);
         }
         let v = self.loss_sum.item()? / self.loss_steps as f32;
-        elementwise::fill(&self.loss_sum, 0.0)?;
+        self.loss_sum.fill_(0.0)?;
         self.loss_steps = 0;
         Ok(v)
     }
@@ -466,7 +465,7 @@ impl<M: Module> Trainer<M> {
         let indices = &indices[self.share(n)];
         let mb = self.micro.max(1);
         let step_loss = self.step_loss.clone();
-        elementwise::fill(&step_loss, 0.0)?;
+        step_loss.fill_(0.0)?;
         let ctx = self.context(true);
         let dev = self.device.clone();
         let _step = dev.step_scope();
@@ -513,7 +512,7 @@ impl<M: Module> Trainer<M> {
                     Some(sc) => sc.scale_loss(&loss)?.backward()?,
                     None => loss.backward()?,
                 }
-                elementwise::binary(BinaryOp::Add, &step_loss, &loss.detach(), &step_loss)?;
+                step_loss.add_(&loss.detach())?;
             }
             Ok(())
         })();
@@ -599,7 +598,7 @@ impl<M: Module> Trainer<M> {
         };
         self.optimizer.zero_grad();
         stepped?;
-        elementwise::binary(BinaryOp::Add, &self.loss_sum, &step_loss, &self.loss_sum)?;
+        self.loss_sum.add_(&step_loss)?;
         self.step += 1;
         self.loss_steps += 1;
         Ok(())

@@ -51,7 +51,7 @@ fn no_device(detail: &str) {
 /// whose shader cache is still empty (a fresh CI machine) that compile is most of the tests'
 /// time. The tests' shapes are small, so LLVM's optimization passes cost far more than they
 /// save; `GALLIVM_PERF=nopt` skips them (the same WGSL, naga
-/// output and driver path, unoptimized machine code; ARCHITECTURE.md has the figures). Set here,
+/// output and driver path, unoptimized machine code; docs/design-notes.md has the figures). Set here,
 /// before the first adapter is opened (Mesa reads it then), in the test processes only: examples
 /// and benchmarks run optimized. A `GALLIVM_PERF` already set (even empty) is left as it is.
 fn quick_driver_compiles() {

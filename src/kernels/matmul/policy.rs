@@ -11,7 +11,7 @@ fn is_cpu(dev: &Device) -> bool {
 
 /// Whether `v` is practical on this device for `dtype`: within its workgroup limits, and a
 /// register block small enough to compile in reasonable time where compilers struggle with
-/// large ones (Mesa's GLSL path and lavapipe's f16 code: compile times in ARCHITECTURE.md,
+/// large ones (Mesa's GLSL path and lavapipe's f16 code: compile times in docs/design-notes.md,
 /// "Measurements behind the constants").
 pub fn supported(dev: &Device, v: Variant, dtype: DType) -> bool {
     let l = &dev.info().limits;
@@ -45,8 +45,8 @@ pub fn default_variant(dev: &Device, pb: &Problem, dtype: DType) -> Variant {
         // With subgroups, a 16 x 4 subgroup block (quick to compile) beats the register blocks
         // on every shape of 16 rows or more, most of all on transposed-A ones such as a last
         // layer's weight gradient, where a register block's scalar loads of A along M are slow
-        // (figures in ARCHITECTURE.md). Taller blocks win some classes when timed but lose
-        // others badly (ARCHITECTURE.md), so they are left to the autotuner.
+        // (figures in docs/design-notes.md). Taller blocks win some classes when timed but lose
+        // others badly (docs/design-notes.md), so they are left to the autotuner.
         if let Some(sg) = dev.info().subgroup_size {
             let v = Variant::Subgroup {
                 sg,
@@ -58,7 +58,7 @@ pub fn default_variant(dev: &Device, pb: &Problem, dtype: DType) -> Variant {
                 return v;
             }
         }
-        // 8 x 8: lavapipe compiles it far faster than 16 x 16 or 32 x 16 (ARCHITECTURE.md has
+        // 8 x 8: lavapipe compiles it far faster than 16 x 16 or 32 x 16 (docs/design-notes.md has
         // the cold-cache figures), and for training-sized problems it runs as fast as they do. Bigger blocks are left to the autotuner, for big problems only.
         let v = Variant::Reg {
             tm: rows.min(8),
