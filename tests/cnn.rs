@@ -599,3 +599,45 @@ fn cnn_layers() {
         bn.running_var.to_vec_f32().unwrap()
     );
 }
+
+/// Group norm does not mix samples: the gradients of two micro-batches added up equal the
+/// whole batch's up to rounding (conv -> group norm -> relu -> global pool).
+#[test]
+fn group_norm_micro_batches_match_the_whole_batch() {
+    let Some(dev) = devices().into_iter().next() else {
+        return;
+    };
+    let x_host = host_data(3, 4 * 2 * 6 * 6, -1.0, 1.0);
+    let g_host = host_data(4, 4 * 4, -1.0, 1.0);
+    let conv = Conv2d::new(&dev, 2, 4, 3, Conv2dOptions::new().padding(1), true, 9).unwrap();
+    let gn = GroupNorm::new(&dev, 2, 4).unwrap();
+    let grads = |parts: &[(usize, usize)]| {
+        conv.zero_grad();
+        gn.zero_grad();
+        for &(a, b) in parts {
+            let x = upload(&dev, &x_host[a * 72..b * 72], &[b - a, 2, 6, 6], DType::F32);
+            let g = upload(&dev, &g_host[a * 4..b * 4], &[b - a, 4, 1, 1], DType::F32);
+            let y = gn
+                .forward(&conv.forward(&x).unwrap())
+                .unwrap()
+                .relu()
+                .unwrap();
+            let y = y.global_avg_pool2d().unwrap();
+            y.mul(&g).unwrap().sum().unwrap().backward().unwrap();
+        }
+        [
+            &conv.weight,
+            conv.bias.as_ref().unwrap(),
+            &gn.weight,
+            &gn.bias,
+        ]
+        .map(|t| t.grad().unwrap().to_vec_f32().unwrap())
+    };
+    let whole = grads(&[(0, 4)]);
+    let split = grads(&[(0, 1), (1, 4)]);
+    for (k, (a, b)) in whole.iter().zip(&split).enumerate() {
+        let m = a.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+        let d = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(d / m < 1e-5, "gradient {k}: {d} of {m}\n{a:?}\n{b:?}");
+    }
+}
