@@ -32,11 +32,13 @@
 //! saves.
 
 use clap::Parser;
+use fitgrad::checkpoint::Expect;
+use fitgrad::cli::{self, MAX_BATCH, MAX_EPOCHS, MAX_LAYERS, MAX_WIDTH};
 use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner};
 use fitgrad::distributed::Job;
 use fitgrad::nn::{self, Dropout, LayerNorm, Linear, Module};
 use fitgrad::optim::{AdamW, Optimizer};
-use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
+use fitgrad::report::{StepCapture, TrainingReport};
 use fitgrad::train::data::{self, Dataset};
 use fitgrad::train::{ClassBatch, EvalBatch, Precision, StepContext, TrainModel};
 use fitgrad::train::{Trainer, TrainerConfig};
@@ -57,6 +59,10 @@ struct Args {
     /// of IDX files).
     #[arg(long, default_value = "auto")]
     dataset: String,
+    /// The label column of a CSV --dataset, by its header name (default: the column named
+    /// "label", else the last one).
+    #[arg(long)]
+    label_column: Option<String>,
     /// Features of the residual stream.
     #[arg(long, default_value_t = 128)]
     width: usize,
@@ -165,6 +171,8 @@ struct ResMlp {
     blocks: Vec<Block>,
     norm: LayerNorm,
     head: Linear,
+    /// The blocks' dropout probability (stored in checkpoints).
+    dropout: f32,
 }
 
 impl ResMlp {
@@ -193,6 +201,7 @@ impl ResMlp {
                 .collect::<Result<_>>()?,
             norm: LayerNorm::new(dev, width)?,
             head: Linear::new(dev, width, classes, s(2))?,
+            dropout,
         })
     }
 
@@ -246,6 +255,8 @@ fitgrad::module! {
                 ("width".into(), self.stem.out_features.to_string()),
                 ("blocks".into(), self.blocks.len().to_string()),
                 ("classes".into(), self.head.out_features.to_string()),
+                // Another dropout trains another run: a resume with it is refused.
+                ("dropout".into(), self.dropout.to_string()),
             ]
         }
     }
@@ -302,12 +313,18 @@ fn run(args: Args, dist: &Job) -> Result<()> {
             "this example keeps f32 master weights: --precision f32 or mixed".into(),
         ));
     }
-    if args.width == 0 || args.batch_size == 0 || args.accum_steps == 0 {
-        return Err(invalid(format!(
-            "--width, --batch-size and --accum-steps must be positive, got {}, {}, {}",
-            args.width, args.batch_size, args.accum_steps
-        )));
-    }
+    let n = |v: usize| v as u64;
+    cli::check_counts(
+        "custom_model",
+        &[
+            ("--width", n(args.width), 1, MAX_WIDTH),
+            ("--blocks", n(args.blocks), 0, MAX_LAYERS),
+            ("--epochs", args.epochs.unwrap_or(1), 1, MAX_EPOCHS),
+            ("--batch-size", n(args.batch_size), 1, MAX_BATCH),
+            ("--accum-steps", n(args.accum_steps), 1, MAX_BATCH),
+        ],
+    )?;
+    cli::check_environment()?;
     if !(0.0..1.0).contains(&args.dropout) {
         return Err(invalid(format!(
             "--dropout must be in [0, 1), got {}",
@@ -325,12 +342,30 @@ fn run(args: Args, dist: &Job) -> Result<()> {
         .as_deref()
         .map(|b| b.parse::<Bytes>().map(|b| b.0))
         .transpose()?;
-    if let Some(p) = &args.report {
-        check_output_path("--report", p)?;
-    }
-    if let Some(p) = &args.report_json {
-        check_output_path("--report-json", p)?;
-    }
+    // No output may overwrite the dataset's files, the checkpoint resumed from, or another
+    // output (--save may replace --resume: a run continued in place). "auto" reads one of two
+    // datasets: both are inputs.
+    let data_files: Vec<std::path::PathBuf> = match args.dataset.as_str() {
+        "auto" => ["digits", "fashion-mnist"]
+            .iter()
+            .flat_map(|d| data::input_files(d))
+            .collect(),
+        spec => data::input_files(spec),
+    };
+    let mut inputs: Vec<(&'static str, &Path)> = data_files
+        .iter()
+        .map(|p| ("--dataset", p.as_path()))
+        .collect();
+    inputs.extend(args.resume.as_deref().map(|p| ("--resume", p)));
+    let outputs: Vec<(&'static str, &Path)> = [
+        ("--save", &args.save),
+        ("--report", &args.report),
+        ("--report-json", &args.report_json),
+    ]
+    .into_iter()
+    .filter_map(|(f, p)| Some((f, p.as_deref()?)))
+    .collect();
+    cli::check_paths(&inputs, &outputs, &[("--save", "--resume")])?;
     let reporting = args.report.is_some() || args.report_json.is_some();
     let prune = args.prune.map(PruneConfig::new);
     if let Some(cfg) = &prune {
@@ -352,7 +387,8 @@ fn run(args: Args, dist: &Job) -> Result<()> {
         s => s,
     };
 
-    let (train, test): (Dataset, Dataset) = data::load(spec, args.seed)?;
+    let (train, test): (Dataset, Dataset) =
+        data::load_with_label(spec, args.seed, args.label_column.as_deref())?;
     say!(
         "dataset: {} ({} train, {} test, {} features, {} classes)",
         train.name,
@@ -364,6 +400,40 @@ fn run(args: Args, dist: &Job) -> Result<()> {
     let epochs = args
         .epochs
         .unwrap_or(if train.len() <= 10_000 { 8 } else { 2 });
+    let identity = vec![("dataset".to_string(), format!("{:016x}", train.hash()))];
+    // The checkpoint is checked on the host before the model is built, naming the flags.
+    let nothing_to_train = match &args.resume {
+        Some(path) => {
+            let ckpt = fitgrad::checkpoint::load(path)?;
+            let as_saved = |flag: &str| format!("set {flag} as it was saved");
+            let data = "resume on the --dataset it was trained on";
+            ckpt.expect_config(
+                &[
+                    Expect::new(
+                        "kind",
+                        "res-mlp",
+                        "resume a checkpoint written by custom_model",
+                    ),
+                    Expect::new("inputs", train.dim, data),
+                    Expect::new("classes", train.classes, data),
+                    Expect::new("width", args.width, as_saved("--width")),
+                    Expect::new("blocks", args.blocks, as_saved("--blocks")),
+                    Expect::new("dropout", args.dropout as f32, as_saved("--dropout")),
+                ],
+                "custom_model",
+            )?;
+            ckpt.check_extra(&[Expect::new(
+                "data.dataset",
+                &identity[0].1,
+                "another dataset: resume with the --dataset (and --seed) it was trained on, or \
+                 start a new run without --resume",
+            )])?;
+            ckpt.check_finite()?;
+            let done = ckpt.training_state()?.epoch;
+            cli::check_resume_progress(path, done, epochs, "--epochs")?
+        }
+        None => false,
+    };
 
     let model = ResMlp::new(
         &device,
@@ -378,6 +448,7 @@ fn run(args: Args, dist: &Job) -> Result<()> {
     let optimizer: Box<dyn Optimizer> = Box::new(AdamW::new(model.parameters(), lr)?);
     let config = TrainerConfig::new(args.batch_size, args.accum_steps, lr).precision(precision);
     let mut trainer = Trainer::new(model, optimizer, config)?;
+    trainer.set_data_identity(identity);
     let mut report = TrainingReport::new(
         format!("custom_model (residual MLP) on {}", train.name),
         &device,
@@ -444,12 +515,8 @@ fn run(args: Args, dist: &Job) -> Result<()> {
     let plan = trainer.plan(&train)?;
     if args.plan {
         if root {
-            print!("{plan}");
+            cli::print_plan(&plan, args.json, planning.elapsed());
         }
-        say!(
-            "  (planned by running the step on the device's planning mode in {:.0} ms)",
-            planning.elapsed().as_secs_f64() * 1e3
-        );
         return Ok(());
     }
     if args.prealloc {
@@ -515,6 +582,11 @@ fn run(args: Args, dist: &Job) -> Result<()> {
             path.display(),
             trainer.steps()
         );
+        if nothing_to_train {
+            say!(
+                "nothing left to train: the checkpoint holds {first_epoch} epochs and --epochs is {epochs}; evaluating it as it is"
+            );
+        }
     }
     let style = ProgressStyle::with_template(
         "epoch {prefix:>3} [{bar:30}] {pos}/{len} steps {msg} ({elapsed})",
@@ -573,7 +645,9 @@ fn run(args: Args, dist: &Job) -> Result<()> {
         );
         if reporting {
             let eval_start = Instant::now();
-            let e = trainer.evaluate(&test, trainer.micro_batch())?;
+            let e = trainer
+                .evaluate(&test, trainer.micro_batch())?
+                .finite(trainer.steps(), "test")?;
             report.log_eval(trainer.steps(), Some(epoch), "test", &e);
             eval_secs += eval_start.elapsed().as_secs_f64();
         }
@@ -597,7 +671,9 @@ fn run(args: Args, dist: &Job) -> Result<()> {
     } else {
         1024
     };
-    let eval = trainer.evaluate(&test, eval_batch)?;
+    let eval = trainer
+        .evaluate(&test, eval_batch)?
+        .finite(trainer.steps(), "test")?;
     let accuracy = eval.accuracy.unwrap_or(f32::NAN);
     println!(
         "test: loss {:.4}, accuracy {:.2}% ({:.1} s training, {samples_per_s:.0} samples/s)",
@@ -698,5 +774,14 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
     };
-    Job::main(args.distributed.clone().as_deref(), |dist| run(args, dist))
+    Job::main(args.distributed.clone().as_deref(), |dist| {
+        run(args, dist).map_err(|e| {
+            cli::name_flags(
+                "custom_model",
+                e,
+                "lower --batch-size or --width, or give --memory-budget, which trains in \
+                 smaller micro-batches",
+            )
+        })
+    })
 }

@@ -16,6 +16,7 @@
 //! `--json` ends stdout with one JSON object.
 
 use clap::Parser;
+use fitgrad::cli::{self, MAX_BATCH, MAX_EPOCHS, MAX_WIDTH};
 use fitgrad::compress::{Distill, DistillConfig};
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::AdamW;
@@ -30,6 +31,10 @@ struct Args {
     /// digits (embedded), fashion-mnist, mnist, or a path (CSV or a folder of IDX files).
     #[arg(long, default_value = "digits")]
     dataset: String,
+    /// The label column of a CSV --dataset, by its header name (default: the column named
+    /// "label", else the last one).
+    #[arg(long)]
+    label_column: Option<String>,
     /// The teacher's hidden widths, comma separated.
     #[arg(long, default_value = "512,512", value_delimiter = ',')]
     teacher_hidden: Vec<usize>,
@@ -114,23 +119,34 @@ fn run(args: Args) -> Result<()> {
         op: "distill",
         reason,
     };
-    if args.batch_size == 0
-        || args.epochs == 0
-        || args.teacher_epochs == 0
-        || !(args.lr.is_finite() && args.lr > 0.0)
-    {
+    let n = |v: usize| v as u64;
+    let mut counts = vec![
+        ("--batch-size", n(args.batch_size), 1, MAX_BATCH),
+        ("--epochs", args.epochs, 1, MAX_EPOCHS),
+        ("--teacher-epochs", args.teacher_epochs, 1, MAX_EPOCHS),
+    ];
+    // A width of 0 is refused with its flag.
+    counts.extend(
+        args.teacher_hidden
+            .iter()
+            .map(|&w| ("--teacher-hidden", n(w), 1, MAX_WIDTH)),
+    );
+    counts.extend(
+        args.student_hidden
+            .iter()
+            .map(|&w| ("--student-hidden", n(w), 1, MAX_WIDTH)),
+    );
+    cli::check_counts("distill", &counts)?;
+    cli::check_environment()?;
+    if !(args.lr.is_finite() && args.lr > 0.0) {
         return Err(invalid(format!(
-            "--batch-size, --epochs and --teacher-epochs must be at least 1 and --lr positive, \
-             got {}, {}, {}, {}",
-            args.batch_size, args.epochs, args.teacher_epochs, args.lr
+            "--lr must be a number > 0, got {}",
+            args.lr
         )));
     }
     // Checked before the teacher trains, not after.
     let distill = DistillConfig::new(args.alpha, args.temperature);
     distill.validate()?;
-    if args.teacher_hidden.contains(&0) || args.student_hidden.contains(&0) {
-        return Err(invalid("hidden widths must be positive".into()));
-    }
     if !(args.student_fraction > 0.0 && args.student_fraction <= 1.0) {
         return Err(invalid(format!(
             "--student-fraction must be in (0, 1], got {}",
@@ -143,7 +159,8 @@ fn run(args: Args) -> Result<()> {
             args.teacher_weight_decay
         )));
     }
-    let (train_set, test_set) = data::load(&args.dataset, args.seed)?;
+    let (train_set, test_set) =
+        data::load_with_label(&args.dataset, args.seed, args.label_column.as_deref())?;
     // The students' samples: a seeded subset of the teacher's.
     let student_set = if args.student_fraction < 1.0 {
         train_set.split(1.0 - args.student_fraction, args.seed).0

@@ -20,29 +20,100 @@
 //! ```
 //!
 //! `cargo run --release --example grad_accumulation`. Gradients add up in place across the four
-//! `backward()` calls; the arena creates no buffer after the first step.
+//! `backward()` calls; the arena creates no buffer after the first step. The recipe's numbers
+//! are the defaults of its flags (`--help`): `--features`, `--batch-size`, `--epochs`,
+//! `--batches`, `--accumulation-steps`, `--lr`, `--seed`, `--adapter`.
 
+use clap::Parser;
+use fitgrad::cli::{self, MAX_BATCH, MAX_EPOCHS, MAX_STEPS, MAX_WIDTH};
 use fitgrad::nn::{mse_loss, Linear, Module};
 use fitgrad::optim::{Optimizer, Sgd};
-use fitgrad::{DType, Device, Tensor};
+use fitgrad::{DType, Device, DeviceOptions, Error, Tensor};
+use std::process::ExitCode;
 
-fn main() -> fitgrad::Result<()> {
-    let dev = Device::new()?;
-    let model = Linear::new(&dev, 1024, 1024, 0)?;
+#[derive(Parser, Debug)]
+#[command(about = "Gradient accumulation as the PyTorch recipe writes it, with fitgrad")]
+struct Args {
+    /// Inputs and outputs of the Linear layer.
+    #[arg(long, default_value_t = 1024)]
+    features: usize,
+    /// Samples per micro-batch.
+    #[arg(long, default_value_t = 32)]
+    batch_size: usize,
+    /// Epochs.
+    #[arg(long, default_value_t = 10)]
+    epochs: u64,
+    /// Micro-batches per epoch (a multiple of --accumulation-steps).
+    #[arg(long, default_value_t = 100)]
+    batches: u64,
+    /// Micro-batches whose gradients add up before each optimizer step.
+    #[arg(long, default_value_t = 4)]
+    accumulation_steps: u64,
+    /// SGD learning rate.
+    #[arg(long, default_value_t = 0.01, allow_negative_numbers = true)]
+    lr: f32,
+    /// Seed of the weights and the random data.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Substring of the adapter name to use.
+    #[arg(long)]
+    adapter: Option<String>,
+}
+
+fn run(args: Args) -> fitgrad::Result<()> {
+    let invalid = |reason: String| Error::InvalidArgument {
+        op: "grad_accumulation",
+        reason,
+    };
+    let n = |v: usize| v as u64;
+    cli::check_counts(
+        "grad_accumulation",
+        &[
+            ("--features", n(args.features), 1, MAX_WIDTH),
+            ("--batch-size", n(args.batch_size), 1, MAX_BATCH),
+            ("--epochs", args.epochs, 1, MAX_EPOCHS),
+            ("--batches", args.batches, 1, MAX_STEPS),
+            (
+                "--accumulation-steps",
+                args.accumulation_steps,
+                1,
+                MAX_BATCH,
+            ),
+        ],
+    )?;
+    cli::check_environment()?;
+    if !args.batches.is_multiple_of(args.accumulation_steps) {
+        return Err(invalid(format!(
+            "--batches {} is not a multiple of --accumulation-steps {}: the last micro-batches' \
+             gradients would never be applied",
+            args.batches, args.accumulation_steps
+        )));
+    }
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        return Err(invalid(format!(
+            "--lr must be a number > 0, got {}",
+            args.lr
+        )));
+    }
+    let mut options = DeviceOptions::default();
+    options.adapter = args.adapter.clone();
+    let dev = Device::with_options(options)?;
+    let model = Linear::new(&dev, args.features, args.features, args.seed)?;
     let criterion = mse_loss;
-    let mut optimizer = Sgd::new(model.parameters(), 0.01)?;
-    let accumulation_steps = 4;
-    let mut seed = 1u64;
+    let mut optimizer = Sgd::new(model.parameters(), args.lr)?;
+    let accumulation_steps = args.accumulation_steps;
+    let mut seed = args.seed.wrapping_mul(1_000_003).wrapping_add(1);
     let mut randn = |dims: &[usize]| {
-        seed += 1;
+        seed = seed.wrapping_add(1);
         Tensor::randn(&dev, dims, 0.0, 1.0, seed, DType::F32)
     };
+    let dims = [args.batch_size, args.features];
 
-    for epoch in 0..10 {
+    for epoch in 0..args.epochs {
         let mut loss = None;
-        for i in 0..100 {
-            let inputs = randn(&[32, 1024])?;
-            let targets = randn(&[32, 1024])?;
+        for i in 0..args.batches {
+            let inputs = randn(&dims)?;
+            let targets = randn(&dims)?;
             let outputs = model.forward(&inputs)?;
             let l = criterion(&outputs, &targets)?;
             let l = l.div_scalar(accumulation_steps as f32)?;
@@ -53,9 +124,27 @@ fn main() -> fitgrad::Result<()> {
             }
             loss = Some(l);
         }
-        let loss = loss.expect("100 micro-batches ran");
-        println!("Epoch {}, Loss: {:.4}", epoch + 1, loss.item()?);
+        let loss = loss.expect("--batches is at least 1");
+        let value = loss.item()?;
+        if !value.is_finite() {
+            return Err(Error::NonFinite {
+                step: (epoch + 1) * args.batches / accumulation_steps,
+                what: format!("the loss of epoch {} is {value}", epoch + 1),
+                remedy: "lower --lr".into(),
+            });
+        }
+        println!("Epoch {}, Loss: {value:.4}", epoch + 1);
     }
     println!("\n{}", dev.memory_report());
     Ok(())
+}
+
+fn main() -> ExitCode {
+    match run(Args::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }

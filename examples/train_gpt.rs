@@ -15,10 +15,12 @@
 //! tests/train_gpt_cli.rs includes this file as a module and calls [`prepare`] and [`train`].
 
 use clap::Parser;
+use fitgrad::checkpoint::Expect;
+use fitgrad::cli::{self, MAX_BATCH, MAX_LAYERS, MAX_SAMPLE_LEN, MAX_STEPS, MAX_WIDTH};
 use fitgrad::distributed::Job;
 use fitgrad::nn::{AttentionKind, Gpt, GptConfig, Module};
 use fitgrad::optim::{decay_groups, AdamW, LrSchedule};
-use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
+use fitgrad::report::{StepCapture, TrainingReport};
 use fitgrad::train::text::{TextCorpus, TextDataset};
 use fitgrad::train::{BatchSource, Precision, Trainer, TrainerConfig};
 use fitgrad::{Bytes, Device, DeviceOptions, Error, Result};
@@ -165,6 +167,11 @@ pub struct Setup {
     precision: Precision,
     budget: Option<u64>,
     fit_auto: bool,
+    /// What the run trains on, stored in its checkpoints (the vocabulary's and the text's
+    /// hashes).
+    identity: Vec<(String, String)>,
+    /// A resume whose checkpoint already holds --steps steps: nothing is trained.
+    nothing_to_train: bool,
 }
 
 /// An [`Error::InvalidArgument`] of this command.
@@ -193,20 +200,23 @@ pub fn prepare(args: &Args) -> Result<Setup> {
         .as_deref()
         .map(|b| b.parse::<Bytes>().map(|b| b.0))
         .transpose()?;
-    let sizes = [
-        ("--layers", args.layers),
-        ("--heads", args.heads),
-        ("--dim", args.dim),
-        ("--context", args.context),
-        ("--batch-size", args.batch_size),
-        ("--accum-steps", args.accum_steps),
-    ];
-    if let Some((flag, _)) = sizes.iter().find(|(_, v)| *v == 0) {
-        return Err(invalid(format!("{flag} must be at least 1, got 0")));
-    }
-    if args.steps == 0 {
-        return Err(invalid("--steps must be at least 1".into()));
-    }
+    // Every count bounded: a mistyped one is refused here, not run for days.
+    let n = |v: usize| v as u64;
+    cli::check_counts(
+        "train_gpt",
+        &[
+            ("--layers", n(args.layers), 1, MAX_LAYERS),
+            ("--heads", n(args.heads), 1, MAX_LAYERS),
+            ("--dim", n(args.dim), 1, MAX_WIDTH),
+            ("--context", n(args.context), 1, MAX_WIDTH),
+            ("--batch-size", n(args.batch_size), 1, MAX_BATCH),
+            ("--accum-steps", n(args.accum_steps), 1, MAX_BATCH),
+            ("--steps", args.steps, 1, MAX_STEPS),
+            ("--eval-every", args.eval_every, 0, MAX_STEPS),
+            ("--sample-len", n(args.sample_len), 0, MAX_SAMPLE_LEN),
+        ],
+    )?;
+    cli::check_environment()?;
     args.batch_size
         .checked_mul(args.accum_steps)
         .ok_or_else(|| invalid("--batch-size x --accum-steps overflows".into()))?;
@@ -247,12 +257,22 @@ pub fn prepare(args: &Args) -> Result<Setup> {
             args.temperature
         )));
     }
-    if let Some(p) = &args.report {
-        check_output_path("--report", p)?;
-    }
-    if let Some(p) = &args.report_json {
-        check_output_path("--report-json", p)?;
-    }
+    // No output may overwrite the text, the checkpoint resumed from, or another output
+    // (--save may replace --resume: a run continued in place).
+    let inputs: Vec<(&'static str, &std::path::Path)> =
+        [("--text", &args.text), ("--resume", &args.resume)]
+            .into_iter()
+            .filter_map(|(f, p)| Some((f, p.as_deref()?)))
+            .collect();
+    let outputs: Vec<(&'static str, &std::path::Path)> = [
+        ("--save", &args.save),
+        ("--report", &args.report),
+        ("--report-json", &args.report_json),
+    ]
+    .into_iter()
+    .filter_map(|(f, p)| Some((f, p.as_deref()?)))
+    .collect();
+    cli::check_paths(&inputs, &outputs, &[("--save", "--resume")])?;
     let corpus = match &args.text {
         Some(path) => TextCorpus::from_file(path)?,
         None => TextCorpus::shakespeare(),
@@ -275,9 +295,14 @@ pub fn prepare(args: &Args) -> Result<Setup> {
     cfg.attention = attention;
     // Heads dividing dim, dropout in range, a parameter count that fits: the model's own checks.
     cfg.validate()?;
-    if let Some(path) = &args.resume {
-        check_resume(path, &cfg)?;
-    }
+    let identity = vec![
+        ("vocab".to_string(), format!("{:016x}", corpus.vocab.hash())),
+        ("text".to_string(), format!("{:016x}", corpus.hash())),
+    ];
+    let nothing_to_train = match &args.resume {
+        Some(path) => check_resume(path, args, &cfg, &identity)?,
+        None => false,
+    };
     Ok(Setup {
         corpus,
         train,
@@ -287,41 +312,65 @@ pub fn prepare(args: &Args) -> Result<Setup> {
         precision,
         budget,
         fit_auto,
+        identity,
+        nothing_to_train,
     })
 }
 
-/// The checkpoint at `path` holds a model of `cfg`'s shape (read on the host, before any
-/// device work), or the error says which flag to change.
-fn check_resume(path: &std::path::Path, cfg: &GptConfig) -> Result<()> {
+/// The checkpoint at `path` holds a model of `cfg`'s shape, trained on this text, with no
+/// more than `steps` steps, and finite (read on the host, before any device work), or the
+/// error says which flag to change. `Ok(true)`: it holds `steps` steps already.
+fn check_resume(
+    path: &std::path::Path,
+    args: &Args,
+    cfg: &GptConfig,
+    identity: &[(String, String)],
+) -> Result<bool> {
     let ckpt = fitgrad::checkpoint::load(path)?;
-    let saved = ckpt.model_config();
-    let want = [
-        ("vocab_size", cfg.vocab_size, "--text (the vocabulary)"),
-        ("context", cfg.context, "--context"),
-        ("layers", cfg.layers, "--layers"),
-        ("heads", cfg.heads, "--heads"),
-        ("dim", cfg.dim, "--dim"),
-    ];
-    for (key, value, flag) in want {
-        match saved.get(key) {
-            Some(v) if *v == value.to_string() => {}
-            Some(v) => {
-                return Err(Error::Data {
-                    path: path.display().to_string(),
-                    reason: format!(
-                        "the checkpoint's model has {key} {v}, this run {value}: set {flag} as it was saved"
-                    ),
-                })
-            }
-            None => {
-                return Err(Error::Data {
-                    path: path.display().to_string(),
-                    reason: format!("no '{key}' in the checkpoint: not a GPT saved by train_gpt"),
-                })
-            }
-        }
-    }
-    Ok(())
+    let as_saved = |flag: &str| format!("set {flag} as it was saved");
+    ckpt.expect_config(
+        &[
+            Expect::new(
+                "kind",
+                "gpt",
+                "resume a GPT checkpoint written by train_gpt",
+            ),
+            Expect::new(
+                "vocab_size",
+                cfg.vocab_size,
+                "resume with the --text it was trained on",
+            ),
+            Expect::new("context", cfg.context, as_saved("--context")),
+            Expect::new("layers", cfg.layers, as_saved("--layers")),
+            Expect::new("heads", cfg.heads, as_saved("--heads")),
+            Expect::new("dim", cfg.dim, as_saved("--dim")),
+            Expect::new("dropout", cfg.dropout, as_saved("--dropout")),
+            Expect::new(
+                "checkpoint_blocks",
+                cfg.checkpoint_blocks,
+                as_saved("--checkpoint-activations (or --fit auto's budget)"),
+            ),
+            Expect::new("attention", &args.attention, as_saved("--attention")),
+            Expect::new("dtype", cfg.dtype, "set --precision as it was saved"),
+            Expect::new("seed", cfg.seed, as_saved("--seed")),
+        ],
+        "train_gpt",
+    )?;
+    let same_text = |what: &str| {
+        format!(
+            "{what}: resume with the --text it was trained on, or start a new run without --resume"
+        )
+    };
+    ckpt.check_extra(&[
+        Expect::new(
+            "data.vocab",
+            &identity[0].1,
+            same_text("another vocabulary (the same size, other characters)"),
+        ),
+        Expect::new("data.text", &identity[1].1, same_text("another text")),
+    ])?;
+    ckpt.check_finite()?;
+    cli::check_resume_progress(path, ckpt.training_state()?.step, args.steps, "--steps")
 }
 
 /// Opens the device the flags ask for.
@@ -418,6 +467,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             None,
         )
     };
+    trainer.set_data_identity(setup.identity.clone());
     // Fitted to the whole batch as on one process; a rank refits to its share.
     let all_reduce = dist.join(&mut trainer, &setup.train)?;
     // What `--fit auto` chose, for the JSON line (null without it).
@@ -445,12 +495,8 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
     let plan = trainer.plan(&setup.train)?;
     if args.plan {
         if root {
-            print!("{plan}");
+            cli::print_plan(&plan, args.json, planning.elapsed());
         }
-        say!(
-            "  (planned by running the step on the device's planning mode in {:.0} ms)",
-            planning.elapsed().as_secs_f64() * 1e3
-        );
         return Ok(Report {
             train_loss: f32::NAN,
             valid_loss: f32::NAN,
@@ -489,6 +535,13 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             path.display(),
             trainer.steps()
         );
+        if setup.nothing_to_train {
+            say!(
+                "nothing left to train: the checkpoint holds {} steps and --steps is {}; evaluating it as it is",
+                trainer.steps(),
+                args.steps
+            );
+        }
     }
     report.set_plan(plan.clone());
     for (key, value) in [
@@ -596,7 +649,10 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             let eval_start = Instant::now();
             // At the training micro-batch: evaluation keeps no graph, so it stays below the
             // step's peak, and the summary's peak stays the training step's (the planned one).
-            let e = trainer.evaluate(&setup.valid_head, trainer.micro_batch())?;
+            // A blown-up run stops here, before its checkpoint replaces a good one.
+            let e = trainer
+                .evaluate(&setup.valid_head, trainer.micro_batch())?
+                .finite(trainer.steps(), "validation")?;
             eval_secs += eval_start.elapsed().as_secs_f64();
             report.log_eval(done, None, "validation (first windows)", &e);
             let v = e.loss;
@@ -632,12 +688,16 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
     let secs = started.elapsed().as_secs_f64() - eval_secs;
     let steps_run = args.steps.saturating_sub(first_step);
     let tokens_per_s = (steps_run as f64 * (eff * args.context) as f64) / secs.max(1e-9);
+    // Training's memory, before evaluation and sampling count.
+    let summary = trainer.memory_summary();
+    // Saved only once the validation loss is finite: a blown-up run never replaces a good
+    // checkpoint.
+    let valid = trainer
+        .evaluate(&setup.valid, eval_batch)?
+        .finite(trainer.steps(), "validation")?;
     if let Some(path) = &args.save {
         trainer.save_checkpoint(path, 0)?;
     }
-    // Training's memory, before evaluation and sampling count.
-    let summary = trainer.memory_summary();
-    let valid = trainer.evaluate(&setup.valid, eval_batch)?;
     report.log_eval(trainer.steps(), None, "validation", &valid);
     let valid_loss = valid.loss;
     let uniform = (corpus.vocab.len() as f64).ln();
@@ -645,7 +705,16 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         "validation: {valid_loss:.4} nats/char on {} characters (bigram baseline {bigram:.4}, uniform {uniform:.4}); train {train_loss:.4}",
         setup.valid.len() * args.context
     );
-    println!("{steps_run} steps in {secs:.1} s, {tokens_per_s:.0} tokens/s");
+    let skipped = trainer.scaler().map_or(0, |s| s.skipped_steps());
+    println!(
+        "{} steps in {secs:.1} s, {tokens_per_s:.0} tokens/s{}",
+        trainer.steps() - first_step,
+        if skipped > 0 {
+            format!(" ({skipped} more skipped by loss scaling: their gradients overflowed)")
+        } else {
+            String::new()
+        }
+    );
     println!("\n{summary}");
     println!(
         "planned peak in use {} / measured {}",
@@ -705,6 +774,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             "params": trainer.model.num_parameters(),
             "lr": args.lr,
             "steps": trainer.steps(),
+            "skipped_steps": skipped,
             "batch_size": args.batch_size,
             "accum_steps": args.accum_steps,
             "micro_batch": trainer.micro_batch(),
@@ -740,7 +810,13 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
 pub fn run(args: &Args, dist: &Job) -> Result<Report> {
     let setup = prepare(args)?;
     let device = open_device(args, &setup)?;
-    train(args, setup, &device, dist)
+    train(args, setup, &device, dist).map_err(|e| {
+        cli::name_flags(
+            "train_gpt",
+            e,
+            "lower --batch-size or --context, or give --memory-budget, which trains in smaller micro-batches",
+        )
+    })
 }
 
 fn main() -> ExitCode {

@@ -7,12 +7,15 @@
 //! timeline of a step, the loss, accuracy and throughput curves and the memory table.
 
 use clap::Parser;
+use fitgrad::checkpoint::Expect;
+use fitgrad::cli::{self, MAX_BATCH, MAX_EPOCHS};
 use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner, QuantizedMlp};
 use fitgrad::distributed::Job;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
-use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
+use fitgrad::report::{StepCapture, TrainingReport};
 use fitgrad::train::data;
+use fitgrad::train::shard::TempShardFile;
 use fitgrad::train::{Precision, Trainer, TrainerConfig};
 use fitgrad::{Bytes, DType, Device, DeviceOptions};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -26,6 +29,10 @@ struct Args {
     /// folder of IDX files).
     #[arg(long, default_value = "digits")]
     dataset: String,
+    /// The label column of a CSV --dataset, by its header name (default: the column named
+    /// "label", else the last one).
+    #[arg(long)]
+    label_column: Option<String>,
     /// Hidden layer widths, comma separated.
     #[arg(long, default_value = "256,256", value_delimiter = ',')]
     hidden: Vec<usize>,
@@ -142,12 +149,26 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         op: "train_mlp",
         reason,
     };
-    if args.batch_size == 0 || args.accum_steps == 0 {
-        return Err(invalid(format!(
-            "--batch-size and --accum-steps must be at least 1, got {} and {}",
-            args.batch_size, args.accum_steps
-        )));
-    }
+    let n = |v: usize| v as u64;
+    let mut counts = vec![
+        ("--epochs", args.epochs, 1, MAX_EPOCHS),
+        ("--batch-size", n(args.batch_size), 1, MAX_BATCH),
+        ("--accum-steps", n(args.accum_steps), 1, MAX_BATCH),
+        (
+            "--shard-size",
+            n(args.shard_size.unwrap_or(1)),
+            1,
+            MAX_BATCH,
+        ),
+    ];
+    // A hidden width of 0 is refused with its place in the list.
+    counts.extend(
+        args.hidden
+            .iter()
+            .map(|&w| ("--hidden", n(w), 1, cli::MAX_WIDTH)),
+    );
+    cli::check_counts("train_mlp", &counts)?;
+    cli::check_environment()?;
     let eff = args
         .batch_size
         .checked_mul(args.accum_steps)
@@ -170,22 +191,30 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     if budget == Some(0) {
         return Err(invalid("--memory-budget must be more than 0 bytes".into()));
     }
-    if let Some(i) = args.hidden.iter().position(|&w| w == 0) {
+    if args.checkpoint_activations && act != Activation::Gelu {
         return Err(invalid(format!(
-            "--hidden {:?}: layer {} has width 0 (leave the list empty for no hidden layer)",
-            args.hidden,
-            i + 1
+            "--checkpoint-activations recomputes gelu layers in backward; {} layers keep \
+             nothing it could drop: use --activation gelu, or drop --checkpoint-activations",
+            args.activation
         )));
     }
-    if args.shard_size == Some(0) {
-        return Err(invalid("--shard-size must be at least 1".into()));
-    }
-    if let Some(p) = &args.report {
-        check_output_path("--report", p)?;
-    }
-    if let Some(p) = &args.report_json {
-        check_output_path("--report-json", p)?;
-    }
+    // No output may overwrite the dataset's files, the checkpoint resumed from, or another
+    // output (--save may replace --resume: a run continued in place).
+    let data_files = data::input_files(&args.dataset);
+    let mut inputs: Vec<(&'static str, &std::path::Path)> = data_files
+        .iter()
+        .map(|p| ("--dataset", p.as_path()))
+        .collect();
+    inputs.extend(args.resume.as_deref().map(|p| ("--resume", p)));
+    let outputs: Vec<(&'static str, &std::path::Path)> = [
+        ("--save", &args.save),
+        ("--report", &args.report),
+        ("--report-json", &args.report_json),
+    ]
+    .into_iter()
+    .filter_map(|(f, p)| Some((f, p.as_deref()?)))
+    .collect();
+    cli::check_paths(&inputs, &outputs, &[("--save", "--resume")])?;
     let reporting = args.report.is_some() || args.report_json.is_some();
     if !matches!(args.optimizer.as_str(), "adamw" | "sgd") {
         return Err(invalid(format!(
@@ -204,13 +233,55 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     if let Some(cfg) = &prune {
         cfg.validate()?;
     }
-    let (train, test) = data::load(&args.dataset, args.seed)?;
+    let (train, test) =
+        data::load_with_label(&args.dataset, args.seed, args.label_column.as_deref())?;
     if train.dim != test.dim {
         return Err(invalid(format!(
             "the training set has {} features per sample and the test set {}",
             train.dim, test.dim
         )));
     }
+    let mut widths = vec![train.dim];
+    widths.extend(args.hidden.iter().copied());
+    widths.push(train.classes);
+    let param_dtype = match precision {
+        Precision::F16 => DType::F16,
+        _ => DType::F32,
+    };
+    let identity = vec![("dataset".to_string(), format!("{:016x}", train.hash()))];
+    // The checkpoint is checked on the host, before any device work, naming the flags.
+    let nothing_to_train = match &args.resume {
+        Some(path) => {
+            let ckpt = fitgrad::checkpoint::load(path)?;
+            let widths: Vec<String> = widths.iter().map(usize::to_string).collect();
+            ckpt.expect_config(
+                &[
+                    Expect::new(
+                        "kind",
+                        "mlp",
+                        "resume an MLP checkpoint written by train_mlp",
+                    ),
+                    Expect::new(
+                        "widths",
+                        widths.join(","),
+                        "set --hidden as it was saved, on the --dataset it was trained on",
+                    ),
+                    Expect::new("activation", act.name(), "set --activation as it was saved"),
+                    Expect::new("dtype", param_dtype, "set --precision as it was saved"),
+                ],
+                "train_mlp",
+            )?;
+            ckpt.check_extra(&[Expect::new(
+                "data.dataset",
+                &identity[0].1,
+                "another dataset: resume with the --dataset (and --seed) it was trained on, or \
+                 start a new run without --resume",
+            )])?;
+            ckpt.check_finite()?;
+            cli::check_resume_progress(path, ckpt.training_state()?.epoch, args.epochs, "--epochs")?
+        }
+        None => false,
+    };
     let mut options = DeviceOptions::default();
     options.adapter = args.adapter.clone();
     options.memory_budget = budget;
@@ -226,13 +297,6 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         train.classes
     );
 
-    let mut widths = vec![train.dim];
-    widths.extend(args.hidden.iter().copied());
-    widths.push(train.classes);
-    let param_dtype = match precision {
-        Precision::F16 => DType::F16,
-        _ => DType::F32,
-    };
     let lr = args
         .lr
         .unwrap_or(if args.optimizer == "sgd" { 0.05 } else { 1e-3 });
@@ -273,6 +337,7 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     } else {
         (Trainer::build_within_budget(&device, &train, build)?, None)
     };
+    trainer.set_data_identity(identity);
     // Fitted to the whole batch as on one process; a rank refits to its share.
     let all_reduce = dist.join(&mut trainer, &train)?;
     // The pruner's masks (as many bytes as the weights) are made now, so the plan counts them;
@@ -302,12 +367,8 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     let plan = trainer.plan(&train)?;
     if args.plan {
         if root {
-            print!("{plan}");
+            cli::print_plan(&plan, args.json, planning.elapsed());
         }
-        say!(
-            "  (planned by running the step on the device's planning mode in {:.0} ms)",
-            planning.elapsed().as_secs_f64() * 1e3
-        );
         return Ok(());
     }
     if args.prealloc {
@@ -400,7 +461,7 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
             path.display(),
             trainer.steps()
         );
-        if first_epoch >= args.epochs {
+        if nothing_to_train {
             say!(
                 "nothing left to train: the checkpoint holds {first_epoch} epochs and --epochs is {}; evaluating it as it is",
                 args.epochs
@@ -408,21 +469,17 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         }
     }
     // The shard file is unique to this process and removed when `run` returns, error or not
-    // (the guard is dropped with the other locals).
+    // (the guard is dropped with the other locals), on Ctrl-C or SIGTERM, or by the next run
+    // after a kill.
     let (sharded, _shard_file) = match args.shard_size {
         Some(size) => {
-            let file = RemoveOnDrop(std::env::temp_dir().join(format!(
-                "fitgrad-{}-seed{}-{}.fgshard",
-                train.name.replace(['/', '\\'], "-"),
-                args.seed,
-                unique_suffix()
-            )));
-            fitgrad::train::shard::ShardedDataset::create(&train, &file.0)?;
-            let s = fitgrad::train::shard::ShardedDataset::open(&file.0, size)?;
+            let file = TempShardFile::new(&format!("{}-seed{}", train.name, args.seed));
+            fitgrad::train::shard::ShardedDataset::create(&train, file.path())?;
+            let s = fitgrad::train::shard::ShardedDataset::open(file.path(), size)?;
             say!(
                 "sharded: {} shards of up to {size} samples from {}",
                 s.num_shards(),
-                file.0.display()
+                file.path().display()
             );
             (Some(s), Some(file))
         }
@@ -496,7 +553,9 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         );
         if reporting {
             let eval_start = Instant::now();
-            let e = trainer.evaluate(&test, trainer.micro_batch())?;
+            let e = trainer
+                .evaluate(&test, trainer.micro_batch())?
+                .finite(trainer.steps(), "test")?;
             report.log_eval(trainer.steps(), Some(epoch), "test", &e);
             eval_secs += eval_start.elapsed().as_secs_f64();
         }
@@ -519,7 +578,9 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     } else {
         1024
     };
-    let eval = trainer.evaluate(&test, eval_batch)?;
+    let eval = trainer
+        .evaluate(&test, eval_batch)?
+        .finite(trainer.steps(), "test")?;
     let (test_loss, test_accuracy) = (eval.loss, eval.accuracy.unwrap_or(f32::NAN));
     println!(
         "test: loss {test_loss:.4}, accuracy {:.2}% ({:.1} s training, {samples_per_s:.0} samples/s)",
@@ -626,30 +687,16 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     Ok(())
 }
 
-/// A file removed when this is dropped (the shard file of a `--shard-size` run).
-struct RemoveOnDrop(std::path::PathBuf);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-/// The process id, the time and a random number: no two runs share a shard file, even two
-/// started at once or a pid reused.
-fn unique_suffix() -> String {
-    use std::hash::{BuildHasher, Hasher};
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    // std's hasher keys are random per process.
-    let random = std::collections::hash_map::RandomState::new()
-        .build_hasher()
-        .finish();
-    format!("{}-{nanos:x}-{:08x}", std::process::id(), random as u32)
-}
-
 fn main() -> ExitCode {
     let args = Args::parse();
-    Job::main(args.distributed.clone().as_deref(), |dist| run(args, dist))
+    Job::main(args.distributed.clone().as_deref(), |dist| {
+        run(args, dist).map_err(|e| {
+            cli::name_flags(
+                "train_mlp",
+                e,
+                "lower --batch-size or the --hidden widths, or give --memory-budget, which \
+                 trains in smaller micro-batches",
+            )
+        })
+    })
 }

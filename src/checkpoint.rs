@@ -18,8 +18,9 @@
 //! Saving goes through [`write_atomic`](crate::fsutil::write_atomic): the bytes land in a
 //! temporary file that is flushed to disk and renamed over the old checkpoint, so a crash or a
 //! kill mid-save leaves the previous checkpoint whole (and possibly a `.NAME.tmp-PID-RANDOM`
-//! file beside it). Loading checks everything a damaged or foreign file can get wrong and returns
-//! [`Error::Data`] naming the file; it never panics on bad input.
+//! file beside it, which the next save to that path removes once PID no longer runs). Loading
+//! checks everything a damaged or foreign file can get wrong and returns [`Error::Data`] naming
+//! the file; it never panics on bad input.
 //!
 //! ```no_run
 //! use fitgrad::checkpoint::{self, TrainingState};
@@ -227,6 +228,30 @@ impl safetensors::View for &HostTensor {
     }
     fn data_len(&self) -> usize {
         self.bytes.len()
+    }
+}
+
+/// One value a checkpoint must hold to be resumed by this run ([`Checkpoint::expect_config`],
+/// [`Checkpoint::check_extra`]): the stored key, this run's value, and what to change when
+/// they differ ("set --width as it was saved").
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Expect {
+    /// The key (a model configuration key, or an extra entry's).
+    pub key: String,
+    /// This run's value, as stored.
+    pub value: String,
+    /// What the user changes when the values differ.
+    pub change: String,
+}
+
+impl Expect {
+    /// `key` must be `value`; else `change`.
+    pub fn new(key: &str, value: impl ToString, change: impl Into<String>) -> Expect {
+        Expect {
+            key: key.into(),
+            value: value.to_string(),
+            change: change.into(),
+        }
     }
 }
 
@@ -459,19 +484,89 @@ impl Checkpoint {
     }
 
     /// A stored configuration must be the model's: a different activation or width with the
-    /// same tensor shapes would load and compute something else.
-    fn check_config(&self, model: &dyn Module) -> Result<()> {
+    /// same tensor shapes would load and compute something else, and a different width is
+    /// better said as the width than as the tensors' shapes. [`Error::Data`] names the key.
+    pub fn check_config(&self, model: &dyn Module) -> Result<()> {
         let stored = self.model_config();
         if stored.is_empty() {
             return Ok(());
         }
         for (k, v) in model.config() {
-            if let Some(s) = stored.get(&k) {
-                if *s != v {
+            match stored.get(&k) {
+                Some(s) if *s != v => {
                     return Err(self.err(format!(
                         "the file's model has {k} = {s}, this model has {k} = {v}"
+                    )))
+                }
+                // A file of another kind of model lacks this model's keys.
+                None if k == "kind" => {
+                    return Err(self.err(format!(
+                        "the file holds another kind of model ({}), this model is {v}",
+                        stored.get("kind").map_or("no kind stored", String::as_str)
+                    )))
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// The stored model configuration must hold each of `want`'s keys with its value: a
+    /// command's host-side check before any device work, so the error names the flag to
+    /// change. A key the file lacks means another kind of model: `what` says which program
+    /// writes the expected kind ("train_gpt").
+    pub fn expect_config(&self, want: &[Expect], what: &str) -> Result<()> {
+        let stored = self.model_config();
+        for w in want {
+            match stored.get(&w.key) {
+                Some(v) if *v == w.value => {}
+                Some(v) => {
+                    return Err(self.err(format!(
+                        "the checkpoint's model has {} {v}, this run {}: {}",
+                        w.key, w.value, w.change
+                    )))
+                }
+                None => {
+                    return Err(self.err(format!(
+                        "no '{}' in the checkpoint's model{}: not a model saved by {what}",
+                        w.key,
+                        stored
+                            .get("kind")
+                            .map_or(String::new(), |k| format!(" (it holds a {k})"))
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Each of `want`'s keys among the [`TrainingState::extra`] entries must hold its value
+    /// (a file from before the key was stored lacks it and passes): what a run was trained
+    /// with and on. [`Error::Data`] says both values and `change`.
+    pub fn check_extra(&self, want: &[Expect]) -> Result<()> {
+        for w in want {
+            if let Some(saved) = self.metadata.get(&format!("{EXTRA_PREFIX}{}", w.key)) {
+                if *saved != w.value {
+                    return Err(self.err(format!(
+                        "the checkpoint was trained with {} {saved}, this run uses {}; {}",
+                        w.key, w.value, w.change
                     )));
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every tensor holds finite values: a checkpoint of a diverged run is refused by name
+    /// before anything is loaded, instead of training on to a divergence that looks like a
+    /// learning-rate problem.
+    pub fn check_finite(&self) -> Result<()> {
+        for (name, t) in &self.tensors {
+            if let Some(bad) = t.to_f32().into_iter().find(|v| !v.is_finite()) {
+                return Err(self.err(format!(
+                    "tensor '{name}' holds {bad}: the run that wrote it had diverged; resume \
+                     from an earlier checkpoint, or start a new run without resuming"
+                )));
             }
         }
         Ok(())
@@ -482,6 +577,8 @@ impl Checkpoint {
     /// the same shape and dtype, and the file must hold no other model tensor; nothing is
     /// written unless all of them fit.
     pub fn apply_model(&self, model: &dyn Module) -> Result<()> {
+        // Another configuration is said as such, before the tensors it makes differ.
+        self.check_config(model)?;
         let prefix = self.model_prefix();
         let mut params = model.named_parameters();
         params.extend(model.named_buffers());
@@ -530,8 +627,6 @@ impl Checkpoint {
                 list(&extra)
             )));
         }
-        // Same tensors, yet another configuration (an activation) would compute something else.
-        self.check_config(model)?;
         for (p, h) in plan {
             p.device().upload(p.block(), &h.bytes)?;
         }

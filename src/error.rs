@@ -121,14 +121,16 @@ pub enum Error {
         what: String,
     },
 
-    /// Training diverged: a loss or gradient became NaN or infinite (without loss scaling,
-    /// which would skip such a step instead). The weights are those before that step.
-    #[error("training diverged at step {step}: {what} is not finite (NaN or infinity); lower the learning rate, clip gradients, or use --precision mixed, whose loss scaling skips such steps")]
+    /// Training diverged: a loss, gradient or parameter became NaN or infinite, or loss
+    /// scaling skipped too many steps in a row. The weights are those before that step.
+    #[error("training diverged at step {step}: {what}; {remedy}")]
     NonFinite {
-        /// The optimizer step (0-based) whose loss or gradients were not finite.
+        /// The optimizer step (0-based) that could not be taken.
         step: u64,
-        /// What was not finite.
+        /// What was not finite, or overflowed.
         what: String,
+        /// What to change.
+        remedy: String,
     },
 
     /// Shapes that do not fit together for an op.

@@ -15,12 +15,14 @@
 
 mod activation;
 pub mod checkpoint;
+pub mod cli;
 pub mod compress;
 pub mod device;
 pub mod distributed;
 mod dtype;
 pub mod error;
 mod fsutil;
+mod hash;
 mod kernels;
 pub mod memory;
 pub mod nn;

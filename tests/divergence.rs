@@ -1,6 +1,8 @@
 //! Training that goes wrong says so: a non-finite loss stops training with a typed error naming
 //! the step, before the update (the weights stay as they were), and never replaces a good
-//! checkpoint with a NaN one; resuming with another precision is refused.
+//! checkpoint with a NaN one; a mixed-precision run whose weights blow up stops once loss
+//! scaling has skipped too many tries in a row, and saves nothing; resuming with another
+//! precision is refused.
 
 mod common;
 
@@ -55,7 +57,7 @@ fn nonfinite_loss_stops_with_the_step_and_keeps_the_checkpoint() {
         .collect();
     let err = t.step_rows(&bad, &y).unwrap_err();
     match &err {
-        Error::NonFinite { step, what } => {
+        Error::NonFinite { step, what, .. } => {
             assert_eq!(*step, 1);
             assert!(what.contains("loss"), "{what}");
         }
@@ -117,4 +119,52 @@ fn resume_refuses_another_precision() {
     let mut same = trainer(0.1, Precision::F32).unwrap();
     assert_eq!(same.resume_from(&path).unwrap(), 1);
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// lr 1e30 pushes the weights to about 1e30 in one update (finite in f32, infinite in f16):
+/// every later try overflows. The trainer stops with the step after
+/// `max_skipped_in_a_row` + 1 skipped tries, and a save after it keeps the good file.
+#[test]
+fn blown_up_mixed_run_stops_naming_the_step() {
+    let Some(mut t) = trainer(1e30, Precision::Mixed) else {
+        return;
+    };
+    let most = t.config().max_skipped_in_a_row;
+    let (x, y) = batch();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("good.safetensors");
+    t.save_checkpoint(&path, 0).unwrap();
+    let good = std::fs::read(&path).unwrap();
+    let mut tries = 0;
+    let err = loop {
+        tries += 1;
+        assert!(tries <= 2 * most + 10, "still training after {tries} tries");
+        if let Err(e) = t.step_rows(&x, &y) {
+            break e;
+        }
+    };
+    let skipped = t.scaler().unwrap().skipped_steps();
+    match &err {
+        Error::NonFinite { step, what, .. } => {
+            assert_eq!(*step, t.steps(), "the error names the step not taken");
+            assert!(
+                what.contains(&format!("{} tries in a row", most + 1)),
+                "{what}"
+            );
+        }
+        e => panic!("expected NonFinite, got {e:?}"),
+    }
+    assert!(skipped > most, "{skipped} skipped");
+    assert!(
+        t.steps() >= 1 && t.steps() + skipped == tries,
+        "{} + {skipped} vs {tries}",
+        t.steps()
+    );
+    let err = t.save_checkpoint(&path, 0).unwrap_err();
+    assert!(matches!(err, Error::NonFinite { .. }), "{err:?}");
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        good,
+        "the good checkpoint was replaced"
+    );
 }

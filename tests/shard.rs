@@ -360,3 +360,127 @@ fn rows_match_the_host(dev: &Device) {
         assert!(matches!(t.rows(4, 3), Err(Error::Shape { .. })));
     }
 }
+
+/// A process id that no longer runs: a child that has exited and been waited for.
+fn dead_pid() -> u32 {
+    let mut child = std::process::Command::new("true")
+        .spawn()
+        .expect("run `true`");
+    let pid = child.id();
+    child.wait().unwrap();
+    pid
+}
+
+/// Leftovers of killed processes go, a running process's stay: a new `TempShardFile` removes
+/// the shard files (and interrupted writes of them) whose owner is dead; a save removes the
+/// temporary files of a killed save to the same path. Its own file goes when it is dropped.
+#[cfg(unix)]
+#[test]
+fn stale_shard_and_temporary_files_are_removed() {
+    let tmp = std::env::temp_dir();
+    let dead = dead_pid();
+    let stale = tmp.join(format!("fitgrad-{dead}-0-0-digits.fgshard"));
+    let stale_write = tmp.join(format!(".fitgrad-{dead}-0-0-digits.fgshard.tmp-{dead}-x"));
+    // pid 1 always runs.
+    let running = tmp.join("fitgrad-1-0-0-test-keep.fgshard");
+    for p in [&stale, &stale_write, &running] {
+        std::fs::write(p, b"x").unwrap();
+    }
+    let file = fitgrad::train::shard::TempShardFile::new("a/b");
+    assert!(
+        !stale.exists() && !stale_write.exists(),
+        "a dead owner's files stay"
+    );
+    assert!(running.exists(), "a running process's file was removed");
+    std::fs::remove_file(&running).unwrap();
+    let name = file
+        .path()
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .into_owned();
+    assert!(
+        name.starts_with(&format!("fitgrad-{}-", std::process::id()))
+            && name.ends_with("a-b.fgshard"),
+        "{name}"
+    );
+    ShardedDataset::create(&synthetic(4, 3), file.path()).unwrap();
+    let path = file.path().to_path_buf();
+    drop(file);
+    assert!(!path.exists(), "the shard file outlived its guard");
+
+    // A save killed before its rename left `.NAME.tmp-PID-...`; the next save removes it.
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("run.bin");
+    let killed = dir.path().join(format!(".run.bin.tmp-{dead}-abc"));
+    let live = dir.path().join(".run.bin.tmp-1-abc");
+    std::fs::write(&killed, vec![0u8; 1000]).unwrap();
+    std::fs::write(&live, b"x").unwrap();
+    fitgrad::write_atomic(&target, b"new").unwrap();
+    assert!(!killed.exists(), "a killed save's temporary file stayed");
+    assert!(
+        live.exists(),
+        "a running writer's temporary file was removed"
+    );
+    assert_eq!(std::fs::read(&target).unwrap(), b"new");
+}
+
+const SIGNAL_CHILD_ENV: &str = "FITGRAD_SHARD_SIGNAL_CHILD";
+
+/// The child of `shard_file_removed_on_sigint_and_sigterm`: makes a shard file, prints its
+/// path and waits to be signalled.
+#[test]
+#[ignore = "run by shard_file_removed_on_sigint_and_sigterm in a child process"]
+fn shard_signal_child() {
+    if std::env::var_os(SIGNAL_CHILD_ENV).is_none() {
+        return;
+    }
+    let file = fitgrad::train::shard::TempShardFile::new("signal");
+    ShardedDataset::create(&synthetic(4, 3), file.path()).unwrap();
+    println!("shard file: {}", file.path().display());
+    std::thread::sleep(std::time::Duration::from_secs(30));
+}
+
+/// Ctrl-C (SIGINT) and SIGTERM remove the shard file of the process they stop, which exits
+/// with status 130.
+#[cfg(unix)]
+#[test]
+fn shard_file_removed_on_sigint_and_sigterm() {
+    use std::io::{BufRead, BufReader};
+    if std::env::var_os(SIGNAL_CHILD_ENV).is_some() {
+        return;
+    }
+    for signal in ["INT", "TERM"] {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "shard_signal_child",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(SIGNAL_CHILD_ENV, "1")
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut path = None;
+        for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+            // The harness may print "test NAME ... " before it on the same line.
+            let line = line.unwrap();
+            if let Some((_, p)) = line.split_once("shard file: ") {
+                path = Some(PathBuf::from(p));
+                break;
+            }
+        }
+        let path = path.expect("the child printed its shard file");
+        assert!(path.exists());
+        let killed = std::process::Command::new("kill")
+            .args([&format!("-{signal}"), &child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(killed.success());
+        let status = child.wait().unwrap();
+        assert_eq!(status.code(), Some(130), "SIG{signal}: {status}");
+        assert!(!path.exists(), "SIG{signal} left {}", path.display());
+    }
+}

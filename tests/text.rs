@@ -232,3 +232,57 @@ fn bigram_baseline_matches_a_probability_table() {
         assert!(matches!(err, Error::InvalidArgument { .. }), "{err:?}");
     }
 }
+
+/// A vocabulary of 60,000 characters: the baseline counts only the pairs that occur (a dense
+/// (vocab, vocab) table of u64 would be 28.8 GB and abort), and gives what a plain loop over
+/// the same add-one formula gives; a vocabulary past `MAX_VOCAB` is a typed error naming it.
+#[test]
+fn bigram_baseline_of_a_large_vocabulary_and_the_vocabulary_bound() {
+    let vocab = 60_000usize;
+    let train: Vec<u32> = (0..20_000u32).map(|i| (i * 7919) % vocab as u32).collect();
+    let valid: Vec<u32> = (0..500u32).map(|i| (i * 7919 + 3) % vocab as u32).collect();
+    let got = bigram_baseline(&train, &valid, vocab).unwrap();
+    let count = |a: u32, b: u32| train.windows(2).filter(|w| w[0] == a && w[1] == b).count();
+    let row = |a: u32| train[..train.len() - 1].iter().filter(|&&t| t == a).count();
+    let want: f64 = valid
+        .windows(2)
+        .map(|w| -((count(w[0], w[1]) as f64 + 1.0) / (row(w[0]) as f64 + vocab as f64)).ln())
+        .sum::<f64>()
+        / (valid.len() - 1) as f64;
+    assert!((got - want).abs() < 1e-9, "{got} vs {want}");
+
+    let max = fitgrad::train::text::MAX_VOCAB;
+    let text: String = (0..=max as u32)
+        .map(|i| char::from_u32(0x10000 + i).unwrap())
+        .collect();
+    let err = CharVocab::from_text(&text).unwrap_err().to_string();
+    assert!(err.contains(&max.to_string()), "{err}");
+    assert_eq!(
+        CharVocab::from_text(&text[..text.len() - 4]).unwrap().len(),
+        max
+    );
+    let err = TextCorpus::from_text("wide.txt", &text).unwrap_err();
+    assert!(matches!(err, Error::Data { .. }), "{err:?}");
+}
+
+/// A text too short for any context says how long the text must be, never "a context of at
+/// most 0"; the vocabulary's and the text's hashes tell texts apart.
+#[test]
+fn short_texts_and_text_identity() {
+    let c = TextCorpus::from_text("tiny", "abc").unwrap();
+    let msg = c.datasets(8).unwrap_err().to_string();
+    assert!(
+        msg.contains("at least 90 characters") && !msg.contains("at most 0"),
+        "{msg}"
+    );
+    let a = TextCorpus::from_text("a", "to be or not to be").unwrap();
+    let b = TextCorpus::from_text("b", "be or not to be to").unwrap();
+    assert_eq!(a.vocab.hash(), b.vocab.hash());
+    assert_ne!(a.hash(), b.hash());
+    let (v, w) = (
+        CharVocab::from_text("to be").unwrap(),
+        CharVocab::from_text("up cf").unwrap(),
+    );
+    assert_eq!(v.len(), w.len());
+    assert_ne!(v.hash(), w.hash());
+}

@@ -124,8 +124,74 @@ fn bad_configurations_are_refused_before_any_device_work() {
     assert!(is_arg(&refused(t, &report, "does not exist")));
     let folder = std::env::temp_dir().display().to_string();
     assert!(is_arg(&refused(t, &["--report-json", &folder], "folder")));
+    // Every count bounded: a mistyped one is refused, not run until killed.
+    assert!(is_arg(&refused(
+        t,
+        &["--sample-len", "100000000000"],
+        "--sample-len"
+    )));
+    assert!(is_arg(&refused(
+        t,
+        &["--steps", "1000000000000"],
+        "--steps"
+    )));
+    assert!(is_arg(&refused(t, &["--context", "10000000"], "--context")));
+    // A text of more distinct characters than a vocabulary holds (it aborted in the bigram
+    // baseline's (vocab, vocab) table before).
+    let wide: String = (0..=fitgrad::train::text::MAX_VOCAB as u32)
+        .filter_map(|i| char::from_u32(0x4E00 + i % 0x5000 + (i / 0x5000) * 0x10000))
+        .collect();
+    assert!(wide.chars().count() > fitgrad::train::text::MAX_VOCAB);
+    assert!(is_data(&refused(wide.as_bytes(), &[], "65536")));
+    // A text too short for any context says how long it must be, not "at most 0".
+    let err = refused(b"abc", &[], "at least 90 characters");
+    assert!(!err.to_string().contains("at most 0"), "{err}");
     // The defaults on the embedded plays are valid.
     prepare(&Args::try_parse_from(["train_gpt"]).unwrap()).expect("the default configuration");
+}
+
+/// No output destroys an input or another output: the text, a link to it, the report and
+/// the checkpoint, a folder or a missing folder as --save; --save may replace --resume.
+#[test]
+fn outputs_never_overwrite_inputs_or_each_other() {
+    let f = text_file(TEXT.repeat(20).as_bytes());
+    let text = f.path().display().to_string();
+    let before = std::fs::read(f.path()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let at = |name: &str| dir.path().join(name).display().to_string();
+    let clash = |extra: &[&str], says: &str| {
+        let err = prepare(&args(f.path(), extra)).err().expect("a collision");
+        let msg = err.to_string();
+        assert!(matches!(err, Error::InvalidArgument { .. }), "{err:?}");
+        assert!(msg.contains(says), "{extra:?}: {msg}");
+    };
+    clash(&["--save", &text], "--text");
+    clash(&["--report", &text], "--text");
+    #[cfg(unix)]
+    {
+        let link = at("link.txt");
+        std::os::unix::fs::symlink(f.path(), &link).unwrap();
+        clash(&["--save", &link], "after resolving links");
+        let hard = at("hard.txt");
+        std::fs::hard_link(f.path(), &hard).unwrap();
+        clash(&["--report-json", &hard], "--text");
+    }
+    let out = at("out.bin");
+    clash(&["--report", &out, "--save", &out], "--report");
+    clash(&["--report", &out, "--report-json", &out], "--report-json");
+    clash(&["--save", &dir.path().display().to_string()], "folder");
+    clash(
+        &["--save", "/nonexistent/fitgrad/gpt.safetensors"],
+        "does not exist",
+    );
+    assert_eq!(std::fs::read(f.path()).unwrap(), before, "the text changed");
+    // Distinct paths pass (nothing is written by prepare).
+    prepare(&args(
+        f.path(),
+        &["--save", &out, "--report", &at("r.html")],
+    ))
+    .unwrap();
+    assert!(!std::path::Path::new(&out).exists());
 }
 
 /// A fresh device of `dev`'s backend, f16 stored as `dev` stores it (budgets and memory
@@ -167,6 +233,8 @@ fn tiny_run_saves_resumes_and_samples(dev: &Device) {
     )
     .unwrap();
     assert_eq!(report.steps, 6, "resumed to the asked step count");
+    let t20 = TEXT.repeat(20);
+    let t20 = t20.as_bytes();
     let vocab = fitgrad::train::text::CharVocab::from_text(TEXT).unwrap();
     let uniform = (vocab.len() as f32).ln();
     assert!(
@@ -187,6 +255,31 @@ fn tiny_run_saves_resumes_and_samples(dev: &Device) {
         "--dim",
     );
     assert!(matches!(other, Error::Data { .. }), "{other:?}");
+    // Another text of the same vocabulary size (the characters shifted by one), and another
+    // text of the same vocabulary: refused, naming --text.
+    let shifted: String = TEXT
+        .repeat(20)
+        .chars()
+        .map(|c| char::from_u32(c as u32 + 1).unwrap())
+        .collect();
+    let err = refused(shifted.as_bytes(), &["--resume", &ckpt_s], "--text");
+    assert!(err.to_string().contains("vocabulary"), "{err}");
+    let reordered = TEXT.repeat(20).chars().rev().collect::<String>();
+    let err = refused(reordered.as_bytes(), &["--resume", &ckpt_s], "--text");
+    assert!(err.to_string().contains("another text"), "{err}");
+    // Another dropout, and fewer steps than the checkpoint holds.
+    refused(t20, &["--resume", &ckpt_s, "--dropout", "0.1"], "--dropout");
+    let err = refused(t20, &["--resume", &ckpt_s, "--steps", "2"], "--steps");
+    assert!(err.to_string().contains("nothing"), "{err}");
+    // A checkpoint that holds NaN says so, not "lower the learning rate".
+    let mut ck = fitgrad::checkpoint::load(&ckpt).unwrap();
+    let (name, t) = ck.tensors.iter_mut().next().unwrap();
+    let name = name.clone();
+    t.bytes[..4].copy_from_slice(&f32::NAN.to_le_bytes());
+    let nan = dir.path().join("nan.safetensors");
+    ck.save(&nan).unwrap();
+    let err = refused(t20, &["--resume", &nan.display().to_string()], "diverged");
+    assert!(err.to_string().contains(&name), "{err}");
 }
 
 /// `--fit auto` under a budget between the plain step's need and a one-window step's: it

@@ -141,16 +141,14 @@ fn new_grad(p: &Tensor, values: &[f32]) -> Result<Tensor> {
 
 /// FNV-1a over the bits of `values`: the same sums on every member give the same hash.
 fn hash_values(values: &[f32]) -> u64 {
-    values.iter().fold(0xcbf2_9ce4_8422_2325, |h, v| {
-        (h ^ v.to_bits() as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    crate::hash::Fnv1a::default()
+        .words(values.iter().map(|v| u64::from(v.to_bits())))
+        .finish()
 }
 
 /// FNV-1a over bytes.
 fn hash_bytes(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3)
-    })
+    crate::hash::fnv1a(bytes)
 }
 
 /// The trainer's [`GradientSync`] over a [`Communicator`]: this member's share of each batch

@@ -20,6 +20,8 @@ pub struct GradScaler {
     growth_tracker: u64,
     /// Steps skipped for non-finite gradients.
     skipped: u64,
+    /// Steps skipped since the last one taken.
+    in_a_row: u64,
 }
 
 impl Default for GradScaler {
@@ -32,6 +34,7 @@ impl Default for GradScaler {
             growth_interval: 2000,
             growth_tracker: 0,
             skipped: 0,
+            in_a_row: 0,
         }
     }
 }
@@ -74,6 +77,11 @@ impl GradScaler {
         self.skipped
     }
 
+    /// Steps skipped since the last step taken (0 after a clean step).
+    pub fn skipped_in_a_row(&self) -> u64 {
+        self.in_a_row
+    }
+
     /// Restores a saved state (checkpoints).
     pub fn set_state(&mut self, scale: f32, growth_tracker: u64) {
         self.scale = scale;
@@ -104,7 +112,9 @@ impl GradScaler {
             self.scale *= self.backoff_factor;
             self.growth_tracker = 0;
             self.skipped += 1;
+            self.in_a_row += 1;
         } else {
+            self.in_a_row = 0;
             self.growth_tracker += 1;
             if self.growth_tracker >= self.growth_interval {
                 self.scale *= self.growth_factor;

@@ -46,6 +46,16 @@ pub struct Dataset {
 }
 
 impl Dataset {
+    /// A hash of the rows (the features' bits, the labels) and the shape: the data a
+    /// checkpoint was trained on, whatever its file is called.
+    pub fn hash(&self) -> u64 {
+        crate::hash::Fnv1a::default()
+            .words(self.features.iter().map(|f| u64::from(f.to_bits())))
+            .words(self.labels.iter().map(|&l| u64::from(l)))
+            .words([self.len() as u64, self.dim as u64, self.classes as u64])
+            .finish()
+    }
+
     /// Number of rows.
     pub fn len(&self) -> usize {
         self.labels.len()
@@ -255,12 +265,45 @@ impl Dataset {
 /// (usually the wrong column taken as the label). Classes with no training row, and test labels
 /// that no training row has, are logged with `log::warn!`.
 pub fn load(spec: &str, seed: u64) -> Result<(Dataset, Dataset)> {
-    let (train, test) = load_unchecked(spec, seed)?;
+    load_with_label(spec, seed, None)
+}
+
+/// [`load`], with a CSV file's label column chosen by its header name (`None`: the header's
+/// "label", else the last column). A label column for a dataset that
+/// is not a CSV file is an [`Error::InvalidArgument`].
+pub fn load_with_label(
+    spec: &str,
+    seed: u64,
+    label_column: Option<&str>,
+) -> Result<(Dataset, Dataset)> {
+    if label_column.is_some() && !Path::new(spec).is_file() {
+        return Err(Error::InvalidArgument {
+            op: "--label-column",
+            reason: format!("'{spec}' is not a CSV file: only a CSV file has a label column"),
+        });
+    }
+    let (train, test) = load_unchecked(spec, seed, label_column)?;
     check_splits(Path::new(spec), &train, &test)?;
     Ok((train, test))
 }
 
-fn load_unchecked(spec: &str, seed: u64) -> Result<(Dataset, Dataset)> {
+/// The files [`load`] reads for `spec` (none for the embedded digits; for a folder, each name
+/// it looks for, gzipped or not, whether or not it is there): what an output must not be.
+pub fn input_files(spec: &str) -> Vec<PathBuf> {
+    let dir = match spec {
+        "digits" => return Vec::new(),
+        "fashion-mnist" | "fashion_mnist" => Path::new(FASHION_MNIST_DIR),
+        "mnist" => Path::new(MNIST_DIR),
+        _ if !Path::new(spec).is_dir() => return vec![PathBuf::from(spec)],
+        _ => Path::new(spec),
+    };
+    IDX_FILES
+        .iter()
+        .flat_map(|base| [dir.join(base), dir.join(format!("{base}.gz"))])
+        .collect()
+}
+
+fn load_unchecked(spec: &str, seed: u64, label_column: Option<&str>) -> Result<(Dataset, Dataset)> {
     match spec {
         "digits" => Ok(Dataset::digits().split(TEST_FRACTION, seed)),
         "fashion-mnist" | "fashion_mnist" => Dataset::fashion_mnist(None),
@@ -276,10 +319,10 @@ fn load_unchecked(spec: &str, seed: u64) -> Result<(Dataset, Dataset)> {
                     .unwrap_or_else(|| spec.to_string());
                 idx_pair(path, &name, hint)
             } else if path.is_file() {
-                Ok(Dataset::from_csv(path, None)?.split(TEST_FRACTION, seed))
+                Ok(Dataset::from_csv(path, label_column)?.split(TEST_FRACTION, seed))
             } else {
                 Err(Error::InvalidArgument {
-                    op: "data::load",
+                    op: "--dataset",
                     reason: format!(
                         "'{spec}' is neither a known dataset (digits, mnist, fashion-mnist) \
                          nor an existing file or directory"
@@ -418,7 +461,8 @@ fn check_labels(
         path,
         format!(
             "{}: label {max} is {why}, so the model would get {} output classes; is the label \
-             column ({column}) the right one? (choose it with label_column)",
+             column ({column}) the right one? (choose it by its header name: \
+             --label-column in the examples)",
             locate(row),
             u64::from(max) + 1
         ),

@@ -15,6 +15,7 @@ mod rows;
 pub mod shard;
 mod summary;
 mod sync;
+mod temp_shard;
 pub mod text;
 mod trainer;
 

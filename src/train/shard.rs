@@ -15,6 +15,8 @@
 //! Every read checks the header again against what `open` saw (n, dim, classes and the file's
 //! length): a file replaced under a running epoch is an [`Error::Data`], not garbage samples.
 
+pub use super::temp_shard::TempShardFile;
+
 use super::data::Dataset;
 use super::order::epoch_permutation;
 use crate::{Device, Error, Result, Tensor};

@@ -1,7 +1,7 @@
 //! What training reports: where the device memory went ([`MemorySummary`]) and the result of
 //! an evaluation ([`Evaluation`]).
 
-use crate::MemoryStats;
+use crate::{Error, MemoryStats, Result};
 
 /// Where the device memory of training went, from the arena's statistics.
 #[derive(Clone, Debug)]
@@ -64,4 +64,20 @@ pub struct Evaluation {
     pub loss: f32,
     /// Fraction predicted right, where the model reports it.
     pub accuracy: Option<f32>,
+}
+
+impl Evaluation {
+    /// This evaluation, or [`Error::NonFinite`] naming `step` and `on` (the data evaluated)
+    /// when its loss is NaN or infinite: the weights have blown up, and nothing trained on
+    /// them (or saved) is worth keeping.
+    pub fn finite(self, step: u64, on: &str) -> Result<Evaluation> {
+        if self.loss.is_finite() {
+            return Ok(self);
+        }
+        Err(Error::NonFinite {
+            step,
+            what: format!("the {on} loss is {}", self.loss),
+            remedy: super::trainer::REMEDY.into(),
+        })
+    }
 }

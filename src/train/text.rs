@@ -8,6 +8,7 @@
 //! Everything here is host code and checked before any device work: an empty or non-UTF-8
 //! text, a split shorter than one window, a context of 0 are typed errors.
 
+use std::collections::HashMap;
 use std::path::Path;
 
 use super::data::{data_err, gunzip_if_gz, read_maybe_gz};
@@ -21,6 +22,16 @@ const SHAKESPEARE_GZ: &[u8] = include_bytes!("../../data/shakespeare.txt.gz");
 /// The share of a text (its last characters) held out for validation.
 pub const VALID_FRACTION: f64 = 0.1;
 
+/// The most distinct characters a [`CharVocab`] holds: every Unicode script a text is likely to
+/// mix fits, while the (vocab, dim) embedding and the (batch, context, vocab) logits of a
+/// character model stay sizes a device can hold (65,536 x 64 f32 is 16 MiB; logits of 16 x 32
+/// windows are 128 MiB, one binding's limit).
+pub const MAX_VOCAB: usize = 1 << 16;
+
+/// The largest vocabulary whose bigram counts are a dense table (2,048² u64 are 32 MiB); a
+/// larger one counts only the pairs that occur, in a hash map (10-15x slower per pair).
+const DENSE_BIGRAM_VOCAB: usize = 2048;
+
 /// The distinct characters of a text, sorted; a character's id is its position.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CharVocab {
@@ -29,18 +40,38 @@ pub struct CharVocab {
 }
 
 impl CharVocab {
-    /// The sorted distinct characters of `text`; an empty text has no vocabulary.
+    /// The sorted distinct characters of `text`; an empty text has no vocabulary, and one of
+    /// more than [`MAX_VOCAB`] characters is refused (both [`Error::InvalidArgument`]).
     pub fn from_text(text: &str) -> Result<CharVocab> {
         let mut chars: Vec<char> = text.chars().collect();
         chars.sort_unstable();
         chars.dedup();
-        if chars.is_empty() {
-            return Err(Error::InvalidArgument {
+        let bad = |reason: String| {
+            Err(Error::InvalidArgument {
                 op: "CharVocab::from_text",
-                reason: "the text is empty: a vocabulary needs at least one character".into(),
-            });
+                reason,
+            })
+        };
+        if chars.is_empty() {
+            return bad("the text is empty: a vocabulary needs at least one character".into());
+        }
+        if chars.len() > MAX_VOCAB {
+            return bad(format!(
+                "the text has {} distinct characters, more than the {MAX_VOCAB} a character \
+                 vocabulary holds; give a text with fewer distinct characters",
+                chars.len()
+            ));
         }
         Ok(CharVocab { chars })
+    }
+
+    /// A hash of the characters in id order (FNV-1a of their code points): two vocabularies
+    /// with the same hash give every character the same id. Checkpoints store it, so a resume
+    /// on another text is refused even when the sizes agree.
+    pub fn hash(&self) -> u64 {
+        crate::hash::Fnv1a::default()
+            .words(self.chars.iter().map(|&c| u64::from(c)))
+            .finish()
     }
 
     /// Ids of the characters of `s`; a character outside the vocabulary is an error naming it
@@ -125,7 +156,10 @@ impl TextCorpus {
                 "the text is empty; give a file with at least one window of text",
             ));
         }
-        let vocab = CharVocab::from_text(text)?;
+        let vocab = CharVocab::from_text(text).map_err(|e| match e {
+            Error::InvalidArgument { reason, .. } => data_err(Path::new(name), reason),
+            e => e,
+        })?;
         let mut ids = vocab.encode(text)?;
         let n_valid = (ids.len() as f64 * VALID_FRACTION) as usize;
         let valid = ids.split_off(ids.len() - n_valid);
@@ -174,13 +208,23 @@ impl TextCorpus {
     pub fn datasets(&self, context: usize) -> Result<(TextDataset, TextDataset)> {
         let check = |part: &str, n: usize| {
             if context > 0 && n < context + 1 {
+                // Both parts need a whole window: the validation part (the last
+                // VALID_FRACTION) does at ceil((context + 1) / VALID_FRACTION) characters.
+                let need = ((context + 1) as f64 / VALID_FRACTION).ceil() as usize;
+                let fits = self.train.len().min(self.valid.len()).saturating_sub(1);
+                let shorter = if fits > 0 {
+                    format!(", or a context of at most {fits}")
+                } else {
+                    String::new()
+                };
                 return Err(data_err(
                     Path::new(&self.name),
                     format!(
                         "the {part} part holds {n} characters, fewer than one window of context + 1 = {}; \
-                         use a context of at most {} or a longer text",
+                         a context of {context} needs a text of at least {need} characters (this one has {}): \
+                         give a longer text{shorter}",
                         context + 1,
-                        self.train.len().min(self.valid.len()).saturating_sub(1)
+                        self.len()
                     ),
                 ));
             }
@@ -192,6 +236,15 @@ impl TextCorpus {
             TextDataset::new(self.train.clone(), context)?,
             TextDataset::new(self.valid.clone(), context)?.with_stride(context)?,
         ))
+    }
+
+    /// A hash of the token ids of the whole text (train, then validation) and its length:
+    /// the text a checkpoint was trained on, whatever its file is called.
+    pub fn hash(&self) -> u64 {
+        crate::hash::Fnv1a::default()
+            .words(self.train.iter().chain(&self.valid).map(|&t| u64::from(t)))
+            .words([self.len() as u64])
+            .finish()
     }
 
     /// [`bigram_baseline`] of this corpus's split.
@@ -333,20 +386,32 @@ pub fn bigram_baseline(train: &[u32], valid: &[u32], vocab: usize) -> Result<f64
             "token id {id} is outside the vocabulary of {vocab}"
         ));
     }
-    // counts is (vocab, vocab): row a counts the tokens that follow a.
-    let mut counts = vec![0u64; vocab * vocab];
+    // A dense (vocab, vocab) table while it is small (up to 2,048 characters: 32 MiB), else
+    // only the pairs that occur (65,536 characters would make a dense table of 32 GiB).
+    let dense = vocab <= DENSE_BIGRAM_VOCAB;
+    let mut table = vec![0u64; if dense { vocab * vocab } else { 0 }];
+    let mut pairs: HashMap<(u32, u32), u64> = HashMap::new();
     let mut row_totals = vec![0u64; vocab];
     for w in train.windows(2) {
-        let (a, b) = (w[0] as usize, w[1] as usize);
-        counts[a * vocab + b] += 1;
-        row_totals[a] += 1;
+        if dense {
+            table[w[0] as usize * vocab + w[1] as usize] += 1;
+        } else {
+            *pairs.entry((w[0], w[1])).or_insert(0) += 1;
+        }
+        row_totals[w[0] as usize] += 1;
     }
+    let count = |a: u32, b: u32| {
+        if dense {
+            table[a as usize * vocab + b as usize]
+        } else {
+            pairs.get(&(a, b)).copied().unwrap_or(0)
+        }
+    };
     let v = vocab as f64;
     let nats: f64 = valid
         .windows(2)
         .map(|w| {
-            let (a, b) = (w[0] as usize, w[1] as usize);
-            let p = (counts[a * vocab + b] as f64 + 1.0) / (row_totals[a] as f64 + v);
+            let p = (count(w[0], w[1]) as f64 + 1.0) / (row_totals[w[0] as usize] as f64 + v);
             -p.ln()
         })
         .sum();

@@ -18,6 +18,10 @@ use crate::nn::Module;
 use crate::optim::{GradScaler, LrSchedule, Optimizer};
 use crate::{DType, Device, Error, Result, Tensor};
 
+/// What a diverged run can change (the examples' flags in parentheses).
+pub(super) const REMEDY: &str = "lower the learning rate (--lr), clip the gradients \
+     (--clip-grad-norm), or resume from a checkpoint saved before it diverged";
+
 /// How batches are formed and the learning rate moves. Built with [`TrainerConfig::new`] (or
 /// [`Default`]) and the chained setters (new options may be added):
 ///
@@ -52,6 +56,11 @@ pub struct TrainerConfig {
     /// Clip the gradients' total L2 norm to this before each update (torch's
     /// `clip_grad_norm_`, after loss scaling is undone), on the GPU without a readback.
     pub clip_grad_norm: Option<f32>,
+    /// Loss scaling: more steps than this skipped in a row for overflowing gradients stops
+    /// training with [`Error::NonFinite`] (the weights or the loss have blown up, and every
+    /// later step would be skipped too); 0 never stops. The default, 24, lets the scale fall
+    /// from its start of 65,536 to 1/256, past what any start-up overflow needs.
+    pub max_skipped_in_a_row: u64,
 }
 
 impl Default for TrainerConfig {
@@ -65,6 +74,7 @@ impl Default for TrainerConfig {
             precision: Precision::F32,
             check_finite_every: 1,
             clip_grad_norm: None,
+            max_skipped_in_a_row: 24,
         }
     }
 }
@@ -155,6 +165,9 @@ pub struct Trainer<M> {
     pub(super) events: Vec<TrainEvent>,
     /// Data-parallel training: this replica's share of each batch and the gradient all-reduce.
     pub(super) sync: Option<Box<dyn GradientSync>>,
+    /// What the run trains on (`set_data_identity`), stored in checkpoints and checked on
+    /// resume.
+    data_identity: Vec<(String, String)>,
 }
 
 impl<M: Module> Trainer<M> {
@@ -220,6 +233,7 @@ impl<M: Module> Trainer<M> {
             scaler,
             events: Vec::new(),
             sync: None,
+            data_identity: Vec::new(),
         })
     }
 
@@ -337,6 +351,23 @@ impl<M: Module> Trainer<M> {
         ]
     }
 
+    /// Records what this run trains on, as (key, value) pairs (a text's hash, a dataset's):
+    /// every checkpoint stores them as `extra.data.KEY`, and [`Trainer::resume_from`] refuses
+    /// a checkpoint that stored another value for a key (an older file without the key
+    /// passes).
+    pub fn set_data_identity(&mut self, identity: Vec<(String, String)>) {
+        self.data_identity = identity;
+    }
+
+    /// The stored keys of the run settings and the data identity, with this run's values.
+    fn stored_settings(&self) -> Vec<(String, String)> {
+        let data = self
+            .data_identity
+            .iter()
+            .map(|(k, v)| (format!("{DATA_PREFIX}{k}"), v.clone()));
+        self.run_settings().into_iter().chain(data).collect()
+    }
+
     pub(super) fn context(&self, training: bool) -> StepContext {
         StepContext {
             device: self.device.clone(),
@@ -349,15 +380,33 @@ impl<M: Module> Trainer<M> {
     /// loss scaler and the position in training (`epochs_done` full epochs) to a safetensors
     /// file, atomically: a crash mid-save leaves the previous file intact.
     pub fn save_checkpoint(&self, path: &std::path::Path, epochs_done: u64) -> Result<()> {
-        // A diverged model must not replace a good file.
+        // A diverged model must not replace a good file: one whose weights are not finite,
+        // or whose loss scaling stopped training (finite weights that overflow every step).
+        if let Some(sc) = &self.scaler {
+            let most = self.config.max_skipped_in_a_row;
+            if most > 0 && sc.skipped_in_a_row() > most {
+                return Err(Error::NonFinite {
+                    step: self.step,
+                    what: format!(
+                        "the last {} tries overflowed, so the checkpoint was not written ({} \
+                         keeps what it held)",
+                        sc.skipped_in_a_row(),
+                        path.display()
+                    ),
+                    remedy: REMEDY.into(),
+                });
+            }
+        }
         let params = self.model.parameters();
         if self.device.nonfinite(&params.iter().collect::<Vec<_>>())? {
             return Err(Error::NonFinite {
                 step: self.step,
                 what: format!(
-                    "a parameter (the checkpoint was not written; {} keeps what it held)",
+                    "a parameter is not finite (NaN or infinity), so the checkpoint was not \
+                     written ({} keeps what it held)",
                     path.display()
                 ),
+                remedy: REMEDY.into(),
             });
         }
         let state = crate::checkpoint::TrainingState {
@@ -371,7 +420,7 @@ impl<M: Module> Trainer<M> {
                     scale: s.scale(),
                     growth_tracker: s.growth_tracker(),
                 }),
-            extra: self.run_settings().into_iter().collect(),
+            extra: self.stored_settings().into_iter().collect(),
         };
         crate::checkpoint::save(path, &self.model, Some(self.optimizer.as_ref()), &state)
     }
@@ -382,20 +431,20 @@ impl<M: Module> Trainer<M> {
     pub fn resume_from(&mut self, path: &std::path::Path) -> Result<u64> {
         let ckpt = crate::checkpoint::load(path)?;
         let state = ckpt.training_state()?;
-        // Files from before a setting was stored lack it and are not refused for it.
-        for (key, now) in self.run_settings() {
-            if let Some(saved) = state.extra.get(&key) {
-                if *saved != now {
-                    return Err(Error::Data {
-                        path: path.display().to_string(),
-                        reason: format!(
-                            "the checkpoint was trained with {key} {saved}, this run uses {now}; \
-                             resume with the same setting, or start a new run"
-                        ),
-                    });
-                }
-            }
-        }
+        // What the model is comes first (a file of another model says so, not that its
+        // learning rate differs), then the settings, then values that could not train on.
+        ckpt.check_config(&self.model)?;
+        let expected: Vec<crate::checkpoint::Expect> = self
+            .stored_settings()
+            .into_iter()
+            .map(|(key, value)| crate::checkpoint::Expect {
+                key,
+                value,
+                change: "resume with the same setting, or start a new run".into(),
+            })
+            .collect();
+        ckpt.check_extra(&expected)?;
+        ckpt.check_finite()?;
         ckpt.apply_model(&self.model)?;
         ckpt.apply_optimizer(self.optimizer.as_mut())?;
         self.step = state.step;
@@ -405,6 +454,9 @@ impl<M: Module> Trainer<M> {
         Ok(state.epoch)
     }
 }
+
+/// The prefix of the data identity's keys among a checkpoint's extra entries.
+const DATA_PREFIX: &str = "data.";
 
 impl<M: Module> Trainer<M> {
     /// One optimizer step over the samples `indices` of `data`: forward and backward per
@@ -542,6 +594,18 @@ impl<M: Module> Trainer<M> {
                     scale_before,
                     scale_after,
                 });
+                let (in_a_row, most) = (sc.skipped_in_a_row(), self.config.max_skipped_in_a_row);
+                if most > 0 && in_a_row > most {
+                    return Err(Error::NonFinite {
+                        step,
+                        what: format!(
+                            "the gradients overflowed on {in_a_row} tries in a row (loss scale \
+                             now {scale_after}): the weights or the loss have blown up, and \
+                             every later step would be skipped too"
+                        ),
+                        remedy: REMEDY.into(),
+                    });
+                }
                 return Ok(());
             }
             if scale_after != scale_before {
@@ -585,7 +649,11 @@ impl<M: Module> Trainer<M> {
                 };
                 return Err(Error::NonFinite {
                     step: self.step,
-                    what: what.into(),
+                    what: format!("{what} is not finite (NaN or infinity)"),
+                    remedy: format!(
+                        "{REMEDY}, or use mixed precision (--precision mixed), whose loss \
+                         scaling skips such steps"
+                    ),
                 });
             }
         }

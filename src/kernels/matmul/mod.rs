@@ -25,7 +25,7 @@ mod tune;
 
 pub use codegen::expand_subgroup;
 pub use policy::{candidates, default_variant, supported};
-pub(crate) use tune::select;
+pub(crate) use tune::{env_settings, select};
 
 use super::{Operand, Storage};
 use crate::{DType, Device, Result};

@@ -5,9 +5,8 @@
 //! `$FITGRAD_CACHE_DIR`, else the platform's cache folder (`dirs::cache_dir()`: `$XDG_CACHE_HOME`
 //! or `~/.cache` on Linux, `~/Library/Caches` on macOS, `%LOCALAPPDATA%` on Windows) + `fitgrad`.
 //! Its name is a 64-bit FNV-1a hash of the adapter name, backend, driver, driver info, native
-//! f16 and the crate version, so a driver or fitgrad upgrade tunes again; FNV-1a is written out
-//! here because std's `DefaultHasher` may change between Rust releases, which would orphan every
-//! cache file. It is rewritten atomically (temporary file, then rename). `FITGRAD_AUTOTUNE=0`
+//! f16 and the crate version, so a driver or fitgrad upgrade tunes again (FNV-1a, src/hash.rs:
+//! std's `DefaultHasher` may change between Rust releases, which would orphan every cache file). It is rewritten atomically (temporary file, then rename). `FITGRAD_AUTOTUNE=0`
 //! turns tuning off (the built-in choice is used); `FITGRAD_AUTOTUNE_BUDGET` bounds the seconds
 //! one run spends tuning (default 15), so a first run on a CPU adapter, where every candidate
 //! compiles for seconds, starts quickly and later runs finish the tuning.
@@ -20,7 +19,7 @@
 
 use super::{candidates, default_variant, Problem, Variant};
 use crate::kernels::Storage;
-use crate::{DType, Device, Result};
+use crate::{DType, Device, Error, Result};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -115,12 +114,12 @@ fn budget_seconds(dev: &Device) -> f64 {
     } else {
         DEFAULT_BUDGET_S
     };
-    match std::env::var("FITGRAD_AUTOTUNE_BUDGET") {
-        Ok(v) => v.trim().parse::<f64>().ok().filter(|b| *b >= 0.0).unwrap_or_else(|| {
-            log::warn!("FITGRAD_AUTOTUNE_BUDGET={v:?} is not a number of seconds >= 0; using {default}");
+    match env_settings() {
+        Ok(env) => env.budget_s.unwrap_or(default),
+        Err(e) => {
+            log::warn!("{e}; using a budget of {default} s");
             default
-        }),
-        Err(_) => default,
+        }
     }
 }
 
@@ -158,12 +157,60 @@ struct TuneCache {
     budget_logged: bool,
 }
 
-/// Whether tuning is on (`FITGRAD_AUTOTUNE=0` or `off` turns it off).
+/// Whether tuning is on (`FITGRAD_AUTOTUNE=0`, `off` or `false` turns it off). A value that
+/// reads as neither leaves it on, with a warning (the examples refuse it up front through
+/// [`env_settings`]).
 fn enabled() -> bool {
-    !matches!(
-        std::env::var("FITGRAD_AUTOTUNE").as_deref(),
-        Ok("0") | Ok("off") | Ok("false")
+    env_settings().map_or_else(
+        |e| {
+            log::warn!("{e}; autotuning stays on");
+            true
+        },
+        |env| env.enabled,
     )
+}
+
+/// The autotuner's environment: `FITGRAD_AUTOTUNE` and `FITGRAD_AUTOTUNE_BUDGET`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AutotuneEnv {
+    /// Whether tuning is on.
+    pub enabled: bool,
+    /// The tuning budget in seconds, when the environment sets one.
+    pub budget_s: Option<f64>,
+}
+
+/// Reads `FITGRAD_AUTOTUNE` (unset, empty, 1 / on / true, or 0 / off / false, any case) and
+/// `FITGRAD_AUTOTUNE_BUDGET` (seconds >= 0); any other value is an [`Error::InvalidArgument`]
+/// naming the variable and what it takes. The one reading of both: the tuner uses it, and so
+/// does `fitgrad::cli::check_environment`.
+pub fn env_settings() -> Result<AutotuneEnv> {
+    let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    let bad = |op: &'static str, v: &str, takes: &str| Error::InvalidArgument {
+        op,
+        reason: format!("{v:?} is not {takes}; set it so or unset it"),
+    };
+    let enabled = match var("FITGRAD_AUTOTUNE") {
+        None => true,
+        Some(v) => match v.trim().to_ascii_lowercase().as_str() {
+            "1" | "on" | "true" => true,
+            "0" | "off" | "false" => false,
+            _ => return Err(bad("FITGRAD_AUTOTUNE", &v, "1, on, true, 0, off or false")),
+        },
+    };
+    let budget_s = match var("FITGRAD_AUTOTUNE_BUDGET") {
+        None => None,
+        Some(v) => match v.trim().parse::<f64>() {
+            Ok(b) if b.is_finite() && b >= 0.0 => Some(b),
+            _ => {
+                return Err(bad(
+                    "FITGRAD_AUTOTUNE_BUDGET",
+                    &v,
+                    "a number of seconds >= 0 (e.g. 15)",
+                ))
+            }
+        },
+    };
+    Ok(AutotuneEnv { enabled, budget_s })
 }
 
 /// `$FITGRAD_CACHE_DIR` when set and not empty, else the platform's cache folder + `fitgrad`.
@@ -172,15 +219,6 @@ fn cache_dir() -> Option<PathBuf> {
         .filter(|v| !v.is_empty())
         .map(PathBuf::from)
         .or_else(|| dirs::cache_dir().map(|d| d.join("fitgrad")))
-}
-
-/// 64-bit FNV-1a: a fixed function of the bytes, the same on every Rust release and platform.
-fn fnv1a(bytes: &[u8]) -> u64 {
-    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-    const PRIME: u64 = 0x0000_0100_0000_01b3;
-    bytes
-        .iter()
-        .fold(OFFSET, |h, &b| (h ^ u64::from(b)).wrapping_mul(PRIME))
 }
 
 /// What identifies an adapter's timings: one field a line, so no two field lists run together.
@@ -199,7 +237,7 @@ fn adapter_key(info: &crate::DeviceInfo) -> String {
 
 /// The cache file of one adapter.
 fn cache_path(info: &crate::DeviceInfo) -> Option<PathBuf> {
-    let h = fnv1a(adapter_key(info).as_bytes());
+    let h = crate::hash::fnv1a(adapter_key(info).as_bytes());
     Some(cache_dir()?.join(format!("autotune-{h:016x}.txt")))
 }
 
@@ -240,18 +278,5 @@ impl TuneCache {
                 "matmul autotune: cannot write the cache (it will tune again next run): {e}"
             );
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn fnv1a_is_the_published_function() {
-        // The reference vectors of the FNV specification (64-bit FNV-1a).
-        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
-        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
-        assert_eq!(fnv1a(b"foobar"), 0x8594_4171_f739_67e8);
     }
 }

@@ -353,9 +353,7 @@ fn open_svg(svg: &mut String, width: f64, height: f64, title: &str, id: &Option<
 
 /// A short stable hash, for ids unique within a page.
 fn fnv(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    })
+    crate::hash::fnv1a(s.as_bytes())
 }
 
 #[cfg(test)]
