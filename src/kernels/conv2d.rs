@@ -92,7 +92,7 @@ impl Geometry {
     pub fn dw_chunks(&self) -> (usize, usize) {
         let total = self.n * self.oh * self.ow;
         let by_bytes = (MAX_PARTIAL_BYTES / (4 * self.weight_numel().max(1))).max(1);
-        let want = total.div_ceil(MIN_CHUNK).clamp(1, by_bytes.min(65_535));
+        let want = (total / MIN_CHUNK).clamp(1, by_bytes.min(65_535));
         let chunk = total.div_ceil(want).max(1);
         (chunk, total.div_ceil(chunk).max(1))
     }
