@@ -312,7 +312,12 @@ impl Checkpoint {
             }
             Ok(())
         };
-        for (name, t) in model.named_parameters() {
+        // Buffers (batch norm's running statistics) are saved beside the parameters.
+        for (name, t) in model
+            .named_parameters()
+            .into_iter()
+            .chain(model.named_buffers())
+        {
             put(format!("{MODEL_PREFIX}{name}"), &t)?;
         }
         let m = &mut c.metadata;
@@ -619,7 +624,8 @@ impl Checkpoint {
         // Another configuration is said as such, before the tensors it makes differ.
         self.check_config(model)?;
         let prefix = self.model_prefix();
-        let params = model.named_parameters();
+        let mut params = model.named_parameters();
+        params.extend(model.named_buffers());
         let mut missing = Vec::new();
         let mut plan = Vec::new();
         for (name, p) in &params {

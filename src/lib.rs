@@ -41,6 +41,7 @@ pub use memory::MemoryStats;
 pub use tensor::autograd;
 pub use tensor::autograd::{is_grad_enabled, no_grad, NoGradGuard};
 pub use tensor::{AttentionKind, AttentionOptions};
+pub use tensor::{BatchNormOptions, Conv2dOptions};
 pub use tensor::{DType, Element, MatmulOptions, MatmulVariant, Shape, SoftmaxOptions, Tensor};
 /// The wgpu version fitgrad is built on, for the types in its signatures
 /// ([`Device::from_wgpu`], [`Device::wgpu_device`]).

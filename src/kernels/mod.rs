@@ -12,6 +12,8 @@
 pub(crate) mod adamw8bit;
 pub(crate) mod attention;
 pub(crate) mod attention_sg;
+pub(crate) mod batch_norm;
+pub(crate) mod conv2d;
 pub(crate) mod dropout;
 pub(crate) mod elementwise;
 pub(crate) mod grad_norm;
@@ -22,6 +24,7 @@ pub mod matmul;
 pub(crate) mod nonfinite;
 mod operand;
 pub(crate) mod optim;
+pub(crate) mod pool2d;
 pub(crate) mod qmatmul;
 pub(crate) mod reduce;
 pub(crate) mod reduce_max;
@@ -584,6 +587,109 @@ pub const ATTENTION_SG_DKV: ShaderFile = ShaderFile {
     bindings: ATTENTION_BWD_DKV.bindings,
 };
 
+pub const CONV2D_FWD: ShaderFile = ShaderFile {
+    name: "conv2d_fwd",
+    body: concat!(
+        include_str!("../../shaders/include/conv2d_params.wgsl"),
+        include_str!("../../shaders/conv2d_fwd.wgsl")
+    ),
+    // Without a bias, the weight is bound as `b` too (never read).
+    bindings: &[("x", false), ("wt", false), ("b", false), ("y", true)],
+};
+pub const CONV2D_DX: ShaderFile = ShaderFile {
+    name: "conv2d_dx",
+    body: concat!(
+        include_str!("../../shaders/include/conv2d_params.wgsl"),
+        include_str!("../../shaders/conv2d_dx.wgsl")
+    ),
+    bindings: &[("dy", false), ("wt", false), ("dx", true)],
+};
+pub const CONV2D_DW: ShaderFile = ShaderFile {
+    name: "conv2d_dw",
+    body: concat!(
+        include_str!("../../shaders/include/conv2d_params.wgsl"),
+        include_str!("../../shaders/conv2d_dw.wgsl")
+    ),
+    bindings: &[("dy", false), ("x", false), ("part", true)],
+};
+
+pub const POOL2D_FWD: ShaderFile = ShaderFile {
+    name: "pool2d_fwd",
+    body: concat!(
+        include_str!("../../shaders/include/pool2d_window.wgsl"),
+        include_str!("../../shaders/pool2d_fwd.wgsl"),
+        include_str!("../../shaders/include/pairs.wgsl")
+    ),
+    bindings: &[("x", false), ("out", true)],
+};
+pub const POOL2D_BWD: ShaderFile = ShaderFile {
+    name: "pool2d_bwd",
+    body: concat!(
+        include_str!("../../shaders/include/pool2d_window.wgsl"),
+        include_str!("../../shaders/pool2d_bwd.wgsl"),
+        include_str!("../../shaders/include/pairs.wgsl")
+    ),
+    bindings: &[("x", false), ("dy", false), ("out", true)],
+};
+pub const BATCH_NORM_STATS: ShaderFile = ShaderFile {
+    name: "batch_norm_stats",
+    body: concat!(
+        include_str!("../../shaders/include/batch_norm_channels.wgsl"),
+        include_str!("../../shaders/batch_norm_stats.wgsl")
+    ),
+    // Without running statistics, stats is bound as rmean and rvar too (never written).
+    bindings: &[
+        ("x", false),
+        ("stats", true),
+        ("rmean", true),
+        ("rvar", true),
+    ],
+};
+pub const BATCH_NORM: ShaderFile = ShaderFile {
+    name: "batch_norm",
+    body: concat!(
+        include_str!("../../shaders/include/batch_norm_channels.wgsl"),
+        include_str!("../../shaders/batch_norm.wgsl"),
+        include_str!("../../shaders/include/pairs.wgsl")
+    ),
+    bindings: &[
+        ("x", false),
+        ("wt", false),
+        ("b", false),
+        ("stats", false),
+        ("out", true),
+    ],
+};
+pub const BATCH_NORM_SUMS: ShaderFile = ShaderFile {
+    name: "batch_norm_sums",
+    body: concat!(
+        include_str!("../../shaders/include/batch_norm_channels.wgsl"),
+        include_str!("../../shaders/batch_norm_sums.wgsl")
+    ),
+    bindings: &[
+        ("dy", false),
+        ("x", false),
+        ("stats", false),
+        ("sums", true),
+    ],
+};
+pub const BATCH_NORM_DX: ShaderFile = ShaderFile {
+    name: "batch_norm_dx",
+    body: concat!(
+        include_str!("../../shaders/include/batch_norm_channels.wgsl"),
+        include_str!("../../shaders/batch_norm_dx.wgsl"),
+        include_str!("../../shaders/include/pairs.wgsl")
+    ),
+    bindings: &[
+        ("dy", false),
+        ("x", false),
+        ("wt", false),
+        ("stats", false),
+        ("sums", false),
+        ("out", true),
+    ],
+};
+
 /// Every shader file, for validation without a GPU (unit test and `cargo xtask shaders`).
 pub const SHADERS: &[ShaderFile] = &[
     BINARY,
@@ -619,6 +725,15 @@ pub const SHADERS: &[ShaderFile] = &[
     ATTENTION_SG_FWD,
     ATTENTION_SG_DQ,
     ATTENTION_SG_DKV,
+    CONV2D_FWD,
+    CONV2D_DX,
+    CONV2D_DW,
+    POOL2D_FWD,
+    POOL2D_BWD,
+    BATCH_NORM_STATS,
+    BATCH_NORM,
+    BATCH_NORM_SUMS,
+    BATCH_NORM_DX,
 ];
 
 impl ShaderFile {
@@ -824,6 +939,33 @@ pub(crate) fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
         // Attention's row statistics are f32; packed f16 outputs with D odd are written to f32.
         "attention_fwd" | "attention_bwd_dq" | "attention_bwd_dkv" | "attention_sg_fwd"
         | "attention_sg_dq" | "attention_sg_dkv" => attention_storage(file.name),
+        // Outputs of packed f16 with odd planes are written to f32 first; weight partials are f32.
+        "conv2d_fwd" | "conv2d_dx" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s; n])
+            .chain([[vec![F16Packed; n - 1], vec![F32]].concat()])
+            .collect(),
+        "conv2d_dw" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s, s, F32])
+            .collect(),
+        // Batch norm's statistics, running statistics and sums are f32.
+        "batch_norm_stats" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s, F32, F32, F32])
+            .collect(),
+        "batch_norm" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s, s, s, F32, s])
+            .collect(),
+        "batch_norm_sums" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s, s, F32, F32])
+            .collect(),
+        "batch_norm_dx" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s, s, s, F32, F32, s])
+            .collect(),
         _ => [F32, F16, F16Packed].iter().map(|&s| vec![s; n]).collect(),
     }
 }

@@ -5,6 +5,7 @@
 
 mod attention;
 mod block;
+mod conv;
 mod dropout;
 mod embedding;
 mod generate;
@@ -19,6 +20,7 @@ pub use crate::Activation;
 pub use crate::AttentionKind;
 pub use attention::CausalSelfAttention;
 pub use block::{FeedForward, GptBlock};
+pub use conv::{AvgPool2d, BatchNorm2d, Conv2d, GroupNorm, MaxPool2d};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
 pub use generate::{KvCache, Sampling};
@@ -38,6 +40,13 @@ pub trait Module {
 
     /// Parameters with stable names (`layers.0.weight`, ...), in a fixed order.
     fn named_parameters(&self) -> Vec<(String, Tensor)>;
+
+    /// State that is not trained but belongs to the model (batch norm's running statistics),
+    /// with stable names as parameters have: checkpoints save and load it, optimizers never see
+    /// it. Empty by default.
+    fn named_buffers(&self) -> Vec<(String, Tensor)> {
+        Vec::new()
+    }
 
     /// The parameters (clones share memory and gradients with the model's).
     fn parameters(&self) -> Vec<Tensor> {

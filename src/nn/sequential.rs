@@ -1,6 +1,6 @@
 //! Composing modules: [`Sequential`] (a list of boxed modules applied in order), `Vec<M>` of
 //! one module type as a module, and the [`module!`](crate::module) macro that writes a custom
-//! model's `named_parameters` and `set_training` from a list of its fields.
+//! model's `named_parameters`, `named_buffers` and `set_training` from a list of its fields.
 
 use super::Module;
 use crate::{Result, Tensor};
@@ -35,14 +35,20 @@ impl Sequential {
     }
 }
 
-/// Parameters of `children`, each prefixed with its index.
-fn indexed<'a>(children: impl Iterator<Item = &'a dyn Module>) -> Vec<(String, Tensor)> {
+/// Parameters (or, with `buffers`, buffers) of `children`, each prefixed with its index.
+fn indexed<'a>(
+    children: impl Iterator<Item = &'a dyn Module>,
+    buffers: bool,
+) -> Vec<(String, Tensor)> {
     children
         .enumerate()
         .flat_map(|(i, m)| {
-            m.named_parameters()
-                .into_iter()
-                .map(move |(n, t)| (format!("{i}.{n}"), t))
+            let named = if buffers {
+                m.named_buffers()
+            } else {
+                m.named_parameters()
+            };
+            named.into_iter().map(move |(n, t)| (format!("{i}.{n}"), t))
         })
         .collect()
 }
@@ -53,7 +59,11 @@ impl Module for Sequential {
     }
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        indexed(self.layers.iter().map(|m| m.as_ref() as &dyn Module))
+        indexed(self.layers.iter().map(|m| m.as_ref() as &dyn Module), false)
+    }
+
+    fn named_buffers(&self) -> Vec<(String, Tensor)> {
+        indexed(self.layers.iter().map(|m| m.as_ref() as &dyn Module), true)
     }
 
     fn set_training(&self, training: bool) {
@@ -71,7 +81,11 @@ impl<M: Module> Module for Vec<M> {
     }
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        indexed(self.iter().map(|m| m as &dyn Module))
+        indexed(self.iter().map(|m| m as &dyn Module), false)
+    }
+
+    fn named_buffers(&self) -> Vec<(String, Tensor)> {
+        indexed(self.iter().map(|m| m as &dyn Module), true)
     }
 
     fn set_training(&self, training: bool) {
@@ -112,6 +126,16 @@ macro_rules! module {
                 let mut out = ::std::vec::Vec::new();
                 $(
                     for (n, t) in $crate::nn::Module::named_parameters(&self.$field) {
+                        out.push((::std::format!("{}.{}", ::std::stringify!($field), n), t));
+                    }
+                )*
+                out
+            }
+
+            fn named_buffers(&self) -> ::std::vec::Vec<(::std::string::String, $crate::Tensor)> {
+                let mut out = ::std::vec::Vec::new();
+                $(
+                    for (n, t) in $crate::nn::Module::named_buffers(&self.$field) {
                         out.push((::std::format!("{}.{}", ::std::stringify!($field), n), t));
                     }
                 )*

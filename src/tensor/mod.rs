@@ -3,6 +3,8 @@
 
 mod attention;
 pub mod autograd;
+mod batch_norm;
+mod conv;
 mod dropout;
 mod index_select;
 mod inplace;
@@ -11,6 +13,7 @@ mod layout;
 mod matmul;
 mod operand;
 mod ops;
+mod pool;
 mod random;
 mod select;
 mod softmax;
@@ -19,6 +22,8 @@ pub use crate::dtype::{DType, Element};
 pub use crate::kernels::matmul::Variant as MatmulVariant;
 pub use crate::shape::{Shape, MAX_RANK};
 pub use attention::{AttentionKind, AttentionOptions};
+pub use batch_norm::BatchNormOptions;
+pub use conv::Conv2dOptions;
 pub use matmul::MatmulOptions;
 pub use random::Rng;
 pub use softmax::SoftmaxOptions;

@@ -77,6 +77,13 @@ pub fn replayable_seed(draw: impl FnOnce() -> u64) -> Result<u64> {
     Ok(seed)
 }
 
+/// Whether a checkpointed segment is being recomputed on this thread (a replaying frame is
+/// open): layers with effects beyond their output (batch norm's running statistics) skip them
+/// there, so those move once per forward with or without checkpointing.
+pub fn recomputing() -> bool {
+    TAPE.with(|t| t.borrow().iter().any(|f| matches!(f, Frame::Replay { .. })))
+}
+
 /// A frame open on this thread's tape; dropping it unfinished (an error in the segment) pops
 /// it and everything above it.
 struct Open {

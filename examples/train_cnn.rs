@@ -1,0 +1,601 @@
+//! `cargo run --release --example train_cnn` — a small ResNet defined here with `module!`,
+//! trained by the generic `Trainer` with every memory feature.
+//!
+//! The model: a 3x3 stem conv (1 -> W channels), then residual blocks
+//! `relu(x + norm(conv(relu(norm(conv(x))))))`, the second and third stages entered by a
+//! strided block (3x3 stride 2, the skip a 1x1 stride-2 conv and norm) that doubles the
+//! channels, a global average pool and a Linear head. `--norm batch` (the default) uses
+//! BatchNorm2d, whose batch statistics mix the samples of a micro-batch (so a budget that
+//! splits the batch changes the numbers, as in PyTorch); `--norm group` uses GroupNorm, which
+//! does not, so a budgeted run ends with the unbudgeted run's weights.
+//!
+//! Data: Fashion-MNIST when `/usr/share/datasets/fashion-mnist` holds it (`apt-get install
+//! dataset-fashion-mnist`), else the 8x8 digits embedded in the crate (`--dataset` chooses).
+//! Images come as rows of pixels and are seen as (B, 1, S, S).
+//!
+//! Memory flags as custom_model: `--memory-budget` (micro-batches fitted to it), `--fit auto`
+//! (with a budget: micro-batch, then checkpointing, then mixed precision), `--plan`,
+//! `--prealloc`, `--precision mixed`, `--checkpoint-activations` (each residual block keeps
+//! only its input), `--save` / `--resume`, `--report`, `--json`, `--distributed mpi`. It prints
+//! the planned peak of a step beside the measured one.
+
+use clap::Parser;
+use fitgrad::distributed::Job;
+use fitgrad::nn::{self, AvgPool2d, BatchNorm2d, Conv2d, GroupNorm, Linear, Module};
+use fitgrad::optim::{AdamW, Optimizer};
+use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
+use fitgrad::train::data::{self, Dataset};
+use fitgrad::train::{ClassBatch, EvalBatch, Precision, StepContext, TrainModel};
+use fitgrad::train::{Trainer, TrainerConfig};
+use fitgrad::{autograd, Activation, Bytes, Conv2dOptions, DType, Device, DeviceOptions};
+use fitgrad::{Error, Result, Tensor};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Where `apt-get install dataset-fashion-mnist` puts the IDX files.
+const FASHION_MNIST_DIR: &str = "/usr/share/datasets/fashion-mnist";
+
+#[derive(Parser, Debug)]
+#[command(about = "Train a small ResNet defined in this example with fitgrad's Trainer")]
+struct Args {
+    /// auto (Fashion-MNIST when installed, else digits), digits, fashion-mnist, mnist, or a
+    /// folder of IDX files.
+    #[arg(long, default_value = "auto")]
+    dataset: String,
+    /// batch (BatchNorm2d) or group (GroupNorm, groups of 4 channels).
+    #[arg(long, default_value = "batch")]
+    norm: String,
+    /// Channels of the first stage (the second and third have 2x and 4x).
+    #[arg(long, default_value_t = 16)]
+    width: usize,
+    /// Residual blocks per stage after its first.
+    #[arg(long, default_value_t = 0)]
+    blocks: usize,
+    /// Epochs (default: 2 on Fashion-MNIST, 10 on the digits).
+    #[arg(long)]
+    epochs: Option<u64>,
+    /// Samples per batch.
+    #[arg(long, default_value_t = 64)]
+    batch_size: usize,
+    /// Batches whose gradients add up before each optimizer step.
+    #[arg(long, default_value_t = 1)]
+    accum_steps: usize,
+    /// AdamW learning rate.
+    #[arg(long, default_value_t = 2e-3, allow_negative_numbers = true)]
+    lr: f64,
+    /// Seeds the weights, the data split and order.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Hard limit on device memory (e.g. 16MiB): the micro-batch is chosen to fit.
+    #[arg(long)]
+    memory_budget: Option<String>,
+    /// `auto` (needs --memory-budget): the budget picks micro-batch, activation
+    /// checkpointing and precision, in that order.
+    #[arg(long)]
+    fit: Option<String>,
+    /// Print the planned peak memory of a training step and exit.
+    #[arg(long)]
+    plan: bool,
+    /// Reserve the planned peak before training.
+    #[arg(long)]
+    prealloc: bool,
+    /// f32, or mixed (f32 master weights, f16 activations, loss scaling).
+    #[arg(long, default_value = "f32")]
+    precision: String,
+    /// Keep only each residual block's input; recompute the block in backward.
+    #[arg(long)]
+    checkpoint_activations: bool,
+    /// Save a checkpoint after every epoch (running statistics included).
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Resume from a checkpoint written by --save.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Substring of the adapter name to use.
+    #[arg(long)]
+    adapter: Option<String>,
+    /// End stdout with one JSON object describing the run.
+    #[arg(long)]
+    json: bool,
+    /// Write an HTML report of the run.
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// `mpi`: one rank of data-parallel training started by mpirun (`--features mpi`).
+    #[arg(long)]
+    distributed: Option<String>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// The model
+// ---------------------------------------------------------------------------------------------
+
+/// BatchNorm2d or GroupNorm, chosen by --norm.
+#[derive(Clone)]
+enum Norm {
+    Batch(BatchNorm2d),
+    Group(GroupNorm),
+}
+
+impl Norm {
+    fn new(dev: &Device, group: bool, channels: usize) -> Result<Norm> {
+        Ok(if group {
+            Norm::Group(GroupNorm::new(dev, (channels / 4).max(1), channels)?)
+        } else {
+            Norm::Batch(BatchNorm2d::new(dev, channels)?)
+        })
+    }
+
+    fn inner(&self) -> &dyn Module {
+        match self {
+            Norm::Batch(b) => b,
+            Norm::Group(g) => g,
+        }
+    }
+}
+
+impl Module for Norm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.inner().forward(x)
+    }
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        self.inner().named_parameters()
+    }
+    fn named_buffers(&self) -> Vec<(String, Tensor)> {
+        self.inner().named_buffers()
+    }
+    fn set_training(&self, training: bool) {
+        self.inner().set_training(training)
+    }
+}
+
+/// The skip path of a strided block: a 1x1 stride-2 conv and its norm.
+#[derive(Clone)]
+struct Downsample {
+    conv: Conv2d,
+    norm: Norm,
+}
+
+fitgrad::module! {
+    impl Module for Downsample {
+        params { conv, norm }
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            self.norm.forward(&self.conv.forward(x)?)
+        }
+    }
+}
+
+/// relu(skip(x) + norm2(conv2(relu(norm1(conv1(x)))))): (B, C, S, S) -> (B, C', S', S').
+#[derive(Clone)]
+struct ResBlock {
+    conv1: Conv2d,
+    norm1: Norm,
+    conv2: Conv2d,
+    norm2: Norm,
+    /// `Some` on a stage's first block (stride 2, channels doubled); the identity otherwise.
+    down: Vec<Downsample>,
+}
+
+impl ResBlock {
+    fn new(dev: &Device, group: bool, cin: usize, cout: usize, seed: u64) -> Result<ResBlock> {
+        let stride = if cin == cout { 1 } else { 2 };
+        let c3 = Conv2dOptions::new().padding(1);
+        let down = if cin == cout {
+            vec![]
+        } else {
+            vec![Downsample {
+                conv: Conv2d::new(
+                    dev,
+                    cin,
+                    cout,
+                    1,
+                    Conv2dOptions::new().stride(2),
+                    false,
+                    seed + 2,
+                )?,
+                norm: Norm::new(dev, group, cout)?,
+            }]
+        };
+        Ok(ResBlock {
+            conv1: Conv2d::new(dev, cin, cout, 3, c3.stride(stride), false, seed)?,
+            norm1: Norm::new(dev, group, cout)?,
+            conv2: Conv2d::new(dev, cout, cout, 3, c3, false, seed + 1)?,
+            norm2: Norm::new(dev, group, cout)?,
+            down,
+        })
+    }
+
+    fn block(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.norm1.forward(&self.conv1.forward(x)?)?.relu()?;
+        let h = self.norm2.forward(&self.conv2.forward(&h)?)?;
+        let skip = match self.down.first() {
+            Some(d) => d.forward(x)?,
+            None => x.clone(),
+        };
+        h.add(&skip)?.relu()
+    }
+}
+
+fitgrad::module! {
+    impl Module for ResBlock {
+        params { conv1, norm1, conv2, norm2, down }
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            self.block(x)
+        }
+    }
+}
+
+/// stem -> stages -> global average pool -> head: (B, 1, S, S) -> logits (B, CLASSES).
+struct ResNet {
+    stem: Conv2d,
+    stem_norm: Norm,
+    blocks: Vec<ResBlock>,
+    pool: AvgPool2d,
+    head: Linear,
+    side: usize,
+    checkpoint: AtomicBool,
+}
+
+impl ResNet {
+    fn new(dev: &Device, side: usize, classes: usize, args: &Args, group: bool) -> Result<ResNet> {
+        let w = args.width;
+        let s = |k: u64| args.seed.wrapping_mul(0x100_0000_01b3).wrapping_add(k);
+        let mut blocks = Vec::new();
+        let mut cin = w;
+        for (stage, cout) in [w, 2 * w, 4 * w].into_iter().enumerate() {
+            let first = stage > 0;
+            let count = args.blocks + usize::from(first);
+            for b in 0..count {
+                let c_in = if b == 0 { cin } else { cout };
+                blocks.push(ResBlock::new(
+                    dev,
+                    group,
+                    c_in,
+                    cout,
+                    s(100 * stage as u64 + 10 * b as u64),
+                )?);
+            }
+            cin = cout;
+        }
+        Ok(ResNet {
+            stem: Conv2d::new(dev, 1, w, 3, Conv2dOptions::new().padding(1), false, s(1))?,
+            stem_norm: Norm::new(dev, group, w)?,
+            blocks,
+            pool: AvgPool2d::global(),
+            head: Linear::new(dev, 4 * w, classes, s(2))?,
+            side,
+            checkpoint: AtomicBool::new(false),
+        })
+    }
+
+    /// Logits (B, CLASSES), f32, from rows of pixels x (B, S S), computed in `dtype`.
+    fn forward_in(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        let b = x.dims()[0];
+        let x = x.reshape(&[b, 1, self.side, self.side])?;
+        let x = if x.dtype() == dtype {
+            x
+        } else {
+            x.to_dtype(dtype)?
+        };
+        let mut h = self.stem_norm.forward(&self.stem.forward(&x)?)?.relu()?;
+        let ckpt = self.checkpoint.load(Ordering::Relaxed) && autograd::is_grad_enabled();
+        for block in &self.blocks {
+            h = if ckpt {
+                let params = block.parameters();
+                let refs: Vec<&Tensor> = params.iter().collect();
+                let blk = Arc::new(block.clone());
+                autograd::checkpoint(&[&h], &refs, move |xs| blk.block(&xs[0]))?
+            } else {
+                block.block(&h)?
+            };
+        }
+        let pooled = self.pool.forward(&h)?.flatten(1)?; // (B, 4W)
+        let logits = self.head.forward_in(&pooled, Activation::None, dtype)?;
+        if logits.dtype() == DType::F32 {
+            Ok(logits)
+        } else {
+            logits.to_dtype(DType::F32)
+        }
+    }
+}
+
+fitgrad::module! {
+    impl Module for ResNet {
+        params { stem, stem_norm, blocks, head }
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            self.forward_in(x, DType::F32)
+        }
+        fn config(&self) -> Vec<(String, String)> {
+            vec![
+                ("kind".into(), "resnet".into()),
+                ("width".into(), self.stem.weight.dims()[0].to_string()),
+                ("blocks".into(), self.blocks.len().to_string()),
+                ("classes".into(), self.head.out_features.to_string()),
+            ]
+        }
+    }
+}
+
+impl TrainModel<ClassBatch> for ResNet {
+    fn forward_loss(&self, b: &ClassBatch, ctx: &StepContext) -> Result<Tensor> {
+        let x = b.x.to_device(&ctx.device)?;
+        let logits = self.forward_in(&x, ctx.dtype)?;
+        drop(x);
+        nn::cross_entropy(&logits, &b.y)
+    }
+
+    fn evaluate_batch(&self, b: &ClassBatch, ctx: &StepContext) -> Result<EvalBatch> {
+        let x = b.x.to_device(&ctx.device)?;
+        let logits = self.forward_in(&x, ctx.dtype)?;
+        Ok(EvalBatch {
+            loss: nn::cross_entropy(&logits, &b.y)?.item()?,
+            correct: Some(nn::correct(&logits, &b.y)?),
+        })
+    }
+
+    fn set_checkpointing(&mut self, on: bool) -> bool {
+        self.checkpoint.store(on, Ordering::Relaxed);
+        true
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The run
+// ---------------------------------------------------------------------------------------------
+
+fn invalid(reason: String) -> Error {
+    Error::InvalidArgument {
+        op: "train_cnn",
+        reason,
+    }
+}
+
+fn run(args: Args, dist: &Job) -> Result<()> {
+    let root = dist.is_root();
+    macro_rules! say {
+        ($($t:tt)*) => { if root { println!($($t)*); } };
+    }
+    let precision: Precision = args.precision.parse()?;
+    if precision == Precision::F16 {
+        return Err(invalid("--precision f32 or mixed".into()));
+    }
+    let group = match args.norm.as_str() {
+        "batch" => false,
+        "group" => true,
+        n => return Err(invalid(format!("--norm batch or group, got '{n}'"))),
+    };
+    if args.width == 0 || args.batch_size == 0 || args.accum_steps == 0 {
+        return Err(invalid(
+            "--width, --batch-size and --accum-steps must be positive".into(),
+        ));
+    }
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        return Err(invalid(format!("--lr must be positive, got {}", args.lr)));
+    }
+    let fit_auto = match args.fit.as_deref() {
+        None => false,
+        Some("auto") => true,
+        Some(f) => return Err(invalid(format!("--fit takes 'auto', got '{f}'"))),
+    };
+    let budget = args
+        .memory_budget
+        .as_deref()
+        .map(|b| b.parse::<Bytes>().map(|b| b.0))
+        .transpose()?;
+    if fit_auto && budget.is_none() {
+        return Err(invalid("--fit auto needs --memory-budget".into()));
+    }
+    if let Some(p) = &args.report {
+        check_output_path("--report", p)?;
+    }
+    let mut options = DeviceOptions::default();
+    options.adapter = args.adapter.clone();
+    options.memory_budget = budget;
+    let device = Device::with_options(options)?;
+    say!("adapter: {}", device.info().adapter);
+    let spec = match args.dataset.as_str() {
+        "auto" if Path::new(FASHION_MNIST_DIR).is_dir() => "fashion-mnist",
+        "auto" => "digits",
+        s => s,
+    };
+    let (train, test): (Dataset, Dataset) = data::load(spec, args.seed)?;
+    let side = train.dim.isqrt();
+    if side * side != train.dim {
+        return Err(invalid(format!(
+            "images must be square: {} features per sample",
+            train.dim
+        )));
+    }
+    say!(
+        "dataset: {} ({} train, {} test, {side}x{side}, {} classes)",
+        train.name,
+        train.len(),
+        test.len(),
+        train.classes
+    );
+    let epochs = args
+        .epochs
+        .unwrap_or(if train.len() <= 10_000 { 10 } else { 2 });
+    let model = ResNet::new(&device, side, train.classes, &args, group)?;
+    if args.checkpoint_activations {
+        model.checkpoint.store(true, Ordering::Relaxed);
+    }
+    let lr = args.lr as f32;
+    let optimizer: Box<dyn Optimizer> = Box::new(AdamW::new(model.parameters(), lr)?);
+    let config = TrainerConfig::new(args.batch_size, args.accum_steps, lr).precision(precision);
+    let mut trainer = Trainer::new(model, optimizer, config)?;
+    say!(
+        "model: ResNet {} stages of width {}, {}, {} ({} blocks, {} norm, {} parameters), AdamW lr {}, {}, batch {} x {}",
+        3,
+        args.width,
+        2 * args.width,
+        4 * args.width,
+        trainer.model.blocks.len(),
+        args.norm,
+        trainer.model.num_parameters(),
+        args.lr,
+        args.precision,
+        args.batch_size,
+        args.accum_steps
+    );
+    if let Some(b) = budget {
+        if fit_auto {
+            let choice = trainer.fit_auto(&train, b)?;
+            say!("fit auto: {choice}");
+        } else {
+            trainer.fit_to_budget(&train, b)?;
+        }
+    }
+    let all_reduce = dist.join(&mut trainer, &train)?;
+    if let Some(b) = budget {
+        let micro = trainer.micro_batch();
+        say!(
+            "memory budget {}: micro-batch {micro} of {}",
+            Bytes(b),
+            args.batch_size
+        );
+        if !group && micro < args.batch_size {
+            say!(
+                "note: batch norm's statistics are those of each micro-batch of {micro}, not of \
+                 the batch of {} (as in PyTorch with accumulation); --norm group is exact",
+                args.batch_size
+            );
+        }
+    }
+    let plan = trainer.plan(&train)?;
+    if args.plan {
+        if root {
+            print!("{plan}");
+        }
+        return Ok(());
+    }
+    if args.prealloc {
+        let reserved = trainer.prealloc(&train)?;
+        say!("reserved {} up front", Bytes(reserved));
+    }
+    let mut report = TrainingReport::new(
+        format!("train_cnn (ResNet, {} norm) on {}", args.norm, train.name),
+        &device,
+        "samples/s",
+    );
+    report.set_plan(plan.clone());
+    let mut first_epoch = 0;
+    if let Some(path) = &args.resume {
+        first_epoch = trainer.resume_from(path)?;
+        say!("resumed from {} after {first_epoch} epochs", path.display());
+    }
+    let eff = trainer.effective_batch();
+    let steps_per_epoch = train.len().div_ceil(eff);
+    let started = Instant::now();
+    let mut final_loss = f32::NAN;
+    let mut capture = StepCapture::new();
+    for epoch in first_epoch..epochs {
+        let epoch_start = Instant::now();
+        trainer.train_epoch(&train, args.seed, epoch, |t, done, total| {
+            if args.report.is_some() {
+                capture.after_step(t, &train)?;
+            }
+            if done.is_multiple_of(50) || done == total {
+                let loss = t.take_loss()?;
+                if !loss.is_nan() {
+                    final_loss = loss;
+                }
+                let rate = (done * eff).min(train.len()) as f64 / epoch_start.elapsed().as_secs_f64();
+                if root {
+                    eprintln!(
+                        "epoch {} step {done}/{steps_per_epoch}: loss {final_loss:.4}, {rate:.0} samples/s",
+                        epoch + 1
+                    );
+                }
+                report.log_step(t.steps(), loss, Some(rate));
+            }
+            Ok(())
+        })?;
+        let secs = epoch_start.elapsed().as_secs_f64();
+        for e in trainer.take_events() {
+            say!("  {e}");
+        }
+        report.log_epoch(
+            epoch,
+            trainer.steps(),
+            final_loss,
+            train.len() as f64 / secs,
+            secs,
+        );
+        if let (Some(path), true) = (&args.save, root) {
+            trainer.save_checkpoint(path, epoch + 1)?;
+        }
+    }
+    device.sync()?;
+    if !root {
+        return Ok(());
+    }
+    let train_secs = started.elapsed().as_secs_f64();
+    let summary = trainer.memory_summary();
+    let measured = summary.stats.peak_bytes_in_use;
+    let eval = trainer.evaluate(&test, trainer.micro_batch())?;
+    let accuracy = eval.accuracy.unwrap_or(f32::NAN);
+    println!(
+        "test: loss {:.4}, accuracy {:.2}% ({train_secs:.1} s training)",
+        eval.loss,
+        100.0 * accuracy
+    );
+    println!("\n{summary}");
+    println!(
+        "peak in use: planned {} / measured {} ({:+.2}%), peak reached at {}",
+        Bytes(plan.peak),
+        Bytes(measured),
+        100.0 * (plan.peak as f64 / measured.max(1) as f64 - 1.0),
+        plan.peak_op.as_deref().unwrap_or("?")
+    );
+    if let Some(path) = &args.report {
+        report.set_step_memory(capture.finish());
+        report.set_memory(summary.stats.clone());
+        report
+            .result("test accuracy", format!("{:.2}%", 100.0 * accuracy))
+            .result("training time", format!("{train_secs:.1} s"));
+        report.write_html(path)?;
+        println!("report: {}", path.display());
+    }
+    if args.json {
+        let mut j = serde_json::json!({
+            "dataset": train.name,
+            "norm": args.norm,
+            "width": args.width,
+            "parameters": trainer.model.num_parameters(),
+            "epochs": epochs,
+            "batch_size": args.batch_size,
+            "micro_batch": trainer.micro_batch(),
+            "precision": args.precision,
+            "checkpoint_activations": args.checkpoint_activations,
+            "memory_budget": budget,
+            "planned_peak_bytes": plan.peak,
+            "peak_bytes_in_use": measured,
+            "steps": trainer.steps(),
+            "final_loss": final_loss,
+            "test_loss": eval.loss,
+            "test_accuracy": accuracy,
+            "train_seconds": train_secs,
+        });
+        dist.add_to_json(&mut j, all_reduce.as_ref());
+        println!("{j}");
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args = match Args::try_parse() {
+        Ok(a) => a,
+        Err(e) if e.use_stderr() => {
+            eprint!("{e}");
+            return ExitCode::FAILURE;
+        }
+        Err(e) => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+    };
+    Job::main(args.distributed.clone().as_deref(), |dist| run(args, dist))
+}

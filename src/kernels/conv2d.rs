@@ -1,0 +1,261 @@
+//! Dispatch for conv2d as implicit GEMM: the forward (shaders/conv2d_fwd.wgsl), the input's
+//! gradient as a transposed convolution (shaders/conv2d_dx.wgsl) and the weight's gradient as
+//! fixed-range partial sums over the positions (shaders/conv2d_dw.wgsl, then the reduce kernel).
+//! Every kernel gathers its operand from the NCHW tensor itself: no column buffer exists.
+
+use super::{reduce, Operand, Storage, CONV2D_DW, CONV2D_DX, CONV2D_FWD};
+use crate::Result;
+
+/// Invocations per workgroup, as in the shaders: lanes span positions (or weight columns).
+const WG_X: usize = 64;
+/// Positions (forward, dx) or weight columns (dw) per invocation; even, so a packed f16 word
+/// of an even plane is written by one invocation.
+const TN: usize = 4;
+/// The fewest positions one weight-gradient partial sums: below it the partials' second pass
+/// costs more than the parallel work gains.
+const MIN_CHUNK: usize = 64;
+/// The most bytes of weight-gradient partial sums (f32): the one workspace the backward uses,
+/// small and fixed whatever the batch.
+pub(crate) const MAX_PARTIAL_BYTES: usize = 512 << 10;
+
+/// The geometry of one conv2d, everything the kernels need besides the data: x is (n, c, h, w),
+/// the weight (oc, c / groups, kh, kw), the output (n, oc, oh, ow). Sizes are checked by the
+/// caller (output >= 1, groups dividing both channel counts, every index within u32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Geometry {
+    pub n: usize,
+    pub c: usize,
+    pub h: usize,
+    pub w: usize,
+    pub oc: usize,
+    pub kh: usize,
+    pub kw: usize,
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+    pub dilation: [usize; 2],
+    pub groups: usize,
+    pub oh: usize,
+    pub ow: usize,
+}
+
+impl Geometry {
+    /// Input channels per group.
+    pub fn cg(&self) -> usize {
+        self.c / self.groups
+    }
+
+    /// Output channels per group.
+    pub fn ocg(&self) -> usize {
+        self.oc / self.groups
+    }
+
+    /// The weight's element count, oc cg kh kw.
+    pub fn weight_numel(&self) -> usize {
+        self.oc * self.cg() * self.kh * self.kw
+    }
+
+    /// The uniform words of include/conv2d_params.wgsl, with `m_blocks` blocks of rows per
+    /// group and the weight gradient's chunking.
+    fn params(&self, m_blocks: usize, has_bias: bool, chunk: usize, chunks: usize) -> [u32; 24] {
+        let v = [
+            self.n,
+            self.c,
+            self.h,
+            self.w,
+            self.oc,
+            self.oh,
+            self.ow,
+            self.groups,
+            self.kh,
+            self.kw,
+            self.stride[0],
+            self.stride[1],
+            self.padding[0],
+            self.padding[1],
+            self.dilation[0],
+            self.dilation[1],
+            self.cg(),
+            self.ocg(),
+            m_blocks,
+            usize::from(has_bias),
+            chunk,
+            chunks,
+            0,
+            0,
+        ];
+        v.map(|x| x as u32)
+    }
+
+    /// The weight gradient's partial sums: (positions per chunk, chunks). Chunks of at least
+    /// MIN_CHUNK positions, as many as MAX_PARTIAL_BYTES of partials allow; a function of the
+    /// shape alone, so the order of additions is too.
+    pub fn dw_chunks(&self) -> (usize, usize) {
+        let total = self.n * self.oh * self.ow;
+        let by_bytes = (MAX_PARTIAL_BYTES / (4 * self.weight_numel().max(1))).max(1);
+        let want = (total / MIN_CHUNK).clamp(1, by_bytes.min(65_535));
+        let chunk = total.div_ceil(want).max(1);
+        (chunk, total.div_ceil(chunk).max(1))
+    }
+}
+
+/// Rows per invocation for `rows` output channels (or input channels, for dx) per group: four
+/// where a group has that many, else one (depthwise), so few lanes compute rows they drop.
+fn tile_rows(rows: usize) -> usize {
+    if rows >= 4 {
+        4
+    } else {
+        1
+    }
+}
+
+fn consts(tm: usize) -> [(&'static str, u32); 2] {
+    [("TM", tm as u32), ("TN", TN as u32)]
+}
+
+/// y (n, oc, oh, ow) = conv2d(x, wt) + bias (oc, x's dtype, optional). y needs no f32 staging
+/// ([`super::softmax::needs_f32_staging`] of the plane oh ow).
+pub(crate) fn forward<T: Operand>(
+    x: &T,
+    wt: &T,
+    bias: Option<&T>,
+    geo: &Geometry,
+    y: &T,
+) -> Result<()> {
+    let total = geo.n * geo.oh * geo.ow;
+    if total == 0 || geo.oc == 0 {
+        return Ok(());
+    }
+    let dev = x.device();
+    let s = Storage::of(dev, x.dtype());
+    let tm = tile_rows(geo.ocg());
+    let m_blocks = geo.ocg().div_ceil(tm);
+    let k = CONV2D_FWD.kernel_with(dev, &[s, s, s, Storage::of(dev, y.dtype())], &consts(tm))?;
+    let b = bias.unwrap_or(wt);
+    dev.dispatch3(
+        &k,
+        &geo.params(m_blocks, bias.is_some(), 0, 0),
+        &[x.block(), wt.block(), b.block(), y.block()],
+        [
+            total.div_ceil(TN * WG_X) as u32,
+            (geo.groups * m_blocks) as u32,
+            1,
+        ],
+    )
+}
+
+/// dx (n, c, h, w) = the gradient of conv2d's input from the output's gradient dy (n, oc, oh,
+/// ow) and the weight, both in x's dtype. Like y, dx needs no f32 staging (plane h w).
+pub(crate) fn backward_dx<T: Operand>(dy: &T, wt: &T, geo: &Geometry, dx: &T) -> Result<()> {
+    let total = geo.n * geo.h * geo.w;
+    if total == 0 || geo.c == 0 {
+        return Ok(());
+    }
+    let dev = dy.device();
+    let s = Storage::of(dev, dy.dtype());
+    let tm = tile_rows(geo.cg());
+    let m_blocks = geo.cg().div_ceil(tm);
+    let k = CONV2D_DX.kernel_with(dev, &[s, s, Storage::of(dev, dx.dtype())], &consts(tm))?;
+    dev.dispatch3(
+        &k,
+        &geo.params(m_blocks, false, 0, 0),
+        &[dy.block(), wt.block(), dx.block()],
+        [
+            total.div_ceil(TN * WG_X) as u32,
+            (geo.groups * m_blocks) as u32,
+            1,
+        ],
+    )
+}
+
+/// The dims of the f32 partial sums [`backward_dw`] needs: (chunks, weight elements) with
+/// several chunks, `None` when one chunk writes the gradient directly.
+pub(crate) fn dw_partials(geo: &Geometry) -> Option<[usize; 2]> {
+    let (_, chunks) = geo.dw_chunks();
+    (chunks > 1 && geo.weight_numel() > 0).then_some([chunks, geo.weight_numel()])
+}
+
+/// dw (the weight's elements, f32) = the gradient of conv2d's weight from dy (n, oc, oh, ow)
+/// and x (n, c, h, w), both in one dtype. `partials` are f32 of the dims [`dw_partials`] gives
+/// (where it gives any). With no positions (n = 0) the gradient is zero.
+pub(crate) fn backward_dw<T: Operand>(
+    dy: &T,
+    x: &T,
+    geo: &Geometry,
+    partials: Option<&T>,
+    dw: &T,
+) -> Result<()> {
+    let kdim = geo.cg() * geo.kh * geo.kw;
+    if geo.weight_numel() == 0 {
+        return Ok(());
+    }
+    let dev = x.device();
+    debug_assert_eq!(
+        partials.map(|p| p.dims().to_vec()),
+        dw_partials(geo).map(|d| d.to_vec())
+    );
+    let (chunk, chunks) = geo.dw_chunks();
+    let part = partials.unwrap_or(dw);
+    let s = Storage::of(dev, x.dtype());
+    let tm = tile_rows(geo.ocg());
+    let m_blocks = geo.ocg().div_ceil(tm);
+    let k = CONV2D_DW.kernel_with(dev, &[s, s, Storage::F32], &consts(tm))?;
+    dev.dispatch3(
+        &k,
+        &geo.params(m_blocks, false, chunk, chunks),
+        &[dy.block(), x.block(), part.block()],
+        [
+            kdim.div_ceil(TN * WG_X) as u32,
+            (geo.groups * m_blocks) as u32,
+            chunks as u32,
+        ],
+    )?;
+    if let Some(p) = partials {
+        reduce::reduce(p, 1, chunks, geo.weight_numel(), 1.0, dw)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geo(n: usize, oh: usize, ow: usize, oc: usize, c: usize) -> Geometry {
+        Geometry {
+            n,
+            c,
+            h: oh,
+            w: ow,
+            oc,
+            kh: 3,
+            kw: 3,
+            stride: [1, 1],
+            padding: [1, 1],
+            dilation: [1, 1],
+            groups: 1,
+            oh,
+            ow,
+        }
+    }
+
+    #[test]
+    fn weight_partials_stay_small_and_cover_every_position() {
+        for g in [
+            geo(1, 1, 1, 1, 1),
+            geo(2, 5, 7, 3, 2),
+            geo(32, 56, 56, 64, 64),
+            geo(32, 28, 28, 256, 128),
+            geo(0, 4, 4, 2, 2),
+        ] {
+            let (chunk, chunks) = g.dw_chunks();
+            let total = g.n * g.oh * g.ow;
+            assert!(chunk * chunks >= total, "{g:?}");
+            assert!(chunk * (chunks - 1) < total.max(1), "{g:?}: an empty chunk");
+            if chunks > 1 {
+                assert!(chunk >= MIN_CHUNK);
+                assert!(chunks * g.weight_numel() * 4 <= MAX_PARTIAL_BYTES, "{g:?}");
+            }
+        }
+        // 64 -> 64 channels, 3x3: 36,864 weights, so 3 chunks in 512 KiB.
+        assert_eq!(geo(32, 56, 56, 64, 64).dw_chunks().1, 3);
+    }
+}
