@@ -37,10 +37,11 @@ use fitgrad::cli::{self, MAX_BATCH, MAX_EPOCHS, MAX_LAYERS, MAX_WIDTH};
 use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner};
 use fitgrad::distributed::Job;
 use fitgrad::nn::{self, Dropout, LayerNorm, Linear, Module};
+use fitgrad::optim::quant8::f32_adamw_state_bytes;
 use fitgrad::optim::{AdamW, Optimizer};
 use fitgrad::report::{StepCapture, TrainingReport};
 use fitgrad::train::data::{self, Dataset};
-use fitgrad::train::{ClassBatch, EvalBatch, Precision, StepContext, TrainModel};
+use fitgrad::train::{ClassBatch, EvalBatch, Phase, Precision, StepContext, TrainModel};
 use fitgrad::train::{Trainer, TrainerConfig};
 use fitgrad::{Activation, Bytes, DType, Device, DeviceOptions, Error, Result, Tensor};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -53,7 +54,7 @@ const FASHION_MNIST_DIR: &str = "/usr/share/datasets/fashion-mnist";
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a residual MLP defined in this example with fitgrad's Trainer")]
-struct Args {
+pub struct Args {
     /// auto (Fashion-MNIST when installed and the adapter is a GPU, else digits), digits
     /// (embedded), fashion-mnist, mnist, or a path (a CSV file with a label column, or a folder
     /// of IDX files).
@@ -84,6 +85,14 @@ struct Args {
     /// AdamW learning rate.
     #[arg(long, default_value_t = 1e-3, allow_negative_numbers = true)]
     lr: f64,
+    /// adamw, or adamw8bit (both moments in 8 bits for tensors of 4096 elements or more).
+    #[arg(long, default_value = "adamw", value_parser = ["adamw", "adamw8bit"])]
+    optimizer: String,
+    /// none, or optimizer: f32 master weights and AdamW's state in host memory (the device
+    /// keeps parameters and gradients; each step reads the gradients back and uploads the
+    /// parameters).
+    #[arg(long, default_value = "none", value_parser = ["none", "optimizer"])]
+    offload: String,
     /// Seeds the weights, dropout masks, data split and order.
     #[arg(long, default_value_t = 0)]
     seed: u64,
@@ -301,7 +310,7 @@ fn forwards_in(epochs: u64, n: usize, eff: usize, micro: usize, dist: &Job) -> u
     epochs * per_epoch as u64
 }
 
-fn run(args: Args, dist: &Job) -> Result<()> {
+pub fn run(args: Args, dist: &Job) -> Result<()> {
     // Rank 0 reports; the other ranks train quietly.
     let root = dist.is_root();
     macro_rules! say {
@@ -435,19 +444,31 @@ fn run(args: Args, dist: &Job) -> Result<()> {
         None => false,
     };
 
-    let model = ResMlp::new(
-        &device,
-        train.dim,
-        args.width,
-        args.blocks,
-        train.classes,
-        args.dropout as f32,
-        args.seed,
-    )?;
     let lr = args.lr as f32;
-    let optimizer: Box<dyn Optimizer> = Box::new(AdamW::new(model.parameters(), lr)?);
-    let config = TrainerConfig::new(args.batch_size, args.accum_steps, lr).precision(precision);
-    let mut trainer = Trainer::new(model, optimizer, config)?;
+    let config = TrainerConfig::new(args.batch_size, args.accum_steps, lr)
+        .precision(precision)
+        .offload_optimizer(args.offload == "optimizer");
+    // The model is built inside the budget logic: a budget too small for the model itself
+    // gets the smallest budget that works, as one too small for a step does.
+    let build = || {
+        let model = ResMlp::new(
+            &device,
+            train.dim,
+            args.width,
+            args.blocks,
+            train.classes,
+            args.dropout as f32,
+            args.seed,
+        )?;
+        let adamw = AdamW::new(model.parameters(), lr)?;
+        let optimizer: Box<dyn Optimizer> = if args.optimizer == "adamw8bit" {
+            Box::new(adamw.eight_bit())
+        } else {
+            Box::new(adamw)
+        };
+        Trainer::new(model, optimizer, config.clone())
+    };
+    let mut trainer = Trainer::build_within_budget(&device, &train, build)?;
     trainer.set_data_identity(identity);
     let mut report = TrainingReport::new(
         format!("custom_model (residual MLP) on {}", train.name),
@@ -477,26 +498,9 @@ fn run(args: Args, dist: &Job) -> Result<()> {
             Pruner::new(&trainer.model, cfg)
         })
         .transpose()?;
-    if let Some(b) = budget {
-        match trainer.fit_to_budget(&train, b) {
-            Err(Error::BudgetTooSmall { .. }) => {
-                // What a one-sample step keeps alive: a floor no micro-batch can go under.
-                let one = trainer.plan_at(&train, &[0], 1, None, 0)?;
-                let fixed = one.parameters + one.gradients + one.optimizer_state;
-                return Err(invalid(format!(
-                    "--memory-budget {}: not even a micro-batch of one sample fits; such a \
-                     step keeps {} in use (the arena rounds up a little more), {} of it the \
-                     parameters, their gradients and AdamW's moments. Raise the budget or make \
-                     the model smaller (--width, --blocks)",
-                    Bytes(b),
-                    Bytes(one.peak),
-                    Bytes(fixed)
-                )));
-            }
-            other => {
-                other?;
-            }
-        }
+    // The masks count: under a budget the micro-batch is chosen again with them in use.
+    if let (Some(b), Some(_)) = (budget, &pruner) {
+        trainer.fit_to_budget(&train, b)?;
     }
     // Fitted to the whole batch as on one process; a rank refits to its share.
     let all_reduce = dist.join(&mut trainer, &train)?;
@@ -510,12 +514,31 @@ fn run(args: Args, dist: &Job) -> Result<()> {
         );
         report.set_budget(b, args.batch_size, micro, None);
     }
-    // The steady-state step's peak, planned by running it on the device's planning mode.
+    // The whole run, planned by running it on the device's planning mode: the steady-state
+    // step, then the test set at the training micro-batch under a budget (a batch that does
+    // not fit is split) or in large batches; rank 0 alone evaluates.
     let planning = Instant::now();
-    let plan = trainer.plan(&train)?;
+    let budgeted = budget.is_some();
+    let eval_batch = move |t: &Trainer<ResMlp>| if budgeted { t.micro_batch() } else { 1024 };
+    let mut phases: Vec<Phase<'_, ResMlp>> = Vec::new();
+    if root && reporting {
+        phases.push((
+            "evaluation after each epoch",
+            Box::new(|t| t.evaluate(&test, t.micro_batch()).map(drop)),
+        ));
+    }
+    if root {
+        phases.push((
+            "evaluation",
+            Box::new(|t| t.evaluate(&test, eval_batch(t)).map(drop)),
+        ));
+    }
+    let run_plan = trainer.plan_whole_run(&train, &mut phases)?;
+    drop(phases);
+    let plan = run_plan.step.clone();
     if args.plan {
         if root {
-            cli::print_plan(&plan, args.json, planning.elapsed());
+            cli::print_plan(&run_plan, args.json, planning.elapsed());
         }
         return Ok(());
     }
@@ -546,7 +569,7 @@ fn run(args: Args, dist: &Job) -> Result<()> {
                 trainer.model.num_parameters()
             ),
         ),
-        ("optimizer", format!("AdamW lr {}", args.lr)),
+        ("optimizer", format!("{} lr {}", args.optimizer, args.lr)),
         ("epochs", epochs.to_string()),
         (
             "batch",
@@ -665,14 +688,8 @@ fn run(args: Args, dist: &Job) -> Result<()> {
     // Training's memory, before evaluation's batches count.
     let summary = trainer.memory_summary();
     let measured = summary.stats.peak_bytes_in_use;
-    // Evaluation keeps no graph, so the training micro-batch always fits the budget.
-    let eval_batch = if budget.is_some() {
-        trainer.micro_batch()
-    } else {
-        1024
-    };
     let eval = trainer
-        .evaluate(&test, eval_batch)?
+        .evaluate(&test, eval_batch(&trainer))?
         .finite(trainer.steps(), "test")?;
     let accuracy = eval.accuracy.unwrap_or(f32::NAN);
     println!(
@@ -704,6 +721,13 @@ fn run(args: Args, dist: &Job) -> Result<()> {
         "peak reserved: planned {} / measured {}",
         Bytes(plan.peak_reserved),
         Bytes(summary.stats.peak_bytes_reserved)
+    );
+    // The whole run's peak, evaluation included, beside its plan.
+    let run = device.memory_stats();
+    println!(
+        "whole run: peak reserved planned {} / measured {}",
+        Bytes(run_plan.peak_reserved),
+        Bytes(run.peak_bytes_reserved)
     );
     println!("{}", device.memory_report());
     report.set_step_memory(capture.finish());
@@ -738,14 +762,22 @@ fn run(args: Args, dist: &Job) -> Result<()> {
             "accum_steps": args.accum_steps,
             "micro_batch": trainer.micro_batch(),
             "lr": args.lr,
+            "optimizer": args.optimizer,
+            "optimizer_state_bytes": summary.optimizer_state_bytes,
+            "offload": args.offload,
+            "host_bytes": summary.host_bytes,
+            "optimizer_state_bytes_f32": f32_adamw_state_bytes(&trainer.model.parameters()),
             "precision": args.precision,
             "seed": args.seed,
             "memory_budget": budget,
             "planned_peak_bytes": plan.peak,
+            "planned_host_bytes": plan.host_bytes,
             "planned_peak_reserved": plan.peak_reserved,
-            "peak_bytes_in_use": s.peak_bytes_in_use,
-            "peak_bytes": s.peak_bytes_reserved,
-            "buffers_created": s.buffers_created,
+            "planned_run_peak_reserved": run_plan.peak_reserved,
+            "peak_bytes_in_use": run.peak_bytes_in_use,
+            "peak_bytes": run.peak_bytes_reserved,
+            "step_peak_bytes": s.peak_bytes_reserved,
+            "buffers_created": run.buffers_created,
             "skipped_steps": trainer.scaler().map_or(0, |s| s.skipped_steps()),
             "steps": trainer.steps(),
             "final_loss": final_loss,

@@ -19,10 +19,11 @@ use fitgrad::checkpoint::Expect;
 use fitgrad::cli::{self, MAX_BATCH, MAX_LAYERS, MAX_SAMPLE_LEN, MAX_STEPS, MAX_WIDTH};
 use fitgrad::distributed::Job;
 use fitgrad::nn::{AttentionKind, Gpt, GptConfig, Module};
+use fitgrad::optim::quant8::f32_adamw_state_bytes;
 use fitgrad::optim::{decay_groups, AdamW, LrSchedule};
 use fitgrad::report::{StepCapture, TrainingReport};
 use fitgrad::train::text::{TextCorpus, TextDataset};
-use fitgrad::train::{BatchSource, Precision, Trainer, TrainerConfig};
+use fitgrad::train::{BatchSource, Phase, Precision, Trainer, TrainerConfig};
 use fitgrad::{Bytes, Device, DeviceOptions, Error, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::path::PathBuf;
@@ -67,6 +68,14 @@ pub struct Args {
     /// AdamW learning rate.
     #[arg(long, default_value_t = 3e-3)]
     pub lr: f32,
+    /// adamw, or adamw8bit (both moments in 8 bits for tensors of 4096 elements or more).
+    #[arg(long, default_value = "adamw", value_parser = ["adamw", "adamw8bit"])]
+    pub optimizer: String,
+    /// none, or optimizer: f32 master weights and AdamW's state in host memory (the device
+    /// keeps parameters and gradients; each step reads the gradients back and uploads the
+    /// parameters).
+    #[arg(long, default_value = "none", value_parser = ["none", "optimizer"])]
+    pub offload: String,
     /// Cosine decay to 10% with 5% linear warm-up instead of a constant learning rate.
     #[arg(long)]
     pub cosine: bool,
@@ -154,6 +163,11 @@ pub struct Report {
     pub steps: u64,
     /// The generated sample (empty with --sample-len 0).
     pub sample: String,
+    /// The device's peak bytes reserved over the whole run, evaluation and sampling
+    /// included (`peak_bytes` of the JSON; 0 for `--plan`).
+    pub peak_bytes: u64,
+    /// The whole run's planned peak reserved.
+    pub planned_run_peak: u64,
 }
 
 /// Everything the flags ask for, checked on the host.
@@ -447,12 +461,16 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
     let mut config = TrainerConfig::new(args.batch_size, args.accum_steps, args.lr);
     config.schedule = schedule;
     config.precision = setup.precision;
+    config.offload_optimizer = args.offload == "optimizer";
     config.clip_grad_norm = (args.clip_grad_norm > 0.0).then_some(args.clip_grad_norm);
     let build = || {
         let model = Gpt::new(device, setup.cfg.clone())?;
         // No weight decay on biases, LayerNorms and embeddings' rank-1 parameters.
         let groups = decay_groups(model.named_parameters(), 0.1);
-        let optimizer = AdamW::with_groups(groups, args.lr)?.betas(0.9, 0.95)?;
+        let mut optimizer = AdamW::with_groups(groups, args.lr)?.betas(0.9, 0.95)?;
+        if args.optimizer == "adamw8bit" {
+            optimizer = optimizer.eight_bit();
+        }
         Trainer::new(model, Box::new(optimizer), config.clone())
     };
     let (mut trainer, choice) = if setup.fit_auto {
@@ -490,12 +508,57 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             args.batch_size,
             args.batch_size.div_ceil(micro) * args.accum_steps
         );
+    } else if trainer.micro_batch() < args.batch_size {
+        say!(
+            "micro-batch {} of {}: a larger one would pass the adapter's per-buffer limit \
+             (gradients accumulate, the result is unchanged)",
+            trainer.micro_batch(),
+            args.batch_size
+        );
     }
     let planning = Instant::now();
-    let plan = trainer.plan(&setup.train)?;
+    // The whole run, planned in order: steps, the evaluations, the sample with its KV cache.
+    // Evaluation runs at the training micro-batch under a budget (it splits a batch that
+    // does not fit), else in few large forwards; rank 0 alone evaluates and samples.
+    let budgeted = setup.budget.is_some();
+    let eval_batch = move |t: &Trainer<Gpt>| {
+        if budgeted {
+            t.micro_batch()
+        } else {
+            EVAL_BATCH
+        }
+    };
+    let prompt = &corpus.valid[..1];
+    let mut phases: Vec<Phase<'_, Gpt>> = Vec::new();
+    if root && args.eval_every > 0 && args.eval_every < args.steps {
+        phases.push((
+            "evaluation during training",
+            Box::new(|t| t.evaluate(&setup.valid_head, t.micro_batch()).map(drop)),
+        ));
+    }
+    if root {
+        phases.push((
+            "evaluation",
+            Box::new(|t| t.evaluate(&setup.valid, eval_batch(t)).map(drop)),
+        ));
+    }
+    if root && args.sample_len > 0 {
+        phases.push((
+            "generation",
+            Box::new(|t| {
+                let g = t
+                    .model
+                    .generate(prompt, args.sample_len, args.temperature, args.seed);
+                g.map(drop)
+            }),
+        ));
+    }
+    let run_plan = trainer.plan_whole_run(&setup.train, &mut phases)?;
+    drop(phases);
+    let plan = run_plan.step.clone();
     if args.plan {
         if root {
-            cli::print_plan(&plan, args.json, planning.elapsed());
+            cli::print_plan(&run_plan, args.json, planning.elapsed());
         }
         return Ok(Report {
             train_loss: f32::NAN,
@@ -503,6 +566,8 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             bigram,
             steps: trainer.steps(),
             sample: String::new(),
+            peak_bytes: 0,
+            planned_run_peak: run_plan.peak_reserved,
         });
     }
     if args.prealloc {
@@ -569,7 +634,8 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         (
             "optimizer",
             format!(
-                "AdamW lr {}{}",
+                "{} lr {}{}",
+                args.optimizer,
                 args.lr,
                 if args.cosine { ", cosine" } else { "" }
             ),
@@ -597,13 +663,6 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         report.setting(key, value);
     }
 
-    // The final evaluation over the whole validation part: few large forwards without a
-    // budget; under one, the training micro-batch (no graph is kept, so it always fits).
-    let eval_batch = if setup.budget.is_some() {
-        trainer.micro_batch()
-    } else {
-        EVAL_BATCH
-    };
     let bar = if root {
         ProgressBar::new(args.steps)
     } else {
@@ -683,6 +742,8 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             bigram,
             steps: trainer.steps(),
             sample: String::new(),
+            peak_bytes: device.memory_stats().peak_bytes_reserved,
+            planned_run_peak: run_plan.peak_reserved,
         });
     }
     let secs = started.elapsed().as_secs_f64() - eval_secs;
@@ -693,7 +754,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
     // Saved only once the validation loss is finite: a blown-up run never replaces a good
     // checkpoint.
     let valid = trainer
-        .evaluate(&setup.valid, eval_batch)?
+        .evaluate(&setup.valid, eval_batch(&trainer))?
         .finite(trainer.steps(), "validation")?;
     if let Some(path) = &args.save {
         trainer.save_checkpoint(path, 0)?;
@@ -739,6 +800,13 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         String::new()
     };
 
+    // The whole run's peak, evaluation and sampling included, beside its plan.
+    let run = device.memory_stats();
+    println!(
+        "whole run: peak reserved planned {} / measured {}",
+        Bytes(run_plan.peak_reserved),
+        Bytes(run.peak_bytes_reserved)
+    );
     report.set_step_memory(capture.finish());
     report.set_memory(summary.stats.clone());
     report
@@ -773,6 +841,11 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             "context": cfg.context,
             "params": trainer.model.num_parameters(),
             "lr": args.lr,
+            "optimizer": args.optimizer,
+            "optimizer_state_bytes": summary.optimizer_state_bytes,
+            "offload": args.offload,
+            "host_bytes": summary.host_bytes,
+            "optimizer_state_bytes_f32": f32_adamw_state_bytes(&trainer.model.parameters()),
             "steps": trainer.steps(),
             "skipped_steps": skipped,
             "batch_size": args.batch_size,
@@ -783,14 +856,17 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             "memory_budget": setup.budget,
             "fit": fit_json,
             "planned_peak_bytes": plan.peak,
+            "planned_host_bytes": plan.host_bytes,
             "planned_peak_reserved": plan.peak_reserved,
             "seed": args.seed,
             "train_loss": train_loss,
             "val_loss": valid_loss,
             "bigram_val_loss": bigram,
-            "peak_bytes": s.peak_bytes_reserved,
-            "peak_bytes_in_use": s.peak_bytes_in_use,
-            "buffers_created": s.buffers_created,
+            "planned_run_peak_reserved": run_plan.peak_reserved,
+            "peak_bytes": run.peak_bytes_reserved,
+            "peak_bytes_in_use": run.peak_bytes_in_use,
+            "step_peak_bytes": s.peak_bytes_reserved,
+            "buffers_created": run.buffers_created,
             "train_seconds": secs,
             "tokens_per_s": tokens_per_s,
         });
@@ -803,6 +879,8 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         bigram,
         steps: trainer.steps(),
         sample,
+        peak_bytes: run.peak_bytes_reserved,
+        planned_run_peak: run_plan.peak_reserved,
     })
 }
 

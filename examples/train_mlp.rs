@@ -12,11 +12,12 @@ use fitgrad::cli::{self, MAX_BATCH, MAX_EPOCHS};
 use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner, QuantizedMlp};
 use fitgrad::distributed::Job;
 use fitgrad::nn::{Activation, Mlp, Module};
+use fitgrad::optim::quant8::f32_adamw_state_bytes;
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
 use fitgrad::report::{StepCapture, TrainingReport};
 use fitgrad::train::data;
 use fitgrad::train::shard::TempShardFile;
-use fitgrad::train::{Precision, Trainer, TrainerConfig};
+use fitgrad::train::{Phase, Precision, ShardedView, Trainer, TrainerConfig};
 use fitgrad::{Bytes, DType, Device, DeviceOptions};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::process::ExitCode;
@@ -24,7 +25,7 @@ use std::time::Instant;
 
 #[derive(Parser, Debug)]
 #[command(about = "Train an MLP classifier with fitgrad")]
-struct Args {
+pub struct Args {
     /// digits (embedded), fashion-mnist, mnist, or a path (a CSV file with a label column, or a
     /// folder of IDX files).
     #[arg(long, default_value = "digits")]
@@ -47,9 +48,14 @@ struct Args {
     /// Learning rate (default: 1e-3 for adamw, 0.05 for sgd).
     #[arg(long)]
     lr: Option<f32>,
-    /// adamw or sgd (sgd uses momentum 0.9).
+    /// adamw, adamw8bit (both moments in 8 bits) or sgd (sgd uses momentum 0.9).
     #[arg(long, default_value = "adamw")]
     optimizer: String,
+    /// none, or optimizer: f32 master weights and AdamW's state in host memory (the device
+    /// keeps parameters and gradients; each step reads the gradients back and uploads the
+    /// parameters).
+    #[arg(long, default_value = "none", value_parser = ["none", "optimizer"])]
+    offload: String,
     /// relu, gelu, tanh or sigmoid.
     #[arg(long, default_value = "relu")]
     activation: String,
@@ -125,7 +131,7 @@ struct Args {
     quantize: bool,
 }
 
-fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
+pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     // Rank 0 reports; the other ranks train quietly.
     let root = dist.rank() == 0;
     macro_rules! say {
@@ -216,9 +222,9 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     .collect();
     cli::check_paths(&inputs, &outputs, &[("--save", "--resume")])?;
     let reporting = args.report.is_some() || args.report_json.is_some();
-    if !matches!(args.optimizer.as_str(), "adamw" | "sgd") {
+    if !matches!(args.optimizer.as_str(), "adamw" | "adamw8bit" | "sgd") {
         return Err(invalid(format!(
-            "unknown optimizer '{}' (adamw or sgd)",
+            "unknown optimizer '{}' (adamw, adamw8bit or sgd)",
             args.optimizer
         )));
     }
@@ -315,6 +321,7 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         .schedule(schedule)
         .precision(precision);
     config.clip_grad_norm = args.clip_grad_norm;
+    config.offload_optimizer = args.offload == "optimizer";
     // The model is built inside the budget logic: a budget too small for the model itself gets
     // the smallest budget that works, like one too small for a step.
     let build = || {
@@ -323,23 +330,28 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         let params = model.parameters();
         let optimizer: Box<dyn Optimizer> = if args.optimizer == "sgd" {
             Box::new(Sgd::new(params, lr)?.momentum(0.9)?)
+        } else if args.optimizer == "adamw8bit" {
+            Box::new(AdamW::new(params, lr)?.eight_bit())
         } else {
             Box::new(AdamW::new(params, lr)?)
         };
         Trainer::new(model, optimizer, config.clone())
     };
+    // The planner sees the training set as the run trains it: with --shard-size, with the
+    // shards the epoch keeps on the device.
+    let view = ShardedView::new(&train, args.shard_size, eff)?;
     let (mut trainer, choice) = if fit_auto {
-        let (trainer, choice) = Trainer::build_fit_auto(&device, &train, build)?;
+        let (trainer, choice) = Trainer::build_fit_auto(&device, &view, build)?;
         if root {
             print!("{choice}");
         }
         (trainer, Some(choice))
     } else {
-        (Trainer::build_within_budget(&device, &train, build)?, None)
+        (Trainer::build_within_budget(&device, &view, build)?, None)
     };
     trainer.set_data_identity(identity);
     // Fitted to the whole batch as on one process; a rank refits to its share.
-    let all_reduce = dist.join(&mut trainer, &train)?;
+    let all_reduce = dist.join(&mut trainer, &view)?;
     // The pruner's masks (as many bytes as the weights) are made now, so the plan counts them;
     // under a budget the micro-batch is chosen again with them in use.
     let mut pruner = prune
@@ -349,7 +361,7 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         })
         .transpose()?;
     if let (Some(b), Some(_)) = (budget, &pruner) {
-        trainer.fit_to_budget(&train, b)?;
+        trainer.fit_to_budget(&view, b)?;
     }
     let mut report =
         TrainingReport::new(format!("train_mlp on {}", train.name), &device, "samples/s");
@@ -364,15 +376,34 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         );
     }
     let planning = Instant::now();
-    let plan = trainer.plan(&train)?;
+    // The whole run: steps, then the test set at the training micro-batch under a budget
+    // (a batch that does not fit is split) or in large batches; rank 0 alone evaluates.
+    let budgeted = budget.is_some();
+    let eval_batch = move |t: &Trainer<Mlp>| if budgeted { t.micro_batch() } else { 1024 };
+    let mut phases: Vec<Phase<'_, Mlp>> = Vec::new();
+    if root && reporting {
+        phases.push((
+            "evaluation after each epoch",
+            Box::new(|t| t.evaluate(&test, t.micro_batch()).map(drop)),
+        ));
+    }
+    if root {
+        phases.push((
+            "evaluation",
+            Box::new(|t| t.evaluate(&test, eval_batch(t)).map(drop)),
+        ));
+    }
+    let run_plan = trainer.plan_whole_run(&view, &mut phases)?;
+    drop(phases);
+    let plan = run_plan.step.clone();
     if args.plan {
         if root {
-            cli::print_plan(&plan, args.json, planning.elapsed());
+            cli::print_plan(&run_plan, args.json, planning.elapsed());
         }
         return Ok(());
     }
     if args.prealloc {
-        let reserved = trainer.prealloc(&train)?;
+        let reserved = trainer.prealloc(&view)?;
         say!("reserved {} up front", Bytes(reserved));
     }
     report.set_plan(plan.clone());
@@ -572,12 +603,7 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     let samples_per_s = (train.len() as u64 * epochs_run) as f64 / train_secs.max(1e-9);
     // Training's memory, before evaluation's larger batches count.
     let summary = trainer.memory_summary();
-    // Evaluation keeps no graph, so the training micro-batch always fits the budget.
-    let eval_batch = if budget.is_some() {
-        trainer.micro_batch()
-    } else {
-        1024
-    };
+    let eval_batch = eval_batch(&trainer);
     let eval = trainer
         .evaluate(&test, eval_batch)?
         .finite(trainer.steps(), "test")?;
@@ -627,6 +653,13 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         Bytes(plan.peak),
         Bytes(summary.stats.peak_bytes_in_use)
     );
+    // The whole run's peak, evaluation included, beside its plan.
+    let run = device.memory_stats();
+    println!(
+        "whole run: peak reserved planned {} / measured {}",
+        Bytes(run_plan.peak_reserved),
+        Bytes(run.peak_bytes_reserved)
+    );
     println!("{}", device.memory_report());
     report.set_step_memory(capture.finish());
     report.set_memory(summary.stats.clone());
@@ -662,6 +695,7 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
             "checkpoint_activations": trainer.model.checkpoint_activations,
             "memory_budget": budget,
             "planned_peak_bytes": plan.peak,
+            "planned_host_bytes": plan.host_bytes,
             "planned_peak_reserved": plan.peak_reserved,
             "skipped_steps": trainer.scaler().map_or(0, |s| s.skipped_steps()),
             "seed": args.seed,
@@ -672,11 +706,16 @@ fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
             "weight_bytes": int8.map(|q| q.0),
             "int8_weight_bytes": int8.map(|q| q.1),
             "int8_test_accuracy": int8.and_then(|q| q.2),
-            "peak_bytes": s.peak_bytes_reserved,
-            "peak_bytes_in_use": s.peak_bytes_in_use,
-            "buffers_created": s.buffers_created,
+            "planned_run_peak_reserved": run_plan.peak_reserved,
+            "peak_bytes": run.peak_bytes_reserved,
+            "peak_bytes_in_use": run.peak_bytes_in_use,
+            "step_peak_bytes": s.peak_bytes_reserved,
+            "buffers_created": run.buffers_created,
             "parameter_bytes": summary.parameter_bytes,
             "optimizer_state_bytes": summary.optimizer_state_bytes,
+            "offload": args.offload,
+            "host_bytes": summary.host_bytes,
+            "optimizer_state_bytes_f32": f32_adamw_state_bytes(&trainer.model.parameters()),
             "steps": trainer.steps(),
             "train_seconds": train_secs,
             "samples_per_s": samples_per_s,

@@ -44,11 +44,8 @@ const VEC: u32 = 0u;
 // The new (p, m, sq) of one element from its gradient, parameter and state.
 fn update(grad: f32, param: f32, mom: f32, sq2: f32) -> vec3<f32> {
     if (KIND == 1u) {
-        // AdamW: decoupled weight decay, then Adam with bias correction.
-        let m1 = prm.beta1 * mom + prm.one_minus_beta1 * grad;
-        let m2 = prm.beta2 * sq2 + prm.one_minus_beta2 * grad * grad;
-        let denom = sqrt(m2) / prm.bc2_sqrt + prm.eps;
-        return vec3<f32>(param * prm.decay - prm.step_size * (m1 / denom), m1, m2);
+        // AdamW: decoupled weight decay, then Adam with bias correction (include/adamw.wgsl).
+        return adamw_update(grad, param, mom, sq2);
     }
     // SGD: L2 weight decay (torch adds it only when non-zero: 0 * inf would be NaN).
     var d = select(grad, grad + prm.weight_decay * param, prm.weight_decay != 0.0);

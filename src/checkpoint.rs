@@ -4,7 +4,9 @@
 //!
 //! A file holds tensors `model.<parameter name>` (`model.layers.0.weight`) and
 //! `optim.<state name>` (`optim.0.exp_avg`), f32 or f16 with their shapes, little-endian and
-//! row-major, and string metadata (the format allows no other kind):
+//! row-major; 8-bit optimizer state's codes are 1-D U8 tensors (`optim.3.state1`, one byte per
+//! element, beside their f32 `optim.3.absmax1`). Metadata are strings (the format allows no
+//! other kind):
 //!
 //! | key | value |
 //! |---|---|
@@ -263,6 +265,8 @@ impl Expect {
 pub struct Checkpoint {
     /// The tensors by their names in the file (`model.layers.0.weight`, `optim.0.exp_avg`).
     pub tensors: BTreeMap<String, HostTensor>,
+    /// 1-D U8 tensors by name: the codes of 8-bit optimizer state (`optim.3.state1`).
+    pub codes: BTreeMap<String, Vec<u8>>,
     /// The string metadata (the table of the module docs).
     pub metadata: BTreeMap<String, String>,
     /// The file it was read from, for error messages (empty for one captured in memory).
@@ -325,6 +329,27 @@ impl Checkpoint {
             for (name, t) in &s.tensors {
                 put(format!("{OPTIM_PREFIX}{name}"), t)?;
             }
+            for h in &s.host {
+                let bytes = bytemuck::cast_slice(&h.values).to_vec();
+                let name = format!("{OPTIM_PREFIX}{}", h.name);
+                let t = HostTensor::new(DType::F32, &h.dims, bytes)?;
+                if c.tensors.insert(name.clone(), t).is_some() {
+                    return Err(Error::InvalidArgument {
+                        op: "checkpoint::save",
+                        reason: format!("two tensors are named '{name}'"),
+                    });
+                }
+            }
+            for code in &s.codes {
+                let name = format!("{OPTIM_PREFIX}{}", code.name);
+                let bytes = crate::optim::quant8::words_to_bytes(&code.words, code.len)?;
+                if c.tensors.contains_key(&name) || c.codes.insert(name.clone(), bytes).is_some() {
+                    return Err(Error::InvalidArgument {
+                        op: "checkpoint::save",
+                        reason: format!("two tensors are named '{name}'"),
+                    });
+                }
+            }
             m.insert("optim.name".into(), opt.name().into());
             for (k, v) in opt.hyperparameters() {
                 m.insert(format!("{OPTIM_HP_PREFIX}{k}"), v);
@@ -359,6 +384,7 @@ impl Checkpoint {
     /// no metadata the bytes are exactly `safetensors::serialize`'s.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         use safetensors::View;
+        let lens: Vec<[usize; 1]> = self.codes.values().map(|b| [b.len()]).collect();
         let tensors: Vec<RawTensor> = self
             .tensors
             .iter()
@@ -368,6 +394,17 @@ impl Checkpoint {
                 dims: &t.dims,
                 bytes: &t.bytes,
             })
+            .chain(
+                self.codes
+                    .iter()
+                    .zip(&lens)
+                    .map(|((name, b), len)| RawTensor {
+                        name,
+                        dtype: safetensors::Dtype::U8,
+                        dims: len,
+                        bytes: b,
+                    }),
+            )
             .collect();
         safetensors_bytes(&tensors, &self.metadata, &self.source)
     }
@@ -400,9 +437,16 @@ impl Checkpoint {
             let dtype = match view.dtype() {
                 safetensors::Dtype::F32 => DType::F32,
                 safetensors::Dtype::F16 => DType::F16,
+                // 8-bit optimizer state's codes.
+                safetensors::Dtype::U8
+                    if name.starts_with(OPTIM_PREFIX) && view.shape().len() == 1 =>
+                {
+                    c.codes.insert(name.to_string(), view.data().to_vec());
+                    continue;
+                }
                 other => {
                     return Err(bad(format!(
-                        "tensor '{name}' has dtype {other}; fitgrad reads F32 and F16"
+                        "tensor '{name}' has dtype {other}; fitgrad reads F32 and F16 (and 1-D U8 optimizer codes)"
                     )))
                 }
             };
@@ -636,6 +680,17 @@ impl Checkpoint {
     /// The optimizer's state with its tensors uploaded to `device`, for
     /// [`Optimizer::load_state`].
     pub fn optimizer_state(&self, device: &Device) -> Result<OptimizerState> {
+        self.optimizer_state_in(Some(device))
+    }
+
+    /// The optimizer's state with its f32 tensors in host memory ([`OptimizerState::host`]),
+    /// for an optimizer that keeps its state there ([`Optimizer::state_on_host`]).
+    pub fn optimizer_state_on_host(&self) -> Result<OptimizerState> {
+        self.optimizer_state_in(None)
+    }
+
+    /// Tensors uploaded to `device`, or kept on the host with `None`.
+    fn optimizer_state_in(&self, device: Option<&Device>) -> Result<OptimizerState> {
         let count = |key: &str, v: &str| {
             v.parse::<u64>()
                 .map_err(|_| self.err(format!("metadata {key} = '{v}' is not a count")))
@@ -657,6 +712,7 @@ impl Checkpoint {
             .map(|s| count("optim.param_steps", s))
             .collect::<Result<Vec<u64>>>()?;
         let mut tensors = Vec::new();
+        let mut host = Vec::new();
         for (name, h) in &self.tensors {
             let Some(short) = name.strip_prefix(OPTIM_PREFIX) else {
                 continue;
@@ -667,12 +723,37 @@ impl Checkpoint {
                     h.dims.len()
                 )));
             }
-            tensors.push((short.to_string(), h.to_device(device)?));
+            match device {
+                Some(device) => tensors.push((short.to_string(), h.to_device(device)?)),
+                None => host.push(crate::optim::HostTensorState {
+                    name: short.to_string(),
+                    dims: h.dims.clone(),
+                    values: h.to_f32(),
+                }),
+            }
+        }
+        let mut codes = Vec::new();
+        for (name, bytes) in &self.codes {
+            let Some(short) = name.strip_prefix(OPTIM_PREFIX) else {
+                continue;
+            };
+            let Some(device) = device else {
+                return Err(self.err(format!(
+                    "'{name}' holds 8-bit state; an optimizer with its state in host memory keeps f32 state"
+                )));
+            };
+            codes.push(crate::optim::CodeTensor {
+                name: short.to_string(),
+                words: crate::optim::quant8::bytes_to_words(device, bytes)?,
+                len: bytes.len(),
+            });
         }
         Ok(OptimizerState {
             step_count,
             param_steps,
             tensors,
+            codes,
+            host,
         })
     }
 
@@ -722,7 +803,11 @@ impl Checkpoint {
                 )));
             }
         }
-        let state = self.optimizer_state(&device)?;
+        let state = if optimizer.state_on_host() {
+            self.optimizer_state_on_host()?
+        } else {
+            self.optimizer_state(&device)?
+        };
         optimizer.load_state(state).map_err(|e| match e {
             Error::InvalidArgument { reason, .. } => {
                 self.err(format!("the optimizer state does not fit: {reason}"))
@@ -925,7 +1010,7 @@ pub(crate) fn safetensors_bytes(
 }
 
 /// `'a', 'b', 'c'`, at most eight names.
-fn list(names: &[String]) -> String {
+pub(crate) fn list(names: &[String]) -> String {
     let mut s: Vec<String> = names.iter().take(8).map(|n| format!("'{n}'")).collect();
     if names.len() > 8 {
         s.push(format!("and {} more", names.len() - 8));

@@ -178,17 +178,23 @@ pub fn name_flags(op: &'static str, error: Error, change: &str) -> Error {
     }
 }
 
-/// The plan of a step as one JSON line (`--plan --json`), else as the plan's table and the
-/// time planning took.
-pub fn print_plan(plan: &crate::train::Plan, json: bool, planned_in: std::time::Duration) {
+/// The plan of a step and of the whole run as one JSON line (`--plan --json`), else as their
+/// tables and the time planning took.
+pub fn print_plan(run: &crate::train::RunPlan, json: bool, planned_in: std::time::Duration) {
     if json {
-        let mut j = serde_json::to_value(plan).unwrap_or_default();
+        // The step's fields at the top, the whole run's phases and peaks under "run".
+        let mut j = serde_json::to_value(&run.step).unwrap_or_default();
+        j["run"] = serde_json::json!({
+            "phases": run.phases,
+            "peak": run.peak,
+            "peak_reserved": run.peak_reserved,
+        });
         j["planning_ms"] = (planned_in.as_secs_f64() * 1e3).into();
         println!("{j}");
     } else {
-        print!("{plan}");
+        print!("{}{run}", run.step);
         println!(
-            "  (planned by running the step on the device's planning mode in {:.0} ms)",
+            "  (planned by running the step and the run on the device's planning mode in {:.0} ms)",
             planned_in.as_secs_f64() * 1e3
         );
     }

@@ -23,6 +23,35 @@ impl fmt::Display for Bytes {
     }
 }
 
+/// A size shown rounded *up* to two decimals, with the exact bytes beside it ("2.07 MiB
+/// (2162688 bytes)"): a smallest-budget figure that works when passed back as it is printed,
+/// rounded or exact.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AtLeast(pub u64);
+
+impl fmt::Display for AtLeast {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+        let mut unit = 0;
+        while unit + 1 < UNITS.len() && self.0 >= 1u64 << (10 * (unit + 1)) {
+            unit += 1;
+        }
+        if unit == 0 {
+            return write!(f, "{} B", self.0);
+        }
+        // Hundredths of the unit, rounded up in integers (a float could round 2.0625 down).
+        let hundredths = (u128::from(self.0) * 100).div_ceil(1u128 << (10 * unit));
+        write!(
+            f,
+            "{}.{:02} {} ({} bytes)",
+            hundredths / 100,
+            hundredths % 100,
+            UNITS[unit],
+            self.0
+        )
+    }
+}
+
 impl std::str::FromStr for Bytes {
     type Err = Error;
     /// "48MiB", "1.5 GiB", "512KB", "1000000" (plain bytes). KB/MB/GB are read as powers of 1024,
@@ -106,11 +135,27 @@ pub enum Error {
         budget: Option<u64>,
     },
 
+    /// Host memory is short of what an offload keeps there (checked before training starts,
+    /// against MemAvailable of /proc/meminfo).
+    #[error(
+        "{what} needs {} of host memory, and only {} is available (MemAvailable in /proc/meminfo). \
+         Free host memory, or keep the optimizer state on the device (8-bit AdamW takes a quarter of it)",
+        Bytes(*.needed), Bytes(*.available)
+    )]
+    HostMemory {
+        /// What needs it (optimizer offload).
+        what: String,
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes available.
+        available: u64,
+    },
+
     /// A memory budget too small for even the smallest configuration (a micro-batch of one).
     #[error(
         "the memory budget of {} is too small: {what} needs at least {}. \
          Raise the budget, or lower what a step keeps (mixed precision, activation checkpointing, a smaller model)",
-        Bytes(*.budget), Bytes(*.minimum)
+        Bytes(*.budget), AtLeast(*.minimum)
     )]
     BudgetTooSmall {
         /// The budget that was given.

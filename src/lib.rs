@@ -23,6 +23,7 @@ mod dtype;
 pub mod error;
 mod fsutil;
 mod hash;
+pub mod hf;
 mod kernels;
 pub mod memory;
 pub mod nn;
@@ -34,7 +35,7 @@ pub mod train;
 
 pub use activation::Activation;
 pub use device::{AdapterSummary, Device, DeviceInfo, DeviceLimits, DeviceOptions};
-pub use error::{Bytes, Error, Result};
+pub use error::{AtLeast, Bytes, Error, Result};
 pub use fsutil::write_atomic;
 pub use memory::MemoryStats;
 pub use tensor::autograd;

@@ -10,7 +10,7 @@ use fitgrad::optim::{AdamW, Sgd};
 use fitgrad::train::data::Dataset;
 use fitgrad::train::epoch_permutation;
 use fitgrad::train::shard::ShardedDataset;
-use fitgrad::train::{Trainer, TrainerConfig};
+use fitgrad::train::{ShardedView, Trainer, TrainerConfig};
 use fitgrad::{DType, Device, DeviceOptions, Error, Tensor};
 use std::path::PathBuf;
 
@@ -185,6 +185,81 @@ fn dataset_larger_than_the_budget_trains_in_shards() {
             .unwrap(),
         [1.0; 3]
     );
+    let _ = std::fs::remove_file(&path);
+}
+
+/// The planner's view of a sharded epoch counts what the epoch keeps on the device: two
+/// shards of 70 x 64 f32 and the rows of a batch that spans two of them,
+/// to the byte over the in-memory plan. Preallocated from that view, a sharded epoch creates
+/// no buffer and stays under the plan; fitted to a budget through the view, it never runs out
+/// of memory mid-training (the in-memory plan would fit a budget the shards then pass).
+#[test]
+fn plans_count_the_shards_so_prealloc_and_budgets_hold() {
+    let Some(dev) = common::fresh_device(DeviceOptions::default()) else {
+        return;
+    };
+    let data = synthetic(160, 64);
+    let path = temp("planned.fgshard");
+    ShardedDataset::create(&data, &path).unwrap();
+    let s = ShardedDataset::open(&path, 70).unwrap();
+    let trainer = |dev: &Device| {
+        let model = Mlp::new(dev, &[64, 32, 10], Activation::Relu, 0)?;
+        let opt = AdamW::new(model.parameters(), 1e-3)?;
+        Trainer::new(
+            model,
+            Box::new(opt),
+            TrainerConfig::default().batch_size(32),
+        )
+    };
+    let view = ShardedView::new(&data, Some(70), 32).unwrap();
+    let mut t = trainer(&dev).unwrap();
+    let in_memory = t.plan(&data).unwrap();
+    let sharded = t.plan(&view).unwrap();
+    // 70 % 32 != 0: batches span shards, joined as (32, 64).
+    assert_eq!(sharded.peak, in_memory.peak + 2 * 70 * 64 * 4 + 32 * 64 * 4);
+    t.prealloc(&view).unwrap();
+    let before = dev.memory_stats();
+    dev.reset_peak();
+    t.train_epoch_sharded(&s, 1, 0, |_, _, _| Ok(())).unwrap();
+    let after = dev.memory_stats();
+    assert_eq!(
+        after.buffers_created, before.buffers_created,
+        "a buffer was created during training after prealloc"
+    );
+    assert!(
+        after.peak_bytes_in_use <= sharded.peak,
+        "{after:?} vs {sharded:?}"
+    );
+
+    // The smallest budgets, in memory and through the view (from a budget of 1 KiB).
+    let smallest = |through_view: bool| {
+        let dev = common::fresh_device(DeviceOptions::default().memory_budget(1 << 10)).unwrap();
+        let built = if through_view {
+            Trainer::build_within_budget(&dev, &view, || trainer(&dev))
+        } else {
+            Trainer::build_within_budget(&dev, &data, || trainer(&dev))
+        };
+        match built {
+            Err(Error::BudgetTooSmall { minimum, .. }) => minimum,
+            other => panic!("1 KiB: {:?}", other.err()),
+        }
+    };
+    let (in_memory_min, sharded_min) = (smallest(false), smallest(true));
+    assert!(
+        sharded_min >= in_memory_min + 2 * 70 * 64 * 4,
+        "{sharded_min} vs {in_memory_min}"
+    );
+    // What the in-memory plan accepts, the shards pass: the epoch fails at its first shard.
+    let dev = common::fresh_device(DeviceOptions::default().memory_budget(in_memory_min)).unwrap();
+    let mut t = Trainer::build_within_budget(&dev, &data, || trainer(&dev)).unwrap();
+    assert!(t.train_epoch_sharded(&s, 1, 0, |_, _, _| Ok(())).is_err());
+    // Fitted through the view, the epoch runs under its budget with no out-of-memory retry.
+    let dev = common::fresh_device(DeviceOptions::default().memory_budget(sharded_min)).unwrap();
+    let mut t = Trainer::build_within_budget(&dev, &view, || trainer(&dev)).unwrap();
+    t.train_epoch_sharded(&s, 1, 0, |_, _, _| Ok(())).unwrap();
+    let events = t.take_events();
+    assert!(events.is_empty(), "out of memory mid-training: {events:?}");
+    assert!(dev.memory_stats().peak_bytes_reserved <= sharded_min);
     let _ = std::fs::remove_file(&path);
 }
 

@@ -5,6 +5,9 @@
 
 mod common;
 
+#[path = "common/budget_figure.rs"]
+mod budget_figure;
+
 #[allow(dead_code)] // the example's `main`
 #[path = "../examples/train_gpt.rs"]
 mod train_gpt;
@@ -12,7 +15,7 @@ mod train_gpt;
 use clap::Parser;
 use common::*;
 use fitgrad::distributed::Job;
-use fitgrad::{Device, DeviceOptions, Error};
+use fitgrad::{Bytes, Device, DeviceOptions, Error};
 use std::io::Write;
 use train_gpt::{prepare, train, Args};
 
@@ -314,4 +317,72 @@ fn tiny_run_fits_a_budget(dev: &Device) {
     assert!(budgeted.memory_stats().peak_bytes_reserved <= plain);
 }
 
+/// The tiny run of 2 steps with `flags`, under `budget` (None: no budget) on a fresh device
+/// like `dev`: the report and the device.
+fn tiny_budgeted_run(
+    dev: &Device,
+    text: &std::path::Path,
+    flags: &[&str],
+    budget: Option<&str>,
+) -> (Result<train_gpt::Report, Error>, Device) {
+    let mut extra = [&["--steps", "2"], flags].concat();
+    if let Some(b) = budget {
+        extra.extend(["--memory-budget", b]);
+    }
+    let a = args(text, &extra);
+    let fresh = device_like(dev);
+    let report = prepare(&a).and_then(|setup| {
+        if let Some(b) = budget {
+            fresh.set_memory_budget(Some(b.parse::<Bytes>()?.0))?;
+        }
+        train(&a, setup, &fresh, &Job::Single)
+    });
+    (report, fresh)
+}
+
+/// A budget too small is refused with the figure; the figure as printed runs (training,
+/// evaluations, the sample), one byte less is refused.
+fn tiny_run_minimum_budget_works_as_printed(dev: &Device) {
+    let f = text_file(TEXT.repeat(20).as_bytes());
+    let flags = ["--eval-every", "0", "--sample-len", "4"];
+    let run = |b: &str| {
+        tiny_budgeted_run(dev, f.path(), &flags, Some(b))
+            .0
+            .map(drop)
+    };
+    budget_figure::figure_passed_back_works(run, "1KiB");
+}
+
+/// `peak_bytes` (the JSON's) is the device's peak reserved over the whole run, evaluation
+/// and the sample's KV cache included, and the whole run's plan equals it; under a budget
+/// of half that peak the run still completes within the budget.
+fn whole_run_peak_is_planned_and_bounded_by_a_budget(dev: &Device) {
+    let f = text_file(TEXT.repeat(20).as_bytes());
+    let flags = ["--eval-every", "1", "--sample-len", "40"];
+    let (report, fresh) = tiny_budgeted_run(dev, f.path(), &flags, None);
+    let report = report.unwrap();
+    let measured = fresh.memory_stats().peak_bytes_reserved;
+    assert_eq!(report.peak_bytes, measured);
+    assert_eq!(report.planned_run_peak, measured, "planned = measured");
+    let half = (measured / 2).to_string();
+    let (report, fresh) = tiny_budgeted_run(dev, f.path(), &flags, Some(&half));
+    let report = report.unwrap_or_else(|e| panic!("--memory-budget {half}: {e}"));
+    let stats = fresh.memory_stats();
+    assert_eq!(report.peak_bytes, stats.peak_bytes_reserved);
+    assert!(report.peak_bytes <= measured / 2, "{stats:?}");
+    assert!(report.valid_loss.is_finite() && report.sample.chars().count() > 40);
+}
+
 device_tests!(tiny_run_saves_resumes_and_samples, tiny_run_fits_a_budget);
+
+// Budgets and plans are the arena's and the planner's, the same on every adapter (the
+// kernels are tested per backend above): one backend keeps these runs short.
+#[test]
+fn minimum_budget_works_as_printed() {
+    run_on("vulkan", tiny_run_minimum_budget_works_as_printed);
+}
+
+#[test]
+fn whole_run_peak_is_planned_and_bounded() {
+    run_on("vulkan", whole_run_peak_is_planned_and_bounded_by_a_budget);
+}

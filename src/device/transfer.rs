@@ -8,6 +8,12 @@ use crate::{Error, Result};
 impl Device {
     /// Writes host bytes into a block.
     pub(crate) fn upload(&self, block: &Block, data: &[u8]) -> Result<()> {
+        self.upload_at(block, 0, data)
+    }
+
+    /// Writes host bytes into a block from byte `at` on (a multiple of 4).
+    pub(crate) fn upload_at(&self, block: &Block, at: u64, data: &[u8]) -> Result<()> {
+        debug_assert!(at.is_multiple_of(4), "wgpu writes at 4-byte offsets");
         if self.planned_op("upload") {
             return Ok(());
         }
@@ -21,7 +27,7 @@ impl Device {
         if len > 0 {
             self.inner
                 .queue
-                .write_buffer(buffer, block.offset, &data[..len]);
+                .write_buffer(buffer, block.offset + at, &data[..len]);
         }
         if len < data.len() {
             // wgpu writes whole 4-byte words; pad the tail (an odd count of f16).
@@ -29,13 +35,20 @@ impl Device {
             tail[..data.len() - len].copy_from_slice(&data[len..]);
             self.inner
                 .queue
-                .write_buffer(buffer, block.offset + len as u64, &tail);
+                .write_buffer(buffer, block.offset + at + len as u64, &tail);
         }
         Ok(())
     }
 
     /// Reads `bytes` bytes from the start of a block, after all recorded work.
     pub(crate) fn download(&self, block: &Block, bytes: u64) -> Result<Vec<u8>> {
+        self.download_at(block, 0, bytes)
+    }
+
+    /// Reads `bytes` bytes of a block from byte `at` on (a multiple of 4), after all recorded
+    /// work.
+    pub(crate) fn download_at(&self, block: &Block, at: u64, bytes: u64) -> Result<Vec<u8>> {
+        debug_assert!(at.is_multiple_of(4), "wgpu copies at 4-byte offsets");
         if bytes == 0 {
             return Ok(Vec::new());
         }
@@ -61,7 +74,7 @@ impl Device {
             let mut pending = lock(&inner.pending);
             pending.encoder(&inner.device).copy_buffer_to_buffer(
                 buffer,
-                block.offset,
+                block.offset + at,
                 staging,
                 0,
                 size,

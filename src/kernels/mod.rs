@@ -9,6 +9,7 @@
 //! Elementwise kernels therefore compute two outputs per invocation: packed f16 stores whole
 //! 32-bit words, and two invocations never write halves of the same word.
 
+pub(crate) mod adamw8bit;
 pub(crate) mod attention;
 pub(crate) mod attention_sg;
 pub(crate) mod batch_norm;
@@ -365,8 +366,30 @@ pub const GRAD_NORM: ShaderFile = ShaderFile {
 
 pub const OPTIM: ShaderFile = ShaderFile {
     name: "optim",
-    body: include_str!("../../shaders/optim.wgsl"),
+    body: concat!(
+        include_str!("../../shaders/include/adamw.wgsl"),
+        include_str!("../../shaders/optim.wgsl")
+    ),
     bindings: &[("p", true), ("g", false), ("m", true), ("sq", true)],
+};
+
+pub const ADAMW8BIT: ShaderFile = ShaderFile {
+    name: "adamw8bit",
+    body: concat!(
+        include_str!("../../shaders/include/quant8_block.wgsl"),
+        include_str!("../../shaders/include/adamw.wgsl"),
+        include_str!("../../shaders/adamw8bit.wgsl")
+    ),
+    // qm and qv are raw u32 code words; am, av and qmap are f32.
+    bindings: &[
+        ("p", true),
+        ("g", false),
+        ("qm", true),
+        ("qv", true),
+        ("am", true),
+        ("av", true),
+        ("qmap", false),
+    ],
 };
 
 pub const MATMUL_REG: ShaderFile = ShaderFile {
@@ -684,6 +707,7 @@ pub const SHADERS: &[ShaderFile] = &[
     CROSS_ENTROPY,
     NONFINITE,
     OPTIM,
+    ADAMW8BIT,
     INDEX_SELECT,
     LAYER_NORM,
     LAYER_NORM_DX,
@@ -777,6 +801,21 @@ pub fn variants(file: &ShaderFile) -> Vec<Vec<Binding>> {
         for b in out.iter_mut().flatten().filter(|b| b.name == "w") {
             b.vec4 = true;
         }
+    }
+    if file.name == "adamw8bit" {
+        // With n % 4 == 0 the parameter and gradient are read and written as vec4.
+        let vectorized: Vec<Vec<Binding>> = out
+            .iter()
+            .map(|b| {
+                b.iter()
+                    .map(|&x| Binding {
+                        vec4: x.name == "p" || x.name == "g",
+                        ..x
+                    })
+                    .collect()
+            })
+            .collect();
+        out.extend(vectorized);
     }
     if file.name.starts_with("matmul_") {
         // With 16-byte aligned rows, A, B and C are read and written as vec4.
@@ -880,6 +919,18 @@ pub(crate) fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
             .map(|&s| vec![s, U32, F32, F32, s])
             .chain([vec![F16Packed, U32, F32, F32, F32]])
             .collect(),
+        // The parameter and its gradient in any storage (f16 gradients beside f32 master
+        // weights under mixed precision); codes are raw words, absmax and the map f32.
+        "adamw8bit" => [
+            [F32, F32],
+            [F16, F16],
+            [F16Packed, F16Packed],
+            [F32, F16],
+            [F32, F16Packed],
+        ]
+        .iter()
+        .map(|&[p, g]| vec![p, g, U32, U32, F32, F32, F32])
+        .collect(),
         // Column partial sums are f32.
         "layer_norm_dwdb" => [F32, F16, F16Packed]
             .iter()

@@ -30,6 +30,43 @@ pub(crate) struct AdamWHyper {
     pub step: u64,
 }
 
+/// What shaders/include/adamw.wgsl reads of one AdamW update, computed in f64 as torch does on
+/// the host; the 8-bit kernel and the host update take the same numbers.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct AdamWCoefficients {
+    /// 1 - lr * weight_decay.
+    pub decay: f32,
+    /// lr / (1 - beta1^t).
+    pub step_size: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub one_minus_beta1: f32,
+    pub one_minus_beta2: f32,
+    pub eps: f32,
+    /// sqrt(1 - beta2^t).
+    pub bc2_sqrt: f32,
+}
+
+impl AdamWHyper {
+    pub(crate) fn coefficients(&self) -> AdamWCoefficients {
+        assert!(self.step >= 1, "AdamW steps count from 1");
+        let (lr, b1, b2) = (self.lr as f64, self.beta1 as f64, self.beta2 as f64);
+        let t = self.step as f64;
+        let bc1 = 1.0 - b1.powf(t);
+        let bc2 = 1.0 - b2.powf(t);
+        AdamWCoefficients {
+            decay: (1.0 - lr * self.weight_decay as f64) as f32,
+            step_size: (lr / bc1) as f32,
+            beta1: self.beta1,
+            beta2: self.beta2,
+            one_minus_beta1: (1.0 - b1) as f32,
+            one_minus_beta2: (1.0 - b2) as f32,
+            eps: self.eps,
+            bc2_sqrt: bc2.sqrt() as f32,
+        }
+    }
+}
+
 /// `KIND` of shaders/optim.wgsl: each gets a pipeline of its own.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
@@ -101,22 +138,18 @@ pub(crate) fn sgd_step<T: Operand>(p: &T, g: &T, buf: Option<&T>, hp: &SgdHyper)
 }
 
 /// One AdamW update of `p` with first and second moments `m`, `v` (same element count as `p`).
-/// The bias corrections are computed here in f64, as torch does on the host.
+/// The bias corrections are computed in f64, as torch does on the host.
 pub(crate) fn adamw_step<T: Operand>(p: &T, g: &T, m: &T, v: &T, hp: &AdamWHyper) -> Result<()> {
-    assert!(hp.step >= 1, "AdamW steps count from 1");
-    let (lr, b1, b2) = (hp.lr as f64, hp.beta1 as f64, hp.beta2 as f64);
-    let t = hp.step as f64;
-    let bc1 = 1.0 - b1.powf(t);
-    let bc2 = 1.0 - b2.powf(t);
+    let c = hp.coefficients();
     let params = Params {
-        decay: (1.0 - lr * hp.weight_decay as f64) as f32,
-        step_size: (lr / bc1) as f32,
-        beta1: hp.beta1,
-        beta2: hp.beta2,
-        one_minus_beta1: (1.0 - b1) as f32,
-        one_minus_beta2: (1.0 - b2) as f32,
-        eps: hp.eps,
-        bc2_sqrt: bc2.sqrt() as f32,
+        decay: c.decay,
+        step_size: c.step_size,
+        beta1: c.beta1,
+        beta2: c.beta2,
+        one_minus_beta1: c.one_minus_beta1,
+        one_minus_beta2: c.one_minus_beta2,
+        eps: c.eps,
+        bc2_sqrt: c.bc2_sqrt,
         ..Default::default()
     };
     dispatch(Kind::AdamW, p, g, m, v, &params)

@@ -122,8 +122,33 @@ impl Gpt {
         temperature: f32,
         seed: u64,
     ) -> Result<Vec<u32>> {
+        self.generate_with(prompt, max_new, &Sampling::new(temperature, seed))
+    }
+
+    /// [`Gpt::generate`] with top-k and top-p (nucleus) filtering of each step's
+    /// probabilities, as transformers applies them: temperature, then the `top_k` most
+    /// probable tokens, then the smallest most-probable set whose mass reaches `top_p`
+    /// (`top_k` 1 is greedy decoding). Errors: those of `generate`, and
+    /// [`Error::InvalidArgument`] for a `top_k` of 0 or a `top_p` outside (0, 1].
+    pub fn generate_with(
+        &self,
+        prompt: &[u32],
+        max_new: usize,
+        sampling: &Sampling,
+    ) -> Result<Vec<u32>> {
         const OP: &str = "Gpt::generate";
         let bad = |reason: String| Error::InvalidArgument { op: OP, reason };
+        let Sampling {
+            temperature,
+            top_k,
+            top_p,
+            seed,
+        } = *sampling;
+        if top_k == Some(0) || top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
+            return Err(bad(format!(
+                "top_k must be at least 1 and top_p in (0, 1], got {top_k:?} and {top_p:?}"
+            )));
+        }
         if prompt.is_empty() {
             return Err(bad("the prompt needs at least one token".into()));
         }
@@ -146,6 +171,13 @@ impl Gpt {
         let mut cache = self.kv_cache();
         // The cache covers out[start..start + cache.len()].
         let mut start = 0;
+        // While planning (the whole run's plan), readbacks are zeros: any token will do, and
+        // once the window has slid twice every later step repeats the same allocations.
+        let planning = self
+            .parameters()
+            .first()
+            .is_some_and(|p| p.device().is_planning());
+        let mut slides = 0;
         for _ in 0..max_new {
             let n = out.len();
             let w = n.saturating_sub(context);
@@ -155,19 +187,86 @@ impl Gpt {
                 // First step, or the window slid: every position moved.
                 cache.clear();
                 start = w;
+                slides += usize::from(w > 0);
                 self.forward_cached(&out[w..], 1, n - w, &mut cache)?
             };
             // The last position's distribution, (V).
             let t = logits.dims()[1];
-            let probs = logits
+            let mut probs = logits
                 .narrow(1, t - 1, 1)?
                 .softmax_masked(SoftmaxOptions::new().scale(scale))?
                 .to_vec_f32()?;
+            if planning {
+                if slides >= 2 {
+                    break;
+                }
+                out.push(0);
+                continue;
+            }
+            keep_top(&mut probs, top_k, top_p);
             out.push(sample(&probs, &mut rng).ok_or_else(|| {
                 bad("the next-token probabilities are not finite (do the weights hold NaN?)".into())
             })?);
         }
         Ok(out)
+    }
+}
+
+/// How [`Gpt::generate_with`] picks each token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampling {
+    /// Logits are divided by it before the softmax (> 0).
+    pub temperature: f32,
+    /// Keep only the `k` most probable tokens (ties: the lower id first).
+    pub top_k: Option<usize>,
+    /// Keep the smallest most-probable set of tokens whose probabilities add up to `p`.
+    pub top_p: Option<f32>,
+    /// Seed of the host generator that draws the tokens.
+    pub seed: u64,
+}
+
+impl Sampling {
+    /// Plain sampling at `temperature`, no top-k or top-p.
+    pub fn new(temperature: f32, seed: u64) -> Sampling {
+        Sampling {
+            temperature,
+            top_k: None,
+            top_p: None,
+            seed,
+        }
+    }
+}
+
+/// Zeroes every probability outside the `top_k` largest and then outside the smallest set of
+/// the largest whose sum reaches `top_p` of what is left (at least one token is kept).
+fn keep_top(probs: &mut [f32], top_k: Option<usize>, top_p: Option<f32>) {
+    if top_k.is_none() && top_p.is_none() {
+        return;
+    }
+    // Most probable first, ties by id; NaN last (sample() then reports it).
+    let mut order: Vec<usize> = (0..probs.len()).collect();
+    order.sort_by(|&a, &b| {
+        probs[b]
+            .partial_cmp(&probs[a])
+            .unwrap_or_else(|| probs[a].is_nan().cmp(&probs[b].is_nan()))
+            .then(a.cmp(&b))
+    });
+    let mut keep = top_k.unwrap_or(probs.len()).min(probs.len());
+    if let Some(p) = top_p {
+        let total: f64 = order[..keep].iter().map(|&i| probs[i] as f64).sum();
+        let mut acc = 0.0f64;
+        let mut n = 0;
+        while n < keep {
+            acc += probs[order[n]] as f64;
+            n += 1;
+            if acc >= p as f64 * total {
+                break;
+            }
+        }
+        keep = n.max(1);
+    }
+    for &i in &order[keep..] {
+        probs[i] = 0.0;
     }
 }
 
@@ -188,4 +287,30 @@ fn sample(probs: &[f32], rng: &mut Rng) -> Option<u32> {
     }
     // Rounding left u at the very top: the last token with any mass.
     probs.iter().rposition(|&p| p > 0.0).map(|i| i as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::keep_top;
+
+    #[test]
+    fn top_k_and_top_p_keep_the_most_probable() {
+        let p = [0.1f32, 0.4, 0.2, 0.2, 0.1];
+        let run = |k, q| {
+            let mut v = p;
+            keep_top(&mut v, k, q);
+            v
+        };
+        assert_eq!(run(None, None), p);
+        assert_eq!(run(Some(1), None), [0.0, 0.4, 0.0, 0.0, 0.0]);
+        // Ties by id: the first 0.2 before the second.
+        assert_eq!(run(Some(2), None), [0.0, 0.4, 0.2, 0.0, 0.0]);
+        assert_eq!(run(Some(9), None), p);
+        // 0.4 + 0.2 reaches 0.55; 0.4 alone reaches 0.4.
+        assert_eq!(run(None, Some(0.55)), [0.0, 0.4, 0.2, 0.0, 0.0]);
+        assert_eq!(run(None, Some(0.35)), [0.0, 0.4, 0.0, 0.0, 0.0]);
+        assert_eq!(run(None, Some(1.0)), p);
+        // top-p of what top-k left: 0.4 of 0.4 + 0.2 + 0.2 = 0.8 passes 0.45 of it.
+        assert_eq!(run(Some(3), Some(0.45)), [0.0, 0.4, 0.0, 0.0, 0.0]);
+    }
 }

@@ -49,6 +49,8 @@ pub struct GptConfig {
     pub seed: u64,
     /// Which attention implementation the blocks run.
     pub attention: AttentionKind,
+    /// Every LayerNorm's eps (torch's 1e-5 by default; Hugging Face GPT-2's `layer_norm_epsilon`).
+    pub layer_norm_eps: f32,
 }
 
 impl GptConfig {
@@ -72,6 +74,7 @@ impl GptConfig {
             dtype: DType::F32,
             seed: 0,
             attention: AttentionKind::Auto,
+            layer_norm_eps: LAYER_NORM_EPS,
         }
     }
 
@@ -126,6 +129,12 @@ impl GptConfig {
             return Err(bad(format!(
                 "dropout must be in [0, 1), got {}",
                 self.dropout
+            )));
+        }
+        if !(self.layer_norm_eps.is_finite() && self.layer_norm_eps >= 0.0) {
+            return Err(bad(format!(
+                "layer_norm_eps must be a finite number >= 0, got {}",
+                self.layer_norm_eps
             )));
         }
         if self.vocab_size > MAX_VOCAB {
@@ -220,7 +229,7 @@ impl Gpt {
                 out_features: o,
             })
         };
-        let norm = || LayerNorm::with_options(device, c, LAYER_NORM_EPS, dtype);
+        let norm = || LayerNorm::with_options(device, c, cfg.layer_norm_eps, dtype);
         let wte = embedding(cfg.vocab_size, seed())?;
         let wpe = embedding(cfg.context, seed())?;
         let drop = Dropout::new(cfg.dropout, seed())?;
@@ -389,6 +398,10 @@ impl Gpt {
             "composed" => AttentionKind::Composed,
             a => return Err(bad(format!("bad attention '{a}'"))),
         };
+        // Files written before eps was configurable have none: theirs was the default.
+        if let Some(eps) = map.get("layer_norm_eps") {
+            cfg.layer_norm_eps = parse(eps, "layer_norm_eps", &bad)?;
+        }
         Gpt::new(device, cfg)
     }
 
@@ -558,6 +571,7 @@ impl Module for Gpt {
             ("dtype", c.dtype.to_string()),
             ("seed", c.seed.to_string()),
             ("attention", attention.to_string()),
+            ("layer_norm_eps", c.layer_norm_eps.to_string()),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))

@@ -23,7 +23,7 @@ pub use block::{FeedForward, GptBlock};
 pub use conv::{AvgPool2d, BatchNorm2d, Conv2d, GroupNorm, MaxPool2d};
 pub use dropout::Dropout;
 pub use embedding::Embedding;
-pub use generate::KvCache;
+pub use generate::{KvCache, Sampling};
 pub use gpt::{Gpt, GptConfig};
 pub use linear::Linear;
 pub use loss::{accuracy, correct, cross_entropy, mse_loss};

@@ -1,12 +1,21 @@
-//! Adam with decoupled weight decay (torch.optim.AdamW).
+//! Adam with decoupled weight decay (torch.optim.AdamW), with f32 or 8-bit state.
 
 use super::groups::{Groups, ParamGroup};
-use super::{check, grad_of, take_state, zeros_like, Optimizer, OptimizerState};
+use super::offload::{self, HostState, HOST_BYTES_PER_ELEMENT};
+use super::quant8::{self, Moments8, NAMES8};
+use super::{check, grad_of, take_state, zeros_like, CodeTensor, Optimizer, OptimizerState};
 use crate::kernels::optim::{adamw_step, AdamWHyper};
-use crate::{Result, Tensor};
+use crate::{DType, Error, Result, Tensor};
 
 const OP: &str = "AdamW";
 const NAMES: [&str; 2] = ["exp_avg", "exp_avg_sq"];
+
+/// One parameter's moments.
+#[derive(Clone)]
+enum Moments {
+    F32(Tensor, Tensor),
+    Q8(Moments8),
+}
 
 /// AdamW, per parameter and step (g the gradient, p the parameter, t the parameter's update
 /// count including this one):
@@ -24,6 +33,10 @@ const NAMES: [&str; 2] = ["exp_avg", "exp_avg_sq"];
 /// optimizer's times its group's `lr_scale`, and its `weight_decay` its group's, or the
 /// optimizer's where the group sets none.
 ///
+/// With [`AdamW::eight_bit`] both moments of every tensor of at least
+/// [`MIN_NUMEL`](quant8::MIN_NUMEL) elements are kept in 8 bits ([`quant8`]): about a quarter of
+/// the f32 state's bytes.
+///
 /// ```no_run
 /// # fn f(params: Vec<fitgrad::Tensor>) -> fitgrad::Result<()> {
 /// let opt = fitgrad::optim::AdamW::new(params, 3e-4)?.betas(0.9, 0.95)?.weight_decay(0.1)?;
@@ -38,7 +51,15 @@ pub struct AdamW {
     eps: f32,
     weight_decay: f32,
     /// (m, v) per parameter, created on its first update.
-    moments: Vec<Option<(Tensor, Tensor)>>,
+    moments: Vec<Option<Moments>>,
+    /// Large tensors keep 8-bit moments.
+    eight_bit: bool,
+    /// The 8-bit kernel's map table (`quant8::table`), made on the first 8-bit update and
+    /// shared with `fresh` copies, so a plan holds the same one table as the real step.
+    table: Option<Tensor>,
+    /// With [`AdamW::offload`], each parameter's master weights and moments in host memory
+    /// (made on its first update); `None` keeps the state on the device.
+    host: Option<Vec<Option<HostState>>>,
     /// Updates per parameter: the bias corrections' t (torch keeps it per parameter too).
     param_steps: Vec<u64>,
     steps: u64,
@@ -69,11 +90,114 @@ impl AdamW {
             eps: 1e-8,
             weight_decay: 0.01,
             moments: vec![None; n],
+            eight_bit: false,
+            table: None,
+            host: None,
             param_steps: vec![0; n],
             steps: 0,
         })
     }
 
+    /// Keeps both moments in 8 bits, block-wise with the dynamic map of Dettmers et al. 2021
+    /// ([`quant8`]), for every parameter of at least [`MIN_NUMEL`](quant8::MIN_NUMEL) elements;
+    /// smaller ones keep f32 state. Each update is one fused kernel per parameter that
+    /// dequantizes, updates in f32 and requantizes in registers. [`Optimizer::name`] becomes
+    /// `"adamw8bit"`. Call it before the first step.
+    pub fn eight_bit(mut self) -> AdamW {
+        self.eight_bit = true;
+        self
+    }
+
+    /// Keeps f32 master weights and both moments in host memory ([`offload`]): each step
+    /// reads the gradients back, updates on the host with several threads and uploads the
+    /// parameters, so the device holds only parameters and gradients. An
+    /// [`Error::HostMemory`](crate::Error::HostMemory) when MemAvailable is short of 12 bytes
+    /// per parameter; [`Error::InvalidArgument`] with 8-bit state or f16 parameters (use mixed
+    /// precision: f32 parameters on the device, f16 compute).
+    pub fn offload(mut self) -> Result<AdamW> {
+        self.offload_to_host()?;
+        Ok(self)
+    }
+
+    /// Whether the state lives in host memory ([`AdamW::offload`]).
+    pub fn is_offloaded(&self) -> bool {
+        self.host.is_some()
+    }
+
+    /// The update of parameter `i` at its next step.
+    fn hyper(&self, i: usize) -> AdamWHyper {
+        AdamWHyper {
+            lr: self.groups.lr(i, self.lr),
+            weight_decay: self.groups.weight_decay(i, self.weight_decay),
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            step: self.param_steps[i] + 1,
+        }
+    }
+
+    /// [`Optimizer::step`] with the state in host memory.
+    fn step_offloaded(&mut self, grads: Vec<Option<Tensor>>) -> Result<()> {
+        let hps: Vec<AdamWHyper> = (0..grads.len()).map(|i| self.hyper(i)).collect();
+        let planning = self.groups.params[0].device().is_planning();
+        if !planning {
+            let host = self.host.as_mut().expect("offloaded");
+            let mut jobs = Vec::new();
+            for (i, (g, st)) in grads.iter().zip(host.iter_mut()).enumerate() {
+                let Some(g) = g else {
+                    continue;
+                };
+                let p = &self.groups.params[i];
+                let n = p.numel();
+                let st = st.get_or_insert_with(|| HostState::zeros(n));
+                // The master weights are read once: on the first update, or after a load.
+                if st.master.len() != n {
+                    st.master = p.to_vec_f32()?;
+                }
+                jobs.push(offload::Job {
+                    param: p,
+                    grad: g,
+                    state: st,
+                    coefficients: hps[i].coefficients(),
+                });
+            }
+            offload::step(jobs)?;
+        }
+        for (i, g) in grads.iter().enumerate() {
+            if g.is_some() {
+                self.param_steps[i] += 1;
+            }
+        }
+        self.steps += 1;
+        Ok(())
+    }
+
+    /// Whether [`AdamW::eight_bit`] is on.
+    pub fn is_eight_bit(&self) -> bool {
+        self.eight_bit
+    }
+
+    /// The moments of parameter `i` as f32 device tensors of its shape (the 8-bit ones
+    /// dequantized), or `None` before its first update.
+    pub fn moments_f32(&self, i: usize) -> Result<Option<(Tensor, Tensor)>> {
+        let Some(Some(mv)) = self.moments.get(i) else {
+            return Ok(None);
+        };
+        match mv {
+            Moments::F32(m, v) => Ok(Some((m.clone(), v.clone()))),
+            Moments::Q8(q) => {
+                let dims = self.groups.params[i].dims();
+                let table = self.table.as_ref().expect("8-bit moments have a table");
+                let (m, v) = q.dequantize(dims.iter().product(), table)?;
+                Ok(Some((m.reshape(dims)?, v.reshape(dims)?)))
+            }
+        }
+    }
+
+    /// Whether parameter `p` gets 8-bit moments.
+    fn quantized(&self, p: &Tensor) -> bool {
+        self.eight_bit && p.numel() >= quant8::MIN_NUMEL
+    }
     /// Decay rates of the first and second moments (each in [0, 1); default 0.9, 0.999).
     pub fn betas(mut self, beta1: f32, beta2: f32) -> Result<AdamW> {
         check(OP, "beta1", beta1, in_unit(beta1), "in [0, 1)")?;
@@ -110,7 +234,20 @@ impl AdamW {
         check(OP, "beta2", self.beta2, in_unit(self.beta2), "in [0, 1)")?;
         check(OP, "eps", self.eps, self.eps > 0.0, "> 0")?;
         let wd = self.weight_decay;
-        check(OP, "weight_decay", wd, wd >= 0.0, ">= 0")
+        check(OP, "weight_decay", wd, wd >= 0.0, ">= 0")?;
+        if self.eight_bit && self.host.is_some() {
+            return Err(not_with_offload());
+        }
+        Ok(())
+    }
+}
+
+fn not_with_offload() -> Error {
+    Error::InvalidArgument {
+        op: OP,
+        reason: "8-bit state and optimizer offload do not combine: offload keeps f32 state in \
+                 host memory, 8-bit state is for the device; choose one"
+            .into(),
     }
 }
 
@@ -129,13 +266,20 @@ impl Optimizer for AdamW {
             eps: self.eps,
             weight_decay: self.weight_decay,
             moments: (0..n).map(|_| None).collect(),
+            eight_bit: self.eight_bit,
+            table: self.table.clone(),
+            host: self.host.as_ref().map(|h| vec![None; h.len()]),
             param_steps: vec![0; n],
             steps: 0,
         })
     }
 
     fn name(&self) -> &'static str {
-        "adamw"
+        if self.eight_bit {
+            "adamw8bit"
+        } else {
+            "adamw"
+        }
     }
 
     fn hyperparameters(&self) -> Vec<(String, String)> {
@@ -157,30 +301,40 @@ impl Optimizer for AdamW {
             .iter()
             .map(|p| grad_of(OP, p))
             .collect::<Result<Vec<_>>>()?;
+        if self.host.is_some() {
+            return self.step_offloaded(grads);
+        }
         // State first, so that running out of memory leaves every parameter and state as it was.
         let mut new = Vec::new();
         for (i, g) in grads.iter().enumerate() {
             if g.is_some() && self.moments[i].is_none() {
                 let p = &self.groups.params[i];
-                new.push((i, (zeros_like(p)?, zeros_like(p)?)));
+                new.push((
+                    i,
+                    if self.quantized(p) {
+                        Moments::Q8(Moments8::zeros(p)?)
+                    } else {
+                        Moments::F32(zeros_like(p)?, zeros_like(p)?)
+                    },
+                ));
             }
+        }
+        if self.table.is_none() && new.iter().any(|(_, m)| matches!(m, Moments::Q8(_))) {
+            self.table = Some(quant8::table(self.groups.params[0].device())?);
         }
         for (i, mv) in new {
             self.moments[i] = Some(mv);
         }
         for (i, g) in grads.iter().enumerate() {
-            let (Some(g), Some((m, v))) = (g, &self.moments[i]) else {
+            let (Some(g), Some(mv)) = (g, &self.moments[i]) else {
                 continue;
             };
-            let hp = AdamWHyper {
-                lr: self.groups.lr(i, self.lr),
-                weight_decay: self.groups.weight_decay(i, self.weight_decay),
-                beta1: self.beta1,
-                beta2: self.beta2,
-                eps: self.eps,
-                step: self.param_steps[i] + 1,
-            };
-            adamw_step(&self.groups.params[i], g, m, v, &hp)?;
+            let hp = self.hyper(i);
+            let p = &self.groups.params[i];
+            match mv {
+                Moments::F32(m, v) => adamw_step(p, g, m, v, &hp)?,
+                Moments::Q8(q) => q.step(p, g, self.table.as_ref().expect("made above"), &hp)?,
+            }
             self.param_steps[i] += 1;
         }
         self.steps += 1;
@@ -206,36 +360,239 @@ impl Optimizer for AdamW {
     fn state_tensors(&self) -> Vec<(String, Tensor)> {
         let mut out = Vec::new();
         for (i, mv) in self.moments.iter().enumerate() {
-            if let Some((m, v)) = mv {
-                out.push((format!("{i}.{}", NAMES[0]), m.clone()));
-                out.push((format!("{i}.{}", NAMES[1]), v.clone()));
+            match mv {
+                Some(Moments::F32(m, v)) => {
+                    out.push((format!("{i}.{}", NAMES[0]), m.clone()));
+                    out.push((format!("{i}.{}", NAMES[1]), v.clone()));
+                }
+                Some(Moments::Q8(q)) => {
+                    for (name, t) in NAMES8.iter().zip([&q.m, &q.am, &q.v, &q.av]) {
+                        out.push((format!("{i}.{name}"), t.clone()));
+                    }
+                }
+                None => {}
             }
         }
         out
     }
 
+    /// The moments and, with 8-bit state, the map table (4 KiB).
+    fn state_bytes(&self) -> u64 {
+        let table = self.table.as_ref().map_or(0, Tensor::allocated_bytes);
+        self.state_tensors()
+            .iter()
+            .map(|(_, t)| t.allocated_bytes())
+            .sum::<u64>()
+            + table
+    }
+
+    fn host_bytes(&self) -> u64 {
+        match self.host {
+            Some(_) => {
+                self.groups
+                    .params
+                    .iter()
+                    .map(|p| p.numel() as u64)
+                    .sum::<u64>()
+                    * HOST_BYTES_PER_ELEMENT
+            }
+            None => 0,
+        }
+    }
+
+    fn offload_to_host(&mut self) -> Result<()> {
+        if self.host.is_some() {
+            return Ok(());
+        }
+        if self.eight_bit {
+            return Err(not_with_offload());
+        }
+        if let Some(p) = self.groups.params.iter().find(|p| p.dtype() == DType::F16) {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: format!(
+                    "optimizer offload keeps f32 master weights in host memory and uploads f32 \
+                     parameters; parameter {p:?} is f16 (use mixed precision: f32 parameters, f16 compute)"
+                ),
+            });
+        }
+        let n: u64 = self.groups.params.iter().map(|p| p.numel() as u64).sum();
+        offload::check_host_memory(
+            "optimizer offload (f32 master weights and AdamW's two moments)",
+            n * HOST_BYTES_PER_ELEMENT,
+        )?;
+        // State already on the device moves to the host.
+        let mut host = Vec::with_capacity(self.moments.len());
+        for mv in &self.moments {
+            host.push(match mv {
+                Some(Moments::F32(m, v)) => Some(HostState {
+                    master: Vec::new(),
+                    m: m.to_vec_f32()?,
+                    v: v.to_vec_f32()?,
+                }),
+                Some(Moments::Q8(_)) => return Err(not_with_offload()),
+                None => None,
+            });
+        }
+        self.moments = vec![None; host.len()];
+        self.host = Some(host);
+        Ok(())
+    }
+
+    fn state_on_host(&self) -> bool {
+        self.host.is_some()
+    }
+
     fn state(&self) -> OptimizerState {
-        OptimizerState {
+        let mut s = OptimizerState {
             step_count: self.steps,
             param_steps: self.param_steps.clone(),
-            tensors: self.state_tensors(),
+            ..Default::default()
+        };
+        if let Some(host) = &self.host {
+            s.host = offload::host_state(&self.groups.params, host, &NAMES);
+            return s;
         }
+        for (i, mv) in self.moments.iter().enumerate() {
+            match mv {
+                Some(Moments::F32(m, v)) => {
+                    s.tensors.push((format!("{i}.{}", NAMES[0]), m.clone()));
+                    s.tensors.push((format!("{i}.{}", NAMES[1]), v.clone()));
+                }
+                Some(Moments::Q8(q)) => {
+                    let len = self.groups.params[i].numel();
+                    for (name, words) in [(NAMES8[0], &q.m), (NAMES8[2], &q.v)] {
+                        s.codes.push(CodeTensor {
+                            name: format!("{i}.{name}"),
+                            words: words.clone(),
+                            len,
+                        });
+                    }
+                    for (name, t) in [(NAMES8[1], &q.am), (NAMES8[3], &q.av)] {
+                        s.tensors.push((format!("{i}.{name}"), t.clone()));
+                    }
+                }
+                None => {}
+            }
+        }
+        s
     }
 
     fn load_state(&mut self, state: OptimizerState) -> Result<()> {
         let (steps, param_steps) = (state.step_count, state.param_steps.clone());
-        let slots = take_state(OP, &self.groups.params, &NAMES, state)?;
-        self.moments = slots
-            .into_iter()
-            .map(|s| {
-                s.map(|s| {
-                    let mut it = s.into_iter();
-                    (it.next().unwrap(), it.next().unwrap())
-                })
-            })
-            .collect();
+        if self.host.is_some() {
+            self.host = Some(offload::load_host(OP, &self.groups.params, &NAMES, state)?);
+            self.param_steps = param_steps;
+            self.steps = steps;
+            return Ok(());
+        }
+        let moments = load_moments(self, state)?;
+        if self.table.is_none() && moments.iter().any(|m| matches!(m, Some(Moments::Q8(_)))) {
+            self.table = Some(quant8::table(self.groups.params[0].device())?);
+        }
+        self.moments = moments;
         self.param_steps = param_steps;
         self.steps = steps;
         Ok(())
     }
+}
+
+/// The moments of a loaded state, checked against the optimizer's parameters: f32 state for
+/// the parameters that keep it, all four 8-bit tensors for the others (codes of the
+/// parameter's element count, one absmax per block), or nothing.
+fn load_moments(opt: &AdamW, mut state: OptimizerState) -> Result<Vec<Option<Moments>>> {
+    let params = &opt.groups.params;
+    let invalid = |reason: String| Error::InvalidArgument { op: OP, reason };
+    let parse = |key: &str| -> Option<(usize, usize)> {
+        let (i, name) = key.split_once('.')?;
+        let i: usize = i.parse().ok()?;
+        let j = NAMES8.iter().position(|n| *n == name)?;
+        (i < params.len()).then_some((i, j))
+    };
+    // Per parameter, its 8-bit tensors by NAMES8 index (codes with their lengths).
+    let mut q8: Vec<[Option<(Tensor, usize)>; 4]> = vec![Default::default(); params.len()];
+    let mut put = |key: &str, t: Tensor, len: usize| -> Result<()> {
+        let Some((i, j)) = parse(key) else {
+            return Err(invalid(format!("unknown state tensor '{key}'")));
+        };
+        if t.device() != params[i].device() {
+            return Err(Error::DeviceMismatch { op: OP });
+        }
+        if q8[i][j].replace((t, len)).is_some() {
+            return Err(invalid(format!("state tensor '{key}' given twice")));
+        }
+        Ok(())
+    };
+    for c in std::mem::take(&mut state.codes) {
+        let short = c.name.split_once('.').map_or("", |x| x.1);
+        if short == NAMES8[1] || short == NAMES8[3] {
+            return Err(invalid(format!("'{}' holds codes, not f32 values", c.name)));
+        }
+        put(&c.name, c.words, c.len)?;
+    }
+    let (absmax, f32_state): (Vec<_>, Vec<_>) = std::mem::take(&mut state.tensors)
+        .into_iter()
+        .partition(|(k, _)| parse(k).is_some());
+    for (key, t) in absmax {
+        let len = t.numel();
+        put(&key, t, len)?;
+    }
+    state.tensors = f32_state;
+    let f32_slots = take_state(OP, params, &NAMES, state)?;
+    let mut out = Vec::with_capacity(params.len());
+    for (i, (f, q)) in f32_slots.into_iter().zip(q8).enumerate() {
+        let p = &params[i];
+        let n = p.numel();
+        let have = q.iter().filter(|t| t.is_some()).count();
+        let quantized = opt.quantized(p);
+        let kind = |q: bool| if q { "8-bit" } else { "f32" };
+        if (f.is_some() && quantized) || (have > 0 && !quantized) {
+            return Err(invalid(format!(
+                "parameter {i} ({n} elements) has {} state, this optimizer keeps {} state for it",
+                kind(have > 0),
+                kind(quantized)
+            )));
+        }
+        if let Some(mut f) = f {
+            let v = f.pop().expect("two moments");
+            let m = f.pop().expect("two moments");
+            out.push(Some(Moments::F32(m, v)));
+            continue;
+        }
+        if have == 0 {
+            out.push(None);
+            continue;
+        }
+        if have < 4 {
+            return Err(invalid(format!(
+                "parameter {i} has only part of its 8-bit state"
+            )));
+        }
+        let [Some((m, lm)), Some((am, _)), Some((v, lv)), Some((av, _))] = q else {
+            unreachable!("all four counted");
+        };
+        let words = quant8::code_words(n);
+        if lm != n || lv != n || m.numel() != words || v.numel() != words {
+            return Err(invalid(format!(
+                "parameter {i} has {n} elements, its 8-bit state holds {lm} and {lv} codes"
+            )));
+        }
+        let blocks = n.div_ceil(quant8::BLOCK);
+        for (name, a) in [(NAMES8[1], &am), (NAMES8[3], &av)] {
+            if a.dims() != [blocks] {
+                return Err(invalid(format!(
+                    "parameter {i}'s {name} has shape {:?}; {n} elements in blocks of {} need [{blocks}]",
+                    a.dims(),
+                    quant8::BLOCK
+                )));
+            }
+        }
+        out.push(Some(Moments::Q8(Moments8 {
+            m: m.detach(),
+            am: am.detach(),
+            v: v.detach(),
+            av: av.detach(),
+        })));
+    }
+    Ok(out)
 }

@@ -28,6 +28,8 @@
 mod adamw;
 mod clip;
 mod groups;
+pub mod offload;
+pub mod quant8;
 mod scaler;
 pub mod schedule;
 mod sgd;
@@ -35,6 +37,7 @@ mod sgd;
 pub use adamw::AdamW;
 pub use clip::{clip_grad_norm, clip_grad_norm_tensor};
 pub use groups::{decay_groups, ParamGroup};
+pub use quant8::Quantized;
 pub use scaler::GradScaler;
 pub use schedule::LrSchedule;
 pub use sgd::Sgd;
@@ -44,7 +47,7 @@ use crate::{Error, Result, Tensor};
 /// An optimizer over a fixed list of parameters. `Send`, so an application can train on a
 /// worker thread.
 pub trait Optimizer: Send {
-    /// "sgd" or "adamw" (reports, the memory planner).
+    /// "sgd", "adamw" or "adamw8bit" (reports, the memory planner, checkpoints).
     fn name(&self) -> &'static str;
     /// Whether the optimizer keeps a state tensor per parameter beyond AdamW's two moments
     /// (SGD's momentum buffer).
@@ -88,6 +91,26 @@ pub trait Optimizer: Send {
     /// Restores a state taken from an optimizer over parameters of the same shapes. The tensors
     /// are adopted, not copied: later steps update them in place.
     fn load_state(&mut self, state: OptimizerState) -> Result<()>;
+    /// Bytes of host memory the state takes once every parameter has been updated (optimizer
+    /// offload); 0 for state on the device.
+    fn host_bytes(&self) -> u64 {
+        0
+    }
+    /// Moves the state to host memory from now on (the trainer's `offload_optimizer`).
+    /// Optimizers that cannot refuse with [`Error::InvalidArgument`].
+    fn offload_to_host(&mut self) -> Result<()> {
+        Err(Error::InvalidArgument {
+            op: "offload_optimizer",
+            reason: format!(
+                "the {} optimizer keeps its state on the device; AdamW can keep it in host memory",
+                self.name()
+            ),
+        })
+    }
+    /// Whether [`Optimizer::load_state`] takes its state in [`OptimizerState::host`].
+    fn state_on_host(&self) -> bool {
+        false
+    }
     /// The same optimizer (parameters, hyperparameters, learning rate) without any state and
     /// at step 0: the planner runs a step with it, so the real state is left alone.
     fn fresh(&self) -> Box<dyn Optimizer>;
@@ -101,8 +124,35 @@ pub struct OptimizerState {
     /// Per parameter, the updates it has had (AdamW's bias-correction step; parameters skipped
     /// for lack of a gradient do not count, as in torch).
     pub param_steps: Vec<u64>,
-    /// As [`Optimizer::state_tensors`].
+    /// As [`Optimizer::state_tensors`], but for the codes of 8-bit state.
     pub tensors: Vec<(String, Tensor)>,
+    /// 8-bit state's codes ([`AdamW::eight_bit`]): one byte per element, held on the device as
+    /// u32 words; checkpoints store them as U8 tensors.
+    pub codes: Vec<CodeTensor>,
+    /// State kept in host memory ([`AdamW::offload`]), named as `tensors`.
+    pub host: Vec<HostTensorState>,
+}
+
+/// One f32 state tensor in host memory (`"3.exp_avg"` of an offloaded AdamW).
+#[derive(Clone, Debug)]
+pub struct HostTensorState {
+    /// The state name, as in [`Optimizer::state_tensors`].
+    pub name: String,
+    /// Its parameter's dims.
+    pub dims: Vec<usize>,
+    /// Row-major values.
+    pub values: Vec<f32>,
+}
+
+/// One tensor of u8 codes of an optimizer's state (`"3.state1"`).
+#[derive(Clone, Debug)]
+pub struct CodeTensor {
+    /// The state name, as in [`Optimizer::state_tensors`].
+    pub name: String,
+    /// `ceil(len / 4)` u32 words (element i in byte i % 4 of word i / 4) in an f32-typed tensor.
+    pub words: Tensor,
+    /// Codes (elements).
+    pub len: usize,
 }
 
 /// Checks the parameter list: non-empty, leaves that require grad, one device, no tensor twice
@@ -184,6 +234,18 @@ fn take_state(
     state: OptimizerState,
 ) -> Result<Vec<Option<Vec<Tensor>>>> {
     let invalid = |reason: String| Error::InvalidArgument { op, reason };
+    if let Some(h) = state.host.first() {
+        return Err(invalid(format!(
+            "host state tensor '{}' given to an optimizer with device state",
+            h.name
+        )));
+    }
+    if let Some(c) = state.codes.first() {
+        return Err(invalid(format!(
+            "8-bit state tensor '{}' given to an optimizer with f32 state",
+            c.name
+        )));
+    }
     if state.param_steps.len() != params.len() {
         return Err(invalid(format!(
             "the state has steps for {} parameters, the optimizer has {}",

@@ -243,6 +243,7 @@ impl Optimizer for Sgd {
             step_count: self.steps,
             param_steps: self.param_steps.clone(),
             tensors: self.state_tensors(),
+            ..Default::default()
         }
     }
 

@@ -200,6 +200,40 @@ impl Tensor {
         Ok(bytemuck::pod_collect_to_vec(&bytes))
     }
 
+    /// Elements `start..end` read back as f32 whatever the dtype (one readback of that range
+    /// only; `start` a multiple of 2, so the range starts on a 4-byte boundary).
+    pub(crate) fn read_range_f32(&self, start: usize, end: usize) -> Result<Vec<f32>> {
+        let size = self.dtype.size();
+        let bytes = self.device().download_at(
+            self.block(),
+            (start * size) as u64,
+            ((end - start) * size) as u64,
+        )?;
+        Ok(match self.dtype {
+            DType::F32 => bytemuck::pod_collect_to_vec(&bytes),
+            DType::F16 => bytemuck::pod_collect_to_vec::<u8, half::f16>(&bytes)
+                .into_iter()
+                .map(f32::from)
+                .collect(),
+        })
+    }
+
+    /// Writes `values` (rounded to the tensor's dtype) into elements `start..` (`start` a
+    /// multiple of 2).
+    pub(crate) fn write_range_f32(&self, start: usize, values: &[f32]) -> Result<()> {
+        let at = (start * self.dtype.size()) as u64;
+        match self.dtype {
+            DType::F32 => self
+                .device()
+                .upload_at(self.block(), at, bytemuck::cast_slice(values)),
+            DType::F16 => {
+                let h: Vec<half::f16> = values.iter().map(|&v| half::f16::from_f32(v)).collect();
+                self.device()
+                    .upload_at(self.block(), at, bytemuck::cast_slice(&h))
+            }
+        }
+    }
+
     /// Reads the tensor back as f32 whatever its dtype.
     pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
         match self.dtype {

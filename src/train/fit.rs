@@ -152,7 +152,7 @@ impl<M: Module> Trainer<M> {
                 candidates.push(whole);
                 if fits.is_none() && batch > 1 {
                     let micro = self
-                        .largest_fitting(data, &idx, budget, batch - 1)?
+                        .largest_fitting(data, &idx, Some(budget), batch - 1)?
                         .unwrap_or(1);
                     let c = self.candidate(data, &idx, (batch, micro), ckpt, budget)?;
                     fits = c.fits.then_some(micro);
@@ -267,15 +267,23 @@ impl<M: Module> Trainer<M> {
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
-        let under = self.plan_within(data, idx, micro, budget)?;
+        let under = self.plan_within(data, idx, micro, Some(budget))?;
         let fits = under.is_some();
-        let plan = match under {
-            Some(p) => p,
-            None => self.plan_at(data, idx, micro, None, 0)?,
+        let (plan, limit) = match under {
+            Some(p) => (p, ""),
+            None => match self.plan_at(data, idx, micro, None, 0) {
+                Ok(p) => (p, ""),
+                // Figures of 0: the step cannot be made on this adapter at all.
+                Err(Error::Limit { .. }) => (
+                    super::Plan::default(),
+                    " (past the adapter's per-buffer limit)",
+                ),
+                Err(e) => return Err(e),
+            },
         };
         let precision = self.config.precision;
         Ok(Candidate {
-            description: describe(batch, micro, checkpointing, precision),
+            description: describe(batch, micro, checkpointing, precision) + limit,
             micro_batch: micro,
             checkpointing,
             precision,

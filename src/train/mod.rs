@@ -12,12 +12,14 @@ mod model;
 mod order;
 mod plan;
 mod rows;
+mod run_plan;
 pub mod shard;
 mod summary;
 mod sync;
 mod temp_shard;
 pub mod text;
 mod trainer;
+mod window_loss;
 
 pub use events::TrainEvent;
 pub use fit::{Candidate, FitChoice};
@@ -27,10 +29,12 @@ pub use model::{
 };
 pub use order::epoch_permutation;
 pub use plan::Plan;
-pub use rows::HostRows;
+pub use rows::{HostRows, ShardedView};
+pub use run_plan::{Phase, PhasePlan, RunPlan};
 pub use summary::{Evaluation, MemorySummary};
 pub use sync::GradientSync;
 pub use trainer::{Trainer, TrainerConfig};
+pub use window_loss::{window_loss, WindowLoss};
 
 use crate::DType;
 

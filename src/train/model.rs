@@ -53,6 +53,13 @@ pub trait BatchSource {
     fn epoch_order(&self, seed: u64, epoch: u64) -> Vec<usize> {
         epoch_permutation(self.len(), seed, epoch)
     }
+    /// Device memory the source keeps while steps run on it, beyond the batches it makes (a
+    /// sharded epoch's shards, train/rows.rs `ShardedView`). The planner allocates these on
+    /// its planning arena before the step it plans, so plans, budgets and preallocation count
+    /// them. None by default.
+    fn resident(&self, _device: &Device) -> Result<Vec<Tensor>> {
+        Ok(Vec::new())
+    }
 }
 
 /// What evaluation gets from one batch.

@@ -15,6 +15,7 @@
 
 use super::model::{BatchSource, TrainModel};
 use super::Trainer;
+use crate::device::PlanScope;
 use crate::error::Bytes;
 use crate::memory::{Category, Timeline};
 use crate::nn::Module;
@@ -49,6 +50,9 @@ pub struct Plan {
     pub new_buffers: u64,
     /// The op being recorded at the peak, with the phase of the step.
     pub peak_op: Option<String>,
+    /// Host memory the optimizer keeps (optimizer offload), beside the device figures.
+    #[serde(default)]
+    pub host_bytes: u64,
     /// Samples per forward/backward.
     pub micro_batch: usize,
     /// Micro-batches per optimizer step.
@@ -74,6 +78,13 @@ impl fmt::Display for Plan {
         writeln!(f, "  peak reserved     {:>12}", Bytes(self.peak_reserved))?;
         if let Some(op) = &self.peak_op {
             writeln!(f, "  peak reached at   {op}")?;
+        }
+        if self.host_bytes > 0 {
+            writeln!(
+                f,
+                "  host memory       {:>12} (optimizer offload)",
+                Bytes(self.host_bytes)
+            )?;
         }
         if self.all_reduce_buffer > 0 {
             writeln!(
@@ -169,11 +180,66 @@ impl<M: Module> Trainer<M> {
                 reason: "a plan needs at least one sample and a micro-batch of at least one".into(),
             });
         }
+        self.planned(budget, reserve, micro, |t, scope| {
+            let dev = t.device.clone();
+            let before = scope.stats();
+            // What the source keeps on the device while steps run (a sharded epoch's shards)
+            // lives through the planned step.
+            let resident = data.resident(&dev)?;
+            if record {
+                dev.start_timeline()?;
+            }
+            let result = (0..2).try_for_each(|_| t.try_step(data, indices, !record));
+            let timeline = if record { dev.take_timeline() } else { None };
+            result?;
+            drop(resident);
+            t.optimizer.zero_grad();
+            let stats = scope.stats();
+            Ok((t.step_plan(&stats, &before, indices.len()), timeline))
+        })
+    }
+
+    /// The plan of a step from the planning arena's statistics at its end (`before`: at its
+    /// start) over `n` samples.
+    pub(super) fn step_plan(
+        &self,
+        stats: &crate::memory::MemoryStats,
+        before: &crate::memory::MemoryStats,
+        n: usize,
+    ) -> Plan {
+        let at = |c| stats.peak_by_category.get(c);
+        Plan {
+            parameters: at(Category::Parameters),
+            gradients: at(Category::Gradients),
+            optimizer_state: at(Category::OptimizerState),
+            activations: at(Category::Activations),
+            workspace: at(Category::Workspace),
+            communication: at(Category::Communication),
+            all_reduce_buffer: stats.category_peaks.get(Category::Communication),
+            peak: stats.peak_bytes_in_use,
+            peak_reserved: stats.peak_bytes_reserved,
+            new_buffers: stats.buffers_created - before.buffers_created,
+            peak_op: stats.peak_op.clone(),
+            host_bytes: self.optimizer.host_bytes(),
+            micro_batch: self.micro,
+            micro_batches: self.share(n).len().div_ceil(self.micro),
+        }
+    }
+
+    /// Runs `body` on the device's planning mode under `budget`, after reserving `reserve`
+    /// bytes, at micro-batch `micro`, with a stateless copy of the optimizer (so its lazily
+    /// made state counts; the real state and the gradients held now are set aside) and the
+    /// trainer's step counters, scaler and events restored afterwards, error or not.
+    pub(super) fn planned<R>(
+        &mut self,
+        budget: Option<u64>,
+        reserve: u64,
+        micro: usize,
+        body: impl FnOnce(&mut Self, &PlanScope) -> Result<R>,
+    ) -> Result<R> {
         let dev = self.device.clone();
         let scope = dev.planning()?;
         scope.set_budget(budget);
-        // The plan steps a stateless copy of the optimizer: the real state does not count
-        // (the copy makes its own), and gradients held now are set aside.
         for (_, t) in self.optimizer.state_tensors() {
             scope.forget(&t);
         }
@@ -191,7 +257,6 @@ impl<M: Module> Trainer<M> {
             Ok(())
         };
         scope.reset_peak();
-        let before = scope.stats();
         let fresh = self.optimizer.fresh();
         let real_optimizer = std::mem::replace(&mut self.optimizer, fresh);
         let saved = (
@@ -201,18 +266,13 @@ impl<M: Module> Trainer<M> {
             self.events.len(),
             self.micro,
         );
-        self.micro = micro.min(self.config.batch_size);
-        let result = reserved
-            .and_then(|_| if record { dev.start_timeline() } else { Ok(()) })
-            .and_then(|_| (0..2).try_for_each(|_| self.try_step(data, indices, !record)));
-        let timeline = if record { dev.take_timeline() } else { None };
+        self.micro = micro.min(self.config.batch_size).max(1);
+        let result = reserved.and_then(|()| body(self, &scope));
         self.optimizer.zero_grad();
         let planned_optimizer = std::mem::replace(&mut self.optimizer, real_optimizer);
-        let micro_used = self.micro;
         (self.scaler, self.step, self.loss_steps) = (saved.0, saved.1, saved.2);
         self.events.truncate(saved.3);
         self.micro = saved.4;
-        let stats = scope.stats();
         drop(planned_optimizer);
         drop(scope);
         for (p, g) in params.iter().zip(held) {
@@ -220,24 +280,7 @@ impl<M: Module> Trainer<M> {
                 p.set_grad(g)?;
             }
         }
-        result?;
-        let at = |c| stats.peak_by_category.get(c);
-        let plan = Plan {
-            parameters: at(Category::Parameters),
-            gradients: at(Category::Gradients),
-            optimizer_state: at(Category::OptimizerState),
-            activations: at(Category::Activations),
-            workspace: at(Category::Workspace),
-            communication: at(Category::Communication),
-            all_reduce_buffer: stats.category_peaks.get(Category::Communication),
-            peak: stats.peak_bytes_in_use,
-            peak_reserved: stats.peak_bytes_reserved,
-            new_buffers: stats.buffers_created - before.buffers_created,
-            peak_op: stats.peak_op,
-            micro_batch: micro_used,
-            micro_batches: self.share(indices.len()).len().div_ceil(micro_used),
-        };
-        Ok((plan, timeline))
+        result
     }
 
     /// Chooses the largest micro-batch whose planned step fits `budget` bytes (the effective
@@ -250,7 +293,7 @@ impl<M: Module> Trainer<M> {
         M: TrainModel<D::Batch>,
     {
         let idx = self.plan_indices(data)?;
-        match self.largest_fitting(data, &idx, budget, self.config.batch_size)? {
+        match self.largest_fitting(data, &idx, Some(budget), self.config.batch_size)? {
             Some(m) => {
                 self.set_micro_batch(m)?;
                 Ok(m)
@@ -261,7 +304,7 @@ impl<M: Module> Trainer<M> {
                     budget,
                     minimum,
                     what: format!(
-                        "a training step of {} parameters with micro-batches of one sample",
+                        "a training step of {} parameters at any micro-batch",
                         self.model.num_parameters()
                     ),
                 })
@@ -271,11 +314,13 @@ impl<M: Module> Trainer<M> {
 
     /// Builds the model, its optimizer and the trainer with `build` on `device`, then fits the
     /// micro-batch to the device's budget (when it has one) with [`Trainer::fit_to_budget`]:
-    /// the budget logic covers the model too. When the model itself does not fit the budget,
-    /// it is built once more without the budget (so its exact needs are known), the smallest
-    /// budget for the model and a step of one-sample micro-batches is planned, everything is
-    /// dropped again, and the result is an [`Error::BudgetTooSmall`] naming that figure, not
-    /// a bare out-of-memory. A model too big for the device at all keeps the driver's error.
+    /// the budget logic covers the model too. When the model or a one-sample step does not
+    /// fit, the result is an [`Error::BudgetTooSmall`] (not a bare out-of-memory) naming the
+    /// smallest budget under which this same call succeeds: found by bisection, each probe
+    /// building and fitting afresh under the budget it tries, since the budget also decides
+    /// how the arena lays the model out. That figure works, one byte less does not. A model
+    /// too big for the device at all keeps the driver's error. Without a budget the
+    /// micro-batch is fitted to the adapter's per-buffer limits ([`Trainer::fit_to_limits`]).
     pub fn build_within_budget<D>(
         device: &Device,
         data: &D,
@@ -286,95 +331,133 @@ impl<M: Module> Trainer<M> {
         M: TrainModel<D::Batch>,
     {
         let Some(budget) = device.memory_stats().budget else {
-            return build();
+            let mut t = build()?;
+            t.fit_to_limits(data)?;
+            return Ok(t);
         };
-        match build() {
-            Ok(mut t) => {
-                t.fit_to_budget(data, budget)?;
-                Ok(t)
-            }
-            Err(Error::OutOfMemory { .. }) => {
+        let what = match build() {
+            Ok(mut t) => match t.fit_to_budget(data, budget) {
+                Ok(_) => return Ok(t),
+                Err(Error::BudgetTooSmall { what, .. }) => what,
+                Err(e) => return Err(e),
+            },
+            Err(Error::OutOfMemory { .. }) => String::new(),
+            Err(e) => return Err(e),
+        };
+        // Nothing of the failed attempt stays: its trainer is dropped, its segments returned.
+        device.empty_cache();
+        device.set_memory_budget(None)?;
+        let free = build().and_then(|mut t| {
+            let idx = t.plan_indices(data)?;
+            Ok((t.plan_at(data, &idx, 1, None, 0)?, t.model.num_parameters()))
+        });
+        device.empty_cache();
+        let minimum = free.and_then(|(one, params)| {
+            let fits = |b: u64| {
+                device.set_memory_budget(Some(b))?;
+                // What fit_to_budget decides, without its own search for a minimum.
+                let fits = match build() {
+                    Ok(mut t) => {
+                        let idx = t.plan_indices(data)?;
+                        let max = t.config.batch_size;
+                        t.largest_fitting(data, &idx, Some(b), max)?.is_some()
+                    }
+                    Err(Error::OutOfMemory { .. }) => false,
+                    Err(e) => return Err(e),
+                };
                 device.empty_cache();
-                device.set_memory_budget(None)?;
-                let minimum = build().and_then(|mut t| {
-                    let idx = t.plan_indices(data)?;
-                    let minimum = t.smallest_budget(data, &idx)?;
-                    Ok((minimum, t.model.num_parameters()))
-                });
-                device.empty_cache();
-                device.set_memory_budget(Some(budget))?;
-                let (minimum, params) = minimum?;
-                Err(Error::BudgetTooSmall {
-                    budget,
-                    minimum,
-                    what: format!(
-                        "the model ({params} parameters) with its optimizer and a training step \
-                         of one-sample micro-batches"
-                    ),
-                })
-            }
-            Err(e) => Err(e),
-        }
+                Ok(fits)
+            };
+            // From 0: under a budget the arena lays the model out in other segments, and a
+            // run can need less than the unbudgeted plan's peak in use.
+            Ok((smallest_fitting(0, one.peak_reserved, fits)?, params))
+        });
+        device.empty_cache();
+        device.set_memory_budget(Some(budget))?;
+        let (minimum, params) = minimum?;
+        Err(Error::BudgetTooSmall {
+            budget,
+            minimum,
+            what: if what.is_empty() {
+                format!("the model ({params} parameters) with its optimizer and a training step")
+            } else {
+                what
+            },
+        })
     }
 
-    /// The smallest budget under which a step of one-sample micro-batches fits the arena as
-    /// it is now: between the plan's peak in use (nothing fits below it) and its peak reserved
-    /// without a budget (which fits), found by bisection on whole 256-byte blocks. A run with
-    /// exactly this budget succeeds.
+    /// The smallest budget under which a step at some micro-batch fits the arena as it is
+    /// now (what [`Trainer::fit_to_budget`] then finds), found by bisection on whole 256-byte
+    /// blocks up to the one-sample step's peak reserved without a budget (which fits). A run
+    /// with exactly this budget succeeds; one byte less does not.
     pub(super) fn smallest_budget<D>(&mut self, data: &D, indices: &[usize]) -> Result<u64>
     where
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
         let free = self.plan_at(data, indices, 1, None, 0)?;
-        let align = crate::memory::BLOCK_ALIGN;
-        let (mut lo, mut hi) = (free.peak / align, free.peak_reserved.div_ceil(align));
-        let fits = |t: &mut Self, blocks: u64| {
-            Ok::<_, Error>(t.plan_within(data, indices, 1, blocks * align)?.is_some())
-        };
-        if !fits(self, hi)? {
-            return Ok(free.peak_reserved);
-        }
-        while lo < hi {
-            let mid = lo + (hi - lo) / 2;
-            if fits(self, mid)? {
-                hi = mid;
-            } else {
-                lo = mid + 1;
-            }
-        }
-        Ok(hi * align)
+        // From 0, and any micro-batch: one sample is not always the cheapest step (with
+        // accumulation the first micro-batch's gradients wait for the next one's).
+        let max = self.config.batch_size;
+        smallest_fitting(0, free.peak_reserved, |budget| {
+            Ok(self
+                .largest_fitting(data, indices, Some(budget), max)?
+                .is_some())
+        })
     }
 
     /// The plan of a step over `indices` at micro-batch `micro` under `budget`, or `None` when
-    /// it does not fit.
+    /// it does not fit: past the budget, or a tensor past the adapter's per-buffer limit
+    /// (`max_storage_buffer_binding_size`, `max_buffer_size`), which binds with or without a
+    /// budget.
     pub(super) fn plan_within<D>(
         &mut self,
         data: &D,
         indices: &[usize],
         micro: usize,
-        budget: u64,
+        budget: Option<u64>,
     ) -> Result<Option<Plan>>
     where
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
-        match self.plan_at(data, indices, micro, Some(budget), 0) {
+        match self.plan_at(data, indices, micro, budget, 0) {
             // The arena checks the budget only when it creates a segment: what it already
             // holds may be over it.
-            Ok(p) if p.peak_reserved <= budget => Ok(Some(p)),
-            Ok(_) | Err(Error::OutOfMemory { .. }) => Ok(None),
+            Ok(p) if budget.is_none_or(|b| p.peak_reserved <= b) => Ok(Some(p)),
+            Ok(_) | Err(Error::OutOfMemory { .. } | Error::Limit { .. }) => Ok(None),
             Err(e) => Err(e),
         }
     }
 
-    /// The largest micro-batch up to `max` whose step over `indices` fits `budget` in the
-    /// arena as it is now; `None` when not even one sample fits.
+    /// Lowers the micro-batch, where a step at the current one would make a tensor past the
+    /// adapter's per-buffer limit, to the largest whose step stays within every limit (the
+    /// effective batch stays: more micro-batches accumulate); returns the micro-batch. When
+    /// even one sample passes a limit, that [`Error::Limit`] is the answer: the sample itself
+    /// is too big for this adapter.
+    pub fn fit_to_limits<D>(&mut self, data: &D) -> Result<usize>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let idx = self.plan_indices(data)?;
+        match self.largest_fitting(data, &idx, None, self.micro)? {
+            Some(m) if m == self.micro => Ok(m),
+            Some(m) => {
+                self.set_micro_batch(m)?;
+                Ok(m)
+            }
+            None => self.plan_at(data, &idx, 1, None, 0).map(|_| self.micro),
+        }
+    }
+
+    /// The largest micro-batch up to `max` whose step over `indices` fits `budget` (and the
+    /// adapter's limits) in the arena as it is now; `None` when not even one sample fits.
     pub(super) fn largest_fitting<D>(
         &mut self,
         data: &D,
         indices: &[usize],
-        budget: u64,
+        budget: Option<u64>,
         max: usize,
     ) -> Result<Option<usize>>
     where
@@ -443,4 +526,29 @@ impl<M: Module> Trainer<M> {
             ),
         })
     }
+}
+
+/// The smallest budget for which `fits` holds, between `peak` (bytes in use at the peak:
+/// nothing fits below it) and `reserved` (the peak reserved without a budget, which fits),
+/// found by bisection on whole 256-byte blocks, as the arena reserves. `fits` of one block
+/// less fails, so the figure is exact; `reserved` when even it does not fit.
+pub(super) fn smallest_fitting(
+    peak: u64,
+    reserved: u64,
+    mut fits: impl FnMut(u64) -> Result<bool>,
+) -> Result<u64> {
+    let align = crate::memory::BLOCK_ALIGN;
+    let (mut lo, mut hi) = (peak / align, reserved.div_ceil(align));
+    if !fits(hi * align)? {
+        return Ok(reserved);
+    }
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if fits(mid * align)? {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    Ok(hi * align)
 }

@@ -1,9 +1,10 @@
 //! Rows already in memory as data sources: host slices ([`HostRows`], for
-//! [`Trainer::step_rows`](super::Trainer::step_rows)) and row ranges of a device tensor (a
-//! dataset shard).
+//! [`Trainer::step_rows`](super::Trainer::step_rows)), row ranges of a device tensor (a
+//! dataset shard), and the planner's view of a sharded epoch ([`ShardedView`]).
 
+use super::data::Dataset;
 use super::model::{BatchSource, ClassBatch, Features};
-use crate::{Error, Result, Tensor};
+use crate::{DType, Device, Error, Result, Tensor};
 
 /// Host rows and labels borrowed as a data source.
 pub struct HostRows<'a> {
@@ -81,6 +82,71 @@ impl BatchSource for DeviceRows<'_> {
     }
     fn epoch_order(&self, _seed: u64, _epoch: u64) -> Vec<usize> {
         (0..self.y.len()).collect()
+    }
+}
+
+/// An in-memory dataset as [`Trainer::train_epoch_sharded`](super::Trainer::train_epoch_sharded)
+/// trains it in shards of `shard_size` samples: the same batches, plus the device memory the
+/// epoch holds while a step runs, so plans, budgets and preallocation made on this view count
+/// it. That memory is two shards, each (shard_size, dim) f32 (the one training and the next,
+/// already uploaded; one when the epoch is a single shard), and, where a batch can span two
+/// shards or the epoch ends in a short batch, that batch's rows joined on the device
+/// (effective batch, dim). Without a shard size it is the dataset itself.
+pub struct ShardedView<'a> {
+    data: &'a Dataset,
+    shard_size: Option<usize>,
+    effective_batch: usize,
+}
+
+impl<'a> ShardedView<'a> {
+    /// `data` trained in shards of `shard_size` samples (None: in memory) with effective
+    /// batches of `effective_batch` samples; both at least 1.
+    pub fn new(
+        data: &'a Dataset,
+        shard_size: Option<usize>,
+        effective_batch: usize,
+    ) -> Result<ShardedView<'a>> {
+        if shard_size == Some(0) || effective_batch == 0 {
+            return Err(Error::InvalidArgument {
+                op: "ShardedView::new",
+                reason: format!(
+                    "the shard size and the effective batch must be at least 1, got {shard_size:?} and {effective_batch}"
+                ),
+            });
+        }
+        Ok(ShardedView {
+            data,
+            shard_size,
+            effective_batch,
+        })
+    }
+}
+
+impl BatchSource for ShardedView<'_> {
+    type Batch = ClassBatch;
+    fn len(&self) -> usize {
+        self.data.len()
+    }
+    fn batch(&self, indices: &[usize]) -> Result<ClassBatch> {
+        self.data.batch(indices)
+    }
+    fn epoch_order(&self, seed: u64, epoch: u64) -> Vec<usize> {
+        self.data.epoch_order(seed, epoch)
+    }
+    fn resident(&self, device: &Device) -> Result<Vec<Tensor>> {
+        let (Some(shard), n) = (self.shard_size, self.data.len()) else {
+            return Ok(Vec::new());
+        };
+        let (rows, shards) = (shard.min(n), n.div_ceil(shard));
+        let eff = self.effective_batch.min(n);
+        let mut held = Vec::new();
+        for _ in 0..shards.min(2) {
+            held.push(Tensor::zeros(device, &[rows, self.data.dim], DType::F32)?);
+        }
+        if !shard.is_multiple_of(eff) || !n.is_multiple_of(eff) {
+            held.push(Tensor::zeros(device, &[eff, self.data.dim], DType::F32)?);
+        }
+        Ok(held)
     }
 }
 

@@ -12,6 +12,9 @@ pub struct MemorySummary {
     pub gradient_bytes: u64,
     /// Optimizer state.
     pub optimizer_state_bytes: u64,
+    /// Host memory the optimizer keeps (master weights and state under optimizer offload;
+    /// not device memory, and not counted in the peak).
+    pub host_bytes: u64,
     /// Peak live bytes minus parameters, gradients and optimizer state: activations, saved
     /// tensors and temporaries alive at the worst point of a step.
     pub activation_bytes: u64,
@@ -53,7 +56,15 @@ impl std::fmt::Display for MemorySummary {
             "  reserved (peak)   {:>12}  ({:.2}x of needed)",
             Bytes(self.stats.peak_bytes_reserved),
             self.overhead()
-        )
+        )?;
+        if self.host_bytes > 0 {
+            writeln!(
+                f,
+                "  host memory       {:>12}  (optimizer offload: master weights and state)",
+                Bytes(self.host_bytes)
+            )?;
+        }
+        Ok(())
     }
 }
 

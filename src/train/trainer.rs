@@ -56,10 +56,15 @@ pub struct TrainerConfig {
     /// Clip the gradients' total L2 norm to this before each update (torch's
     /// `clip_grad_norm_`, after loss scaling is undone), on the GPU without a readback.
     pub clip_grad_norm: Option<f32>,
+    /// Keep the optimizer's master weights and state in host memory
+    /// ([`Optimizer::offload_to_host`]; AdamW's [`offload`](crate::optim::AdamW::offload)):
+    /// the device holds only parameters and gradients.
+    pub offload_optimizer: bool,
     /// Loss scaling: more steps than this skipped in a row for overflowing gradients stops
     /// training with [`Error::NonFinite`] (the weights or the loss have blown up, and every
-    /// later step would be skipped too); 0 never stops. The default, 24, lets the scale fall
-    /// from its start of 65,536 to 1/256, past what any start-up overflow needs.
+    /// later step would be skipped too), once the scale is also below 65,536 / 2^this; 0 never
+    /// stops. The default, 24, lets the scale fall from its start of 65,536 to 1/256, past
+    /// what any start-up overflow needs.
     pub max_skipped_in_a_row: u64,
 }
 
@@ -74,6 +79,7 @@ impl Default for TrainerConfig {
             precision: Precision::F32,
             check_finite_every: 1,
             clip_grad_norm: None,
+            offload_optimizer: false,
             max_skipped_in_a_row: 24,
         }
     }
@@ -133,6 +139,13 @@ impl TrainerConfig {
         self
     }
 
+    /// Keeps the optimizer's master weights and state in host memory (see
+    /// [`TrainerConfig::offload_optimizer`]).
+    pub fn offload_optimizer(mut self, on: bool) -> Self {
+        self.offload_optimizer = on;
+        self
+    }
+
     /// Clips the gradients' total L2 norm to `max_norm` before each update.
     pub fn clip_grad_norm(mut self, max_norm: f32) -> Self {
         self.clip_grad_norm = Some(max_norm);
@@ -173,7 +186,7 @@ pub struct Trainer<M> {
 impl<M: Module> Trainer<M> {
     /// A trainer for `model`, whose parameters `optimizer` updates. The parameters' dtype must
     /// be the precision's (f16 for [`Precision::F16`], else f32).
-    pub fn new(model: M, optimizer: Box<dyn Optimizer>, config: TrainerConfig) -> Result<Self> {
+    pub fn new(model: M, mut optimizer: Box<dyn Optimizer>, config: TrainerConfig) -> Result<Self> {
         let invalid = |reason: String| {
             Err(Error::InvalidArgument {
                 op: "Trainer::new",
@@ -219,6 +232,9 @@ impl<M: Module> Trainer<M> {
             .micro_batch
             .unwrap_or(config.batch_size)
             .min(config.batch_size);
+        if config.offload_optimizer {
+            optimizer.offload_to_host()?;
+        }
         let scaler = (config.precision == Precision::Mixed).then(GradScaler::new);
         Ok(Trainer {
             model,
@@ -325,11 +341,13 @@ impl<M: Module> Trainer<M> {
         let parameter_bytes = self.model.parameter_bytes();
         let gradient_bytes = parameter_bytes;
         let optimizer_state_bytes = self.optimizer.state_bytes();
+        let host_bytes = self.optimizer.host_bytes();
         let fixed = parameter_bytes + gradient_bytes + optimizer_state_bytes;
         MemorySummary {
             parameter_bytes,
             gradient_bytes,
             optimizer_state_bytes,
+            host_bytes,
             activation_bytes: stats.peak_bytes_in_use.saturating_sub(fixed),
             stats,
         }
@@ -376,26 +394,34 @@ impl<M: Module> Trainer<M> {
         }
     }
 
+    /// Loss scaling skipped more than `max_skipped_in_a_row` tries in a row with the scale
+    /// already below 65,536 / 2^that: the weights or the loss have blown up. A run started
+    /// above the default scale (`set_state`) first halves its way down to it uncounted.
+    fn scaling_blew_up(&self) -> bool {
+        let most = self.config.max_skipped_in_a_row;
+        self.scaler.as_ref().is_some_and(|sc| {
+            let floor = 65536.0 / 2f64.powi(most.min(1000) as i32);
+            most > 0 && sc.skipped_in_a_row() > most && f64::from(sc.scale()) < floor
+        })
+    }
+
     /// Saves the model (and its configuration, where it has one), the optimizer state, the
     /// loss scaler and the position in training (`epochs_done` full epochs) to a safetensors
     /// file, atomically: a crash mid-save leaves the previous file intact.
     pub fn save_checkpoint(&self, path: &std::path::Path, epochs_done: u64) -> Result<()> {
         // A diverged model must not replace a good file: one whose weights are not finite,
         // or whose loss scaling stopped training (finite weights that overflow every step).
-        if let Some(sc) = &self.scaler {
-            let most = self.config.max_skipped_in_a_row;
-            if most > 0 && sc.skipped_in_a_row() > most {
-                return Err(Error::NonFinite {
-                    step: self.step,
-                    what: format!(
-                        "the last {} tries overflowed, so the checkpoint was not written ({} \
-                         keeps what it held)",
-                        sc.skipped_in_a_row(),
-                        path.display()
-                    ),
-                    remedy: REMEDY.into(),
-                });
-            }
+        if let Some(sc) = self.scaler.as_ref().filter(|_| self.scaling_blew_up()) {
+            return Err(Error::NonFinite {
+                step: self.step,
+                what: format!(
+                    "the last {} tries overflowed, so the checkpoint was not written ({} \
+                     keeps what it held)",
+                    sc.skipped_in_a_row(),
+                    path.display()
+                ),
+                remedy: REMEDY.into(),
+            });
         }
         let params = self.model.parameters();
         if self.device.nonfinite(&params.iter().collect::<Vec<_>>())? {
@@ -485,7 +511,7 @@ impl<M: Module> Trainer<M> {
                     let old = self.micro;
                     let budget = self.device.memory_stats().budget;
                     let planned = budget.and_then(|b| {
-                        self.largest_fitting(data, indices, b, old - 1)
+                        self.largest_fitting(data, indices, Some(b), old - 1)
                             .ok()
                             .flatten()
                     });
@@ -594,8 +620,8 @@ impl<M: Module> Trainer<M> {
                     scale_before,
                     scale_after,
                 });
-                let (in_a_row, most) = (sc.skipped_in_a_row(), self.config.max_skipped_in_a_row);
-                if most > 0 && in_a_row > most {
+                let in_a_row = sc.skipped_in_a_row();
+                if self.scaling_blew_up() {
                     return Err(Error::NonFinite {
                         step,
                         what: format!(
@@ -696,7 +722,11 @@ impl<M: Module> Trainer<M> {
     }
 
     /// Mean loss (and accuracy, where the model reports it) over `data`, in batches of
-    /// `batch` without recording, with the model in eval mode.
+    /// `batch` without recording, with the model in eval mode. A batch that runs out of memory
+    /// (a budget's typed error, raised before the driver is asked) is split in halves and the
+    /// evaluation goes on from it, so a budget bounds evaluation too; only one sample that
+    /// does not fit is an error. While planning, only the batches that can set the peak run
+    /// (the first two and a shorter last one).
     pub fn evaluate<D>(&self, data: &D, batch: usize) -> Result<Evaluation>
     where
         D: BatchSource,
@@ -705,19 +735,41 @@ impl<M: Module> Trainer<M> {
         let _g = crate::no_grad();
         self.model.set_training(false);
         let ctx = self.context(false);
-        let idx: Vec<usize> = (0..data.len()).collect();
+        let planning = self.device.is_planning();
+        let n = data.len();
         let result = (|| {
             let (mut loss, mut correct, mut counted) = (0.0f64, 0usize, true);
-            for chunk in idx.chunks(batch.max(1)) {
-                let b = data.batch(chunk)?;
-                let e = self.model.evaluate_batch(&b, &ctx)?;
-                loss += e.loss as f64 * chunk.len() as f64;
+            let (mut at, mut size, mut done) = (0, batch.max(1), 0);
+            while at < n {
+                if planning && done >= 2 {
+                    // The middle batches repeat the second's allocations: on to the last.
+                    let rest = n - at;
+                    let last = match rest % size {
+                        0 => size,
+                        r => r,
+                    };
+                    at = n - last.min(rest);
+                }
+                let len = size.min(n - at);
+                let chunk: Vec<usize> = (at..at + len).collect();
+                let e = match data
+                    .batch(&chunk)
+                    .and_then(|b| self.model.evaluate_batch(&b, &ctx))
+                {
+                    Err(Error::OutOfMemory { .. }) if size > 1 => {
+                        size = len.div_ceil(2);
+                        continue;
+                    }
+                    other => other?,
+                };
+                loss += e.loss as f64 * len as f64;
                 match e.correct {
                     Some(c) => correct += c,
                     None => counted = false,
                 }
+                (at, done) = (at + len, done + 1);
             }
-            let n = data.len().max(1) as f64;
+            let n = n.max(1) as f64;
             Ok(Evaluation {
                 loss: (loss / n) as f32,
                 accuracy: counted.then_some((correct as f64 / n) as f32),

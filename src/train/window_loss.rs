@@ -1,0 +1,85 @@
+//! `window_loss`: a language model's loss on a whole token sequence as the Hugging Face
+//! evaluations compute it: consecutive windows of `context + 1` tokens, one starting every
+//! `context` tokens (the last may be shorter), each its own forward from position 0, and the
+//! token-weighted mean next-token cross-entropy over all of them.
+
+use crate::nn::Gpt;
+use crate::{DType, Error, Result};
+
+/// What [`window_loss`] measured.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct WindowLoss {
+    /// Mean next-token cross-entropy in nats over every predicted token.
+    pub loss: f64,
+    /// Tokens predicted (the sequence's length less one).
+    pub tokens: usize,
+    /// Windows run.
+    pub windows: usize,
+}
+
+/// The loss of `model` on `tokens` in windows of `context + 1` tokens starting every `context`
+/// tokens, `batch` full windows per forward (the shorter last one alone), with the matmuls in
+/// `dtype`. Runs under `no_grad`; the model's dropout follows its training mode.
+///
+/// Errors, before any device work: [`Error::InvalidArgument`] for fewer than 2 tokens, a
+/// `context` or `batch` of 0, a context past the model's, and the id checks of
+/// [`Gpt::forward_ids`].
+pub fn window_loss(
+    model: &Gpt,
+    tokens: &[u32],
+    context: usize,
+    batch: usize,
+    dtype: DType,
+) -> Result<WindowLoss> {
+    let bad = |reason: String| {
+        Err(Error::InvalidArgument {
+            op: "window_loss",
+            reason,
+        })
+    };
+    let cfg = model.gpt_config();
+    if tokens.len() < 2 {
+        return bad(format!(
+            "{} tokens: the loss needs at least 2 (one to predict from, one to predict)",
+            tokens.len()
+        ));
+    }
+    if context == 0 || batch == 0 {
+        return bad(format!(
+            "context and batch must be at least 1, got {context} and {batch}"
+        ));
+    }
+    if context > cfg.context {
+        return bad(format!(
+            "context {context} passes the model's {} positions",
+            cfg.context
+        ));
+    }
+    model.check_vocab("window_loss", tokens)?;
+    let _g = crate::no_grad();
+    // Window w covers tokens[w C .. min(w C + C + 1, n)]; those with a single token predict
+    // nothing.
+    let starts: Vec<usize> = (0..tokens.len() - 1).step_by(context).collect();
+    let (full, short): (Vec<usize>, Vec<usize>) =
+        starts.iter().partition(|&&s| s + context < tokens.len());
+    let mut nats = 0.0f64;
+    let mut groups: Vec<(Vec<usize>, usize)> =
+        full.chunks(batch).map(|c| (c.to_vec(), context)).collect();
+    groups.extend(short.iter().map(|&s| (vec![s], tokens.len() - 1 - s)));
+    for (starts, t) in &groups {
+        let (mut ids, mut targets) = (Vec::new(), Vec::new());
+        for &s in starts {
+            ids.extend_from_slice(&tokens[s..s + t]);
+            targets.extend_from_slice(&tokens[s + 1..s + t + 1]);
+        }
+        let mean = model
+            .loss_in(&ids, &targets, starts.len(), *t, dtype)?
+            .item()?;
+        nats += mean as f64 * (starts.len() * t) as f64;
+    }
+    Ok(WindowLoss {
+        loss: nats / (tokens.len() - 1) as f64,
+        tokens: tokens.len() - 1,
+        windows: starts.len(),
+    })
+}
