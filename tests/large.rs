@@ -72,3 +72,118 @@ fn reduction_past_65535_workgroups(dev: &Device) {
         Tol::EXACT,
     );
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tensors larger than one storage binding
+// ---------------------------------------------------------------------------------------------
+
+/// The binding limit the split runs lower the device to: a tiny GPT's token embedding
+/// (300 x 16) is 2 or 3 windows of it in f32, 2 in f16.
+const SMALL_BINDING: u64 = 8192;
+
+/// A tiny tied GPT whose embedding (and its gradient and optimizer state) passes
+/// `SMALL_BINDING`: vocabulary 300, width 16, one block, context 4.
+fn wide_vocab(dtype: DType) -> fitgrad::nn::GptConfig {
+    let mut cfg = fitgrad::nn::GptConfig::new(300, 4, 1, 2, 16);
+    cfg.dtype = dtype;
+    cfg.seed = 7;
+    cfg
+}
+
+/// Steps of SGD with momentum, AdamW and global-norm clipping on a tiny GPT; returns every
+/// loss and every parameter's bits at the end.
+fn train_wide(dev: &Device, dtype: DType) -> (Vec<u32>, Vec<Vec<u32>>) {
+    use fitgrad::nn::{Gpt, Module};
+    use fitgrad::optim::{clip_grad_norm, AdamW, Optimizer, Sgd};
+    let gpt = Gpt::new(dev, wide_vocab(dtype)).unwrap();
+    let ids: Vec<u32> = (0..4u32).map(|i| (i * 97 + 13) % 300).collect();
+    let targets: Vec<u32> = (0..4u32).map(|i| (i * 61 + 5) % 300).collect();
+    let mut losses = Vec::new();
+    let mut sgd = Sgd::new(gpt.parameters(), 0.1)
+        .unwrap()
+        .momentum(0.9)
+        .unwrap();
+    let mut adamw = AdamW::new(gpt.parameters(), 1e-2).unwrap();
+    for step in 0..4 {
+        let loss = gpt.loss(&ids, &targets, 1, 4).unwrap();
+        losses.push(loss.item().unwrap().to_bits());
+        loss.backward().unwrap();
+        clip_grad_norm(&gpt.parameters(), 0.5).unwrap();
+        if step % 2 == 0 {
+            sgd.step().unwrap();
+        } else {
+            adamw.step().unwrap();
+        }
+        gpt.zero_grad();
+    }
+    let params = gpt
+        .named_parameters()
+        .iter()
+        .map(|(_, p)| {
+            let v = p.to_vec_f32().unwrap();
+            v.iter().map(|x| x.to_bits()).collect()
+        })
+        .collect();
+    (losses, params)
+}
+
+/// A device of the default backend, with the binding limit lowered when `small`.
+fn binding_device(small: bool, packed: bool) -> Option<Device> {
+    let mut opts = fitgrad::DeviceOptions::default().force_packed_f16(packed);
+    if small {
+        opts = opts.max_binding_size(SMALL_BINDING);
+    }
+    fresh_device(opts)
+}
+
+/// With the binding limit lowered so the token embedding, its gradient and its optimizer state
+/// are bound as several windows, the gather, the scatter-add of its gradient, the tied head's
+/// three matmuls, the casts and fills, clipping and both optimizers give the bits the
+/// unsplit run gives, in f32 and f16 (native and packed).
+#[test]
+fn tensors_past_one_binding_train_bit_for_bit() {
+    for packed in [false, true] {
+        let (Some(whole), Some(split)) =
+            (binding_device(false, packed), binding_device(true, packed))
+        else {
+            return;
+        };
+        let limits = &split.info().limits;
+        assert_eq!(limits.max_storage_buffer_binding_size, SMALL_BINDING);
+        for dtype in [DType::F32, DType::F16] {
+            let bytes = 300 * 16 * dtype.size() as u64;
+            assert!(bytes > SMALL_BINDING, "the embedding must pass the binding");
+            let want = train_wide(&whole, dtype);
+            let got = train_wide(&split, dtype);
+            assert_eq!(got.0, want.0, "losses, {dtype:?}, packed f16 {packed}");
+            assert!(
+                got.1 == want.1,
+                "parameters differ, {dtype:?}, packed f16 {packed}"
+            );
+        }
+    }
+}
+
+/// A kernel that binds tensors whole (softmax) refuses one past the binding limit with a typed
+/// error naming the limit, before anything runs, and so does a plan of it; a tensor past the
+/// largest buffer is refused when it is made.
+#[test]
+fn a_whole_binding_past_the_limit_is_a_typed_error() {
+    let Some(dev) = binding_device(true, false) else {
+        return;
+    };
+    let x = fitgrad::Tensor::zeros(&dev, &[4, 1024], DType::F32).unwrap();
+    for planning in [false, true] {
+        let plan = planning.then(|| dev.planning().unwrap());
+        match x.softmax() {
+            Err(fitgrad::Error::Limit { limit, .. }) => assert_eq!(limit, SMALL_BINDING),
+            other => panic!("softmax past the binding (planning {planning}): {other:?}"),
+        }
+        drop(plan);
+    }
+    let past = dev.info().limits.max_buffer_size as usize / 4 + 64;
+    assert!(matches!(
+        fitgrad::Tensor::zeros(&dev, &[past], DType::F32),
+        Err(fitgrad::Error::Limit { .. })
+    ));
+}

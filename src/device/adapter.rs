@@ -30,6 +30,10 @@ pub struct DeviceOptions {
     /// Store f16 packed in u32 and compute in f32 even where the adapter has SHADER_F16
     /// (tests use this to run the path that GL and some DX12 adapters need).
     pub force_packed_f16: bool,
+    /// Caps the storage-binding size below the adapter's: tensors past it are bound as several
+    /// windows of their buffer, as tensors past the adapter's own limit are (tests run that
+    /// path at small sizes this way).
+    pub max_binding_size: Option<u64>,
 }
 
 impl DeviceOptions {
@@ -55,6 +59,12 @@ impl DeviceOptions {
     /// Stores f16 packed in u32 and computes in f32 even where the adapter has SHADER_F16.
     pub fn force_packed_f16(mut self, force: bool) -> Self {
         self.force_packed_f16 = force;
+        self
+    }
+
+    /// Caps the storage-binding size at `bytes` (at least 256; see `max_binding_size`).
+    pub fn max_binding_size(mut self, bytes: u64) -> Self {
+        self.max_binding_size = Some(bytes);
         self
     }
 

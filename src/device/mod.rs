@@ -196,8 +196,20 @@ impl Device {
         own_handlers: bool,
     ) -> Result<Device> {
         let l = device.limits();
+        let binding = match options.max_binding_size {
+            Some(cap) if cap < 256 => {
+                return Err(Error::InvalidArgument {
+                    op: "DeviceOptions::max_binding_size",
+                    reason: format!(
+                        "a binding of {cap} bytes holds no aligned window; give at least 256"
+                    ),
+                })
+            }
+            Some(cap) => cap.min(l.max_storage_buffer_binding_size),
+            None => l.max_storage_buffer_binding_size,
+        };
         let limits = DeviceLimits {
-            max_storage_buffer_binding_size: l.max_storage_buffer_binding_size,
+            max_storage_buffer_binding_size: binding,
             max_buffer_size: l.max_buffer_size,
             max_compute_workgroup_storage_size: l.max_compute_workgroup_storage_size,
             max_compute_invocations_per_workgroup: l.max_compute_invocations_per_workgroup,
@@ -237,11 +249,7 @@ impl Device {
         }
         check_budget(options.memory_budget, &info.adapter)?;
         let param_ring = queue::param_ring(&device);
-        let arena = Arena::new(
-            info.limits.max_buffer_size,
-            info.limits.max_storage_buffer_binding_size,
-            options.memory_budget,
-        );
+        let arena = Arena::new(info.limits.max_buffer_size, options.memory_budget);
         Ok(Device {
             inner: Arc::new(DeviceInner {
                 param_align: (info.limits.min_uniform_buffer_offset_alignment as u64).max(16),
@@ -455,16 +463,11 @@ impl Device {
         Ok(())
     }
 
-    /// Whether a tensor of `bytes` bytes could exist on this device (one storage binding
-    /// holds it, and it is not by itself over the budget), checked before any host work.
+    /// Whether a tensor of `bytes` bytes could exist on this device (one buffer holds it, and
+    /// it is not by itself over the budget), checked before any host work.
     pub(crate) fn check_tensor_bytes(&self, op: &'static str, bytes: u64) -> Result<()> {
         let size = Arena::block_size(bytes);
-        let limit = self
-            .inner
-            .info
-            .limits
-            .max_storage_buffer_binding_size
-            .min(self.inner.info.limits.max_buffer_size);
+        let limit = self.inner.info.limits.max_buffer_size;
         if size > limit {
             return Err(Error::Limit {
                 op,
@@ -482,6 +485,23 @@ impl Device {
                 budget,
             }),
             _ => Ok(()),
+        }
+    }
+
+    /// Bytes of each window but the last of a block bound as several (the binding limit
+    /// rounded down to the arena's alignment).
+    pub(crate) fn window_bytes(&self) -> u64 {
+        self.inner.info.limits.max_storage_buffer_binding_size / crate::memory::BLOCK_ALIGN
+            * crate::memory::BLOCK_ALIGN
+    }
+
+    /// Windows a block of `bytes` bytes is bound as: 1 within the binding limit, else enough
+    /// windows of [`Device::window_bytes`].
+    pub(crate) fn binding_windows(&self, bytes: u64) -> u32 {
+        if bytes <= self.inner.info.limits.max_storage_buffer_binding_size {
+            1
+        } else {
+            bytes.div_ceil(self.window_bytes()) as u32
         }
     }
 

@@ -10,6 +10,13 @@ use std::sync::Arc;
 pub(crate) struct Kernel {
     pub name: String,
     pub compiled: Option<(wgpu::ComputePipeline, wgpu::BindGroupLayout)>,
+    /// Storage bindings the shader declares (a split tensor's windows each count).
+    pub tensor_bindings: usize,
+}
+
+/// Storage bindings declared by `source` (binding 0, the parameters, is not one).
+fn tensor_bindings(source: &str) -> usize {
+    source.matches("var<storage").count()
 }
 
 impl Device {
@@ -28,17 +35,21 @@ impl Device {
             return Ok(k.clone());
         }
         if self.is_planning() {
-            // A stand-in, not cached: the real run compiles it.
+            // A stand-in, not cached: the real run compiles it. Its bindings are counted so a
+            // plan refuses what the real dispatch would.
             return Ok(Arc::new(Kernel {
                 name: key.to_string(),
                 compiled: None,
+                tensor_bindings: tensor_bindings(&source()),
             }));
         }
         let dev = &self.inner.device;
         let scope = dev.push_error_scope(wgpu::ErrorFilter::Validation);
+        let source = source();
+        let bindings = tensor_bindings(&source);
         let desc = wgpu::ShaderModuleDescriptor {
             label: Some(key),
-            source: wgpu::ShaderSource::Wgsl(source().into()),
+            source: wgpu::ShaderSource::Wgsl(source.into()),
         };
         let module = if bounds_proven {
             // SAFETY: the caller's kernel clamps or guards every index it reads and writes
@@ -69,6 +80,7 @@ impl Device {
         let k = Arc::new(Kernel {
             name: key.to_string(),
             compiled: Some((pipeline, layout)),
+            tensor_bindings: bindings,
         });
         lock(&self.inner.kernels).insert(key.to_string(), k.clone());
         Ok(k)

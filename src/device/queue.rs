@@ -88,14 +88,15 @@ impl Device {
         tensors: &[&Block],
         groups: [u32; 3],
     ) -> Result<()> {
+        let windows = self.windows(kernel, tensors)?;
         if groups.contains(&0) || self.planned_op(&kernel.name) {
             return Ok(());
         }
         let (Some((pipeline, layout)), Some(buffers)) = (
             kernel.compiled.as_ref(),
-            tensors
+            windows
                 .iter()
-                .map(|b| b.buffer.as_ref())
+                .map(|w| w.0.buffer.as_ref())
                 .collect::<Option<Vec<_>>>(),
         ) else {
             return Err(planned_outside_plan());
@@ -131,13 +132,13 @@ impl Device {
                 size: wgpu::BufferSize::new(binding_size),
             }),
         }];
-        for (i, (b, buffer)) in tensors.iter().zip(&buffers).enumerate() {
+        for (i, ((b, offset, size), buffer)) in windows.iter().zip(&buffers).enumerate() {
             entries.push(wgpu::BindGroupEntry {
                 binding: i as u32 + 1,
                 resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
                     buffer,
-                    offset: b.offset,
-                    size: wgpu::BufferSize::new(b.size),
+                    offset: b.offset + offset,
+                    size: wgpu::BufferSize::new(*size),
                 }),
             });
         }
@@ -161,6 +162,53 @@ impl Device {
             self.submit(&mut pending)?;
         }
         Ok(())
+    }
+
+    /// The storage bindings of one dispatch in binding order, each (block, offset in it, size):
+    /// every block's first window, then the further windows of the blocks past the binding
+    /// limit, block by block (the order `kernels::assemble` numbers them in). A kernel built
+    /// without those windows binds fewer than that and is refused with an [`Error::Limit`]
+    /// (as is one past the adapter's storage bindings per kernel), also while planning.
+    fn windows<'a>(
+        &self,
+        kernel: &Kernel,
+        tensors: &[&'a Block],
+    ) -> Result<Vec<(&'a Block, u64, u64)>> {
+        let step = self.window_bytes();
+        let mut first = Vec::with_capacity(tensors.len());
+        let mut rest = Vec::new();
+        for &b in tensors {
+            let n = self.binding_windows(b.size) as u64;
+            let len = |w: u64| {
+                if n == 1 {
+                    b.size
+                } else {
+                    step.min(b.size - w * step)
+                }
+            };
+            first.push((b, 0, len(0)));
+            rest.extend((1..n).map(|w| (b, w * step, len(w))));
+        }
+        if rest.len() + first.len() != kernel.tensor_bindings {
+            let largest = tensors.iter().map(|b| b.size).max().unwrap_or(0);
+            return Err(Error::Limit {
+                op: "dispatch",
+                what: "bytes of a tensor that this kernel binds whole",
+                value: largest,
+                limit: self.inner.info.limits.max_storage_buffer_binding_size,
+            });
+        }
+        first.extend(rest);
+        let most = self.inner.info.limits.max_storage_buffers_per_shader_stage as u64;
+        if first.len() as u64 > most {
+            return Err(Error::Limit {
+                op: "dispatch",
+                what: "storage bindings of one kernel (windows of large tensors included)",
+                value: first.len() as u64,
+                limit: most,
+            });
+        }
+        Ok(first)
     }
 
     /// Records a copy of `bytes` bytes (a multiple of 4) between blocks.

@@ -260,21 +260,21 @@ impl PretrainedGpt {
     /// mode, with no dropout unless `config` has it).
     ///
     /// Errors: an [`Error::Limit`] naming the largest tensor when it passes the adapter's
-    /// storage-binding limit (before any device work: GPT-2 124M's f32 token embedding is
-    /// 147 MiB, past lavapipe's 128 MiB; read it as f16), and those of [`Gpt::new`].
+    /// largest buffer (before any device work; a tensor past one storage binding is bound as
+    /// windows of its buffer), and those of [`Gpt::new`].
     pub fn build(&self, device: &Device) -> Result<Gpt> {
-        let limit = device.info().limits.max_storage_buffer_binding_size;
+        let limit = device.info().limits.max_buffer_size;
         if let Some((name, t)) = self
             .weights
             .tensors
             .iter()
             .max_by_key(|(_, t)| t.bytes.len())
-            .filter(|(_, t)| t.bytes.len() as u64 > limit)
+            .filter(|(_, t)| crate::memory::Arena::block_size(t.bytes.len() as u64) > limit)
         {
             return Err(Error::Limit {
                 op: "PretrainedGpt::build",
                 what: if name == "wte.weight" {
-                    "the token embedding wte.weight (load it as f16, or use an adapter with larger bindings)"
+                    "the token embedding wte.weight (load it as f16, or use an adapter with larger buffers)"
                 } else {
                     "a weight's size in bytes"
                 },

@@ -2,10 +2,12 @@
 //! kernels.
 
 use super::Operand;
+use super::Splits;
 use super::{
     assemble, pair_groups, specialize, Binding, ShaderFile, Storage, BINARY, FILL, UNARY, WG, WHERE,
 };
 use crate::device::Kernel;
+use crate::memory::Block;
 use crate::{Device, Result};
 use std::sync::Arc;
 
@@ -91,7 +93,9 @@ fn kernel(
     op: Option<u32>,
     storage: &[Storage],
     vec: bool,
+    blocks: &[&Block],
 ) -> Result<Arc<Kernel>> {
+    let splits = Splits::of(dev, blocks);
     let mut key = file.name.to_string();
     let mut consts = vec![("VEC", u32::from(vec))];
     if let Some(op) = op {
@@ -105,13 +109,14 @@ fn kernel(
     if vec {
         key += "_x4";
     }
+    key += &splits.key();
     dev.kernel(&key, &[], false, || {
         let bind: Vec<Binding> = file
             .with_storage(storage)
             .into_iter()
             .map(|b| Binding { vec4: vec, ..b })
             .collect();
-        assemble(&specialize(file.body, &consts), &bind)
+        assemble(&specialize(file.body, &consts), &splits.apply(bind))
     })
 }
 
@@ -135,18 +140,14 @@ pub(crate) fn binary<T: Operand>(op: BinaryOp, a: &T, b: &T, out: &T) -> Result<
     // Without broadcasting, whole quads: a row of four elements needs no index arithmetic.
     let vec = n.is_multiple_of(4) && a.shape() == out.shape() && b.shape() == out.shape();
     let own = op.has_own_pipeline().then_some(op as u32);
-    let k = kernel(dev, &BINARY, own, &[s, s, s], vec)?;
+    let blocks = [a.block(), b.block(), out.block()];
+    let k = kernel(dev, &BINARY, own, &[s, s, s], vec, &blocks)?;
     let shape = out.shape();
     let mut params = vec![n as u32, op as u32, 0, 0];
     params.extend(shape.dims4());
     params.extend(a.shape().broadcast_strides4(shape));
     params.extend(b.shape().broadcast_strides4(shape));
-    dev.dispatch(
-        &k,
-        &params,
-        &[a.block(), b.block(), out.block()],
-        groups(n, vec),
-    )
+    dev.dispatch(&k, &params, &blocks, groups(n, vec))
 }
 
 /// out = op(x, s); `out` may have another dtype than `x` (a cast).
@@ -165,9 +166,10 @@ pub(crate) fn unary2<T: Operand>(op: UnaryOp, x: &T, s: f32, s2: f32, out: &T) -
     let vec = n.is_multiple_of(4);
     // Ops past the arithmetic ones get a pipeline each (see shaders/unary.wgsl).
     let own = op.has_own_pipeline().then_some(op as u32);
-    let k = kernel(dev, &UNARY, own, &storage, vec)?;
+    let blocks = [x.block(), out.block()];
+    let k = kernel(dev, &UNARY, own, &storage, vec, &blocks)?;
     let params = [n as u32, op as u32, s.to_bits(), s2.to_bits()];
-    dev.dispatch(&k, &params, &[x.block(), out.block()], groups(n, vec))
+    dev.dispatch(&k, &params, &blocks, groups(n, vec))
 }
 
 /// out = a where c is nonzero, else b, all three broadcast to out's shape; a, b and out share a
@@ -200,7 +202,7 @@ pub(crate) fn fill<T: Operand>(out: &T, value: f32) -> Result<()> {
         return Ok(());
     }
     let dev = out.device();
-    let k = FILL.kernel(dev, &[Storage::of(dev, out.dtype())])?;
+    let k = FILL.kernel_for(dev, &[Storage::of(dev, out.dtype())], &[], &[out.block()])?;
     dev.dispatch(
         &k,
         &[n as u32, value.to_bits(), 0, 0],

@@ -4,8 +4,9 @@
 //! readback.
 
 use super::Operand;
-use super::{assemble, specialize, Binding, Storage, GRAD_NORM, WG};
+use super::{assemble, specialize, Binding, Splits, Storage, GRAD_NORM, WG};
 use crate::device::Kernel;
+use crate::memory::Block;
 use crate::{Device, Result};
 use std::sync::Arc;
 
@@ -33,14 +34,22 @@ pub(crate) fn parts(n: usize) -> usize {
         .min(MAX_PARTS)
 }
 
-fn kernel(dev: &Device, kind: Kind, storage: [Storage; 3], vec: bool) -> Result<Arc<Kernel>> {
+fn kernel(
+    dev: &Device,
+    kind: Kind,
+    storage: [Storage; 3],
+    vec: bool,
+    blocks: &[&Block; 3],
+) -> Result<Arc<Kernel>> {
+    let splits = Splits::of(dev, blocks);
     let key = format!(
-        "grad_norm_k{}_{}_{}_{}{}",
+        "grad_norm_k{}_{}_{}_{}{}{}",
         kind as u32,
         storage[0].tag(),
         storage[1].tag(),
         storage[2].tag(),
-        if vec { "_x4" } else { "" }
+        if vec { "_x4" } else { "" },
+        splits.key()
     );
     dev.kernel(&key, &[], false, || {
         let body = specialize(
@@ -55,7 +64,7 @@ fn kernel(dev: &Device, kind: Kind, storage: [Storage; 3], vec: bool) -> Result<
                 ..b
             })
             .collect();
-        assemble(&body, &bind)
+        assemble(&body, &splits.apply(bind))
     })
 }
 
@@ -71,28 +80,20 @@ pub(crate) fn sum_squares<T: Operand>(g: &T, acc: &T, slot: usize) -> Result<()>
     // Whole quads when every one is whole (a block starts 256-byte aligned).
     let vec = n.is_multiple_of(4);
     let st = [Storage::of(dev, g.dtype()), Storage::F32, Storage::F32];
-    let k = kernel(dev, Kind::SumSquares, st, vec)?;
-    let params = [n as u32, slot as u32, 0, 0];
     // The unused norm binding aliases acc.
-    dev.dispatch(
-        &k,
-        &params,
-        &[g.block(), acc.block(), acc.block()],
-        groups as u32,
-    )
+    let blocks = [g.block(), acc.block(), acc.block()];
+    let k = kernel(dev, Kind::SumSquares, st, vec, &blocks)?;
+    let params = [n as u32, slot as u32, 0, 0];
+    dev.dispatch(&k, &params, &blocks, groups as u32)
 }
 
 /// norm (one f32) = sqrt of the sum of `acc[0..slots]`.
 pub(crate) fn norm<T: Operand>(acc: &T, slots: usize, norm: &T) -> Result<()> {
     let dev = acc.device();
-    let k = kernel(dev, Kind::Norm, [Storage::F32; 3], false)?;
     // The unused g binding aliases acc.
-    dev.dispatch(
-        &k,
-        &[slots as u32, 0, 0, 0],
-        &[acc.block(), acc.block(), norm.block()],
-        1,
-    )
+    let blocks = [acc.block(), acc.block(), norm.block()];
+    let k = kernel(dev, Kind::Norm, [Storage::F32; 3], false, &blocks)?;
+    dev.dispatch(&k, &[slots as u32, 0, 0, 0], &blocks, 1)
 }
 
 /// g *= max_norm / (norm + 1e-6) in place where that factor is below 1 and the norm (one f32,
@@ -105,16 +106,12 @@ pub(crate) fn scale<T: Operand>(g: &T, norm: &T, max_norm: f32) -> Result<()> {
     let dev = g.device();
     let vec = n.is_multiple_of(4);
     let st = [Storage::of(dev, g.dtype()), Storage::F32, Storage::F32];
-    let k = kernel(dev, Kind::Scale, st, vec)?;
+    // The unused acc binding aliases norm.
+    let blocks = [g.block(), norm.block(), norm.block()];
+    let k = kernel(dev, Kind::Scale, st, vec, &blocks)?;
     let per_invocation = if vec { 4 } else { 2 };
     let groups = (n.div_ceil(per_invocation) as u32).div_ceil(WG);
-    // The unused acc binding aliases norm.
-    dev.dispatch(
-        &k,
-        &[n as u32, 0, max_norm.to_bits(), 0],
-        &[g.block(), norm.block(), norm.block()],
-        groups,
-    )
+    dev.dispatch(&k, &[n as u32, 0, max_norm.to_bits(), 0], &blocks, groups)
 }
 
 #[cfg(test)]

@@ -19,11 +19,17 @@ fn run<T: Operand>(mode: Mode, idx: &T, x: &T, rows: usize, d: usize, out: &T) -
     }
     let dev = out.device();
     let s = Storage::of(dev, out.dtype());
-    let k = INDEX_SELECT.kernel_with(dev, &[Storage::U32, s, s], &[("MODE", mode as u32)])?;
+    let blocks = [idx.block(), x.block(), out.block()];
+    let k = INDEX_SELECT.kernel_for(
+        dev,
+        &[Storage::U32, s, s],
+        &[("MODE", mode as u32)],
+        &blocks,
+    )?;
     dev.dispatch(
         &k,
         &[n as u32, d as u32, rows as u32, 0],
-        &[idx.block(), x.block(), out.block()],
+        &blocks,
         pair_groups(n),
     )
 }

@@ -112,6 +112,74 @@ pub struct Binding {
     pub storage: Storage,
     pub write: bool,
     pub vec4: bool,
+    /// Bound as several windows of one buffer (a tensor larger than one storage binding may
+    /// see); `None` for one binding.
+    pub split: Option<Split>,
+}
+
+/// How a split binding's windows cut its array: window `w` holds array indices
+/// `w * len .. (w + 1) * len` and is declared `NAME_w` (window 0 is `NAME` itself, at the
+/// binding's own number; the others follow every plain binding, in order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Split {
+    /// Windows, at least 2.
+    pub windows: u32,
+    /// Bytes of each window but the last (a multiple of 256).
+    pub window_bytes: u64,
+}
+
+/// Bytes of one array element of a binding (a vec4 binding's element is four tensor elements).
+fn array_elem_bytes(b: &Binding) -> u64 {
+    match (b.storage, b.vec4) {
+        (Storage::F16, false) => 2,
+        (Storage::F32 | Storage::F16Packed | Storage::U32, false) => 4,
+        (Storage::F16, true) | (Storage::F16Packed, true) => 8,
+        (Storage::F32 | Storage::U32, true) => 16,
+    }
+}
+
+/// Reads and writes of a split binding's array by index: `rd_N(j)`, `wr_N(j, v)` and, for
+/// vector elements, `wrc_N(j, c, v)` (one component, so two invocations may write the halves
+/// of one element's words, as the plain accessors do).
+fn split_accessors(b: &Binding, sp: &Split) -> String {
+    let n = b.name;
+    let t = wgsl_array_type(b);
+    let len = sp.window_bytes / array_elem_bytes(b);
+    let arr = |w: u32| {
+        if w == 0 {
+            n.to_string()
+        } else {
+            format!("{n}_{w}")
+        }
+    };
+    let mut rd = format!("fn rd_{n}(ix_: u32) -> {t} {{\n");
+    let mut wr = format!("fn wr_{n}(ix_: u32, val_: {t}) {{\n");
+    let vector = t.starts_with("vec");
+    let scalar = t
+        .trim_start_matches("vec4<")
+        .trim_start_matches("vec2<")
+        .trim_end_matches('>');
+    let mut wrc = format!("fn wrc_{n}(ix_: u32, cx_: u32, val_: {scalar}) {{\n");
+    for w in 0..sp.windows {
+        let lo = w as u64 * len;
+        let a = arr(w);
+        let cond = if w + 1 < sp.windows {
+            format!("if (ix_ < {}u) ", lo + len)
+        } else {
+            String::new()
+        };
+        rd += &format!("  {cond}{{ return {a}[ix_ - {lo}u]; }}\n");
+        wr += &format!("  {cond}{{ {a}[ix_ - {lo}u] = val_; return; }}\n");
+        wrc += &format!("  {cond}{{ {a}[ix_ - {lo}u][cx_] = val_; return; }}\n");
+    }
+    let mut s = rd + "}\n";
+    if b.write {
+        s += &(wr + "}\n");
+        if vector {
+            s += &(wrc + "}\n");
+        }
+    }
+    s
 }
 
 /// The WGSL element type of a binding.
@@ -146,23 +214,54 @@ fn accessors(b: &Binding) -> String {
         Storage::F16Packed => "u32",
         Storage::U32 => return String::new(),
     };
-    let mut s = String::new();
+    // Array reads and writes: in place, or through a split binding's window accessors.
+    let split = b.split.is_some();
+    let rd = |j: &str| {
+        if split {
+            format!("rd_{n}({j})")
+        } else {
+            format!("{n}[{j}]")
+        }
+    };
+    let wr = |j: &str, v: &str| {
+        if split {
+            format!("wr_{n}({j}, {v})")
+        } else {
+            format!("{n}[{j}] = {v}")
+        }
+    };
+    let wrc = |j: &str, c: &str, v: &str| {
+        if split {
+            format!("wrc_{n}({j}, {c}, {v})")
+        } else {
+            format!("{n}[{j}][{c}] = {v}")
+        }
+    };
+    let mut s = match &b.split {
+        Some(sp) => split_accessors(b, sp),
+        None => String::new(),
+    };
     match (b.vec4, b.storage) {
         (true, Storage::F16Packed) => {
             s += &format!(
-                "fn ld4_{n}(i: u32) -> vec4<f32> {{ let w = {n}[i >> 2u]; \
-                 return vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y)); }}\n"
+                "fn ld4_{n}(i: u32) -> vec4<f32> {{ let w = {}; \
+                 return vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y)); }}\n",
+                rd("i >> 2u")
             );
         }
         (true, _) => {
-            s += &format!("fn ld4_{n}(i: u32) -> vec4<f32> {{ return vec4<f32>({n}[i >> 2u]); }}\n")
+            s += &format!(
+                "fn ld4_{n}(i: u32) -> vec4<f32> {{ return vec4<f32>({}); }}\n",
+                rd("i >> 2u")
+            )
         }
         (false, Storage::F16Packed) => {
             s += &format!(
-                "fn ld_{n}(i: u32) -> f32 {{ return unpack2x16float({n}[i >> 1u])[i & 1u]; }}\n"
+                "fn ld_{n}(i: u32) -> f32 {{ return unpack2x16float({})[i & 1u]; }}\n",
+                rd("i >> 1u")
             );
         }
-        (false, _) => s += &format!("fn ld_{n}(i: u32) -> f32 {{ return f32({n}[i]); }}\n"),
+        (false, _) => s += &format!("fn ld_{n}(i: u32) -> f32 {{ return f32({}); }}\n", rd("i")),
     }
     if b.vec4 {
         s += &format!("fn ld_{n}(i: u32) -> f32 {{ return ld4_{n}(i & ~3u)[i & 3u]; }}\n");
@@ -176,30 +275,46 @@ fn accessors(b: &Binding) -> String {
     }
     s += &match (b.vec4, b.storage) {
         (true, Storage::F16Packed) => format!(
-            "fn st4_{n}(i: u32, v: vec4<f32>) {{ {n}[i >> 2u] = vec2<u32>(pack2x16float(v.xy), pack2x16float(v.zw)); }}\n\
+            "fn st4_{n}(i: u32, v: vec4<f32>) {{ {}; }}\n\
              fn st_{n}(i: u32, v: f32) {{\n  var w = ld4_{n}(i & ~3u);\n  w[i & 3u] = v;\n  st4_{n}(i & ~3u, w);\n}}\n\
-             fn st2_{n}(w: u32, v0: f32, v1: f32, n: u32) {{ {n}[w >> 1u][w & 1u] = pack2x16float(vec2<f32>(v0, v1)); }}\n"
+             fn st2_{n}(w: u32, v0: f32, v1: f32, n: u32) {{ {}; }}\n",
+            wr("i >> 2u", "vec2<u32>(pack2x16float(v.xy), pack2x16float(v.zw))"),
+            wrc("w >> 1u", "w & 1u", "pack2x16float(vec2<f32>(v0, v1))")
         ),
         (true, _) => format!(
-            "fn st4_{n}(i: u32, v: vec4<f32>) {{ {n}[i >> 2u] = vec4<{t}>(v); }}\n\
-             fn st_{n}(i: u32, v: f32) {{ {n}[i >> 2u][i & 3u] = {t}(v); }}\n\
+            "fn st4_{n}(i: u32, v: vec4<f32>) {{ {}; }}\n\
+             fn st_{n}(i: u32, v: f32) {{ {}; }}\n\
              fn st2_{n}(w: u32, v0: f32, v1: f32, n: u32) {{\n  \
                let i = 2u * w;\n  \
                if (i < n) {{ st_{n}(i, v0); }}\n  \
-               if (i + 1u < n) {{ st_{n}(i + 1u, v1); }}\n}}\n"
+               if (i + 1u < n) {{ st_{n}(i + 1u, v1); }}\n}}\n",
+            wr("i >> 2u", &format!("vec4<{t}>(v)")),
+            wrc("i >> 2u", "i & 3u", &format!("{t}(v)"))
         ),
         (false, Storage::F16Packed) => format!(
-            "fn st2_{n}(w: u32, v0: f32, v1: f32, n: u32) {{ {n}[w] = pack2x16float(vec2<f32>(v0, v1)); }}\n\
-             fn st4_{n}(i: u32, v: vec4<f32>) {{ {n}[i >> 1u] = pack2x16float(v.xy); {n}[(i >> 1u) + 1u] = pack2x16float(v.zw); }}\n\
-             fn st_{n}(i: u32, v: f32) {{\n  var w = unpack2x16float({n}[i >> 1u]);\n  w[i & 1u] = v;\n  {n}[i >> 1u] = pack2x16float(w);\n}}\n"
+            "fn st2_{n}(w: u32, v0: f32, v1: f32, n: u32) {{ {}; }}\n\
+             fn st4_{n}(i: u32, v: vec4<f32>) {{ {}; {}; }}\n\
+             fn st_{n}(i: u32, v: f32) {{\n  var w = unpack2x16float({});\n  w[i & 1u] = v;\n  {};\n}}\n",
+            wr("w", "pack2x16float(vec2<f32>(v0, v1))"),
+            wr("i >> 1u", "pack2x16float(v.xy)"),
+            wr("(i >> 1u) + 1u", "pack2x16float(v.zw)"),
+            rd("i >> 1u"),
+            wr("i >> 1u", "pack2x16float(w)")
         ),
         (false, _) => format!(
-            "fn st_{n}(i: u32, v: f32) {{ {n}[i] = {t}(v); }}\n\
+            "fn st_{n}(i: u32, v: f32) {{ {}; }}\n\
              fn st2_{n}(w: u32, v0: f32, v1: f32, n: u32) {{\n  \
                let i = 2u * w;\n  \
-               if (i < n) {{ {n}[i] = {t}(v0); }}\n  \
-               if (i + 1u < n) {{ {n}[i + 1u] = {t}(v1); }}\n}}\n\
-             fn st4_{n}(i: u32, v: vec4<f32>) {{ {n}[i] = {t}(v.x); {n}[i + 1u] = {t}(v.y); {n}[i + 2u] = {t}(v.z); {n}[i + 3u] = {t}(v.w); }}\n"
+               if (i < n) {{ {}; }}\n  \
+               if (i + 1u < n) {{ {}; }}\n}}\n\
+             fn st4_{n}(i: u32, v: vec4<f32>) {{ {}; {}; {}; {}; }}\n",
+            wr("i", &format!("{t}(v)")),
+            wr("i", &format!("{t}(v0)")),
+            wr("i + 1u", &format!("{t}(v1)")),
+            wr("i", &format!("{t}(v.x)")),
+            wr("i + 1u", &format!("{t}(v.y)")),
+            wr("i + 2u", &format!("{t}(v.z)")),
+            wr("i + 3u", &format!("{t}(v.w)"))
         ),
     };
     s
@@ -212,6 +327,9 @@ pub fn assemble(body: &str, bindings: &[Binding]) -> String {
         // Must be the first line of the module.
         src.push_str("enable f16;\n");
     }
+    // A split binding's further windows take the numbers after every plain binding, in order
+    // (the device binds a block's windows in the same order).
+    let mut next = bindings.len() + 1;
     for (i, b) in bindings.iter().enumerate() {
         // Inputs are declared read_write too: tensors are ranges of shared arena buffers, and
         // wgpu forbids one buffer bound read-only and writable in the same dispatch, while
@@ -222,6 +340,14 @@ pub fn assemble(body: &str, bindings: &[Binding]) -> String {
             b.name,
             wgsl_array_type(b)
         );
+        for w in 1..b.split.map_or(1, |s| s.windows) {
+            src += &format!(
+                "@group(0) @binding({next}) var<storage, read_write> {}_{w}: array<{}>;\n",
+                b.name,
+                wgsl_array_type(b)
+            );
+            next += 1;
+        }
         src += &accessors(b);
     }
     src.push_str(body);
@@ -747,6 +873,7 @@ impl ShaderFile {
                 storage: s,
                 write: w,
                 vec4: false,
+                split: None,
             })
             .collect()
     }
@@ -785,9 +912,87 @@ impl ShaderFile {
     }
 }
 
+/// The split of each binding of one dispatch (see [`Split`]): a tensor whose block passes the
+/// device's binding limit is bound as several windows of its buffer, and the kernel reads it
+/// through window accessors. Kernels that take large tensors (parameters, their gradients and
+/// optimizer state, the embedding and the head over a vocabulary) build their bindings
+/// through this; the others bind every tensor whole, and the device refuses a large one.
+pub(crate) struct Splits(Vec<Option<Split>>);
+
+impl Splits {
+    /// The splits of `blocks`, in binding order.
+    pub(crate) fn of(dev: &Device, blocks: &[&crate::memory::Block]) -> Splits {
+        let window_bytes = dev.window_bytes();
+        Splits(
+            blocks
+                .iter()
+                .map(|b| match dev.binding_windows(b.size) {
+                    1 => None,
+                    windows => Some(Split {
+                        windows,
+                        window_bytes,
+                    }),
+                })
+                .collect(),
+        )
+    }
+
+    /// The pipeline-key suffix: empty when nothing is split, else each binding's windows and
+    /// the window size.
+    pub(crate) fn key(&self) -> String {
+        let Some(bytes) = self.0.iter().flatten().map(|s| s.window_bytes).next() else {
+            return String::new();
+        };
+        let w: Vec<String> = self
+            .0
+            .iter()
+            .map(|s| s.map_or(1, |s| s.windows).to_string())
+            .collect();
+        format!("_w{}x{bytes}", w.join("."))
+    }
+
+    /// `bindings` with their splits set.
+    pub(crate) fn apply(&self, bindings: Vec<Binding>) -> Vec<Binding> {
+        bindings
+            .into_iter()
+            .zip(&self.0)
+            .map(|(b, &split)| Binding { split, ..b })
+            .collect()
+    }
+}
+
 /// Workgroups for a two-elements-per-invocation kernel over `n` elements.
 pub(crate) fn pair_groups(n: usize) -> u32 {
     (n.div_ceil(2) as u32).div_ceil(WG)
+}
+
+impl ShaderFile {
+    /// [`ShaderFile::kernel_with`] for a dispatch over `blocks`, large ones bound as windows
+    /// (see [`Splits`]).
+    pub(crate) fn kernel_for(
+        &self,
+        device: &Device,
+        storage: &[Storage],
+        consts: &[(&str, u32)],
+        blocks: &[&crate::memory::Block],
+    ) -> Result<Arc<Kernel>> {
+        let splits = Splits::of(device, blocks);
+        let mut key = self.name.to_string();
+        for (name, v) in consts {
+            key += &format!("_{name}{v}");
+        }
+        for s in storage {
+            key.push('_');
+            key.push_str(s.tag());
+        }
+        key += &splits.key();
+        device.kernel(&key, &[], false, || {
+            assemble(
+                &specialize(self.body, consts),
+                &splits.apply(self.with_storage(storage)),
+            )
+        })
+    }
 }
 
 /// Every binding combination a shader file is built in at run time.

@@ -21,21 +21,32 @@ pub(crate) fn nonfinite<T: Operand>(x: &T, flag: &T) -> Result<()> {
             storage: s,
             write: false,
             vec4,
+            split: None,
         },
         Binding {
             name: "flag",
             storage: Storage::F32,
             write: true,
             vec4: false,
+            split: None,
         },
     ];
-    let key = format!("nonfinite_{}{}", s.tag(), if vec4 { "x4" } else { "" });
-    let k = dev.kernel(&key, &[], false, || super::assemble(NONFINITE.body, &bind))?;
+    let blocks = [x.block(), flag.block()];
+    let splits = super::Splits::of(dev, &blocks);
+    let key = format!(
+        "nonfinite_{}{}{}",
+        s.tag(),
+        if vec4 { "x4" } else { "" },
+        splits.key()
+    );
+    let k = dev.kernel(&key, &[], false, || {
+        super::assemble(NONFINITE.body, &splits.apply(bind.to_vec()))
+    })?;
     let quads = n.div_ceil(4);
     dev.dispatch(
         &k,
         &[n as u32, quads as u32, 0, 0],
-        &[x.block(), flag.block()],
+        &blocks,
         (quads as u32).div_ceil(WG),
     )
 }

@@ -2,7 +2,7 @@
 //! step, updating the parameter and its state in place. Nothing is allocated here.
 
 use super::Operand;
-use super::{assemble, pair_groups, specialize, Binding, Storage, OPTIM, WG};
+use super::{assemble, pair_groups, specialize, Binding, Splits, Storage, OPTIM, WG};
 use crate::Result;
 
 /// One SGD update (torch.optim.SGD).
@@ -167,14 +167,17 @@ fn dispatch<T: Operand>(kind: Kind, p: &T, g: &T, m: &T, v: &T, params: &Params)
     let storage = [p, g, m, v].map(|t| Storage::of(dev, t.dtype()));
     // Whole quads where the element count allows (every block starts 256-byte aligned).
     let vec = n.is_multiple_of(4);
+    let blocks = [p.block(), g.block(), m.block(), v.block()];
+    let splits = Splits::of(dev, &blocks);
     let key = format!(
-        "optim_k{}_{}_{}_{}_{}{}",
+        "optim_k{}_{}_{}_{}_{}{}{}",
         kind as u32,
         storage[0].tag(),
         storage[1].tag(),
         storage[2].tag(),
         storage[3].tag(),
-        if vec { "_x4" } else { "" }
+        if vec { "_x4" } else { "" },
+        splits.key()
     );
     let k = dev.kernel(&key, &[], false, || {
         let body = specialize(
@@ -186,19 +189,14 @@ fn dispatch<T: Operand>(kind: Kind, p: &T, g: &T, m: &T, v: &T, params: &Params)
             .into_iter()
             .map(|b| Binding { vec4: vec, ..b })
             .collect();
-        assemble(&body, &bind)
+        assemble(&body, &splits.apply(bind))
     })?;
     let groups = if vec {
         (n.div_ceil(4) as u32).div_ceil(WG)
     } else {
         pair_groups(n)
     };
-    dev.dispatch(
-        &k,
-        &params.words(n),
-        &[p.block(), g.block(), m.block(), v.block()],
-        groups,
-    )
+    dev.dispatch(&k, &params.words(n), &blocks, groups)
 }
 
 #[cfg(test)]

@@ -126,8 +126,6 @@ pub(crate) struct Arena {
     budget: Option<u64>,
     /// Largest single buffer the adapter can create.
     max_buffer_size: u64,
-    /// Largest range one storage binding may cover.
-    max_binding_size: u64,
     stats: MemoryStats,
     /// Fault injection for tests: the allocation after this many more fails with
     /// `OutOfMemory` (as a driver would).
@@ -143,7 +141,7 @@ fn align_up(v: u64, a: u64) -> u64 {
 }
 
 impl Arena {
-    pub fn new(max_buffer_size: u64, max_binding_size: u64, budget: Option<u64>) -> Self {
+    pub fn new(max_buffer_size: u64, budget: Option<u64>) -> Self {
         Arena {
             segments: Vec::new(),
             plan_id: 0,
@@ -153,7 +151,6 @@ impl Arena {
             peak_unnamed: false,
             budget,
             max_buffer_size,
-            max_binding_size: max_binding_size.min(max_buffer_size),
             stats: MemoryStats {
                 budget,
                 ..Default::default()
@@ -278,13 +275,13 @@ impl Arena {
 
     fn alloc_block(&mut self, device: &wgpu::Device, bytes: u64) -> Result<Block> {
         let size = Self::block_size(bytes);
-        // Kernels bind a tensor's whole block, so it must fit one binding.
-        if size > self.max_binding_size {
+        // A block lies in one buffer (kernels bind one past the binding limit as windows).
+        if size > self.max_buffer_size {
             return Err(Error::Limit {
                 op: "alloc",
                 what: "tensor size in bytes",
                 value: size,
-                limit: self.max_binding_size,
+                limit: self.max_buffer_size,
             });
         }
         match self.fail_after {

@@ -5,8 +5,10 @@
 use super::{Problem, Variant};
 use crate::device::{Device, Kernel};
 use crate::kernels::{
-    assemble, specialize, Binding, Storage, MATMUL_NAIVE, MATMUL_REG, MATMUL_SG, MATMUL_TILED,
+    assemble, specialize, Binding, Splits, Storage, MATMUL_NAIVE, MATMUL_REG, MATMUL_SG,
+    MATMUL_TILED,
 };
+use crate::memory::Block;
 use crate::Result;
 use std::sync::Arc;
 
@@ -174,7 +176,10 @@ pub(super) fn pipeline(
     pb: &Problem,
     storage: [Storage; 4],
     epilogue: u32,
+    blocks: &[&Block; 4],
 ) -> Result<(Arc<Kernel>, [u32; 3])> {
+    // A, B or C past the binding limit (a head over a large vocabulary) is bound as windows.
+    let splits = Splits::of(dev, blocks);
     // vec4 access where every row a kernel touches starts on a 4-element boundary.
     let vec_a = !pb.trans_a && pb.k.is_multiple_of(4) && pb.a_batch.is_multiple_of(4);
     let vec_b = !pb.trans_b && pb.n.is_multiple_of(4) && pb.b_batch.is_multiple_of(4);
@@ -184,6 +189,7 @@ pub(super) fn pipeline(
         storage,
         write,
         vec4,
+        split: None,
     };
     let flag = |b: bool| if b { 1.0 } else { 0.0 };
     let (file, bind, consts, groups) = match variant {
@@ -243,7 +249,7 @@ pub(super) fn pipeline(
         binding("c", storage[3], true, bind[3]),
     ];
     let key = format!(
-        "{}_{consts:?}_{:?}_{:?}_{}{}{}",
+        "{}_{consts:?}_{:?}_{:?}_{}{}{}{}",
         file.name,
         bind.map(|b| b.storage),
         bind.map(|b| b.vec4),
@@ -252,7 +258,8 @@ pub(super) fn pipeline(
         match variant {
             Variant::Subgroup { .. } => format!("_e{epilogue}"),
             _ => String::new(),
-        }
+        },
+        splits.key()
     );
     let mut overrides = vec![("TRANS_A", flag(pb.trans_a)), ("TRANS_B", flag(pb.trans_b))];
     if variant != Variant::Naive {
@@ -276,7 +283,7 @@ pub(super) fn pipeline(
             }
             _ => body,
         };
-        assemble(&body, &bind)
+        assemble(&body, &splits.apply(bind.to_vec()))
     })?;
     Ok((k, [groups[0] as u32, groups[1] as u32, pb.batch as u32]))
 }

@@ -189,13 +189,9 @@ pub(crate) fn run<T: Operand>(
     // bias is bound even when unused (bindings are fixed); `out` stands in for it.
     let bias_t = bias.unwrap_or(out);
     let storage = [a, b, bias_t, out].map(|t| Storage::of(dev, t.dtype()));
-    let (k, groups) = codegen::pipeline(dev, variant, pb, storage, epilogue)?;
-    dev.dispatch3(
-        &k,
-        &params,
-        &[a.block(), b.block(), bias_t.block(), out.block()],
-        groups,
-    )
+    let blocks = [a.block(), b.block(), bias_t.block(), out.block()];
+    let (k, groups) = codegen::pipeline(dev, variant, pb, storage, epilogue, &blocks)?;
+    dev.dispatch3(&k, &params, &blocks, groups)
 }
 
 #[cfg(test)]
