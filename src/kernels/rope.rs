@@ -10,7 +10,15 @@ use crate::Result;
 /// y (M, T, D) = x (M, T, D) rotated by the angles of `cs` (2, T, D / 2; f32: cosines, then
 /// sines); `inverse` rotates the other way (the backward). D is even and y needs no f32
 /// staging (packed f16 with D / 2 odd is staged by the caller, see [`needs_staging`]).
-pub(crate) fn rope<T: Operand>(x: &T, cs: &T, m: usize, t: usize, d: usize, inverse: bool, y: &T) -> Result<()> {
+pub(crate) fn rope<T: Operand>(
+    x: &T,
+    cs: &T,
+    m: usize,
+    t: usize,
+    d: usize,
+    inverse: bool,
+    y: &T,
+) -> Result<()> {
     let half = d / 2;
     let n = m * t * half.div_ceil(2);
     if n == 0 {

@@ -135,7 +135,10 @@ fn check(x: &Tensor) -> Result<(usize, usize)> {
             op: OP,
             lhs: x.dims().to_vec(),
             rhs: vec![],
-            reason: format!("the input must be (B, H, T, D), rank 4; it has rank {}", x.rank()),
+            reason: format!(
+                "the input must be (B, H, T, D), rank 4; it has rank {}",
+                x.rank()
+            ),
         });
     };
     if !d.is_multiple_of(2) {
@@ -149,7 +152,14 @@ fn check(x: &Tensor) -> Result<(usize, usize)> {
     Ok((t, d))
 }
 
-fn rotate(x: &Tensor, table: &Tensor, m: usize, t: usize, d: usize, inverse: bool) -> Result<Tensor> {
+fn rotate(
+    x: &Tensor,
+    table: &Tensor,
+    m: usize,
+    t: usize,
+    d: usize,
+    inverse: bool,
+) -> Result<Tensor> {
     let y = Tensor::uninit(x.device(), x.shape().clone(), x.dtype())?;
     let staged = kernel::needs_staging(x.device(), x.dtype(), d);
     staged_f32(&y, staged, |y| kernel::rope(x, table, m, t, d, inverse, y))?;
