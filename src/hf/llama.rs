@@ -93,7 +93,10 @@ pub fn llama_config_from_json(json: &Map<String, Value>, source: &str) -> Result
     if let Some(v) = json.get("rms_norm_eps") {
         cfg.rms_norm_eps = number(v, "rms_norm_eps")?;
     }
-    let act = json.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
+    let act = json
+        .get("hidden_act")
+        .and_then(Value::as_str)
+        .unwrap_or("silu");
     if act != "silu" {
         return Err(bad(format!(
             "hidden_act \"{act}\": fitgrad's Llama MLP is SwiGLU with silu"
@@ -113,7 +116,10 @@ pub fn llama_config_from_json(json: &Map<String, Value>, source: &str) -> Result
         cfg.rope_theta = number(v, "rope_theta")?;
     }
     if let Some(p) = json.get("rope_parameters").filter(|v| !v.is_null()) {
-        let kind = p.get("rope_type").and_then(Value::as_str).unwrap_or("default");
+        let kind = p
+            .get("rope_type")
+            .and_then(Value::as_str)
+            .unwrap_or("default");
         if kind != "default" {
             return Err(bad(format!(
                 "rope_parameters of rope_type \"{kind}\": fitgrad's RoPE has no scaling (only \
@@ -268,7 +274,9 @@ impl PretrainedLlama {
                 });
             }
             // Stored under the checkpoint's model prefix, which apply_model reads.
-            weights.tensors.insert(format!("{MODEL_PREFIX}{name}"), t.tensor);
+            weights
+                .tensors
+                .insert(format!("{MODEL_PREFIX}{name}"), t.tensor);
         }
         if !missing.is_empty() {
             let source = if dir.join(WEIGHTS_FILE).is_file() {
@@ -282,7 +290,11 @@ impl PretrainedLlama {
                     "missing tensors {} for a {}-layer Llama{}",
                     list(&missing),
                     cfg.layers,
-                    if cfg.tie_embeddings { " with tied embeddings" } else { "" }
+                    if cfg.tie_embeddings {
+                        " with tied embeddings"
+                    } else {
+                        ""
+                    }
                 ),
             });
         }
@@ -422,9 +434,15 @@ mod tests {
     #[test]
     fn config_fields_are_read_in_both_rope_forms() {
         let c = llama_config_from_json(&base(), "c").unwrap();
-        assert_eq!((c.heads, c.kv_heads, c.head_dim, c.rope_theta), (2, 1, 4, 500.0));
+        assert_eq!(
+            (c.heads, c.kv_heads, c.head_dim, c.rope_theta),
+            (2, 1, 4, 500.0)
+        );
         assert!(!c.tie_embeddings && !c.attention_bias);
-        let m = with("rope_parameters", serde_json::json!({"rope_type": "default", "rope_theta": 7.0}));
+        let m = with(
+            "rope_parameters",
+            serde_json::json!({"rope_type": "default", "rope_theta": 7.0}),
+        );
         assert_eq!(llama_config_from_json(&m, "c").unwrap().rope_theta, 7.0);
         // No kv heads given: one per query head.
         let mut m = base();
@@ -435,11 +453,32 @@ mod tests {
     #[test]
     fn config_refusals_name_the_field() {
         let cases = [
-            (with("model_type", "mistral".into()), "model_type \"mistral\""),
-            (with("architectures", serde_json::json!(["LlamaModel"])), "architectures"),
-            (with("rope_scaling", serde_json::json!({"rope_type": "llama3", "factor": 8.0})), "\"llama3\""),
-            (with("rope_scaling", serde_json::json!({"type": "linear", "factor": 2.0})), "\"linear\""),
-            (with("rope_parameters", serde_json::json!({"rope_type": "yarn"})), "\"yarn\""),
+            (
+                with("model_type", "mistral".into()),
+                "model_type \"mistral\"",
+            ),
+            (
+                with("architectures", serde_json::json!(["LlamaModel"])),
+                "architectures",
+            ),
+            (
+                with(
+                    "rope_scaling",
+                    serde_json::json!({"rope_type": "llama3", "factor": 8.0}),
+                ),
+                "\"llama3\"",
+            ),
+            (
+                with(
+                    "rope_scaling",
+                    serde_json::json!({"type": "linear", "factor": 2.0}),
+                ),
+                "\"linear\"",
+            ),
+            (
+                with("rope_parameters", serde_json::json!({"rope_type": "yarn"})),
+                "\"yarn\"",
+            ),
             (with("hidden_act", "gelu".into()), "hidden_act"),
             (with("num_key_value_heads", 3.into()), "num_key_value_heads"),
             (with("hidden_size", "8".into()), "hidden_size"),
