@@ -379,6 +379,9 @@ pub fn run(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
     }
 }
 
+/// Writes a model back as a folder, with a copy of the tokenizer.
+type SaveFn<M> = dyn Fn(&M, &Path, Option<&Path>) -> Result<()>;
+
 /// [`run`] for the model `build` makes (again when budget fitting rebuilds it); `save` writes
 /// it back as a folder.
 fn run_model<M>(
@@ -386,7 +389,7 @@ fn run_model<M>(
     setup: &Setup,
     device: &Device,
     build_model: &dyn Fn() -> Result<M>,
-    save: &dyn Fn(&M, &Path, Option<&Path>) -> Result<()>,
+    save: &SaveFn<M>,
 ) -> Result<Report>
 where
     M: LanguageModel + TrainModel<TokenBatch>,
