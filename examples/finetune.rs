@@ -16,16 +16,22 @@
 //! tests/hf.rs includes this file as a module and calls [`prepare`] and [`run`].
 
 use clap::Parser;
+use fitgrad::hf::ModelConfig;
 use fitgrad::hf::TOKENIZER_FILE;
 use fitgrad::hf::{save_gpt2, save_llama, PretrainedGpt, PretrainedLlama, Tokenizer};
-use fitgrad::nn::{LanguageModel, Sampling};
-use fitgrad::optim::{decay_groups, AdamW};
+use fitgrad::nn::{Gpt, LanguageModel, Llama, Sampling};
+use fitgrad::optim::{decay_groups, AdamW, Optimizer, Sgd};
 use fitgrad::train::text::{TextDataset, TokenBatch};
 use fitgrad::train::WindowLoss;
-use fitgrad::train::{window_loss, BatchSource, Precision, TrainModel, Trainer, TrainerConfig};
+use fitgrad::train::{
+    window_loss, BatchSource, Plan, Precision, TrainModel, Trainer, TrainerConfig,
+};
 use fitgrad::{Bytes, Device, DeviceOptions, Error, Result};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+
+/// The model `--model` defaults to: a GPT-2-format folder shipped in the crate.
+pub const SHIPPED_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/models/shakespeare-gpt2");
 
 /// Windows per forward when evaluating.
 const EVAL_BATCH: usize = 8;
@@ -37,8 +43,9 @@ const EVAL_BATCH: usize = 8;
 )]
 pub struct Args {
     /// A Hugging Face GPT-2 or Llama folder: config.json, model.safetensors (or
-    /// model.safetensors.index.json and its shards), tokenizer.json.
-    #[arg(long)]
+    /// model.safetensors.index.json and its shards), tokenizer.json. The default is the small
+    /// GPT-2 shipped in the crate, trained by fitgrad on seven of the eight embedded plays.
+    #[arg(long, default_value = SHIPPED_MODEL)]
     pub model: PathBuf,
     /// A UTF-8 text whose loss is reported as eval_loss (nats per token).
     #[arg(long)]
@@ -101,6 +108,15 @@ pub struct Args {
     /// Substring of the adapter name to use.
     #[arg(long)]
     pub adapter: Option<String>,
+    /// Build the model from a config alone, with random weights and no tokenizer (the steps
+    /// train on seeded random token ids): a config.json, a folder holding one, or a shipped
+    /// name (gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-3-8b, tinyllama-1.1b). With --plan
+    /// nothing is allocated: any size is planned on any adapter, under any --memory-budget.
+    #[arg(long, conflicts_with_all = ["model", "eval_text", "text", "generate", "save"])]
+    pub config: Option<String>,
+    /// adamw, or sgd (plain SGD: no optimizer state).
+    #[arg(long, default_value = "adamw", value_parser = ["adamw", "sgd"])]
+    pub optimizer: String,
     /// End stdout with one JSON object describing the run.
     #[arg(long)]
     pub json: bool,
@@ -225,8 +241,15 @@ fn read_text(path: &std::path::Path) -> Result<String> {
     })
 }
 
-/// Checks every flag, reads the folder, the tokenizer and the texts, before any device work.
-pub fn prepare(args: &Args) -> Result<Setup> {
+/// The training flags every mode shares, checked.
+struct Flags {
+    precision: Precision,
+    budget: Option<u64>,
+    fit_auto: bool,
+}
+
+/// Checks the flags that need no file.
+fn check_flags(args: &Args) -> Result<Flags> {
     let precision: Precision = args.precision.parse()?;
     let budget = args
         .memory_budget
@@ -269,6 +292,20 @@ pub fn prepare(args: &Args) -> Result<Setup> {
             args.top_k, args.top_p
         )));
     }
+    Ok(Flags {
+        precision,
+        budget,
+        fit_auto,
+    })
+}
+
+/// Checks every flag, reads the folder, the tokenizer and the texts, before any device work.
+pub fn prepare(args: &Args) -> Result<Setup> {
+    let Flags {
+        precision,
+        budget,
+        fit_auto,
+    } = check_flags(args)?;
     if (args.steps > 0 || args.plan) && args.text.is_none() {
         return Err(invalid(
             "--steps and --plan fine-tune on a text: add --text FILE".into(),
@@ -398,33 +435,15 @@ where
     let mut gpt = build_model()?;
     let mut plan_json = None;
     if let Some(train) = &setup.train {
-        let mut config = TrainerConfig::new(args.batch_size, args.accum_steps, args.lr);
-        config.precision = setup.precision;
-        config.clip_grad_norm = Some(1.0);
-        gpt.set_checkpointing(args.checkpoint_activations);
-        // The first build hands over the model already loaded; a rebuild (budget fitting)
-        // loads the weights again.
-        let first = std::cell::RefCell::new(Some(gpt));
-        let build = || {
-            let model = match first.borrow_mut().take() {
-                Some(m) => m,
-                None => {
-                    let mut m = build_model()?;
-                    m.set_checkpointing(args.checkpoint_activations);
-                    m
-                }
-            };
-            let groups = decay_groups(model.named_parameters(), 0.0);
-            let optimizer = AdamW::with_groups(groups, args.lr)?;
-            Trainer::new(model, Box::new(optimizer), config.clone())
-        };
-        let mut trainer = if setup.fit_auto {
-            let (trainer, choice) = Trainer::build_fit_auto(device, train, build)?;
-            print!("{choice}");
-            trainer
-        } else {
-            Trainer::build_within_budget(device, train, build)?
-        };
+        let mut trainer = make_trainer(
+            args,
+            setup.precision,
+            setup.fit_auto,
+            device,
+            train,
+            gpt,
+            build_model,
+        )?;
         let plan = trainer.plan(train)?;
         if args.plan {
             print!("{plan}");
@@ -438,29 +457,7 @@ where
         if let Some(e) = &report.eval_before {
             println!("eval loss before fine-tuning: {:.6} nats/token", e.loss);
         }
-        let eff = args.batch_size * args.accum_steps;
-        let n = train.len() as u64;
-        let mut losses = Vec::new();
-        let mut order = (u64::MAX, Vec::new());
-        for step in 0..args.steps {
-            // Positions step * eff .. of the concatenated seeded epoch orders.
-            let idx: Vec<usize> = (0..eff as u64)
-                .map(|i| {
-                    let pos = step * eff as u64 + i;
-                    if order.0 != pos / n {
-                        order = (pos / n, train.epoch_order(args.seed, pos / n));
-                    }
-                    order.1[(pos % n) as usize]
-                })
-                .collect();
-            trainer.step(train, &idx)?;
-            if (step + 1) % 10 == 0 || step + 1 == args.steps {
-                let loss = trainer.take_loss()?;
-                println!("step {}: train loss {loss:.4}", step + 1);
-                losses.push(loss);
-            }
-        }
-        report.train_loss = losses.last().copied();
+        report.train_loss = train_steps(args, &mut trainer, train)?;
         gpt = trainer.model;
     }
     report.eval = evaluate(&gpt, setup)?;
@@ -503,12 +500,212 @@ where
     Ok(report)
 }
 
+/// The trainer of a fine-tuning run: `first` is the model already built, `build_model`
+/// builds it again where budget fitting tries several. AdamW without weight decay (or SGD),
+/// gradients clipped to norm 1; `--fit auto` prints its choice.
+fn make_trainer<M>(
+    args: &Args,
+    precision: Precision,
+    fit_auto: bool,
+    device: &Device,
+    train: &TextDataset,
+    mut first: M,
+    build_model: &dyn Fn() -> Result<M>,
+) -> Result<Trainer<M>>
+where
+    M: LanguageModel + TrainModel<TokenBatch>,
+{
+    let mut config = TrainerConfig::new(args.batch_size, args.accum_steps, args.lr);
+    config.precision = precision;
+    config.clip_grad_norm = Some(1.0);
+    first.set_checkpointing(args.checkpoint_activations);
+    let first = std::cell::RefCell::new(Some(first));
+    let build = || {
+        let model = match first.borrow_mut().take() {
+            Some(m) => m,
+            None => {
+                let mut m = build_model()?;
+                m.set_checkpointing(args.checkpoint_activations);
+                m
+            }
+        };
+        let optimizer: Box<dyn Optimizer> = if args.optimizer == "sgd" {
+            Box::new(Sgd::new(model.parameters(), args.lr)?)
+        } else {
+            let groups = decay_groups(model.named_parameters(), 0.0);
+            Box::new(AdamW::with_groups(groups, args.lr)?)
+        };
+        Trainer::new(model, optimizer, config.clone())
+    };
+    if fit_auto {
+        let (trainer, choice) = Trainer::build_fit_auto(device, train, build)?;
+        print!("{choice}");
+        return Ok(trainer);
+    }
+    let mut trainer = Trainer::build_within_budget(device, train, build)?;
+    trainer.check_device_memory(train)?;
+    Ok(trainer)
+}
+
+/// Runs `--steps` optimizer steps over the seeded epoch orders of `train`, printing the loss
+/// every 10; returns the last printed loss.
+fn train_steps<M>(args: &Args, trainer: &mut Trainer<M>, train: &TextDataset) -> Result<Option<f32>>
+where
+    M: LanguageModel + TrainModel<TokenBatch>,
+{
+    let eff = args.batch_size * args.accum_steps;
+    let n = train.len() as u64;
+    let mut last = None;
+    let mut order = (u64::MAX, Vec::new());
+    for step in 0..args.steps {
+        // Positions step * eff .. of the concatenated seeded epoch orders.
+        let idx: Vec<usize> = (0..eff as u64)
+            .map(|i| {
+                let pos = step * eff as u64 + i;
+                if order.0 != pos / n {
+                    order = (pos / n, train.epoch_order(args.seed, pos / n));
+                }
+                order.1[(pos % n) as usize]
+            })
+            .collect();
+        trainer.step(train, &idx)?;
+        if (step + 1) % 10 == 0 || step + 1 == args.steps {
+            let loss = trainer.take_loss()?;
+            println!("step {}: train loss {loss:.4}", step + 1);
+            last = Some(loss);
+        }
+    }
+    Ok(last)
+}
+
+/// What a `--config` run reports.
+#[derive(Clone, Debug, Default)]
+pub struct ConfigReport {
+    /// The step's plan.
+    pub plan: Plan,
+    /// The measured peak in use over the steps (none with --plan).
+    pub measured_peak: Option<u64>,
+    /// The last training loss (none with --plan).
+    pub train_loss: Option<f32>,
+}
+
+/// `--config`: the architecture built with random weights; with `--plan` on a device that only
+/// plans (nothing allocated), else trained `--steps` steps on seeded random token ids.
+pub fn run_config(args: &Args, name: &str) -> Result<ConfigReport> {
+    let flags = check_flags(args)?;
+    let model = ModelConfig::open(name)?.with(flags.precision.param_dtype(), args.seed);
+    let (positions, field) = model.positions();
+    let context = args.context.unwrap_or(positions);
+    if context == 0 || context > positions {
+        return Err(invalid(format!(
+            "--context {context}: between 1 and the model's {field} = {positions}"
+        )));
+    }
+    if !args.plan && args.steps == 0 {
+        return Err(invalid(
+            "--config builds a model with random weights: add --plan, or --steps N".into(),
+        ));
+    }
+    if args.checkpoint_activations && matches!(model, ModelConfig::Llama(_)) {
+        return Err(invalid(
+            "--checkpoint-activations: a Llama's blocks are not checkpointed (yet)".into(),
+        ));
+    }
+    // Windows enough for one effective batch, of seeded random ids.
+    let windows = args.batch_size * args.accum_steps;
+    let mut rng = fitgrad::tensor::Rng::new(args.seed);
+    let vocab = model.vocab_size() as u64;
+    let ids = (0..windows + context)
+        .map(|_| (rng.next_u64() % vocab) as u32)
+        .collect();
+    let train = TextDataset::new(ids, context)?;
+    let mut options = DeviceOptions::default().plan_only(args.plan);
+    options.adapter = args.adapter.clone();
+    options.memory_budget = flags.budget;
+    let device = Device::with_options(options)?;
+    println!(
+        "adapter: {}{}",
+        device.info().adapter,
+        if args.plan { " (planning only)" } else { "" }
+    );
+    println!(
+        "model: {name} ({}), {} parameters, context {context}, random weights",
+        model.describe(),
+        model.num_parameters()
+    );
+    match &model {
+        ModelConfig::Gpt2(c) => {
+            let build = || Gpt::new(&device, c.clone());
+            config_steps(args, &flags, &device, &train, build()?, &build)
+        }
+        ModelConfig::Llama(c) => {
+            let build = || Llama::new(&device, c.clone());
+            config_steps(args, &flags, &device, &train, build()?, &build)
+        }
+    }
+}
+
+/// [`run_config`] once the model is built.
+fn config_steps<M>(
+    args: &Args,
+    flags: &Flags,
+    device: &Device,
+    train: &TextDataset,
+    first: M,
+    build_model: &dyn Fn() -> Result<M>,
+) -> Result<ConfigReport>
+where
+    M: LanguageModel + TrainModel<TokenBatch>,
+{
+    let mut trainer = make_trainer(
+        args,
+        flags.precision,
+        flags.fit_auto,
+        device,
+        train,
+        first,
+        build_model,
+    )?;
+    let mut report = ConfigReport {
+        plan: trainer.plan(train)?,
+        ..Default::default()
+    };
+    print!("{}", report.plan);
+    if !args.plan {
+        report.train_loss = train_steps(args, &mut trainer, train)?;
+        let measured = device.memory_stats().peak_bytes_in_use;
+        println!(
+            "planned peak in use {} / measured {} ({:+.2}%)",
+            Bytes(report.plan.peak),
+            Bytes(measured),
+            (measured as f64 / report.plan.peak as f64 - 1.0) * 100.0
+        );
+        report.measured_peak = Some(measured);
+    }
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "params": trainer.model.num_parameters(),
+                "planned_peak_bytes": report.plan.peak,
+                "plan": report.plan,
+                "measured_peak_bytes": report.measured_peak,
+                "train_loss": report.train_loss,
+            })
+        );
+    }
+    Ok(report)
+}
+
 fn main() -> ExitCode {
     let args = Args::parse();
-    let result = prepare(&args).and_then(|setup| {
-        let device = open_device(&args, &setup)?;
-        run(&args, setup, &device)
-    });
+    let result = match &args.config {
+        Some(name) => run_config(&args, name).map(|_| ()),
+        None => prepare(&args).and_then(|setup| {
+            let device = open_device(&args, &setup)?;
+            run(&args, setup, &device).map(|_| ())
+        }),
+    };
     match result {
         Ok(_) => ExitCode::SUCCESS,
         Err(e) => {

@@ -34,6 +34,12 @@ pub struct DeviceOptions {
     /// windows of their buffer, as tensors past the adapter's own limit are (tests run that
     /// path at small sizes this way).
     pub max_binding_size: Option<u64>,
+    /// A device that only plans: memory is counted as on the adapter (its limits, rounding
+    /// and budget) but no buffer is ever created and nothing runs, as inside
+    /// `Device::planning`, for as long as the device lives. Any model, of any size, can be
+    /// built on it and its steps planned; no value can be read back (readbacks are zeros). The
+    /// budget may exceed the adapter's memory (asking whether a model fits a larger GPU).
+    pub plan_only: bool,
 }
 
 impl DeviceOptions {
@@ -65,6 +71,12 @@ impl DeviceOptions {
     /// Caps the storage-binding size at `bytes` (at least 256; see `max_binding_size`).
     pub fn max_binding_size(mut self, bytes: u64) -> Self {
         self.max_binding_size = Some(bytes);
+        self
+    }
+
+    /// Makes the device plan only (see `plan_only`).
+    pub fn plan_only(mut self, plan_only: bool) -> Self {
+        self.plan_only = plan_only;
         self
     }
 

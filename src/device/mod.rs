@@ -101,6 +101,8 @@ pub(crate) struct DeviceInner {
     /// Whether a plan is open, and on which thread (only that thread's work is planned).
     planning: AtomicBool,
     plan_thread: Mutex<Option<std::thread::ThreadId>>,
+    /// A device that only plans ([`DeviceOptions::plan_only`]): every thread plans, always.
+    plan_only: bool,
     /// Plans opened so far (a planning arena's blocks carry its number).
     plans: AtomicU32,
     /// Arenas (real or planning) recording a memory timeline: ops are named only when > 0.
@@ -247,9 +249,12 @@ impl Device {
                 *lock(&lost_sink) = Some(format!("{reason:?}: {msg}"));
             });
         }
-        check_budget(options.memory_budget, &info.adapter)?;
+        check_budget(options.memory_budget, &info.adapter, options.plan_only)?;
         let param_ring = queue::param_ring(&device);
-        let arena = Arena::new(info.limits.max_buffer_size, options.memory_budget);
+        let mut arena = Arena::new(info.limits.max_buffer_size, options.memory_budget);
+        if options.plan_only {
+            arena.create_no_buffers();
+        }
         Ok(Device {
             inner: Arc::new(DeviceInner {
                 param_align: (info.limits.min_uniform_buffer_offset_alignment as u64).max(16),
@@ -260,6 +265,7 @@ impl Device {
                 plan: Mutex::new(None),
                 planning: AtomicBool::new(false),
                 plan_thread: Mutex::new(None),
+                plan_only: options.plan_only,
                 plans: AtomicU32::new(0),
                 recorders: AtomicU32::new(0),
                 pending: Mutex::new(Pending::new()),
@@ -312,8 +318,9 @@ impl Device {
     /// counted but nothing runs, and readbacks return zeros. Code with host-side state that a
     /// step advances (a dropout call counter) leaves it alone while planning.
     pub fn is_planning(&self) -> bool {
-        self.inner.planning.load(Ordering::Acquire)
-            && *lock(&self.inner.plan_thread) == Some(std::thread::current().id())
+        self.inner.plan_only
+            || self.inner.planning.load(Ordering::Acquire)
+                && *lock(&self.inner.plan_thread) == Some(std::thread::current().id())
     }
 
     /// Opens planning mode: until the scope drops, every allocation goes through a copy of the
@@ -458,7 +465,7 @@ impl Device {
     /// segments at the next allocation that needs room. A budget of 0, or one above the device
     /// memory the adapter reports, is an [`Error::InvalidArgument`] (and changes nothing).
     pub fn set_memory_budget(&self, budget: Option<u64>) -> Result<()> {
-        check_budget(budget, &self.inner.info.adapter)?;
+        check_budget(budget, &self.inner.info.adapter, self.inner.plan_only)?;
         lock(&self.inner.arena).set_budget(budget);
         Ok(())
     }
@@ -609,8 +616,8 @@ impl Drop for PhaseScope {
 
 /// A budget must be positive and, where the adapter reports its device memory, no larger than
 /// it: a bigger one would promise what the driver cannot give and fail later as a driver error.
-fn check_budget(budget: Option<u64>, adapter: &AdapterSummary) -> Result<()> {
-    match (budget, adapter.memory) {
+fn check_budget(budget: Option<u64>, adapter: &AdapterSummary, plan_only: bool) -> Result<()> {
+    match (budget, adapter.memory.filter(|_| !plan_only)) {
         (Some(0), _) => Err(Error::InvalidArgument {
             op: "memory budget",
             reason: "a budget of 0 bytes leaves no room for any tensor; give a positive size \

@@ -18,12 +18,14 @@
 //! [`Gpt`]: crate::nn::Gpt
 //! [`Llama`]: crate::nn::Llama
 
+mod arch;
 mod config;
 mod files;
 mod gpt2;
 mod llama;
 mod tokenizer;
 
+pub use arch::{ModelConfig, SHIPPED_CONFIGS};
 pub use config::Gpt2Config;
 pub use files::{INDEX_FILE, WEIGHTS_FILE};
 pub use gpt2::{save_gpt2, PretrainedGpt};

@@ -164,10 +164,74 @@ fn dispatch<T: Operand>(kind: Kind, p: &T, g: &T, m: &T, v: &T, params: &Params)
         return Ok(());
     }
     let dev = p.device();
-    let storage = [p, g, m, v].map(|t| Storage::of(dev, t.dtype()));
+    let blocks = [p.block(), g.block(), m.block(), v.block()];
+    let widest = [p, g, m, v]
+        .iter()
+        .map(|t| t.dtype().size() as u64)
+        .max()
+        .unwrap_or(4);
+    if blocks.iter().any(|b| dev.binding_windows(b.size) > 1) {
+        // The update is elementwise: it runs over ranges of CHUNK_ALIGN elements that each
+        // fit one binding in every tensor, binding the same range of each (no windows, so
+        // four large tensors never pass the adapter's count of bindings).
+        let chunk = (dev.window_bytes() / widest / CHUNK_ALIGN * CHUNK_ALIGN) as usize;
+        let mut start = 0;
+        while start < n {
+            let len = chunk.min(n - start);
+            let sub = [p, g, m, v].map(|t| {
+                let b = t.block();
+                let size = t.dtype().size() as u64;
+                let at = start as u64 * size;
+                let bytes = if start + len == n {
+                    b.size - at
+                } else {
+                    len as u64 * size
+                };
+                crate::memory::Block {
+                    offset: b.offset + at,
+                    size: bytes,
+                    ..b.clone()
+                }
+            });
+            let dtypes = [p, g, m, v].map(|t| t.dtype());
+            update(
+                kind,
+                dev,
+                dtypes,
+                [&sub[0], &sub[1], &sub[2], &sub[3]],
+                len,
+                params,
+            )?;
+            start += len;
+        }
+        return Ok(());
+    }
+    update(
+        kind,
+        dev,
+        [p, g, m, v].map(|t| t.dtype()),
+        blocks,
+        n,
+        params,
+    )
+}
+
+/// Elements of a chunk of a split update are a multiple of this: every tensor's range then
+/// starts 256-byte aligned (any dtype of 1 byte or more) and holds whole quads.
+const CHUNK_ALIGN: u64 = 256;
+
+/// One dispatch of the update over `n` elements of `blocks` (parameter, gradient, state).
+fn update(
+    kind: Kind,
+    dev: &crate::Device,
+    dtypes: [crate::DType; 4],
+    blocks: [&crate::memory::Block; 4],
+    n: usize,
+    params: &Params,
+) -> Result<()> {
+    let storage = dtypes.map(|d| Storage::of(dev, d));
     // Whole quads where the element count allows (every block starts 256-byte aligned).
     let vec = n.is_multiple_of(4);
-    let blocks = [p.block(), g.block(), m.block(), v.block()];
     let splits = Splits::of(dev, &blocks);
     let key = format!(
         "optim_k{}_{}_{}_{}_{}{}{}",

@@ -134,6 +134,8 @@ pub(crate) struct Arena {
     timeline: timeline::RecorderSlot,
     /// New blocks are staging temporaries (for the timeline's roles only).
     staging: bool,
+    /// Segments get no buffer (see [`Arena::create_no_buffers`]).
+    no_buffers: bool,
 }
 
 fn align_up(v: u64, a: u64) -> u64 {
@@ -158,6 +160,7 @@ impl Arena {
             fail_after: None,
             timeline: Default::default(),
             staging: false,
+            no_buffers: false,
         }
     }
 
@@ -219,9 +222,15 @@ impl Arena {
         self.phase = phase;
     }
 
-    /// Whether this is a planning arena.
+    /// Whether this arena creates no buffers: a planning arena, or the arena of a device that
+    /// only plans.
     pub fn is_planning(&self) -> bool {
-        self.plan_id != 0
+        self.plan_id != 0 || self.no_buffers
+    }
+
+    /// From now on segments get no buffer (a device that only plans; its copies inherit it).
+    pub fn create_no_buffers(&mut self) {
+        self.no_buffers = true;
     }
 
     /// Whether this arena handed out `block` (a real arena: real blocks; a planning arena: its

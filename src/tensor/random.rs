@@ -101,6 +101,10 @@ impl Tensor {
         let n = check_numel("rand_uniform", dims)?;
         // Before any host work: a tensor the device cannot hold must not cost host memory first.
         device.check_tensor_bytes("rand_uniform", n as u64 * dtype.size() as u64)?;
+        if device.is_planning() {
+            // Nothing is uploaded while planning: the values need not exist.
+            return Tensor::uninit(device, super::Shape::new(dims)?, dtype);
+        }
         let mut rng = Rng::new(seed);
         let span = (high - low) as f64;
         // Rounding to the dtype can land on `high`; keep the interval half-open.
@@ -138,6 +142,9 @@ impl Tensor {
         let n = check_numel("randn", dims)?;
         // Before any host work: a tensor the device cannot hold must not cost host memory first.
         device.check_tensor_bytes("randn", n as u64 * dtype.size() as u64)?;
+        if device.is_planning() {
+            return Tensor::uninit(device, super::Shape::new(dims)?, dtype);
+        }
         let mut rng = Rng::new(seed);
         let v = (0..n)
             .map(|_| (mean as f64 + std as f64 * rng.next_normal()) as f32)

@@ -386,6 +386,40 @@ impl<M: Module> Trainer<M> {
         })
     }
 
+    /// Without a budget, refuses a step whose planned peak reserved passes the device memory
+    /// the adapter reports, before it runs: an [`Error::BudgetTooSmall`] with that memory as
+    /// the budget and the smallest budget that works (which the adapter does not have). A
+    /// device that only plans, a budget, or an adapter that reports no memory pass.
+    pub fn check_device_memory<D>(&mut self, data: &D) -> Result<()>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let dev = self.device.clone();
+        let (None, Some(memory), false) = (
+            dev.memory_stats().budget,
+            dev.info().adapter.memory,
+            dev.is_planning(),
+        ) else {
+            return Ok(());
+        };
+        let idx = self.plan_indices(data)?;
+        let micro = self.micro;
+        if self.plan_at(data, &idx, micro, None, 0)?.peak_reserved <= memory {
+            return Ok(());
+        }
+        let minimum = self.smallest_budget(data, &idx)?;
+        Err(Error::BudgetTooSmall {
+            budget: memory,
+            minimum,
+            what: format!(
+                "a training step of {} parameters (the device memory '{}' reports)",
+                self.model.num_parameters(),
+                dev.info().adapter.name
+            ),
+        })
+    }
+
     /// The smallest budget under which a step at some micro-batch fits the arena as it is
     /// now (what [`Trainer::fit_to_budget`] then finds), found by bisection on whole 256-byte
     /// blocks up to the one-sample step's peak reserved without a budget (which fits). A run
