@@ -591,7 +591,11 @@ pub struct ConfigReport {
 
 /// `--config`: the architecture built with random weights; with `--plan` on a device that only
 /// plans (nothing allocated), else trained `--steps` steps on seeded random token ids.
-pub fn run_config(args: &Args, name: &str) -> Result<ConfigReport> {
+pub fn run_config(args: &Args) -> Result<ConfigReport> {
+    let name = args
+        .config
+        .as_deref()
+        .ok_or_else(|| invalid("run_config needs --config".into()))?;
     let flags = check_flags(args)?;
     let model = ModelConfig::open(name)?.with(flags.precision.param_dtype(), args.seed);
     let (positions, field) = model.positions();
@@ -700,7 +704,7 @@ where
 fn main() -> ExitCode {
     let args = Args::parse();
     let result = match &args.config {
-        Some(name) => run_config(&args, name).map(|_| ()),
+        Some(_) => run_config(&args).map(|_| ()),
         None => prepare(&args).and_then(|setup| {
             let device = open_device(&args, &setup)?;
             run(&args, setup, &device).map(|_| ())

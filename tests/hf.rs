@@ -571,3 +571,104 @@ fn greedy_on(dev: &Device) {
         Err(Error::InvalidArgument { .. })
     ));
 }
+
+/// `finetune --config` with these flags.
+fn config_run(extra: &[&str]) -> fitgrad::Result<finetune::ConfigReport> {
+    finetune::run_config(&finetune_args(extra))
+}
+
+/// `--config` plans a model from its config alone, on a device that only plans, and that plan
+/// is the peak a real run of the same config (random weights, random ids) measures. The
+/// shipped configs plan at full size: GPT-2 124M's parameters and gradients, no weights read.
+#[test]
+fn config_plans_what_a_run_measures() {
+    for name in ["gpt2-tiny", "llama-tiny-gqa"] {
+        let dir = fixtures().join(name);
+        let dir = dir.to_str().unwrap();
+        let base = ["--config", dir, "--context", "16", "--batch-size", "2"];
+        let planned = config_run(&[&base[..], &["--plan"]].concat()).unwrap();
+        assert!(planned.measured_peak.is_none());
+        let run = config_run(&[&base[..], &["--steps", "2"]].concat()).unwrap();
+        assert_eq!(
+            planned.plan, run.plan,
+            "{name}: the plan on a planning-only device"
+        );
+        let measured = run.measured_peak.unwrap();
+        let off = (measured as f64 / run.plan.peak as f64 - 1.0).abs();
+        assert!(
+            off <= 0.02,
+            "{name}: planned {} measured {measured}",
+            run.plan.peak
+        );
+        assert!(run.train_loss.unwrap().is_finite());
+    }
+    let gpt2 = config_run(&[
+        "--config",
+        "gpt2",
+        "--plan",
+        "--context",
+        "128",
+        "--batch-size",
+        "1",
+        "--optimizer",
+        "sgd",
+    ])
+    .unwrap();
+    let bytes = 124_439_808u64 * 4;
+    let p = &gpt2.plan;
+    assert!(
+        p.parameters >= bytes && p.parameters < bytes + bytes / 100,
+        "{p:?}"
+    );
+    assert_eq!(p.gradients, p.parameters, "{p:?}");
+    assert_eq!(p.optimizer_state, 0, "{p:?}");
+    // Under a budget past the adapter's memory (a larger GPU), fit auto still chooses.
+    let fits = config_run(&[
+        "--config",
+        "gpt2",
+        "--plan",
+        "--context",
+        "64",
+        "--batch-size",
+        "1",
+        "--memory-budget",
+        "64GiB",
+    ])
+    .unwrap();
+    assert!(fits.plan.optimizer_state >= 2 * bytes, "{:?}", fits.plan);
+}
+
+/// Bad `--config` values are typed errors before any device work.
+#[test]
+fn bad_configs_are_refused() {
+    match config_run(&["--config", "gpt9", "--plan"]) {
+        Err(Error::Data { reason, .. }) => assert!(reason.contains("gpt2-medium"), "{reason}"),
+        other => panic!("{:?}", other.err()),
+    }
+    let (_d, dir) = copy_of("gpt2-tiny");
+    edit_config(&dir, |c| {
+        c.insert("model_type".into(), "bert".into());
+    });
+    match config_run(&["--config", dir.to_str().unwrap(), "--plan"]) {
+        Err(Error::Data { reason, .. }) => assert!(reason.contains("\"bert\""), "{reason}"),
+        other => panic!("{:?}", other.err()),
+    }
+    let dir = fixtures().join("gpt2-tiny");
+    for (flags, words) in [
+        (&["--context", "0", "--plan"][..], "--context 0"),
+        (&[][..], "add --plan"),
+    ] {
+        let mut all = vec!["--config", dir.to_str().unwrap()];
+        all.extend_from_slice(flags);
+        match config_run(&all) {
+            Err(Error::InvalidArgument { reason, .. }) => {
+                assert!(reason.contains(words), "{reason}")
+            }
+            other => panic!("{all:?}: {:?}", other.err()),
+        }
+    }
+    use clap::Parser;
+    assert!(
+        finetune::Args::try_parse_from(["finetune", "--config", "gpt2", "--model", "x"]).is_err()
+    );
+}
