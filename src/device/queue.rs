@@ -91,9 +91,13 @@ impl Device {
         if groups.contains(&0) || self.planned_op(&kernel.name) {
             return Ok(());
         }
+        let resolved = tensors
+            .iter()
+            .map(|b| b.resolved())
+            .collect::<Result<Vec<_>>>()?;
         let (Some((pipeline, layout)), Some(buffers)) = (
             kernel.compiled.as_ref(),
-            tensors
+            resolved
                 .iter()
                 .map(|b| b.buffer.as_ref())
                 .collect::<Option<Vec<_>>>(),
@@ -131,7 +135,7 @@ impl Device {
                 size: wgpu::BufferSize::new(binding_size),
             }),
         }];
-        for (i, (b, buffer)) in tensors.iter().zip(&buffers).enumerate() {
+        for (i, (b, buffer)) in resolved.iter().zip(&buffers).enumerate() {
             entries.push(wgpu::BindGroupEntry {
                 binding: i as u32 + 1,
                 resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
@@ -168,6 +172,7 @@ impl Device {
         if self.planned_op("copy") {
             return Ok(());
         }
+        let (src, dst) = (src.resolved()?, dst.resolved()?);
         let (Some(sb), Some(db)) = (&src.buffer, &dst.buffer) else {
             return Err(planned_outside_plan());
         };
@@ -182,6 +187,7 @@ impl Device {
         if self.planned_op("clear") {
             return Ok(());
         }
+        let block = block.resolved()?;
         let Some(buffer) = &block.buffer else {
             return Err(planned_outside_plan());
         };

@@ -14,6 +14,7 @@ mod plan;
 mod rows;
 mod run_plan;
 pub mod shard;
+mod stream;
 mod summary;
 mod sync;
 mod temp_shard;

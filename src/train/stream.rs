@@ -1,0 +1,120 @@
+//! The trainer's side of streamed parameters (`TrainerConfig::offload_parameters`; the
+//! mechanism is src/residency/): starting it, the checks it needs, and the parts of a step that
+//! meet gradients summed in host memory (loss-scale unscaling, the finite check).
+
+use super::Trainer;
+use crate::nn::Module;
+use crate::optim::offload::{check_host_memory, HOST_BYTES_PER_ELEMENT as OPTIM_BYTES};
+use crate::residency::{self, Streaming, HOST_BYTES_PER_ELEMENT};
+use crate::{Error, Result, Tensor};
+
+/// The error for a feature streaming cannot serve yet.
+pub(super) fn not_with_streaming(feature: &str) -> Error {
+    Error::InvalidArgument {
+        op: "offload parameters",
+        reason: format!(
+            "{feature} does not combine with streamed parameters yet (their gradients are \
+             summed in host memory); turn one of them off"
+        ),
+    }
+}
+
+/// Host bytes a run keeps with `streamed` of `total` parameter elements streamed and the
+/// optimizer offloaded: the optimizer's 12 per element, 8 more per streamed one.
+pub(super) fn host_bytes_needed(total: u64, streamed: u64) -> u64 {
+    total * OPTIM_BYTES + streamed * HOST_BYTES_PER_ELEMENT
+}
+
+impl<M: Module> Trainer<M> {
+    /// Moves the model's units to host memory and streams them (called by `Trainer::new`).
+    pub(super) fn start_streaming(model: &M, device: &crate::Device) -> Result<Streaming> {
+        let units = model.units();
+        if units.iter().all(|(_, p)| p.is_empty()) {
+            return Err(residency::no_units());
+        }
+        let total: u64 = model.parameters().iter().map(|p| p.numel() as u64).sum();
+        let streamed: u64 = units
+            .iter()
+            .flat_map(|(_, p)| p.iter())
+            .map(|p| p.numel() as u64)
+            .sum();
+        check_host_memory(
+            "streamed parameters (f32 values and gradient sums) with the optimizer offloaded",
+            host_bytes_needed(total, streamed),
+        )?;
+        Streaming::start(device, units)
+    }
+
+    /// Host bytes the streamed units keep (values and gradient sums), 0 without streaming.
+    pub(super) fn streamed_host_bytes(&self) -> u64 {
+        self.streaming
+            .as_ref()
+            .map_or(0, |s| s.elements() * HOST_BYTES_PER_ELEMENT)
+    }
+
+    /// The parameters whose gradients are summed in host memory.
+    fn streamed_params(&self) -> Vec<Tensor> {
+        if self.streaming.is_none() {
+            return Vec::new();
+        }
+        let params = self.model.parameters();
+        params.into_iter().filter(Tensor::is_streamed).collect()
+    }
+
+    /// Unscales the host gradient sums by `1 / scale` (the same f32 product the device's
+    /// unscale kernel computes) and says whether any is not finite.
+    pub(super) fn unscale_host(&self, scale: f32) -> bool {
+        let inv = 1.0 / scale;
+        let mut nonfinite = false;
+        for p in self.streamed_params() {
+            p.with_host(|h| {
+                if let Some(g) = &mut h.grad {
+                    for v in g.iter_mut() {
+                        *v *= inv;
+                        nonfinite |= !v.is_finite();
+                    }
+                }
+            });
+        }
+        nonfinite
+    }
+
+    /// Whether a host gradient sum holds NaN or infinity.
+    pub(super) fn host_grads_nonfinite(&self) -> bool {
+        self.streamed_params().iter().any(|p| {
+            p.with_host(|h| {
+                h.grad
+                    .as_ref()
+                    .is_some_and(|g| g.iter().any(|v| !v.is_finite()))
+            })
+            .unwrap_or(false)
+        })
+    }
+
+    /// Whether a streamed parameter's host value holds NaN or infinity.
+    pub(super) fn host_params_nonfinite(&self) -> bool {
+        self.streamed_params().iter().any(|p| {
+            p.with_host(|h| h.values.iter().any(|v| !v.is_finite()))
+                .unwrap_or(false)
+        })
+    }
+
+    /// The parameters on the device all the time (all of them without streaming).
+    pub(super) fn device_params(&self) -> Vec<Tensor> {
+        let params = self.model.parameters();
+        params.into_iter().filter(|p| !p.is_streamed()).collect()
+    }
+
+    /// Whether parameters stream from host memory.
+    pub fn streams_parameters(&self) -> bool {
+        self.streaming.is_some()
+    }
+
+    /// Bytes streaming moved between host and device since the last call (parameters up,
+    /// gradients back), reset; zeros without streaming.
+    pub fn take_bytes_moved(&self) -> residency::Moved {
+        self.streaming
+            .as_ref()
+            .map_or_else(Default::default, Streaming::take_moved)
+    }
+}
