@@ -140,7 +140,7 @@ fn streaming_errors_say_what_to_do() {
     let Some(dev) = fresh_device(Default::default()) else {
         return;
     };
-    let lin = Linear::new(&dev, 4, 4, true, 1).unwrap();
+    let lin = Linear::new(&dev, 4, 4, 1).unwrap();
     let opt = Box::new(AdamW::new(lin.parameters(), 1e-3).unwrap());
     let config = TrainerConfig::default().offload_parameters(true);
     let e = Trainer::new(lin, opt, config).err().unwrap();
@@ -149,7 +149,7 @@ fn streaming_errors_say_what_to_do() {
         "{e}"
     );
     let units: Vec<Unit<Linear>> = (0..3)
-        .map(|i| Unit::new(Linear::new(&dev, 4, 4, true, i).unwrap()))
+        .map(|i| Unit::new(Linear::new(&dev, 4, 4, i).unwrap()))
         .collect();
     let names: Vec<String> = units.units().into_iter().map(|(n, _)| n).collect();
     assert_eq!(names, ["0", "1", "2"]);

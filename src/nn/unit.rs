@@ -15,7 +15,7 @@ use std::sync::Arc;
 /// use fitgrad::nn::{Linear, Module, Unit};
 /// # fn f(dev: &fitgrad::Device) -> fitgrad::Result<()> {
 /// let blocks: Vec<Unit<Linear>> = (0..4)
-///     .map(|i| Ok(Unit::new(Linear::new(dev, 8, 8, true, i)?)))
+///     .map(|i| Ok(Unit::new(Linear::new(dev, 8, 8, i)?)))
 ///     .collect::<fitgrad::Result<_>>()?;
 /// assert_eq!(blocks.units().len(), 4); // "0", "1", "2", "3"
 /// # Ok(()) }
