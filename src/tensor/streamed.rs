@@ -112,12 +112,6 @@ impl Tensor {
         Ok(())
     }
 
-    /// Whether a streamed tensor has a device copy now (always true for others).
-    pub(crate) fn is_resident(&self) -> bool {
-        self.streamed()
-            .is_none_or(|s| lock(&s.redirect.now).is_some())
-    }
-
     /// Gives a streamed tensor a device copy: an arena block of its size, filled from the host
     /// (nothing is written while planning, the block is only counted). Returns the bytes
     /// uploaded (0 when it was already there or is not streamed).
@@ -159,12 +153,6 @@ impl Tensor {
     /// The host gradient of a streamed tensor, taken (the next backward starts from zero).
     pub(crate) fn take_host_grad(&self) -> Option<Vec<f32>> {
         self.with_host(|h| h.grad.take()).flatten()
-    }
-
-    /// Bytes of host memory a streamed tensor takes with its host gradient.
-    pub(crate) fn host_bytes(&self) -> u64 {
-        self.with_host(|h| ((h.values.len() + h.grad.as_ref().map_or(0, Vec::len)) * 4) as u64)
-            .unwrap_or(0)
     }
 
     /// The tensor's bytes as stored: from the host for a streamed tensor, else read back.
