@@ -106,6 +106,24 @@ impl Moved {
     pub fn total(&self) -> u64 {
         self.to_device + self.to_host
     }
+
+    /// What was moved after `earlier` was taken.
+    pub fn since(&self, earlier: Moved) -> Moved {
+        Moved {
+            to_device: self.to_device - earlier.to_device,
+            to_host: self.to_host - earlier.to_host,
+            fetches: self.fetches - earlier.fetches,
+        }
+    }
+
+    /// `n` times this.
+    pub fn times(&self, n: u64) -> Moved {
+        Moved {
+            to_device: self.to_device * n,
+            to_host: self.to_host * n,
+            fetches: self.fetches * n,
+        }
+    }
 }
 
 /// One device's streamed units.
@@ -206,14 +224,16 @@ impl Drop for Streaming {
     }
 }
 
+/// What a model that names no units is told.
+pub const HOW_TO_MARK_UNITS: &str = "the model names no units to stream: wrap each block in \
+     nn::Unit (a Vec<Unit<M>> makes each element one), or return them from Module::units; Gpt \
+     names its blocks";
+
 /// The error for streaming asked of a model that names no units.
 pub fn no_units() -> Error {
     Error::InvalidArgument {
         op: "offload parameters",
-        reason: "the model names no units to stream: wrap each block in nn::Unit (a Vec<Unit<M>> \
-                 makes each element one), or return them from Module::units; Gpt names its \
-                 blocks"
-            .into(),
+        reason: HOW_TO_MARK_UNITS.into(),
     }
 }
 
@@ -297,6 +317,21 @@ pub fn finish(dev: &Device, keep_grads: bool) -> Result<()> {
         u.source.release(&params);
     }
     result
+}
+
+/// Bytes moved on `dev` since the counters were last taken (zeros without streaming).
+pub fn moved(dev: &Device) -> Moved {
+    units_of(dev).map_or_else(Moved::default, |u| lock(&u).moved)
+}
+
+/// Counts `m` as moved on `dev` (the planner's stand-in for micro-batches it skips).
+pub fn add_moved(dev: &Device, m: Moved) {
+    if let Some(u) = units_of(dev) {
+        let mut u = lock(&u);
+        u.moved.to_device += m.to_device;
+        u.moved.to_host += m.to_host;
+        u.moved.fetches += m.fetches;
+    }
 }
 
 /// Whether `dev` streams units now.

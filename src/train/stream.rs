@@ -105,6 +105,17 @@ impl<M: Module> Trainer<M> {
         params.into_iter().filter(|p| !p.is_streamed()).collect()
     }
 
+    /// Bytes an offloaded optimizer moves in one step: each device-resident parameter's f32
+    /// gradient read back and its f32 value uploaded (streamed ones are updated in host
+    /// memory, where their gradients already are); 0 without offload.
+    pub(super) fn offload_bytes_moved(&self) -> u64 {
+        if !self.optimizer.state_on_host() {
+            return 0;
+        }
+        let p = self.device_params();
+        p.iter().map(|p| p.numel() as u64 * 8).sum()
+    }
+
     /// Whether parameters stream from host memory.
     pub fn streams_parameters(&self) -> bool {
         self.streaming.is_some()

@@ -580,11 +580,17 @@ impl<M: Module> Trainer<M> {
         if self.streaming.is_some() && self.sync.is_some() {
             return Err(super::stream::not_with_streaming("data-parallel training"));
         }
+        // While planning, the skipped micro-batches move what the second one moved (each
+        // after the first finds the units the one before left).
+        let mut skipped = 0u64;
+        let mut second_moved = crate::residency::Moved::default();
         let result = (|| {
             for (i, chunk) in chunks.iter().enumerate() {
                 if planning && i > 1 && i != last {
+                    skipped += 1;
                     continue;
                 }
+                let moved_before = crate::residency::moved(&dev);
                 let batch = data.batch(chunk)?;
                 if batch.len() != chunk.len() {
                     return Err(Error::InvalidArgument {
@@ -622,7 +628,11 @@ impl<M: Module> Trainer<M> {
                     None => loss.backward()?,
                 }
                 step_loss.add_(&loss.detach())?;
+                if i == 1 {
+                    second_moved = crate::residency::moved(&dev).since(moved_before);
+                }
             }
+            crate::residency::add_moved(&dev, second_moved.times(skipped));
             // Every streamed unit's gradients to the host, no unit left on the device.
             crate::residency::finish(&dev, true)
         })();
