@@ -192,7 +192,11 @@ fn the_plan_is_the_streamed_run() {
         // 8 micro-batches, each fetching at least every unit once over its forward and its
         // recomputation.
         assert!(moved.to_device >= 8 * f32_bytes(&in_units), "{moved:?}");
-        assert_eq!(moved.to_host, moved.to_device, "every fetched unit's gradients go back");
+        // Every unit's gradients come back (once per eviction that finds them there).
+        assert!(
+            moved.to_host >= f32_bytes(&in_units) && moved.to_host <= moved.to_device,
+            "{moved:?}"
+        );
         assert!(
             plan.parameters <= outside + 2 * largest,
             "{} parameter bytes on the device at the peak; {outside} outside units, {largest} \

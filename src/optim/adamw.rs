@@ -460,6 +460,25 @@ impl Optimizer for AdamW {
         self.host.is_some()
     }
 
+    fn set_state_kind(&mut self, eight_bit: bool, host: bool) -> Result<()> {
+        if eight_bit && host {
+            return Err(not_with_offload());
+        }
+        if self.steps > 0 || self.moments.iter().any(Option::is_some) {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: "the kind of state is chosen before the first step".into(),
+            });
+        }
+        self.eight_bit = eight_bit;
+        if host {
+            self.offload_to_host()
+        } else {
+            self.host = None;
+            Ok(())
+        }
+    }
+
     fn state(&self) -> OptimizerState {
         let mut s = OptimizerState {
             step_count: self.steps,

@@ -107,6 +107,17 @@ pub trait Optimizer: Send {
             ),
         })
     }
+    /// Chooses where and how the state is kept before the first step: 8-bit codes on the
+    /// device (`eight_bit`), f32 on the device, or f32 in host memory (`host`); fit auto's
+    /// ladder moves through them. Optimizers with one kind of state, or with state already
+    /// made, refuse with [`Error::InvalidArgument`].
+    fn set_state_kind(&mut self, eight_bit: bool, host: bool) -> Result<()> {
+        let _ = (eight_bit, host);
+        Err(Error::InvalidArgument {
+            op: "fit auto",
+            reason: format!("the {} optimizer has one kind of state", self.name()),
+        })
+    }
     /// Whether [`Optimizer::load_state`] takes its state in [`OptimizerState::host`].
     fn state_on_host(&self) -> bool {
         false
