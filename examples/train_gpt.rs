@@ -513,6 +513,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             "micro_batch": c.micro_batch,
             "checkpointing": c.checkpointing,
             "precision": c.precision.name(),
+            "residence": format!("{:?}", c.residence),
             "candidates_planned": c.candidates.len(),
         })
     });

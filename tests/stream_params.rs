@@ -10,7 +10,7 @@ use common::*;
 use fitgrad::nn::{Gpt, GptConfig, Linear, Module, Unit};
 use fitgrad::optim::AdamW;
 use fitgrad::train::text::TextDataset;
-use fitgrad::train::{Precision, Trainer, TrainerConfig};
+use fitgrad::train::{Precision, Residence, Trainer, TrainerConfig};
 use fitgrad::{Device, Error};
 
 const STEPS: usize = 20;
@@ -63,6 +63,18 @@ fn gpt_trainer_of(
         .precision(precision)
         .offload_optimizer(mode == Mode::OffloadOptimizer)
         .offload_parameters(mode == Mode::Streamed);
+    Trainer::new(model, opt, config).unwrap()
+}
+
+/// A 4-block GPT of width 128 (3.2 MB of parameters): what it keeps on the device (weights,
+/// gradients, AdamW's moments) is several arena segments, so the budget tells its strategies
+/// apart.
+fn gpt_trainer_wide(dev: &Device) -> Trainer<Gpt> {
+    let mut cfg = GptConfig::new(23, 16, 4, 4, 128);
+    cfg.seed = 5;
+    let model = Gpt::new(dev, cfg).unwrap();
+    let opt = Box::new(AdamW::new(model.parameters(), 3e-3).unwrap());
+    let config = TrainerConfig::default().batch_size(8).lr(3e-3);
     Trainer::new(model, opt, config).unwrap()
 }
 
@@ -183,7 +195,10 @@ fn the_plan_is_the_streamed_run() {
         let in_units: Vec<fitgrad::Tensor> = units.iter().flat_map(|(_, p)| p.clone()).collect();
         let all = t.model.parameters();
         let outside = f32_bytes(&all) - f32_bytes(&in_units);
-        let largest = units.iter().map(|(_, p)| f32_bytes(p)).max().unwrap();
+        // As the arena holds them (each tensor's block rounded up to 256 bytes).
+        let held = |ps: &[fitgrad::Tensor]| ps.iter().map(|p| p.allocated_bytes()).sum::<u64>();
+        let largest = units.iter().map(|(_, p)| held(p)).max().unwrap();
+        let outside_held = held(&all) - held(&in_units);
         assert_eq!(
             plan.bytes_moved,
             moved.total() + 2 * outside,
@@ -198,9 +213,9 @@ fn the_plan_is_the_streamed_run() {
             "{moved:?}"
         );
         assert!(
-            plan.parameters <= outside + 2 * largest,
-            "{} parameter bytes on the device at the peak; {outside} outside units, {largest} \
-             per unit",
+            plan.parameters <= outside_held + 2 * largest,
+            "{} parameter bytes on the device at the peak; {outside_held} outside units, \
+             {largest} per unit",
             plan.parameters
         );
         assert!(measured < device_peak, "{measured} vs {device_peak}");
@@ -238,5 +253,54 @@ fn streaming_errors_say_what_to_do() {
     assert!(
         matches!(&e, Error::InvalidArgument { reason, .. } if reason.contains("clipping")),
         "{e}"
+    );
+}
+
+/// Fit auto's ladder past mixed precision: with a budget no on-device strategy meets, a
+/// 4-block GPT without clipping ends on streamed parameters. A budget of 1 byte names the
+/// smallest budget with every strategy on; given exactly that budget, fit auto picks streamed
+/// parameters, prints each candidate's device peak, host bytes and bytes moved, and a step
+/// run under it stays within it with the planned peak.
+#[test]
+fn fit_auto_ends_on_streamed_parameters() {
+    let data = data();
+    let minimum = {
+        let Some(dev) = fresh_device(Default::default()) else {
+            return;
+        };
+        let mut t = gpt_trainer_wide(&dev);
+        match t.fit_auto(&data, 1) {
+            Err(Error::BudgetTooSmall { minimum, what, .. }) => {
+                assert!(what.contains("streamed parameters"), "{what}");
+                minimum
+            }
+            other => panic!("a 1-byte budget: {other:?}"),
+        }
+    };
+    let Some(dev) = fresh_device(Default::default()) else {
+        return;
+    };
+    let mut t = gpt_trainer_wide(&dev);
+    let choice = t.fit_auto(&data, minimum).unwrap();
+    let shown = choice.to_string();
+    note(&format!("smallest budget {minimum}:\n{shown}"));
+    assert_eq!(choice.residence, Residence::StreamedParameters, "{shown}");
+    assert!(t.streams_parameters());
+    let rungs: Vec<Residence> = choice.candidates.iter().map(|c| c.residence).collect();
+    for r in [Residence::EightBit, Residence::OffloadOptimizer] {
+        assert!(rungs.contains(&r), "{r:?} was not planned: {shown}");
+    }
+    assert!(shown.contains("host") && shown.contains("moved"), "{shown}");
+    let last = choice.candidates.last().unwrap();
+    assert!(last.fits && last.host_bytes > 0 && last.bytes_moved > 0, "{last:?}");
+    dev.set_memory_budget(Some(minimum)).unwrap();
+    dev.reset_peak();
+    run(&mut t, &data, 0, 2);
+    dev.sync().unwrap();
+    let stats = dev.memory_stats();
+    assert!(stats.peak_bytes_reserved <= minimum, "{stats:?}");
+    assert_eq!(
+        stats.peak_bytes_in_use, last.planned_peak,
+        "planned vs measured device peak"
     );
 }
