@@ -74,8 +74,8 @@ pub struct Args {
     /// none; optimizer: f32 master weights and AdamW's state in host memory (the device
     /// keeps parameters and gradients; each step reads the gradients back and uploads the
     /// parameters); parameters: that, and each block's parameters in host memory too, on the
-    /// device only around the block's forward and backward (at most about two blocks at once;
-    /// needs --clip-grad-norm 0).
+    /// device only around the block's forward and backward (at most about two blocks at
+    /// once).
     #[arg(long, default_value = "none", value_parser = ["none", "optimizer", "parameters"])]
     pub offload: String,
     /// Cosine decay to 10% with 5% linear warm-up instead of a constant learning rate.
@@ -274,10 +274,6 @@ pub fn prepare(args: &Args) -> Result<Setup> {
         &args.offload,
         true,
         &[
-            (
-                "gradient clipping (--clip-grad-norm, 1.0 by default; 0 turns it off)",
-                args.clip_grad_norm > 0.0,
-            ),
             ("--optimizer adamw8bit", args.optimizer == "adamw8bit"),
             ("--precision f16", precision == Precision::F16),
             ("--distributed", args.distributed.is_some()),

@@ -13,7 +13,7 @@
 //! 5. then, with checkpointing and the last precision, where the optimizer's state lives:
 //!    8-bit state on the device (AdamW; changes the numbers), f32 state in host memory
 //!    (optimizer offload, exact), and the parameters of the model's units streamed from host
-//!    memory too (exact; needs units, and no gradient clipping or data parallelism). Each is
+//!    memory too (exact; needs units, and no data parallelism). Each is
 //!    taken only when nothing before it fits; each candidate's plan gives its device peak,
 //!    host bytes and bytes moved per step.
 //!
@@ -291,8 +291,7 @@ impl<M: Module> Trainer<M> {
     }
 
     /// Whether `r` can serve this trainer: an optimizer whose state can move (AdamW) that has
-    /// made none yet; for streamed parameters, a model with units and no gradient clipping or
-    /// data parallelism.
+    /// made none yet; for streamed parameters, a model with units and no data parallelism.
     fn can_use(&self, r: Residence) -> bool {
         let adamw = matches!(self.optimizer.name(), "adamw" | "adamw8bit");
         let fresh = self.optimizer.step_count() == 0 && self.optimizer.state_tensors().is_empty();
@@ -309,7 +308,6 @@ impl<M: Module> Trainer<M> {
                 adamw
                     && fresh
                     && !fp16_params
-                    && self.config.clip_grad_norm.is_none()
                     && self.sync.is_none()
                     && self.model.units().iter().any(|(_, p)| !p.is_empty())
             }

@@ -8,7 +8,7 @@ use crate::optim::offload::{check_host_memory, HOST_BYTES_PER_ELEMENT as OPTIM_B
 use crate::residency::{self, Streaming, HOST_BYTES_PER_ELEMENT};
 use crate::{Error, Result, Tensor};
 
-/// The error for a feature streaming cannot serve yet.
+/// The error for a feature streaming cannot serve yet (data-parallel training).
 pub(super) fn not_with_streaming(feature: &str) -> Error {
     Error::InvalidArgument {
         op: "offload parameters",
@@ -77,6 +77,54 @@ impl<M: Module> Trainer<M> {
             });
         }
         nonfinite
+    }
+
+    /// Gradient clipping with the streamed units' gradients summed in host memory: the norm
+    /// from the clipping kernels over every gradient in the parameters' order, each host sum
+    /// uploaded in its turn and dropped after its squares (the same bits as the on-device
+    /// run's norm), read back; device gradients scaled by the scale kernel, host sums by the
+    /// same f32 factor. While planning nothing is read, and an upload stands for each sum.
+    pub(super) fn clip_streamed(&self, max_norm: f32) -> Result<()> {
+        let dev = &self.device;
+        let planning = dev.is_planning();
+        let with_grad: Vec<Tensor> = self
+            .model
+            .parameters()
+            .into_iter()
+            .filter(|p| {
+                if p.is_streamed() {
+                    planning || p.with_host(|h| h.grad.is_some()).unwrap_or(false)
+                } else {
+                    p.grad().is_some()
+                }
+            })
+            .collect();
+        if with_grad.is_empty() {
+            return Ok(());
+        }
+        let numels: Vec<usize> = with_grad.iter().map(Tensor::numel).collect();
+        let norm = crate::optim::global_norm_of(dev, &numels, |i| {
+            let p = &with_grad[i];
+            if !p.is_streamed() {
+                return Ok(p.grad().expect("filtered above"));
+            }
+            if planning {
+                return Tensor::uninit(dev, crate::Shape::new(p.dims())?, crate::DType::F32);
+            }
+            let sum = p.with_host(|h| h.grad.clone()).flatten();
+            Tensor::from_slice(dev, &sum.expect("filtered above"), p.dims())
+        })?;
+        let device_grads: Vec<Tensor> = with_grad.iter().filter_map(Tensor::grad).collect();
+        crate::optim::scale_by_norm(&device_grads, &norm, max_norm)?;
+        if planning {
+            return Ok(());
+        }
+        if let Some(f) = crate::optim::clip_factor(norm.item()?, max_norm) {
+            for p in with_grad.iter().filter(|p| p.is_streamed()) {
+                p.with_host(|h| h.grad.iter_mut().flatten().for_each(|v| *v *= f));
+            }
+        }
+        Ok(())
     }
 
     /// Whether a host gradient sum holds NaN or infinity.

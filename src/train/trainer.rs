@@ -246,9 +246,6 @@ impl<M: Module> Trainer<M> {
             .micro_batch
             .unwrap_or(config.batch_size)
             .min(config.batch_size);
-        if config.offload_parameters && config.clip_grad_norm.is_some() {
-            return Err(super::stream::not_with_streaming("gradient clipping"));
-        }
         if config.offload_optimizer || config.offload_parameters {
             optimizer.offload_to_host()?;
         }
@@ -695,7 +692,9 @@ impl<M: Module> Trainer<M> {
                 .into_iter()
                 .filter(|p| p.grad().is_some())
                 .collect();
-            if !with_grad.is_empty() {
+            if self.streaming.is_some() {
+                self.clip_streamed(max_norm)?;
+            } else if !with_grad.is_empty() {
                 crate::optim::clip_grad_norm_tensor(&with_grad, max_norm)?;
             }
         }
