@@ -201,26 +201,41 @@ impl<M: Module> Trainer<M> {
             if record {
                 dev.start_timeline()?;
             }
-            // The second step is the one measured for bytes moved (the first makes the
-            // optimizer's lazy state).
-            let mut moved = Default::default();
-            let real_moved = t.take_bytes_moved();
-            let result = (0..2).try_for_each(|_| {
-                t.take_bytes_moved();
-                t.try_step(data, indices, !record)?;
-                moved = t.take_bytes_moved();
-                Ok(())
-            });
-            crate::residency::add_moved(&dev, real_moved);
+            let result = t.two_planned_steps(data, indices, !record);
             let timeline = if record { dev.take_timeline() } else { None };
-            result?;
+            let moved = result?;
             drop(resident);
             t.optimizer.zero_grad();
             let stats = scope.stats();
             let mut plan = t.step_plan(&stats, &before, indices.len());
-            plan.bytes_moved += moved.total();
+            plan.bytes_moved += moved;
             Ok((plan, timeline))
         })
+    }
+
+    /// Two planned steps over `indices` (the first makes the optimizer's lazy state; `skip`:
+    /// only the micro-batches that can set the peak); the bytes streaming moved in the second.
+    /// The real run's counters are kept.
+    pub(super) fn two_planned_steps<D>(
+        &mut self,
+        data: &D,
+        indices: &[usize],
+        skip: bool,
+    ) -> Result<u64>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let real = self.take_bytes_moved();
+        let mut moved = 0;
+        let result = (0..2).try_for_each(|_| {
+            self.take_bytes_moved();
+            self.try_step(data, indices, skip)?;
+            moved = self.take_bytes_moved().total();
+            Ok(())
+        });
+        crate::residency::add_moved(&self.device, real);
+        result.map(|()| moved)
     }
 
     /// The plan of a step from the planning arena's statistics at its end (`before`: at its
