@@ -348,7 +348,10 @@ fn fit_auto_ends_on_streamed_parameters() {
     }
     assert!(shown.contains("host") && shown.contains("moved"), "{shown}");
     let last = choice.candidates.last().unwrap();
-    assert!(last.fits && last.host_bytes > 0 && last.bytes_moved > 0, "{last:?}");
+    assert!(
+        last.fits && last.host_bytes > 0 && last.bytes_moved > 0,
+        "{last:?}"
+    );
     dev.set_memory_budget(Some(minimum)).unwrap();
     dev.reset_peak();
     run(&mut t, &data, 0, 2);

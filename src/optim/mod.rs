@@ -35,8 +35,8 @@ pub mod schedule;
 mod sgd;
 
 pub use adamw::AdamW;
-pub use clip::{clip_grad_norm, clip_grad_norm_tensor};
 pub(crate) use clip::{clip_factor, global_norm_of, scale_by_norm};
+pub use clip::{clip_grad_norm, clip_grad_norm_tensor};
 pub use groups::{decay_groups, ParamGroup};
 pub use quant8::Quantized;
 pub use scaler::GradScaler;

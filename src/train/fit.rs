@@ -67,7 +67,16 @@ pub struct Candidate {
 
 /// Where fit auto keeps the parameters and the optimizer state, cheapest first.
 #[derive(
-    Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    serde::Serialize,
+    serde::Deserialize,
 )]
 pub enum Residence {
     /// Everything on the device, as configured.
