@@ -179,10 +179,12 @@ impl<M: Module> Trainer<M> {
     /// chosen; an [`Precision::F32`] trainer may become [`Precision::Mixed`], other precisions
     /// stay. Nothing runs on the device but plans.
     ///
-    /// When no candidate fits, the trainer is left as configured (checkpointing off) and the
-    /// error is [`Error::BudgetTooSmall`] naming the smallest budget under which some
-    /// configuration runs (one sample per micro-batch): `fit_auto` with exactly that budget
-    /// succeeds, and so does training under it.
+    /// When no candidate fits, the trainer keeps its micro-batch and precision (checkpointing
+    /// off) but the last residence tried (streamed parameters stay streamed: drop it or train
+    /// it that way), and the error is [`Error::BudgetTooSmall`] naming the smallest budget
+    /// under which some configuration runs with every strategy on (one sample per
+    /// micro-batch): `fit_auto` with exactly that budget on a fresh trainer succeeds, and so
+    /// does training under it.
     pub fn fit_auto<D>(&mut self, data: &D, budget: u64) -> Result<FitChoice>
     where
         D: BatchSource,
