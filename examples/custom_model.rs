@@ -36,7 +36,7 @@ use fitgrad::checkpoint::Expect;
 use fitgrad::cli::{self, MAX_BATCH, MAX_EPOCHS, MAX_LAYERS, MAX_WIDTH};
 use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner};
 use fitgrad::distributed::Job;
-use fitgrad::nn::{self, Dropout, LayerNorm, Linear, Module};
+use fitgrad::nn::{self, Dropout, LayerNorm, Linear, Module, Unit};
 use fitgrad::optim::quant8::f32_adamw_state_bytes;
 use fitgrad::optim::{AdamW, Optimizer};
 use fitgrad::report::{StepCapture, TrainingReport};
@@ -88,10 +88,11 @@ pub struct Args {
     /// adamw, or adamw8bit (both moments in 8 bits for tensors of 4096 elements or more).
     #[arg(long, default_value = "adamw", value_parser = ["adamw", "adamw8bit"])]
     optimizer: String,
-    /// none, or optimizer: f32 master weights and AdamW's state in host memory (the device
+    /// none; optimizer: f32 master weights and AdamW's state in host memory (the device
     /// keeps parameters and gradients; each step reads the gradients back and uploads the
-    /// parameters).
-    #[arg(long, default_value = "none", value_parser = ["none", "optimizer"])]
+    /// parameters); parameters: that, and each block's parameters in host memory too (each
+    /// block is an nn::Unit), on the device only around the block's forward and backward.
+    #[arg(long, default_value = "none", value_parser = ["none", "optimizer", "parameters"])]
     offload: String,
     /// Seeds the weights, dropout masks, data split and order.
     #[arg(long, default_value_t = 0)]
@@ -174,10 +175,12 @@ fitgrad::module! {
     }
 }
 
-/// stem -> blocks -> layer norm -> head: (B, IN) -> logits (B, CLASSES).
+/// stem -> blocks -> layer norm -> head: (B, IN) -> logits (B, CLASSES). Each block is a
+/// `Unit`: with `--offload parameters` its parameters live in host memory and come to the
+/// device around its forward and backward; otherwise the wrapper changes nothing.
 struct ResMlp {
     stem: Linear,
-    blocks: Vec<Block>,
+    blocks: Vec<Unit<Block>>,
     norm: LayerNorm,
     head: Linear,
     /// The blocks' dropout probability (stored in checkpoints).
@@ -200,12 +203,12 @@ impl ResMlp {
             stem: Linear::new(dev, inputs, width, s(1))?,
             blocks: (0..blocks as u64)
                 .map(|b| {
-                    Ok(Block {
+                    Ok(Unit::new(Block {
                         norm: LayerNorm::new(dev, width)?,
                         fc1: Linear::new(dev, width, width, s(100 + 2 * b))?,
                         drop: Dropout::new(dropout, s(10_000 + b))?,
                         fc2: Linear::new(dev, width, width, s(101 + 2 * b))?,
-                    })
+                    }))
                 })
                 .collect::<Result<_>>()?,
             norm: LayerNorm::new(dev, width)?,
@@ -225,7 +228,7 @@ impl ResMlp {
         let mut h = self.stem.forward_in(&x, Activation::None, dtype)?; // (B, W)
         drop(x);
         for b in &self.blocks {
-            h = b.forward_in(&h, dtype)?;
+            h = b.forward(&h)?; // in h's dtype
         }
         let logits = self
             .head
@@ -244,7 +247,7 @@ impl ResMlp {
     fn skip_dropout_masks(&self, calls: u64) {
         for b in &self.blocks {
             for _ in 0..calls {
-                b.drop.next_seed();
+                b.inner().drop.next_seed();
             }
         }
     }
@@ -334,6 +337,16 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
         ],
     )?;
     cli::check_environment()?;
+    let offload = cli::check_offload(
+        "custom_model",
+        &args.offload,
+        args.blocks > 0,
+        &[
+            ("--optimizer adamw8bit", args.optimizer == "adamw8bit"),
+            ("--prune", args.prune.is_some()),
+            ("--distributed", args.distributed.is_some()),
+        ],
+    )?;
     if !(0.0..1.0).contains(&args.dropout) {
         return Err(invalid(format!(
             "--dropout must be in [0, 1), got {}",
@@ -447,7 +460,8 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
     let lr = args.lr as f32;
     let config = TrainerConfig::new(args.batch_size, args.accum_steps, lr)
         .precision(precision)
-        .offload_optimizer(args.offload == "optimizer");
+        .offload_optimizer(offload.0)
+        .offload_parameters(offload.1);
     // The model is built inside the budget logic: a budget too small for the model itself
     // gets the smallest budget that works, as one too small for a step does.
     let build = || {
@@ -772,6 +786,7 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
             "memory_budget": budget,
             "planned_peak_bytes": plan.peak,
             "planned_host_bytes": plan.host_bytes,
+            "planned_bytes_moved": plan.bytes_moved,
             "planned_peak_reserved": plan.peak_reserved,
             "planned_run_peak_reserved": run_plan.peak_reserved,
             "peak_bytes_in_use": run.peak_bytes_in_use,

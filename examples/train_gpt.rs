@@ -71,10 +71,12 @@ pub struct Args {
     /// adamw, or adamw8bit (both moments in 8 bits for tensors of 4096 elements or more).
     #[arg(long, default_value = "adamw", value_parser = ["adamw", "adamw8bit"])]
     pub optimizer: String,
-    /// none, or optimizer: f32 master weights and AdamW's state in host memory (the device
+    /// none; optimizer: f32 master weights and AdamW's state in host memory (the device
     /// keeps parameters and gradients; each step reads the gradients back and uploads the
-    /// parameters).
-    #[arg(long, default_value = "none", value_parser = ["none", "optimizer"])]
+    /// parameters); parameters: that, and each block's parameters in host memory too, on the
+    /// device only around the block's forward and backward (at most about two blocks at
+    /// once).
+    #[arg(long, default_value = "none", value_parser = ["none", "optimizer", "parameters"])]
     pub offload: String,
     /// Cosine decay to 10% with 5% linear warm-up instead of a constant learning rate.
     #[arg(long)]
@@ -181,6 +183,8 @@ pub struct Setup {
     precision: Precision,
     budget: Option<u64>,
     fit_auto: bool,
+    /// `--offload`: (optimizer offloaded, parameters streamed).
+    offload: (bool, bool),
     /// What the run trains on, stored in its checkpoints (the vocabulary's and the text's
     /// hashes).
     identity: Vec<(String, String)>,
@@ -265,6 +269,16 @@ pub fn prepare(args: &Args) -> Result<Setup> {
             args.clip_grad_norm
         )));
     }
+    let offload = cli::check_offload(
+        "train_gpt",
+        &args.offload,
+        true,
+        &[
+            ("--optimizer adamw8bit", args.optimizer == "adamw8bit"),
+            ("--precision f16", precision == Precision::F16),
+            ("--distributed", args.distributed.is_some()),
+        ],
+    )?;
     if !(args.temperature.is_finite() && args.temperature > 0.0) {
         return Err(invalid(format!(
             "--temperature must be a number > 0, got {}",
@@ -326,6 +340,7 @@ pub fn prepare(args: &Args) -> Result<Setup> {
         precision,
         budget,
         fit_auto,
+        offload,
         identity,
         nothing_to_train,
     })
@@ -461,7 +476,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
     let mut config = TrainerConfig::new(args.batch_size, args.accum_steps, args.lr);
     config.schedule = schedule;
     config.precision = setup.precision;
-    config.offload_optimizer = args.offload == "optimizer";
+    (config.offload_optimizer, config.offload_parameters) = setup.offload;
     config.clip_grad_norm = (args.clip_grad_norm > 0.0).then_some(args.clip_grad_norm);
     let build = || {
         let model = Gpt::new(device, setup.cfg.clone())?;
@@ -494,6 +509,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             "micro_batch": c.micro_batch,
             "checkpointing": c.checkpointing,
             "precision": c.precision.name(),
+            "residence": format!("{:?}", c.residence),
             "candidates_planned": c.candidates.len(),
         })
     });
@@ -857,6 +873,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             "fit": fit_json,
             "planned_peak_bytes": plan.peak,
             "planned_host_bytes": plan.host_bytes,
+            "planned_bytes_moved": plan.bytes_moved,
             "planned_peak_reserved": plan.peak_reserved,
             "seed": args.seed,
             "train_loss": train_loss,

@@ -53,8 +53,9 @@ pub struct Args {
     optimizer: String,
     /// none, or optimizer: f32 master weights and AdamW's state in host memory (the device
     /// keeps parameters and gradients; each step reads the gradients back and uploads the
-    /// parameters).
-    #[arg(long, default_value = "none", value_parser = ["none", "optimizer"])]
+    /// parameters). `parameters` is refused: the MLP names no units (custom_model and
+    /// train_gpt stream theirs).
+    #[arg(long, default_value = "none", value_parser = ["none", "optimizer", "parameters"])]
     offload: String,
     /// relu, gelu, tanh or sigmoid.
     #[arg(long, default_value = "relu")]
@@ -155,6 +156,8 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         op: "train_mlp",
         reason,
     };
+    // The Mlp's layers are no units: streaming is refused with how to mark them.
+    let (offload_optimizer, _) = cli::check_offload("train_mlp", &args.offload, false, &[])?;
     let n = |v: usize| v as u64;
     let mut counts = vec![
         ("--epochs", args.epochs, 1, MAX_EPOCHS),
@@ -321,7 +324,7 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         .schedule(schedule)
         .precision(precision);
     config.clip_grad_norm = args.clip_grad_norm;
-    config.offload_optimizer = args.offload == "optimizer";
+    config.offload_optimizer = offload_optimizer;
     // The model is built inside the budget logic: a budget too small for the model itself gets
     // the smallest budget that works, like one too small for a step.
     let build = || {
@@ -696,6 +699,7 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
             "memory_budget": budget,
             "planned_peak_bytes": plan.peak,
             "planned_host_bytes": plan.host_bytes,
+            "planned_bytes_moved": plan.bytes_moved,
             "planned_peak_reserved": plan.peak_reserved,
             "skipped_steps": trainer.scaler().map_or(0, |s| s.skipped_steps()),
             "seed": args.seed,

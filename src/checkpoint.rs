@@ -176,9 +176,7 @@ impl HostTensor {
 
     /// Reads a tensor back from its device (after all recorded work).
     pub fn read(t: &Tensor) -> Result<HostTensor> {
-        let bytes = t
-            .device()
-            .download(t.block(), (t.numel() * t.dtype().size()) as u64)?;
+        let bytes = t.read_bytes()?;
         HostTensor::new(t.dtype(), t.dims(), bytes)
     }
 
@@ -672,7 +670,7 @@ impl Checkpoint {
             )));
         }
         for (p, h) in plan {
-            p.device().upload(p.block(), &h.bytes)?;
+            p.write_bytes(&h.bytes)?;
         }
         Ok(())
     }

@@ -200,6 +200,47 @@ pub fn print_plan(run: &crate::train::RunPlan, json: bool, planned_in: std::time
     }
 }
 
+/// Where `--offload` puts things: (optimizer offloaded, parameters streamed). `parameters`
+/// implies the optimizer; `units` says whether the command's model names units (a model
+/// without any is refused with how to mark them); `conflicts` are (flag, whether given) of the
+/// features streamed parameters cannot serve yet, each refused by name, never dropped.
+pub fn check_offload(
+    op: &'static str,
+    offload: &str,
+    units: bool,
+    conflicts: &[(&str, bool)],
+) -> Result<(bool, bool)> {
+    match offload {
+        "none" => Ok((false, false)),
+        "optimizer" => Ok((true, false)),
+        "parameters" => {
+            if !units {
+                return Err(Error::InvalidArgument {
+                    op,
+                    reason: format!(
+                        "--offload parameters: {}",
+                        crate::residency::HOW_TO_MARK_UNITS
+                    ),
+                });
+            }
+            if let Some((flag, _)) = conflicts.iter().find(|(_, on)| *on) {
+                return Err(Error::InvalidArgument {
+                    op,
+                    reason: format!(
+                        "--offload parameters does not combine with {flag} yet (streamed units' \
+                         gradients are summed in host memory); drop one of them"
+                    ),
+                });
+            }
+            Ok((true, true))
+        }
+        other => Err(Error::InvalidArgument {
+            op,
+            reason: format!("--offload {other}: use none, optimizer or parameters"),
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -29,6 +29,7 @@ pub mod memory;
 pub mod nn;
 pub mod optim;
 pub mod report;
+pub mod residency;
 mod shape;
 pub mod tensor;
 pub mod train;

@@ -98,6 +98,18 @@ fn bad_configurations_are_refused_before_any_device_work() {
     assert!(is_arg(&refused(t, &["--precision", "f64"], "f64")));
     assert!(is_arg(&refused(t, &["--attention", "sparse"], "sparse")));
     assert!(is_arg(&refused(t, &["--fit", "manual"], "auto")));
+    let streamed = ["--offload", "parameters"];
+    let with = |more: &[&'static str]| [&streamed[..], more].concat();
+    assert!(is_arg(&refused(
+        t,
+        &with(&["--optimizer", "adamw8bit"]),
+        "--optimizer adamw8bit"
+    )));
+    assert!(is_arg(&refused(
+        t,
+        &with(&["--precision", "f16"]),
+        "--precision f16"
+    )));
     assert!(is_arg(&refused(t, &["--fit", "auto"], "--memory-budget")));
     assert!(is_arg(&refused(
         t,

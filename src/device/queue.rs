@@ -88,10 +88,18 @@ impl Device {
         tensors: &[&Block],
         groups: [u32; 3],
     ) -> Result<()> {
-        let windows = self.windows(kernel, tensors)?;
+        // The limits hold while planning too.
+        self.windows(kernel, tensors)?;
         if groups.contains(&0) || self.planned_op(&kernel.name) {
             return Ok(());
         }
+        // Streamed parameters bind the block they are resident in now.
+        let resolved = tensors
+            .iter()
+            .map(|b| b.resolved())
+            .collect::<Result<Vec<_>>>()?;
+        let resolved: Vec<&Block> = resolved.iter().map(|b| b.as_ref()).collect();
+        let windows = self.windows(kernel, &resolved)?;
         let (Some((pipeline, layout)), Some(buffers)) = (
             kernel.compiled.as_ref(),
             windows
@@ -216,6 +224,7 @@ impl Device {
         if self.planned_op("copy") {
             return Ok(());
         }
+        let (src, dst) = (src.resolved()?, dst.resolved()?);
         let (Some(sb), Some(db)) = (&src.buffer, &dst.buffer) else {
             return Err(planned_outside_plan());
         };
@@ -230,6 +239,7 @@ impl Device {
         if self.planned_op("clear") {
             return Ok(());
         }
+        let block = block.resolved()?;
         let Some(buffer) = &block.buffer else {
             return Err(planned_outside_plan());
         };

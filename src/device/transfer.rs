@@ -17,6 +17,7 @@ impl Device {
         if self.planned_op("upload") {
             return Ok(());
         }
+        let block = block.resolved()?;
         let Some(buffer) = &block.buffer else {
             return Err(planned_outside_plan());
         };
@@ -55,6 +56,7 @@ impl Device {
         if self.planned_op("readback") {
             return Ok(vec![0; bytes as usize]);
         }
+        let block = block.resolved()?;
         let Some(buffer) = &block.buffer else {
             return Err(planned_outside_plan());
         };

@@ -179,7 +179,13 @@ fn dispatch<T: Operand>(kind: Kind, p: &T, g: &T, m: &T, v: &T, params: &Params)
         while start < n {
             let len = chunk.min(n - start);
             let sub = [p, g, m, v].map(|t| {
-                let b = t.block();
+                // A streamed parameter's range is taken in the block it is resident in (one
+                // not resident keeps its stand-in, which the dispatch refuses).
+                let b = t
+                    .block()
+                    .resolved()
+                    .map(std::borrow::Cow::into_owned)
+                    .unwrap_or_else(|_| t.block().clone());
                 let size = t.dtype().size() as u64;
                 let at = start as u64 * size;
                 let bytes = if start + len == n {
@@ -190,7 +196,7 @@ fn dispatch<T: Operand>(kind: Kind, p: &T, g: &T, m: &T, v: &T, params: &Params)
                 crate::memory::Block {
                     offset: b.offset + at,
                     size: bytes,
-                    ..b.clone()
+                    ..b
                 }
             });
             let dtypes = [p, g, m, v].map(|t| t.dtype());

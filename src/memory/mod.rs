@@ -49,12 +49,44 @@ pub(crate) struct Block {
     /// 0 for a real block; else the number of the plan whose arena made it (freed there,
     /// never bound to a kernel).
     pub plan_id: u32,
+    /// Set on the stand-in block of a tensor whose home is elsewhere (a streamed parameter):
+    /// the arena block that holds it while it is on the device, if it is. The device resolves
+    /// it ([`Block::resolved`]) wherever it binds, copies or transfers.
+    pub redirect: Option<Arc<Redirect>>,
+}
+
+/// Where a stand-in block's bytes are now: an arena block while the tensor is on the device,
+/// `None` while it is not.
+#[derive(Debug, Default)]
+pub(crate) struct Redirect {
+    pub now: std::sync::Mutex<Option<Block>>,
 }
 
 impl Block {
     /// Whether both blocks are ranges of one segment (wgpu cannot copy a buffer onto itself).
     pub fn same_segment(&self, other: &Block) -> bool {
-        self.plan_id == other.plan_id && self.segment == other.segment
+        match (self.resolved(), other.resolved()) {
+            (Ok(a), Ok(b)) => a.plan_id == b.plan_id && a.segment == b.segment,
+            _ => false,
+        }
+    }
+
+    /// The arena block that holds this block's bytes now: itself, or where its redirect
+    /// points. A stand-in whose tensor is not on the device is an [`Error::InvalidArgument`].
+    pub fn resolved(&self) -> Result<std::borrow::Cow<'_, Block>> {
+        let Some(r) = &self.redirect else {
+            return Ok(std::borrow::Cow::Borrowed(self));
+        };
+        let now = r.now.lock().unwrap_or_else(|e| e.into_inner());
+        match now.as_ref() {
+            Some(b) => Ok(std::borrow::Cow::Owned(b.clone())),
+            None => Err(Error::InvalidArgument {
+                op: "device",
+                reason: "a streamed parameter was used while it is not on the device: its \
+                         unit's forward must fetch it (nn::Unit, Module::units)"
+                    .into(),
+            }),
+        }
     }
 }
 
@@ -461,6 +493,7 @@ impl Arena {
             offset: off,
             size,
             plan_id: self.plan_id,
+            redirect: None,
         }
     }
 

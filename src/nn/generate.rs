@@ -252,7 +252,9 @@ impl Gpt {
         let dtype = cfg.dtype;
         let mut x = self.embed(ids, batch, t, cache.len, dtype)?;
         for (block, kv) in self.block_list().iter().zip(&mut cache.layers) {
-            x = block.forward_cached(&x, kv, dtype)?;
+            x = crate::residency::within(&block.ln1.weight, || {
+                block.forward_cached(&x, kv, dtype)
+            })?;
         }
         cache.len += t;
         cache.batch = batch;

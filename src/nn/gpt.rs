@@ -473,25 +473,32 @@ impl Gpt {
     fn logits(&self, ids: &[u32], batch: usize, t: usize, dtype: DType) -> Result<Tensor> {
         self.check_ids("Gpt::forward_ids", ids, batch, t, self.cfg.context)?;
         let mut x = self.embed(ids, batch, t, 0, dtype)?;
-        let checkpointed = self.checkpoint_blocks();
+        // Streamed blocks train checkpointed: the forward must keep no reference to a block's
+        // weights, which leave the device after it (src/residency/).
+        let streamed = self
+            .blocks
+            .first()
+            .is_some_and(|b| b.ln1.weight.is_streamed());
+        let checkpointed = self.checkpoint_blocks() || (streamed && crate::is_grad_enabled());
         for block in &self.blocks {
+            let unit = block.ln1.weight.clone();
             x = if checkpointed {
                 // Two segments per block: only the input of each residual half (B, T, C) is
                 // kept, and backward reruns one half at a time (same dropout masks), so the
                 // recomputed activations at any moment are half a block's, not a whole one's.
                 let [attn_params, mlp_params] = block.half_parameters();
                 let refs: Vec<&Tensor> = attn_params.iter().collect();
-                let b = block.clone();
+                let (b, u) = (block.clone(), unit.clone());
                 let h = crate::tensor::autograd::checkpoint(&[&x], &refs, move |xs| {
-                    b.attention_half(&xs[0], dtype)
+                    crate::residency::within(&u, || b.attention_half(&xs[0], dtype))
                 })?;
                 let refs: Vec<&Tensor> = mlp_params.iter().collect();
                 let b = block.clone();
                 crate::tensor::autograd::checkpoint(&[&h], &refs, move |xs| {
-                    b.mlp_half(&xs[0], dtype)
+                    crate::residency::within(&unit, || b.mlp_half(&xs[0], dtype))
                 })?
             } else {
-                block.forward_in(&x, dtype)?
+                crate::residency::within(&unit, || block.forward_in(&x, dtype))?
             };
         }
         self.head(&x, dtype)
@@ -522,6 +529,15 @@ impl Module for Gpt {
         }
         out.extend(prefixed("ln_f".into(), &self.ln_f));
         out
+    }
+
+    /// Each block is a unit (`blocks.{i}`); the embeddings, the tied head and the final
+    /// LayerNorm are in none.
+    fn units(&self) -> Vec<(String, Vec<Tensor>)> {
+        let blocks = self.blocks.iter().enumerate();
+        blocks
+            .map(|(i, b)| (format!("blocks.{i}"), b.parameters()))
+            .collect()
     }
 
     fn config(&self) -> Vec<(String, String)> {

@@ -16,6 +16,7 @@ mod loss;
 mod mlp;
 mod norm;
 mod sequential;
+mod unit;
 
 pub use crate::Activation;
 pub use crate::AttentionKind;
@@ -32,6 +33,7 @@ pub use loss::{accuracy, correct, cross_entropy, mse_loss};
 pub use mlp::Mlp;
 pub use norm::{LayerNorm, LAYER_NORM_EPS};
 pub use sequential::Sequential;
+pub use unit::{prefixed_units, Unit};
 
 use crate::{Result, Tensor};
 
@@ -63,6 +65,15 @@ pub trait Module {
     /// alone (see [`Mlp::from_config`] and
     /// [`Checkpoint::rebuild`](crate::checkpoint::Checkpoint::rebuild)). Empty by default.
     fn config(&self) -> Vec<(String, String)> {
+        Vec::new()
+    }
+
+    /// The model's *units*: groups of parameters materialized on the device together when
+    /// parameters are streamed from host memory (FSDP's units), as (name, parameters) in
+    /// forward order. A [`Unit`] is one; `Vec`, [`Sequential`] and `module!` list their
+    /// children's; [`Gpt`] names each block. Parameters in no unit stay on the device. Empty
+    /// by default.
+    fn units(&self) -> Vec<(String, Vec<Tensor>)> {
         Vec::new()
     }
 

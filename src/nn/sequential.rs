@@ -66,6 +66,13 @@ impl Module for Sequential {
         indexed(self.layers.iter().map(|m| m.as_ref() as &dyn Module), true)
     }
 
+    fn units(&self) -> Vec<(String, Vec<Tensor>)> {
+        let children = self.layers.iter().enumerate();
+        children
+            .flat_map(|(i, m)| super::prefixed_units(&i.to_string(), m.as_ref()))
+            .collect()
+    }
+
     fn set_training(&self, training: bool) {
         for m in &self.layers {
             m.set_training(training);
@@ -86,6 +93,13 @@ impl<M: Module> Module for Vec<M> {
 
     fn named_buffers(&self) -> Vec<(String, Tensor)> {
         indexed(self.iter().map(|m| m as &dyn Module), true)
+    }
+
+    fn units(&self) -> Vec<(String, Vec<Tensor>)> {
+        let children = self.iter().enumerate();
+        children
+            .flat_map(|(i, m)| super::prefixed_units(&i.to_string(), m as &dyn Module))
+            .collect()
     }
 
     fn set_training(&self, training: bool) {
@@ -138,6 +152,14 @@ macro_rules! module {
                     for (n, t) in $crate::nn::Module::named_buffers(&self.$field) {
                         out.push((::std::format!("{}.{}", ::std::stringify!($field), n), t));
                     }
+                )*
+                out
+            }
+
+            fn units(&self) -> ::std::vec::Vec<(::std::string::String, ::std::vec::Vec<$crate::Tensor>)> {
+                let mut out = ::std::vec::Vec::new();
+                $(
+                    out.extend($crate::nn::prefixed_units(::std::stringify!($field), &self.$field));
                 )*
                 out
             }

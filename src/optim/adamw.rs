@@ -140,14 +140,31 @@ impl AdamW {
     fn step_offloaded(&mut self, grads: Vec<Option<Tensor>>) -> Result<()> {
         let hps: Vec<AdamWHyper> = (0..grads.len()).map(|i| self.hyper(i)).collect();
         let planning = self.groups.params[0].device().is_planning();
+        // Streamed parameters' gradients were summed in host memory (src/residency/).
+        let mut host_grads: Vec<Option<Vec<f32>>> = if planning {
+            vec![None; grads.len()]
+        } else {
+            self.groups
+                .params
+                .iter()
+                .map(Tensor::take_host_grad)
+                .collect()
+        };
+        let stepped: Vec<bool> = grads
+            .iter()
+            .zip(&host_grads)
+            .map(|(g, h)| g.is_some() || h.is_some())
+            .collect();
         if !planning {
             let host = self.host.as_mut().expect("offloaded");
             let mut jobs = Vec::new();
             for (i, (g, st)) in grads.iter().zip(host.iter_mut()).enumerate() {
-                let Some(g) = g else {
-                    continue;
-                };
                 let p = &self.groups.params[i];
+                let g = match (g, host_grads[i].take()) {
+                    (Some(g), _) => offload::Grad::Device(g),
+                    (None, Some(h)) => offload::Grad::Host(h),
+                    (None, None) => continue,
+                };
                 let n = p.numel();
                 let st = st.get_or_insert_with(|| HostState::zeros(n));
                 // The master weights are read once: on the first update, or after a load.
@@ -163,8 +180,8 @@ impl AdamW {
             }
             offload::step(jobs)?;
         }
-        for (i, g) in grads.iter().enumerate() {
-            if g.is_some() {
+        for (i, s) in stepped.into_iter().enumerate() {
+            if s {
                 self.param_steps[i] += 1;
             }
         }
@@ -441,6 +458,25 @@ impl Optimizer for AdamW {
 
     fn state_on_host(&self) -> bool {
         self.host.is_some()
+    }
+
+    fn set_state_kind(&mut self, eight_bit: bool, host: bool) -> Result<()> {
+        if eight_bit && host {
+            return Err(not_with_offload());
+        }
+        if self.steps > 0 || self.moments.iter().any(Option::is_some) {
+            return Err(Error::InvalidArgument {
+                op: OP,
+                reason: "the kind of state is chosen before the first step".into(),
+            });
+        }
+        self.eight_bit = eight_bit;
+        if host {
+            self.offload_to_host()
+        } else {
+            self.host = None;
+            Ok(())
+        }
     }
 
     fn state(&self) -> OptimizerState {

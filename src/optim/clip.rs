@@ -84,26 +84,62 @@ fn clip(params: &[Tensor], max_norm: f32) -> Result<Option<Tensor>> {
         }
         grads.push(g);
     }
+    let Some(norm) = global_norm(&grads)? else {
+        return Ok(None);
+    };
+    scale_by_norm(&grads, &norm, max_norm)?;
+    Ok(Some(norm))
+}
+
+/// The L2 norm of all of `grads` together as a rank-0 f32 tensor, computed on the device in
+/// the fixed order of [`clip_grad_norm`]; `None` for no gradient.
+fn global_norm(grads: &[Tensor]) -> Result<Option<Tensor>> {
     let Some(first) = grads.first() else {
         return Ok(None);
     };
-    let dev = first.device().clone();
-    let norm = Tensor::zeros(&dev, &[], DType::F32)?;
-    let slots: usize = grads.iter().map(|g| grad_norm::parts(g.numel())).sum();
+    let numels: Vec<usize> = grads.iter().map(Tensor::numel).collect();
+    global_norm_of(first.device(), &numels, |i| Ok(grads[i].clone())).map(Some)
+}
+
+/// The norm of [`global_norm`] over gradients made one at a time: `grad(i)` gives the i-th
+/// (of `numels[i]` elements), which may be dropped once its squares are summed, so
+/// gradients that live elsewhere (host sums of streamed parameters) are uploaded one by one.
+/// The same kernels in the same order: the same bits as over the gradients all on the device.
+pub(crate) fn global_norm_of(
+    dev: &crate::Device,
+    numels: &[usize],
+    mut grad: impl FnMut(usize) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let norm = Tensor::zeros(dev, &[], DType::F32)?;
+    let slots: usize = numels.iter().map(|&n| grad_norm::parts(n)).sum();
     if slots == 0 {
-        // Only empty gradients: the norm is 0 and nothing is scaled.
-        return Ok(Some(norm));
+        // Only empty gradients: the norm is 0.
+        return Ok(norm);
     }
     // acc is (slots,): every slot is written by exactly one workgroup.
-    let acc = Tensor::uninit(&dev, crate::Shape::new(&[slots])?, DType::F32)?;
+    let acc = Tensor::uninit(dev, crate::Shape::new(&[slots])?, DType::F32)?;
     let mut slot = 0;
-    for g in &grads {
-        grad_norm::sum_squares(g, &acc, slot)?;
-        slot += grad_norm::parts(g.numel());
+    for (i, &n) in numels.iter().enumerate() {
+        let g = grad(i)?;
+        grad_norm::sum_squares(&g, &acc, slot)?;
+        slot += grad_norm::parts(n);
     }
     grad_norm::norm(&acc, slots, &norm)?;
-    for g in &grads {
-        grad_norm::scale(g, &norm, max_norm)?;
+    Ok(norm)
+}
+
+/// Scales each of `grads` in place by `max_norm / (norm + 1e-6)` where that is below 1 and
+/// `norm` (a rank-0 f32 tensor) is finite.
+pub(crate) fn scale_by_norm(grads: &[Tensor], norm: &Tensor, max_norm: f32) -> Result<()> {
+    for g in grads {
+        grad_norm::scale(g, norm, max_norm)?;
     }
-    Ok(Some(norm))
+    Ok(())
+}
+
+/// The factor [`scale_by_norm`] applies for `norm`, on the host: `None` where it leaves the
+/// gradients as they are.
+pub(crate) fn clip_factor(norm: f32, max_norm: f32) -> Option<f32> {
+    let factor = max_norm / (norm + 1e-6);
+    (norm.is_finite() && factor < 1.0).then_some(factor)
 }

@@ -35,6 +35,7 @@ pub mod schedule;
 mod sgd;
 
 pub use adamw::AdamW;
+pub(crate) use clip::{clip_factor, global_norm_of, scale_by_norm};
 pub use clip::{clip_grad_norm, clip_grad_norm_tensor};
 pub use groups::{decay_groups, ParamGroup};
 pub use quant8::Quantized;
@@ -105,6 +106,17 @@ pub trait Optimizer: Send {
                 "the {} optimizer keeps its state on the device; AdamW can keep it in host memory",
                 self.name()
             ),
+        })
+    }
+    /// Chooses where and how the state is kept before the first step: 8-bit codes on the
+    /// device (`eight_bit`), f32 on the device, or f32 in host memory (`host`); fit auto's
+    /// ladder moves through them. Optimizers with one kind of state, or with state already
+    /// made, refuse with [`Error::InvalidArgument`].
+    fn set_state_kind(&mut self, eight_bit: bool, host: bool) -> Result<()> {
+        let _ = (eight_bit, host);
+        Err(Error::InvalidArgument {
+            op: "fit auto",
+            reason: format!("the {} optimizer has one kind of state", self.name()),
         })
     }
     /// Whether [`Optimizer::load_state`] takes its state in [`OptimizerState::host`].

@@ -185,10 +185,27 @@ fn adamw_threads(
     });
 }
 
+/// Where a parameter's gradient is at the update.
+pub(crate) enum Grad<'a> {
+    /// On the device (read back chunk by chunk).
+    Device(&'a Tensor),
+    /// Already summed in host memory (a streamed parameter, src/residency/).
+    Host(Vec<f32>),
+}
+
+impl Grad<'_> {
+    fn read(&self, a: usize, b: usize) -> Result<Vec<f32>> {
+        match self {
+            Grad::Device(g) => g.read_range_f32(a, b),
+            Grad::Host(v) => Ok(v[a..b].to_vec()),
+        }
+    }
+}
+
 /// One parameter's part of an offloaded step.
 pub(crate) struct Job<'a> {
     pub param: &'a Tensor,
-    pub grad: &'a Tensor,
+    pub grad: Grad<'a>,
     pub state: &'a mut HostState,
     pub coefficients: AdamWCoefficients,
 }
@@ -207,12 +224,13 @@ pub(crate) fn step(jobs: Vec<Job<'_>>) -> Result<()> {
             (0..n.div_ceil(CHUNK)).map(move |k| (j, k * CHUNK, ((k + 1) * CHUNK).min(n)))
         })
         .collect();
-    let grads: Vec<&Tensor> = jobs.iter().map(|j| j.grad).collect();
     let params: Vec<&Tensor> = jobs.iter().map(|j| j.param).collect();
-    let mut states: Vec<(&mut HostState, AdamWCoefficients)> = jobs
-        .into_iter()
-        .map(|j| (j.state, j.coefficients))
-        .collect();
+    let mut grads = Vec::with_capacity(jobs.len());
+    let mut states: Vec<(&mut HostState, AdamWCoefficients)> = Vec::with_capacity(jobs.len());
+    for j in jobs {
+        grads.push(j.grad);
+        states.push((j.state, j.coefficients));
+    }
     std::thread::scope(|s| {
         let (gtx, grx) = sync_channel::<Result<Vec<f32>>>(2);
         let (ptx, prx) = sync_channel::<(usize, usize, Vec<f32>)>(2);
@@ -220,7 +238,7 @@ pub(crate) fn step(jobs: Vec<Job<'_>>) -> Result<()> {
         let grads = &grads;
         s.spawn(move || {
             for (j, a, b) in reader_chunks {
-                let r = grads[j].read_range_f32(a, b);
+                let r = grads[j].read(a, b);
                 let failed = r.is_err();
                 if gtx.send(r).is_err() || failed {
                     break;

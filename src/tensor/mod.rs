@@ -18,6 +18,7 @@ mod random;
 mod rope;
 mod select;
 mod softmax;
+mod streamed;
 
 pub use crate::dtype::{DType, Element};
 pub use crate::kernels::matmul::Variant as MatmulVariant;
@@ -42,11 +43,14 @@ use std::sync::Arc;
 struct Allocation {
     block: Block,
     device: Device,
+    /// Set when the tensor's home moves to host memory (src/tensor/streamed.rs); `block` has
+    /// been freed then.
+    streamed: std::sync::OnceLock<streamed::Streamed>,
 }
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        self.device.free(&self.block);
+        self.release();
     }
 }
 
@@ -79,6 +83,7 @@ impl Tensor {
             alloc: Arc::new(Allocation {
                 block,
                 device: device.clone(),
+                streamed: std::sync::OnceLock::new(),
             }),
             shape,
             dtype,
@@ -196,15 +201,15 @@ impl Tensor {
                 got: T::DTYPE,
             });
         }
-        let bytes = self
-            .device()
-            .download(self.block(), bytes_for(&self.shape, self.dtype))?;
-        Ok(bytemuck::pod_collect_to_vec(&bytes))
+        Ok(bytemuck::pod_collect_to_vec(&self.read_bytes()?))
     }
 
     /// Elements `start..end` read back as f32 whatever the dtype (one readback of that range
     /// only; `start` a multiple of 2, so the range starts on a 4-byte boundary).
     pub(crate) fn read_range_f32(&self, start: usize, end: usize) -> Result<Vec<f32>> {
+        if let Some(v) = self.host_range(start, end) {
+            return Ok(v);
+        }
         let size = self.dtype.size();
         let bytes = self.device().download_at(
             self.block(),
@@ -223,6 +228,9 @@ impl Tensor {
     /// Writes `values` (rounded to the tensor's dtype) into elements `start..` (`start` a
     /// multiple of 2).
     pub(crate) fn write_range_f32(&self, start: usize, values: &[f32]) -> Result<()> {
+        if self.write_host_range(start, values)? {
+            return Ok(());
+        }
         let at = (start * self.dtype.size()) as u64;
         match self.dtype {
             DType::F32 => self
@@ -320,7 +328,10 @@ impl Tensor {
     }
 
     pub(crate) fn block(&self) -> &Block {
-        &self.alloc.block
+        match self.alloc.streamed.get() {
+            Some(s) => &s.block,
+            None => &self.alloc.block,
+        }
     }
 
     /// Whether no other tensor (clone or reshape) shares this tensor's memory.
@@ -395,6 +406,7 @@ impl Tensor {
                 let _ = n.set_grad(None);
             }
         }
+        self.take_host_grad();
     }
 
     /// Backpropagates from this one-element tensor (a loss): every leaf it depends on gets

@@ -9,8 +9,13 @@
 //! 3. activation checkpointing (where the model supports it), again the largest micro-batch
 //!    that fits: exact too, at the price of recomputing forward pieces in backward;
 //! 4. mixed precision (f16 activations and matmuls, f32 master weights and optimizer state,
-//!    loss scaling): the only step that changes the numbers, so it comes last — without, then
-//!    with checkpointing.
+//!    loss scaling): it changes the numbers — without, then with checkpointing;
+//! 5. then, with checkpointing and the last precision, where the optimizer's state lives:
+//!    8-bit state on the device (AdamW; changes the numbers), f32 state in host memory
+//!    (optimizer offload, exact), and the parameters of the model's units streamed from host
+//!    memory too (exact; needs units, and no data parallelism). Each is
+//!    taken only when nothing before it fits; each candidate's plan gives its device peak,
+//!    host bytes and bytes moved per step.
 //!
 //! The precision fallback is to [`Precision::Mixed`] only, from [`Precision::F32`]: both keep
 //! f32 parameters, so the model built for f32 trains mixed as it is (its forward reads
@@ -49,6 +54,52 @@ pub struct Candidate {
     pub planned_reserved: u64,
     /// Whether the step planned under the budget stays within it.
     pub fits: bool,
+    /// Where the parameters and the optimizer state live.
+    #[serde(default)]
+    pub residence: Residence,
+    /// Planned host bytes (offloaded optimizer state, streamed units).
+    #[serde(default)]
+    pub host_bytes: u64,
+    /// Planned bytes moved between host and device per step.
+    #[serde(default)]
+    pub bytes_moved: u64,
+}
+
+/// Where fit auto keeps the parameters and the optimizer state, cheapest first.
+#[derive(
+    Clone,
+    Copy,
+    Debug,
+    Default,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    serde::Serialize,
+    serde::Deserialize,
+)]
+pub enum Residence {
+    /// Everything on the device, as configured.
+    #[default]
+    Device,
+    /// AdamW's moments as 8-bit codes on the device.
+    EightBit,
+    /// Master weights and f32 state in host memory (optimizer offload).
+    OffloadOptimizer,
+    /// The units' parameters in host memory too, streamed through the device.
+    StreamedParameters,
+}
+
+impl Residence {
+    /// "", ", 8-bit state", ", optimizer offload", ", streamed parameters".
+    fn suffix(self) -> &'static str {
+        match self {
+            Residence::Device => "",
+            Residence::EightBit => ", 8-bit state",
+            Residence::OffloadOptimizer => ", optimizer offload",
+            Residence::StreamedParameters => ", streamed parameters",
+        }
+    }
 }
 
 /// What [`Trainer::fit_auto`] chose, and every candidate it planned on the way, in order.
@@ -64,6 +115,9 @@ pub struct FitChoice {
     pub checkpointing: bool,
     /// Precision chosen.
     pub precision: Precision,
+    /// Where the parameters and the optimizer state live, chosen.
+    #[serde(default)]
+    pub residence: Residence,
     /// The candidates planned, cheapest first; the last one is the choice.
     pub candidates: Vec<Candidate>,
 }
@@ -79,17 +133,25 @@ impl fmt::Display for FitChoice {
                 self.micro_batch,
                 self.checkpointing,
                 self.precision
-            )
+            ) + self.residence.suffix()
         )?;
         for c in &self.candidates {
-            writeln!(
+            write!(
                 f,
-                "  {:<52} planned peak {:>11} in use, {:>11} reserved  {}",
+                "  {:<52} planned peak {:>11} in use, {:>11} reserved",
                 c.description,
                 Bytes(c.planned_peak).to_string(),
                 Bytes(c.planned_reserved).to_string(),
-                if c.fits { "fits" } else { "does not fit" }
             )?;
+            if c.residence != Residence::Device {
+                write!(
+                    f,
+                    ", host {:>11}, moved {:>11} per step",
+                    Bytes(c.host_bytes).to_string(),
+                    Bytes(c.bytes_moved).to_string()
+                )?;
+            }
+            writeln!(f, "  {}", if c.fits { "fits" } else { "does not fit" })?;
         }
         Ok(())
     }
@@ -117,10 +179,12 @@ impl<M: Module> Trainer<M> {
     /// chosen; an [`Precision::F32`] trainer may become [`Precision::Mixed`], other precisions
     /// stay. Nothing runs on the device but plans.
     ///
-    /// When no candidate fits, the trainer is left as configured (checkpointing off) and the
-    /// error is [`Error::BudgetTooSmall`] naming the smallest budget under which some
-    /// configuration runs (one sample per micro-batch): `fit_auto` with exactly that budget
-    /// succeeds, and so does training under it.
+    /// When no candidate fits, the trainer keeps its micro-batch and precision (checkpointing
+    /// off) but the last residence tried (streamed parameters stay streamed: drop it or train
+    /// it that way), and the error is [`Error::BudgetTooSmall`] naming the smallest budget
+    /// under which some configuration runs with every strategy on (one sample per
+    /// micro-batch): `fit_auto` with exactly that budget on a fresh trainer succeeds, and so
+    /// does training under it.
     pub fn fit_auto<D>(&mut self, data: &D, budget: u64) -> Result<FitChoice>
     where
         D: BatchSource,
@@ -131,22 +195,34 @@ impl<M: Module> Trainer<M> {
         let (micro_before, micro_config) = (self.micro, self.config.micro_batch);
         let can_checkpoint = self.model.set_checkpointing(false);
         let mut configs = Vec::new();
-        let precisions: &[Precision] = if start == Precision::F32 {
-            &[Precision::F32, Precision::Mixed]
+        let precisions: Vec<Precision> = if start == Precision::F32 {
+            vec![Precision::F32, Precision::Mixed]
         } else {
-            std::slice::from_ref(&self.config.precision)
+            vec![start]
         };
-        for &p in precisions {
-            configs.push((false, p));
+        let start_residence = self.residence();
+        for &p in &precisions {
+            configs.push((false, p, start_residence));
             if can_checkpoint {
-                configs.push((true, p));
+                configs.push((true, p, start_residence));
+            }
+        }
+        let last_precision = *precisions.last().expect("one precision at least");
+        for r in [
+            Residence::EightBit,
+            Residence::OffloadOptimizer,
+            Residence::StreamedParameters,
+        ] {
+            if r > start_residence && self.can_use(r) {
+                configs.push((can_checkpoint, last_precision, r));
             }
         }
         let batch = self.config.batch_size.min(idx.len());
         let mut candidates = Vec::new();
         let result = (|| {
-            for &(ckpt, precision) in &configs {
+            for &(ckpt, precision, residence) in &configs {
                 self.use_strategy(ckpt, precision);
+                self.use_residence(residence)?;
                 let whole = self.candidate(data, &idx, (batch, batch), ckpt, budget)?;
                 let mut fits = whole.fits.then_some(batch);
                 candidates.push(whole);
@@ -160,7 +236,7 @@ impl<M: Module> Trainer<M> {
                 }
                 if let Some(micro) = fits {
                     self.set_micro_batch(micro)?;
-                    return Ok(Some((micro, ckpt, precision)));
+                    return Ok(Some((micro, ckpt, precision, residence)));
                 }
             }
             Ok(None)
@@ -169,11 +245,15 @@ impl<M: Module> Trainer<M> {
             Ok(Some(c)) => c,
             other => {
                 // Nothing fits: the smallest budget of any configuration (one sample per
-                // micro-batch), the cheaper one on a tie. Mixed precision is not always the
-                // most frugal: its f16 copies of the weights can outweigh what it saves.
+                // micro-batch) with every residence strategy on (the last one reached), the
+                // cheaper one on a tie. Mixed precision is not always the most frugal: its f16
+                // copies of the weights can outweigh what it saves.
+                let reached = self.residence();
                 let smallest = other.and_then(|_| {
                     let mut best: Option<(u64, (bool, Precision))> = None;
-                    for &(ckpt, precision) in &configs {
+                    let precisions = precisions.iter();
+                    let all = precisions.flat_map(|&p| [(false, p), (true, p)]);
+                    for (ckpt, precision) in all.filter(|&(c, _)| can_checkpoint || !c) {
                         self.use_strategy(ckpt, precision);
                         let m = self.smallest_budget(data, &idx)?;
                         if best.is_none_or(|(b, _)| m < b) {
@@ -189,9 +269,10 @@ impl<M: Module> Trainer<M> {
                     budget,
                     minimum,
                     what: format!(
-                        "a training step of {} parameters ({})",
+                        "a training step of {} parameters ({}{})",
                         self.model.num_parameters(),
-                        describe(batch, 1, ckpt, precision)
+                        describe(batch, 1, ckpt, precision),
+                        reached.suffix()
                     ),
                 });
             }
@@ -202,8 +283,68 @@ impl<M: Module> Trainer<M> {
             micro_batch: chosen.0,
             checkpointing: chosen.1,
             precision: chosen.2,
+            residence: chosen.3,
             candidates,
         })
+    }
+
+    /// Where the parameters and the optimizer state live now.
+    pub(super) fn residence(&self) -> Residence {
+        if self.streaming.is_some() {
+            Residence::StreamedParameters
+        } else if self.optimizer.state_on_host() {
+            Residence::OffloadOptimizer
+        } else if self.optimizer.name() == "adamw8bit" {
+            Residence::EightBit
+        } else {
+            Residence::Device
+        }
+    }
+
+    /// Whether `r` can serve this trainer: an optimizer whose state can move (AdamW) that has
+    /// made none yet; for streamed parameters, a model with units and no data parallelism.
+    fn can_use(&self, r: Residence) -> bool {
+        let adamw = matches!(self.optimizer.name(), "adamw" | "adamw8bit");
+        let fresh = self.optimizer.step_count() == 0 && self.optimizer.state_tensors().is_empty();
+        let fp16_params = self
+            .model
+            .parameters()
+            .iter()
+            .any(|p| p.dtype() != crate::DType::F32);
+        match r {
+            Residence::Device => true,
+            Residence::EightBit => adamw && fresh,
+            Residence::OffloadOptimizer => adamw && fresh && !fp16_params,
+            Residence::StreamedParameters => {
+                adamw
+                    && fresh
+                    && !fp16_params
+                    && self.sync.is_none()
+                    && self.model.units().iter().any(|(_, p)| !p.is_empty())
+            }
+        }
+    }
+
+    /// Moves to `r` (never back: streamed parameters stay streamed).
+    fn use_residence(&mut self, r: Residence) -> Result<()> {
+        if r == self.residence() {
+            return Ok(());
+        }
+        match r {
+            Residence::Device => {}
+            Residence::EightBit => self.optimizer.set_state_kind(true, false)?,
+            Residence::OffloadOptimizer => {
+                self.optimizer.set_state_kind(false, true)?;
+                self.config.offload_optimizer = true;
+            }
+            Residence::StreamedParameters => {
+                self.optimizer.set_state_kind(false, true)?;
+                self.config.offload_optimizer = true;
+                self.streaming = Some(Self::start_streaming(&self.model, &self.device)?);
+                self.config.offload_parameters = true;
+            }
+        }
+        Ok(())
     }
 
     /// Builds the trainer with `build` on `device` and runs [`Trainer::fit_auto`] under the
@@ -282,8 +423,14 @@ impl<M: Module> Trainer<M> {
             },
         };
         let precision = self.config.precision;
+        let residence = self.residence();
         Ok(Candidate {
-            description: describe(batch, micro, checkpointing, precision) + limit,
+            description: describe(batch, micro, checkpointing, precision)
+                + residence.suffix()
+                + limit,
+            residence,
+            host_bytes: plan.host_bytes,
+            bytes_moved: plan.bytes_moved,
             micro_batch: micro,
             checkpointing,
             precision,

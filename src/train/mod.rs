@@ -14,6 +14,7 @@ mod plan;
 mod rows;
 mod run_plan;
 pub mod shard;
+mod stream;
 mod summary;
 mod sync;
 mod temp_shard;
@@ -22,7 +23,7 @@ mod trainer;
 mod window_loss;
 
 pub use events::TrainEvent;
-pub use fit::{Candidate, FitChoice};
+pub use fit::{Candidate, FitChoice, Residence};
 pub use model::{
     Batch, BatchSource, ClassBatch, EvalBatch, Features, StepContext, TensorBatch, TensorDataset,
     TrainModel,

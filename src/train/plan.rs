@@ -50,9 +50,14 @@ pub struct Plan {
     pub new_buffers: u64,
     /// The op being recorded at the peak, with the phase of the step.
     pub peak_op: Option<String>,
-    /// Host memory the optimizer keeps (optimizer offload), beside the device figures.
+    /// Host memory the run keeps, beside the device figures: the offloaded optimizer's
+    /// master weights and moments, and the streamed units' values and gradient sums.
     #[serde(default)]
     pub host_bytes: u64,
+    /// Bytes moved between host and device by one step: streamed units' parameters up and
+    /// gradients back, and an offloaded optimizer's gradients back and parameters up.
+    #[serde(default)]
+    pub bytes_moved: u64,
     /// Samples per forward/backward.
     pub micro_batch: usize,
     /// Micro-batches per optimizer step.
@@ -82,8 +87,15 @@ impl fmt::Display for Plan {
         if self.host_bytes > 0 {
             writeln!(
                 f,
-                "  host memory       {:>12} (optimizer offload)",
+                "  host memory       {:>12} (offload)",
                 Bytes(self.host_bytes)
+            )?;
+        }
+        if self.bytes_moved > 0 {
+            writeln!(
+                f,
+                "  moved per step    {:>12} (host <-> device)",
+                Bytes(self.bytes_moved)
             )?;
         }
         if self.all_reduce_buffer > 0 {
@@ -189,14 +201,41 @@ impl<M: Module> Trainer<M> {
             if record {
                 dev.start_timeline()?;
             }
-            let result = (0..2).try_for_each(|_| t.try_step(data, indices, !record));
+            let result = t.two_planned_steps(data, indices, !record);
             let timeline = if record { dev.take_timeline() } else { None };
-            result?;
+            let moved = result?;
             drop(resident);
             t.optimizer.zero_grad();
             let stats = scope.stats();
-            Ok((t.step_plan(&stats, &before, indices.len()), timeline))
+            let mut plan = t.step_plan(&stats, &before, indices.len());
+            plan.bytes_moved += moved;
+            Ok((plan, timeline))
         })
+    }
+
+    /// Two planned steps over `indices` (the first makes the optimizer's lazy state; `skip`:
+    /// only the micro-batches that can set the peak); the bytes streaming moved in the second.
+    /// The real run's counters are kept.
+    pub(super) fn two_planned_steps<D>(
+        &mut self,
+        data: &D,
+        indices: &[usize],
+        skip: bool,
+    ) -> Result<u64>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let real = self.take_bytes_moved();
+        let mut moved = 0;
+        let result = (0..2).try_for_each(|_| {
+            self.take_bytes_moved();
+            self.try_step(data, indices, skip)?;
+            moved = self.take_bytes_moved().total();
+            Ok(())
+        });
+        crate::residency::add_moved(&self.device, real);
+        result.map(|()| moved)
     }
 
     /// The plan of a step from the planning arena's statistics at its end (`before`: at its
@@ -220,7 +259,8 @@ impl<M: Module> Trainer<M> {
             peak_reserved: stats.peak_bytes_reserved,
             new_buffers: stats.buffers_created - before.buffers_created,
             peak_op: stats.peak_op.clone(),
-            host_bytes: self.optimizer.host_bytes(),
+            host_bytes: self.optimizer.host_bytes() + self.streamed_host_bytes(),
+            bytes_moved: self.offload_bytes_moved(),
             micro_batch: self.micro,
             micro_batches: self.share(n).len().div_ceil(self.micro),
         }

@@ -164,10 +164,11 @@ impl<M: Module> Trainer<M> {
             let dev = t.device.clone();
             let before = scope.stats();
             let resident = data.resident(&dev)?;
-            (0..2).try_for_each(|_| t.try_step(data, idx, true))?;
+            let moved = t.two_planned_steps(data, idx, true)?;
             drop(resident);
             t.optimizer.zero_grad();
-            let step = t.step_plan(&scope.stats(), &before, idx.len());
+            let mut step = t.step_plan(&scope.stats(), &before, idx.len());
+            step.bytes_moved += moved;
             let mut run = RunPlan {
                 peak: step.peak,
                 peak_reserved: step.peak_reserved,

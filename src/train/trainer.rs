@@ -60,6 +60,10 @@ pub struct TrainerConfig {
     /// ([`Optimizer::offload_to_host`]; AdamW's [`offload`](crate::optim::AdamW::offload)):
     /// the device holds only parameters and gradients.
     pub offload_optimizer: bool,
+    /// Keep the parameters of the model's units ([`Module::units`]) in host memory and stream
+    /// them through the device unit by unit (src/residency/); implies `offload_optimizer`.
+    /// Units train checkpointed.
+    pub offload_parameters: bool,
     /// Loss scaling: more steps than this skipped in a row for overflowing gradients stops
     /// training with [`Error::NonFinite`] (the weights or the loss have blown up, and every
     /// later step would be skipped too), once the scale is also below 65,536 / 2^this; 0 never
@@ -80,6 +84,7 @@ impl Default for TrainerConfig {
             check_finite_every: 1,
             clip_grad_norm: None,
             offload_optimizer: false,
+            offload_parameters: false,
             max_skipped_in_a_row: 24,
         }
     }
@@ -146,6 +151,13 @@ impl TrainerConfig {
         self
     }
 
+    /// Streams the parameters of the model's units from host memory (see
+    /// [`TrainerConfig::offload_parameters`]); implies optimizer offload.
+    pub fn offload_parameters(mut self, on: bool) -> Self {
+        self.offload_parameters = on;
+        self
+    }
+
     /// Clips the gradients' total L2 norm to `max_norm` before each update.
     pub fn clip_grad_norm(mut self, max_norm: f32) -> Self {
         self.clip_grad_norm = Some(max_norm);
@@ -181,6 +193,8 @@ pub struct Trainer<M> {
     /// What the run trains on (`set_data_identity`), stored in checkpoints and checked on
     /// resume.
     data_identity: Vec<(String, String)>,
+    /// Streamed parameters (`offload_parameters`), while on.
+    pub(super) streaming: Option<crate::residency::Streaming>,
 }
 
 impl<M: Module> Trainer<M> {
@@ -232,9 +246,14 @@ impl<M: Module> Trainer<M> {
             .micro_batch
             .unwrap_or(config.batch_size)
             .min(config.batch_size);
-        if config.offload_optimizer {
+        if config.offload_optimizer || config.offload_parameters {
             optimizer.offload_to_host()?;
         }
+        let streaming = if config.offload_parameters {
+            Some(Self::start_streaming(&model, &device)?)
+        } else {
+            None
+        };
         let scaler = (config.precision == Precision::Mixed).then(GradScaler::new);
         Ok(Trainer {
             model,
@@ -250,6 +269,7 @@ impl<M: Module> Trainer<M> {
             events: Vec::new(),
             sync: None,
             data_identity: Vec::new(),
+            streaming,
         })
     }
 
@@ -338,10 +358,13 @@ impl<M: Module> Trainer<M> {
     /// Parameters, gradients, optimizer state and activations at the peak, from the arena.
     pub fn memory_summary(&self) -> MemorySummary {
         let stats = self.device.memory_stats();
-        let parameter_bytes = self.model.parameter_bytes();
+        // Streamed parameters are on the device a unit or two at a time (in the activations'
+        // figure); their home is host memory.
+        let device_params = self.device_params();
+        let parameter_bytes = device_params.iter().map(Tensor::allocated_bytes).sum();
         let gradient_bytes = parameter_bytes;
         let optimizer_state_bytes = self.optimizer.state_bytes();
-        let host_bytes = self.optimizer.host_bytes();
+        let host_bytes = self.optimizer.host_bytes() + self.streamed_host_bytes();
         let fixed = parameter_bytes + gradient_bytes + optimizer_state_bytes;
         MemorySummary {
             parameter_bytes,
@@ -423,8 +446,10 @@ impl<M: Module> Trainer<M> {
                 remedy: REMEDY.into(),
             });
         }
-        let params = self.model.parameters();
-        if self.device.nonfinite(&params.iter().collect::<Vec<_>>())? {
+        let params = self.device_params();
+        if self.device.nonfinite(&params.iter().collect::<Vec<_>>())?
+            || self.host_params_nonfinite()
+        {
             return Err(Error::NonFinite {
                 step: self.step,
                 what: format!(
@@ -549,11 +574,20 @@ impl<M: Module> Trainer<M> {
         let _step = dev.step_scope();
         let chunks: Vec<&[usize]> = indices.chunks(mb).collect();
         let last = chunks.len().saturating_sub(1);
+        if self.streaming.is_some() && self.sync.is_some() {
+            return Err(super::stream::not_with_streaming("data-parallel training"));
+        }
+        // While planning, the skipped micro-batches move what the second one moved (each
+        // after the first finds the units the one before left).
+        let mut skipped = 0u64;
+        let mut second_moved = crate::residency::Moved::default();
         let result = (|| {
             for (i, chunk) in chunks.iter().enumerate() {
                 if planning && i > 1 && i != last {
+                    skipped += 1;
                     continue;
                 }
+                let moved_before = crate::residency::moved(&dev);
                 let batch = data.batch(chunk)?;
                 if batch.len() != chunk.len() {
                     return Err(Error::InvalidArgument {
@@ -591,9 +625,17 @@ impl<M: Module> Trainer<M> {
                     None => loss.backward()?,
                 }
                 step_loss.add_(&loss.detach())?;
+                if i == 1 {
+                    second_moved = crate::residency::moved(&dev).since(moved_before);
+                }
             }
-            Ok(())
+            crate::residency::add_moved(&dev, second_moved.times(skipped));
+            // Every streamed unit's gradients to the host, no unit left on the device.
+            crate::residency::finish(&dev, true)
         })();
+        if result.is_err() {
+            let _ = crate::residency::finish(&dev, false);
+        }
         let result = result.and_then(|()| match self.sync.as_mut() {
             Some(sync) => {
                 let _p = dev.phase_scope("gradient all-reduce");
@@ -607,8 +649,8 @@ impl<M: Module> Trainer<M> {
         }
         if let Some(sc) = &self.scaler {
             let _p = dev.phase_scope("unscale");
-            let params = self.model.parameters();
-            let nonfinite = sc.unscale(&self.device, &params)?;
+            let params = self.device_params();
+            let nonfinite = sc.unscale(&self.device, &params)? | self.unscale_host(sc.scale());
             let sc = self.scaler.as_mut().expect("checked above");
             let (step, scale_before) = (self.step, sc.scale());
             sc.update(nonfinite);
@@ -650,7 +692,9 @@ impl<M: Module> Trainer<M> {
                 .into_iter()
                 .filter(|p| p.grad().is_some())
                 .collect();
-            if !with_grad.is_empty() {
+            if self.streaming.is_some() {
+                self.clip_streamed(max_norm)?;
+            } else if !with_grad.is_empty() {
                 crate::optim::clip_grad_norm_tensor(&with_grad, max_norm)?;
             }
         }
@@ -665,7 +709,7 @@ impl<M: Module> Trainer<M> {
                 .collect();
             let mut all: Vec<&Tensor> = vec![&step_loss];
             all.extend(grads.iter());
-            if dev.nonfinite(&all)? {
+            if dev.nonfinite(&all)? || self.host_grads_nonfinite() {
                 drop(grads);
                 self.optimizer.zero_grad();
                 let what = if dev.nonfinite(&[&step_loss])? {
@@ -776,6 +820,7 @@ impl<M: Module> Trainer<M> {
             })
         })();
         self.model.set_training(true);
+        crate::residency::finish(&self.device, false)?;
         result
     }
 

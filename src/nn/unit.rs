@@ -1,0 +1,92 @@
+//! [`Unit`]: marks a sub-module as one unit of parameters that streaming materializes on the
+//! device together (src/residency/), like a module FSDP wraps.
+
+use super::Module;
+use crate::{Result, Tensor};
+use std::sync::Arc;
+
+/// A module whose parameters form one unit ([`Module::units`]): with parameters streamed from
+/// host memory, they are fetched before its forward and released after it, and in training
+/// its forward runs under [`checkpoint`](crate::tensor::autograd::checkpoint) so backward
+/// fetches them again for the recomputation. Without streaming it is `M` itself: the same
+/// parameter names (no prefix), the same forward.
+///
+/// ```
+/// use fitgrad::nn::{Linear, Module, Unit};
+/// # fn f(dev: &fitgrad::Device) -> fitgrad::Result<()> {
+/// let blocks: Vec<Unit<Linear>> = (0..4)
+///     .map(|i| Ok(Unit::new(Linear::new(dev, 8, 8, i)?)))
+///     .collect::<fitgrad::Result<_>>()?;
+/// assert_eq!(blocks.units().len(), 4); // "0", "1", "2", "3"
+/// # Ok(()) }
+/// ```
+pub struct Unit<M> {
+    inner: Arc<M>,
+}
+
+impl<M> Unit<M> {
+    /// Marks `module` as one unit.
+    pub fn new(module: M) -> Unit<M> {
+        Unit {
+            inner: Arc::new(module),
+        }
+    }
+
+    /// The wrapped module.
+    pub fn inner(&self) -> &M {
+        &self.inner
+    }
+}
+
+impl<M: Module + Send + Sync + 'static> Module for Unit<M> {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let params = self.inner.parameters();
+        let Some(first) = params.first().cloned() else {
+            return self.inner.forward(x);
+        };
+        if first.is_streamed() && crate::is_grad_enabled() {
+            let refs: Vec<&Tensor> = params.iter().collect();
+            let m = self.inner.clone();
+            crate::tensor::autograd::checkpoint(&[x], &refs, move |xs| {
+                crate::residency::within(&first, || m.forward(&xs[0]))
+            })
+        } else {
+            crate::residency::within(&first, || self.inner.forward(x))
+        }
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        self.inner.named_parameters()
+    }
+
+    fn named_buffers(&self) -> Vec<(String, Tensor)> {
+        self.inner.named_buffers()
+    }
+
+    fn config(&self) -> Vec<(String, String)> {
+        self.inner.config()
+    }
+
+    fn set_training(&self, training: bool) {
+        self.inner.set_training(training)
+    }
+
+    fn units(&self) -> Vec<(String, Vec<Tensor>)> {
+        vec![(String::new(), self.inner.parameters())]
+    }
+}
+
+/// `m`'s units with `prefix.` before each name (containers use it).
+pub fn prefixed_units(prefix: &str, m: &dyn Module) -> Vec<(String, Vec<Tensor>)> {
+    m.units()
+        .into_iter()
+        .map(|(n, p)| {
+            let name = if n.is_empty() {
+                prefix.to_string()
+            } else {
+                format!("{prefix}.{n}")
+            };
+            (name, p)
+        })
+        .collect()
+}
