@@ -19,9 +19,14 @@
 mod config;
 mod files;
 mod gpt2;
+mod peft;
 mod tokenizer;
 
 pub use config::Gpt2Config;
 pub use files::{INDEX_FILE, WEIGHTS_FILE};
 pub use gpt2::{save_gpt2, PretrainedGpt};
+pub use peft::{
+    adapter_of, add_lora, merge_adapter, read_adapter, resolve_targets, save_adapter, Adapter,
+    LoraSpec, Target, ADAPTER_CONFIG, ADAPTER_WEIGHTS,
+};
 pub use tokenizer::{Tokenizer, TOKENIZER_FILE};

@@ -14,6 +14,7 @@ mod matmul;
 mod operand;
 mod ops;
 mod pool;
+mod qlinear;
 mod random;
 mod select;
 mod softmax;
@@ -25,6 +26,7 @@ pub use attention::{AttentionKind, AttentionOptions};
 pub use batch_norm::BatchNormOptions;
 pub use conv::Conv2dOptions;
 pub use matmul::MatmulOptions;
+pub use qlinear::{DoubleQuant, QuantFormat, QuantWeight, NF4_BLOCK, NF4_DQ_BLOCK};
 pub use random::Rng;
 pub use softmax::SoftmaxOptions;
 
