@@ -22,7 +22,7 @@ mod trainer;
 mod window_loss;
 
 pub use events::TrainEvent;
-pub use fit::{Candidate, FitChoice};
+pub use fit::{Candidate, FitChoice, VariantsChoice};
 pub use model::{
     Batch, BatchSource, ClassBatch, EvalBatch, Features, StepContext, TensorBatch, TensorDataset,
     TrainModel,
