@@ -1,6 +1,6 @@
 //! `cargo run --release --example finetune -- --model DIR --eval-text FILE` — evaluate and
-//! fine-tune a GPT-2 saved as a Hugging Face folder (config.json, model.safetensors or a sharded
-//! index, tokenizer.json).
+//! fine-tune a GPT-2 or a Llama saved as a Hugging Face folder (config.json, model.safetensors
+//! or a sharded index, tokenizer.json).
 //!
 //! `--eval-text` tokenizes the whole file with no special tokens, cuts it into consecutive
 //! windows of `--context`+1 tokens, one starting every `--context` tokens (the last may be
@@ -13,24 +13,26 @@
 //! model back as a folder transformers loads; `--json` ends stdout with one JSON object. Every
 //! flag and file is checked before any device work.
 //!
-//! LoRA: `--lora-rank R` (with `--lora-alpha`, `--lora-dropout`, `--lora-targets c_attn,...`)
-//! freezes the model and trains adapters in PEFT's layout only; `--quantize int8|nf4` keeps
-//! the frozen base quantized on the device (QLoRA); `--resume-adapter DIR` starts from a PEFT
-//! adapter folder, `--save-adapter DIR` writes one, `--merge-into DIR` writes the model with
-//! the adapter merged. With `--fit auto` the budget also chooses among the dense, int8 and NF4
-//! bases.
+//! LoRA (GPT-2 folders): `--lora-rank R` (with `--lora-alpha`, `--lora-dropout`,
+//! `--lora-targets c_attn,...`) freezes the model and trains adapters in PEFT's layout only;
+//! `--quantize int8|nf4` keeps the frozen base quantized on the device (QLoRA);
+//! `--resume-adapter DIR` starts from a PEFT adapter folder, `--save-adapter DIR` writes one,
+//! `--merge-into DIR` writes the model with the adapter merged. With `--fit auto` the budget
+//! also chooses among the dense, int8 and NF4 bases.
 //!
 //! tests/hf.rs includes this file as a module and calls [`prepare`] and [`run`].
 
 use clap::Parser;
 use fitgrad::compress::{quantize_gpt_base, BaseQuant};
-use fitgrad::hf::{save_gpt2, Adapter, LoraSpec, PretrainedGpt, Tokenizer, TOKENIZER_FILE};
-use fitgrad::nn::{trainable_parameters, Gpt, LoraConfig, Module, Sampling};
+use fitgrad::hf::{save_gpt2, save_llama, PretrainedGpt, PretrainedLlama, Tokenizer};
+use fitgrad::hf::{Adapter, LoraSpec, TOKENIZER_FILE};
+use fitgrad::nn::{trainable_parameters, Gpt, LanguageModel, LoraConfig, Sampling};
 use fitgrad::optim::{decay_groups, AdamW};
-use fitgrad::train::text::TextDataset;
-use fitgrad::train::{window_loss, BatchSource, Precision, Trainer, TrainerConfig, WindowLoss};
+use fitgrad::train::text::{TextDataset, TokenBatch};
+use fitgrad::train::WindowLoss;
+use fitgrad::train::{window_loss, BatchSource, Precision, TrainModel, Trainer, TrainerConfig};
 use fitgrad::{Bytes, Device, DeviceOptions, Error, Result};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 /// Windows per forward when evaluating.
@@ -38,16 +40,19 @@ const EVAL_BATCH: usize = 8;
 
 /// The flags.
 #[derive(Parser, Debug, Clone)]
-#[command(about = "Evaluate, fine-tune and sample a Hugging Face GPT-2 folder with fitgrad")]
+#[command(
+    about = "Evaluate, fine-tune and sample a Hugging Face GPT-2 or Llama folder with fitgrad"
+)]
 pub struct Args {
-    /// A Hugging Face GPT-2 folder: config.json, model.safetensors (or
+    /// A Hugging Face GPT-2 or Llama folder: config.json, model.safetensors (or
     /// model.safetensors.index.json and its shards), tokenizer.json.
     #[arg(long)]
     pub model: PathBuf,
     /// A UTF-8 text whose loss is reported as eval_loss (nats per token).
     #[arg(long)]
     pub eval_text: Option<PathBuf>,
-    /// Tokens a prediction sees, at most the model's n_positions (default: n_positions).
+    /// Tokens a prediction sees, at most the model's positions (GPT-2's n_positions, Llama's
+    /// max_position_embeddings; the default).
     #[arg(long)]
     pub context: Option<usize>,
     /// A UTF-8 text to fine-tune on (windows of --context + 1 tokens, every token a start).
@@ -145,11 +150,88 @@ pub struct Report {
     pub train_loss: Option<f32>,
     /// The prompt and its continuation.
     pub generated: Option<String>,
+    /// A quantized frozen base's device bytes and parameters.
+    pub base: Option<(u64, usize)>,
+}
+
+/// A model folder read and checked on the host.
+pub enum Folder {
+    /// `GPT2LMHeadModel`.
+    Gpt2(PretrainedGpt),
+    /// `LlamaForCausalLM`.
+    Llama(PretrainedLlama),
+}
+
+impl Folder {
+    /// Reads `dir` with the loader its `config.json`'s model_type names.
+    fn open(dir: &Path, dtype: fitgrad::DType) -> Result<Folder> {
+        match fitgrad::hf::model_type(dir)?.as_str() {
+            "llama" => Ok(Folder::Llama(PretrainedLlama::open(dir, dtype)?)),
+            // GPT-2's loader names any other model_type in its refusal.
+            _ => Ok(Folder::Gpt2(PretrainedGpt::open(dir, dtype)?)),
+        }
+    }
+
+    fn dir(&self) -> &Path {
+        match self {
+            Folder::Gpt2(f) => &f.dir,
+            Folder::Llama(f) => &f.dir,
+        }
+    }
+
+    fn tokenizer(&self) -> Result<Tokenizer> {
+        match self {
+            Folder::Gpt2(f) => f.tokenizer(),
+            Folder::Llama(f) => f.tokenizer(),
+        }
+    }
+
+    /// The most positions, and the config field that says so.
+    fn positions(&self) -> (usize, &'static str) {
+        match self {
+            Folder::Gpt2(f) => (f.config.context, "n_positions"),
+            Folder::Llama(f) => (f.config.context, "max_position_embeddings"),
+        }
+    }
+
+    fn vocab_size(&self) -> usize {
+        match self {
+            Folder::Gpt2(f) => f.config.vocab_size,
+            Folder::Llama(f) => f.config.vocab_size,
+        }
+    }
+
+    /// One line on the architecture.
+    fn describe(&self) -> String {
+        match self {
+            Folder::Gpt2(f) => {
+                let c = &f.config;
+                format!(
+                    "GPT-2, {} layers, dim {}, {} heads, {} positions, vocabulary {}",
+                    c.layers, c.dim, c.heads, c.context, c.vocab_size
+                )
+            }
+            Folder::Llama(f) => {
+                let c = &f.config;
+                format!(
+                    "Llama, {} layers, dim {}, {} heads over {} kv heads, {} positions, \
+                     vocabulary {}{}",
+                    c.layers,
+                    c.dim,
+                    c.heads,
+                    c.kv_heads,
+                    c.context,
+                    c.vocab_size,
+                    if c.tie_embeddings { ", tied head" } else { "" }
+                )
+            }
+        }
+    }
 }
 
 /// Everything the flags ask for, read and checked on the host.
 pub struct Setup {
-    folder: PretrainedGpt,
+    folder: Folder,
     tokenizer: Tokenizer,
     context: usize,
     eval: Option<Vec<u32>>,
@@ -235,23 +317,28 @@ pub fn prepare(args: &Args) -> Result<Setup> {
             "--steps and --plan fine-tune on a text: add --text FILE".into(),
         ));
     }
-    let folder = PretrainedGpt::open(&args.model, precision.param_dtype())?;
+    let folder = Folder::open(&args.model, precision.param_dtype())?;
+    if args.checkpoint_activations && matches!(folder, Folder::Llama(_)) {
+        return Err(invalid(
+            "--checkpoint-activations: a Llama's blocks are not checkpointed (yet)".into(),
+        ));
+    }
     let lora = prepare_lora(args, &folder, precision)?;
     let tokenizer = folder.tokenizer()?;
-    let n_positions = folder.config.context;
+    let (n_positions, field) = folder.positions();
     let context = args.context.unwrap_or(n_positions);
     if context == 0 || context > n_positions {
         return Err(invalid(format!(
-            "--context {context}: between 1 and the model's n_positions = {n_positions}"
+            "--context {context}: between 1 and the model's {field} = {n_positions}"
         )));
     }
-    if tokenizer.vocab_size() > folder.config.vocab_size {
+    if tokenizer.vocab_size() > folder.vocab_size() {
         return Err(Error::Data {
             path: args.model.join(TOKENIZER_FILE).display().to_string(),
             reason: format!(
                 "the tokenizer's {} tokens pass the model's vocab_size of {}",
                 tokenizer.vocab_size(),
-                folder.config.vocab_size
+                folder.vocab_size()
             ),
         });
     }
@@ -305,11 +392,7 @@ pub fn prepare(args: &Args) -> Result<Setup> {
 }
 
 /// Checks the LoRA flags against the folder's model, on the host.
-fn prepare_lora(
-    args: &Args,
-    folder: &PretrainedGpt,
-    precision: Precision,
-) -> Result<Option<LoraSetup>> {
+fn prepare_lora(args: &Args, folder: &Folder, precision: Precision) -> Result<Option<LoraSetup>> {
     let quant: BaseQuant = args.quantize.parse()?;
     let on = args.lora_rank.is_some() || args.resume_adapter.is_some();
     if !on {
@@ -328,6 +411,12 @@ fn prepare_lora(
         }
         return Ok(None);
     }
+    let Folder::Gpt2(folder) = folder else {
+        return Err(invalid(
+            "--lora-rank / --resume-adapter: LoRA adapts GPT-2 folders (a Llama's is not wired yet)"
+                .into(),
+        ));
+    };
     if quant != BaseQuant::None && precision == Precision::F16 {
         return Err(invalid(format!(
             "--quantize {quant} quantizes f32 weights: use --precision f32 or mixed"
@@ -335,7 +424,8 @@ fn prepare_lora(
     }
     if args.save.is_some() {
         return Err(invalid(
-            "--save writes the base without its adapters: use --merge-into DIR (merged) or              --save-adapter DIR (the adapters alone)"
+            "--save writes the base without its adapters: use --merge-into DIR (merged) or \
+             --save-adapter DIR (the adapters alone)"
                 .into(),
         ));
     }
@@ -412,13 +502,14 @@ fn prepare_lora(
 
 /// The folder's model on `device`, with the adapters and the base `quant` the flags ask for;
 /// the base's device bytes and parameters when quantized.
-fn build_model(
+fn build_gpt(
     args: &Args,
     setup: &Setup,
+    folder: &PretrainedGpt,
     device: &Device,
     quant: BaseQuant,
 ) -> Result<(Gpt, Option<(u64, usize)>)> {
-    let mut gpt = setup.folder.build(device)?;
+    let mut gpt = folder.build(device)?;
     let Some(lora) = &setup.lora else {
         return Ok((gpt, None));
     };
@@ -440,39 +531,95 @@ pub fn open_device(args: &Args, setup: &Setup) -> Result<Device> {
     Device::with_options(o)
 }
 
-fn evaluate(gpt: &Gpt, setup: &Setup) -> Result<Option<WindowLoss>> {
+fn evaluate<M: LanguageModel>(model: &M, setup: &Setup) -> Result<Option<WindowLoss>> {
     let Some(ids) = &setup.eval else {
         return Ok(None);
     };
-    gpt.set_training(false);
-    let loss = window_loss(gpt, ids, setup.context, EVAL_BATCH, gpt.gpt_config().dtype)?;
-    gpt.set_training(true);
+    model.set_training(false);
+    let loss = window_loss(model, ids, setup.context, EVAL_BATCH, model.dtype())?;
+    model.set_training(true);
     Ok(Some(loss))
 }
 
 /// Evaluates, fine-tunes, evaluates again, samples and saves, on `device`.
 pub fn run(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
-    let cfg = &setup.folder.config;
     println!("adapter: {}", device.info().adapter);
     println!(
-        "model: {} (GPT-2, {} layers, dim {}, {} heads, {} positions, vocabulary {}), context {}",
+        "model: {} ({}), context {}",
         args.model.display(),
-        cfg.layers,
-        cfg.dim,
-        cfg.heads,
-        cfg.context,
-        cfg.vocab_size,
+        setup.folder.describe(),
         setup.context
     );
+    let setup = &setup;
+    match &setup.folder {
+        Folder::Gpt2(f) => run_model(
+            args,
+            setup,
+            device,
+            &|q| build_gpt(args, setup, f, device, q),
+            &save_gpt2,
+            &|gpt| save_lora(args, setup, f, gpt),
+        ),
+        Folder::Llama(f) => run_model(
+            args,
+            setup,
+            device,
+            &|_| Ok((f.build(device)?, None)),
+            &save_llama,
+            &|_| Ok(()),
+        ),
+    }
+}
+
+/// Writes the adapters of a LoRA run as the flags ask: `--save-adapter`, `--merge-into`.
+fn save_lora(args: &Args, setup: &Setup, folder: &PretrainedGpt, gpt: &Gpt) -> Result<()> {
+    let Some(lora) = &setup.lora else {
+        return Ok(());
+    };
+    if let Some(dir) = &args.save_adapter {
+        fitgrad::hf::save_adapter(gpt, &lora.spec, dir, &args.model.display().to_string())?;
+        println!("saved adapter {}", dir.display());
+    }
+    if let Some(dir) = &args.merge_into {
+        let adapter = fitgrad::hf::adapter_of(gpt, &lora.spec)?;
+        fitgrad::hf::merge_adapter(folder, &adapter, dir)?;
+        println!("merged into {}", dir.display());
+    }
+    Ok(())
+}
+
+/// A model built for a run and, when its frozen base is quantized, the base's device bytes
+/// and parameters.
+type Built<M> = (M, Option<(u64, usize)>);
+
+/// Builds the model with its frozen base held as asked.
+type BuildFn<'a, M> = dyn Fn(BaseQuant) -> Result<Built<M>> + 'a;
+
+/// Writes a model back as a folder, with a copy of the tokenizer.
+type SaveFn<M> = dyn Fn(&M, &Path, Option<&Path>) -> Result<()>;
+
+/// [`run`] for the model `build_model` makes (again when budget fitting rebuilds it); `save`
+/// writes it back as a folder, `after` writes what else the trained model gives (adapters).
+fn run_model<M>(
+    args: &Args,
+    setup: &Setup,
+    device: &Device,
+    build_model: &BuildFn<'_, M>,
+    save: &SaveFn<M>,
+    after: &dyn Fn(&M) -> Result<()>,
+) -> Result<Report>
+where
+    M: LanguageModel + TrainModel<TokenBatch>,
+{
     let mut report = Report::default();
     let quant = setup.lora.as_ref().map_or(BaseQuant::None, |l| l.quant);
-    let (mut gpt, mut base) = build_model(args, &setup, device, quant)?;
+    let (mut gpt, mut base) = build_model(quant)?;
     let mut plan_json = None;
     if let Some(train) = &setup.train {
         let mut config = TrainerConfig::new(args.batch_size, args.accum_steps, args.lr);
         config.precision = setup.precision;
         config.clip_grad_norm = Some(1.0);
-        gpt.set_checkpoint_blocks(args.checkpoint_activations);
+        gpt.set_checkpointing(args.checkpoint_activations);
         // The first build hands over the model already loaded; a rebuild (budget fitting)
         // loads the weights again.
         let first = std::cell::RefCell::new(Some((gpt, quant)));
@@ -481,9 +628,9 @@ pub fn run(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
             let model = match first.borrow_mut().take() {
                 Some((m, mq)) if mq == *q => m,
                 _ => {
-                    let (m, b) = build_model(args, &setup, device, *q)?;
+                    let (mut m, b) = build_model(*q)?;
                     built_base.set(b);
-                    m.set_checkpoint_blocks(args.checkpoint_activations);
+                    m.set_checkpointing(args.checkpoint_activations);
                     m
                 }
             };
@@ -520,7 +667,7 @@ pub fn run(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
             return Ok(report);
         }
         plan_json = Some(plan.peak);
-        report.eval_before = evaluate(&trainer.model, &setup)?;
+        report.eval_before = evaluate(&trainer.model, setup)?;
         if let Some(e) = &report.eval_before {
             println!("eval loss before fine-tuning: {:.6} nats/token", e.loss);
         }
@@ -552,14 +699,13 @@ pub fn run(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
     }
     if let Some((bytes, params)) = base {
         println!(
-            "frozen base: {} in {} bytes, {:.4} bytes per parameter ({:.4}x of f32)",
-            quant,
-            bytes,
+            "frozen base: {quant} in {bytes} bytes, {:.4} bytes per parameter ({:.4}x of f32)",
             bytes as f64 / params as f64,
             bytes as f64 / (4.0 * params as f64)
         );
     }
-    report.eval = evaluate(&gpt, &setup)?;
+    report.base = base;
+    report.eval = evaluate(&gpt, setup)?;
     if let Some(e) = &report.eval {
         println!(
             "eval loss: {:.6} nats/token over {} tokens in {} windows",
@@ -575,19 +721,9 @@ pub fn run(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
         println!("generated:\n{text}");
         report.generated = Some(text);
     }
-    if let Some(lora) = &setup.lora {
-        if let Some(dir) = &args.save_adapter {
-            fitgrad::hf::save_adapter(&gpt, &lora.spec, dir, &args.model.display().to_string())?;
-            println!("saved adapter {}", dir.display());
-        }
-        if let Some(dir) = &args.merge_into {
-            let adapter = fitgrad::hf::adapter_of(&gpt, &lora.spec)?;
-            fitgrad::hf::merge_adapter(&setup.folder, &adapter, dir)?;
-            println!("merged into {}", dir.display());
-        }
-    }
+    after(&gpt)?;
     if let Some(dir) = &args.save {
-        save_gpt2(&gpt, dir, Some(&setup.folder.dir.join(TOKENIZER_FILE)))?;
+        save(&gpt, dir, Some(&setup.folder.dir().join(TOKENIZER_FILE)))?;
         println!("saved {}", dir.display());
     }
     if args.json {

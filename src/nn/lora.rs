@@ -122,6 +122,7 @@ pub(crate) fn activate(y: &Tensor, act: Activation) -> Result<Tensor> {
         Activation::Gelu => y.gelu(),
         Activation::Tanh => y.tanh(),
         Activation::Sigmoid => y.sigmoid(),
+        Activation::Silu => y.silu(),
     }
 }
 

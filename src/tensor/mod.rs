@@ -16,18 +16,20 @@ mod ops;
 mod pool;
 mod qlinear;
 mod random;
+mod rope;
 mod select;
 mod softmax;
 
 pub use crate::dtype::{DType, Element};
 pub use crate::kernels::matmul::Variant as MatmulVariant;
 pub use crate::shape::{Shape, MAX_RANK};
-pub use attention::{AttentionKind, AttentionOptions};
+pub use attention::{repeat_kv, AttentionKind, AttentionOptions};
 pub use batch_norm::BatchNormOptions;
 pub use conv::Conv2dOptions;
 pub use matmul::MatmulOptions;
 pub use qlinear::{DoubleQuant, QuantFormat, QuantWeight, NF4_BLOCK, NF4_DQ_BLOCK};
 pub use random::Rng;
+pub use rope::{rope_table, Rope};
 pub use softmax::SoftmaxOptions;
 
 use crate::device::Device;

@@ -311,6 +311,7 @@ impl QuantWeight {
             Activation::Gelu => y.gelu(),
             Activation::Tanh => y.tanh(),
             Activation::Sigmoid => y.sigmoid(),
+            Activation::Silu => y.silu(),
         }
     }
 }
