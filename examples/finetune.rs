@@ -435,10 +435,11 @@ fn prepare_lora(args: &Args, folder: &Folder, precision: Precision) -> Result<Op
     ] {
         let Some(dir) = dir else { continue };
         let same = |a: &std::path::Path, b: &std::path::Path| {
-            a.canonicalize().ok().is_some_and(|x| Some(x) == b.canonicalize().ok())
+            a.canonicalize()
+                .ok()
+                .is_some_and(|x| Some(x) == b.canonicalize().ok())
         };
-        if same(dir, &args.model) || args.resume_adapter.as_deref().is_some_and(|r| same(dir, r))
-        {
+        if same(dir, &args.model) || args.resume_adapter.as_deref().is_some_and(|r| same(dir, r)) {
             return Err(invalid(format!(
                 "{flag} {} would overwrite an input folder",
                 dir.display()
@@ -449,7 +450,10 @@ fn prepare_lora(args: &Args, folder: &Folder, precision: Precision) -> Result<Op
         Some(dir) => {
             let a = fitgrad::hf::read_adapter(dir, &folder.config)?;
             let differs = [
-                ("--lora-rank", args.lora_rank.is_some_and(|r| r != a.spec.config.r)),
+                (
+                    "--lora-rank",
+                    args.lora_rank.is_some_and(|r| r != a.spec.config.r),
+                ),
                 (
                     "--lora-alpha",
                     args.lora_alpha.is_some_and(|v| v != a.spec.config.alpha),

@@ -119,19 +119,31 @@ impl Linear {
         } else {
             x.clone()
         };
+        // With an active adapter the activation comes after the adapter's sum.
+        let base_act = if self.lora_active() {
+            Activation::None
+        } else {
+            activation
+        };
         let y = match &self.quantized {
-            Some(q) => q.linear(&x2, self.bias.as_ref(), activation)?,
+            Some(q) => {
+                // The dequantizing matmul takes rows: (.., in) -> (rows, in) -> (.., out).
+                let rows = x2.numel() / self.in_features;
+                let flat = x2.reshape(&[rows, self.in_features])?;
+                let y = q.linear(&flat, self.bias.as_ref(), base_act)?;
+                let mut dims = x2.dims().to_vec();
+                *dims.last_mut().expect("rank >= 2") = self.out_features;
+                y.reshape(&dims)?
+            }
             None => {
-                let (lora_on, plain) = (self.lora_active(), Activation::None);
                 let weight = cast(&self.weight)?;
                 let bias = self.bias.as_ref().map(cast).transpose()?;
-                // With an active adapter the activation comes after the adapter's sum.
                 x2.matmul_with(
                     &weight,
                     &MatmulOptions {
                         trans_b: true,
                         bias: bias.as_ref(),
-                        activation: if lora_on { plain } else { activation },
+                        activation: base_act,
                         ..Default::default()
                     },
                 )?
