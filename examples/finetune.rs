@@ -152,6 +152,8 @@ pub struct Report {
     pub generated: Option<String>,
     /// A quantized frozen base's device bytes and parameters.
     pub base: Option<(u64, usize)>,
+    /// What `--fit auto` chose, as printed: every candidate with its planned peak.
+    pub fit_choice: Option<String>,
 }
 
 /// A model folder read and checked on the host.
@@ -617,7 +619,15 @@ where
 {
     let mut report = Report::default();
     let quant = setup.lora.as_ref().map_or(BaseQuant::None, |l| l.quant);
-    let (mut gpt, mut base) = build_model(quant)?;
+    // Under --fit auto the budget is the ladder's to apply: the model loads without it, so a
+    // budget it alone passes ends in fit auto's smallest workable budget, not a failed load.
+    let budget = device.memory_stats().budget;
+    if setup.fit_auto && setup.train.is_some() {
+        device.set_memory_budget(None)?;
+    }
+    let built = build_model(quant);
+    device.set_memory_budget(budget)?;
+    let (mut gpt, mut base) = built?;
     let mut plan_json = None;
     if let Some(train) = &setup.train {
         let mut config = TrainerConfig::new(args.batch_size, args.accum_steps, args.lr);
@@ -644,6 +654,7 @@ where
             Trainer::new(model, Box::new(optimizer), config.clone())
         };
         let build = || build_with(&quant);
+        let mut fit_choice = None;
         let mut trainer = if setup.fit_auto && setup.lora.is_some() && quant == BaseQuant::None {
             // The budget also chooses the base: dense, then int8, then NF4.
             let bases = [
@@ -654,14 +665,17 @@ where
             let (trainer, choice) =
                 Trainer::build_fit_auto_variants(device, train, &bases, build_with)?;
             print!("{choice}");
+            fit_choice = Some(choice.to_string());
             trainer
         } else if setup.fit_auto {
             let (trainer, choice) = Trainer::build_fit_auto(device, train, build)?;
             print!("{choice}");
+            fit_choice = Some(choice.to_string());
             trainer
         } else {
             Trainer::build_within_budget(device, train, build)?
         };
+        report.fit_choice = fit_choice;
         let plan = trainer.plan(train)?;
         if args.plan {
             print!("{plan}");

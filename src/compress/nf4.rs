@@ -253,15 +253,21 @@ pub fn quantize_linear(name: &str, linear: &mut Linear, quant: BaseQuant) -> Res
 
 /// Quantizes every Linear of the blocks of `gpt` (the embeddings, norms and tied head stay
 /// dense), freezing them; returns the quantized weights' device bytes and their parameter
-/// count.
+/// count. The dense weights' memory goes back to the driver (the device's free segments are
+/// released), so what the arena holds after is what the quantized model needs.
 pub fn quantize_gpt_base(gpt: &mut Gpt, quant: BaseQuant) -> Result<(u64, usize)> {
     let (mut bytes, mut params) = (0u64, 0usize);
+    let mut device = None;
     for (name, l) in gpt.linears_mut()? {
+        device.get_or_insert_with(|| l.weight.device().clone());
         quantize_linear(&name, l, quant)?;
         if let Some(q) = &l.quantized {
             bytes += q.weight_bytes();
             params += q.in_features() * q.out_features();
         }
+    }
+    if let (Some(d), true) = (device, quant != BaseQuant::None) {
+        d.empty_cache();
     }
     Ok((bytes, params))
 }
