@@ -314,8 +314,10 @@ fn fit_auto_chooses_the_base() {
             "--plan",
         ]);
         let setup = finetune::prepare(&args).unwrap();
-        // A device of the budget's own, as the example opens it.
-        let dev = finetune::open_device(&args, &setup).unwrap();
+        // The budget the example would open its device with.
+        dev.empty_cache();
+        dev.set_memory_budget(Some(budget.parse::<fitgrad::Bytes>().unwrap().0))
+            .unwrap();
         finetune::run(&args, setup, &dev)
     };
     let t = Instant::now();
