@@ -102,6 +102,9 @@ fn randomize_b(gpt: &mut Gpt, seed: u64) {
     }
 }
 
+/// A named check on a device.
+type Check = (&'static str, fn(&Device));
+
 /// Every device check on one Vulkan device of its own: plans read the arena's category
 /// counts, which another test thread's frees on a shared device would disturb.
 #[test]
@@ -110,7 +113,7 @@ fn lora_on_one_device() {
     let mut o = fitgrad::DeviceOptions::default();
     o.backend = Some("vulkan".into());
     let Some(dev) = fresh_device(o) else { return };
-    let checks: [(&str, fn(&Device)); 8] = [
+    let checks: [Check; 8] = [
         (
             "step_zero_equals_the_base_bitwise",
             step_zero_equals_the_base_bitwise,
@@ -462,7 +465,7 @@ fn dqmatmul_matches_plain_loops(dev: &Device) {
 
 /// bitsandbytes' NF4 code values as published (bitsandbytes/functional.py,
 /// `get_4bit_type("nf4")`).
-const BNB_NF4: [f32; 16] = [
+const BNB_NF4: [f64; 16] = [
     -1.0,
     -0.6961928009986877,
     -0.5250730514526367,
@@ -499,14 +502,14 @@ fn nf4_on_the_device_is_table_times_absmax(dev: &Device) {
     };
     let got = read(QuantWeight::nf4(dev, &codes, &absmax, None, r, k).unwrap());
     for i in 0..r * k {
-        let want = BNB_NF4[codes[i] as usize] * absmax[i / 64];
+        let want = BNB_NF4[codes[i] as usize] as f32 * absmax[i / 64];
         assert_eq!(got[i].to_bits(), want.to_bits(), "element {i}");
     }
     let d = double_quantize(&absmax);
     let am = double_dequantize(&d);
     let got = read(QuantWeight::nf4(dev, &codes, &[], Some(&d), r, k).unwrap());
     for i in 0..r * k {
-        let want = BNB_NF4[codes[i] as usize] * am[i / 64];
+        let want = BNB_NF4[codes[i] as usize] as f32 * am[i / 64];
         assert!(
             (got[i] - want).abs() <= 2.0 * f32::EPSILON * want.abs(),
             "element {i}"
@@ -553,7 +556,7 @@ fn nf4_base_bytes(dev: &Device) {
 /// quantize then dequantize gives table value times block absmax.
 #[test]
 fn nf4_table_is_bitsandbytes() {
-    assert_eq!(NF4, BNB_NF4);
+    assert_eq!(NF4, BNB_NF4.map(|v| v as f32));
     let w = host_data(3, 200, -1.5, 0.7);
     let (codes, absmax) = quantize_nf4(&w).unwrap();
     assert_eq!(absmax.len(), 4);
@@ -563,14 +566,14 @@ fn nf4_table_is_bitsandbytes() {
     }
     let back = dequantize_nf4(&codes, &absmax);
     for i in 0..w.len() {
-        assert_eq!(back[i], BNB_NF4[codes[i] as usize] * absmax[i / 64]);
+        assert_eq!(back[i], BNB_NF4[codes[i] as usize] as f32 * absmax[i / 64]);
         // The nearest code: no other table value is closer.
         let x = w[i] / absmax[i / 64];
         let best = BNB_NF4
             .iter()
-            .map(|v| (v - x).abs())
+            .map(|&v| (v as f32 - x).abs())
             .fold(f32::INFINITY, f32::min);
-        assert!((BNB_NF4[codes[i] as usize] - x).abs() <= best + 1e-7);
+        assert!((BNB_NF4[codes[i] as usize] as f32 - x).abs() <= best + 1e-7);
     }
 }
 
