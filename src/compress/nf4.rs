@@ -279,11 +279,13 @@ mod tests {
     #[test]
     fn the_table_is_the_shaders() {
         let src = include_str!("../../shaders/dqmatmul.wgsl");
-        for v in &NF4[1..15] {
-            let text = format!("{}", *v as f64);
-            // The shader writes bitsandbytes' f32 values in full; their first 7 digits agree.
-            assert!(src.contains(&text[..8]), "{text} not in the shader");
-        }
+        let start = src.find("array<f32, 16>(").expect("the shader's table") + 15;
+        let end = start + src[start..].find(')').expect("the table's end");
+        let values: Vec<f32> = src[start..end]
+            .split(',')
+            .map(|v| v.trim().parse::<f64>().expect("a number") as f32)
+            .collect();
+        assert_eq!(values, NF4);
     }
 
     #[test]
