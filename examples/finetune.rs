@@ -154,6 +154,8 @@ pub struct Report {
     pub base: Option<(u64, usize)>,
     /// What `--fit auto` chose, as printed: every candidate with its planned peak.
     pub fit_choice: Option<String>,
+    /// The planned step of the fine-tuning run.
+    pub plan: Option<fitgrad::train::Plan>,
 }
 
 /// A model folder read and checked on the host.
@@ -677,6 +679,7 @@ where
         };
         report.fit_choice = fit_choice;
         let plan = trainer.plan(train)?;
+        report.plan = Some(plan.clone());
         if args.plan {
             print!("{plan}");
             if args.json {
