@@ -13,13 +13,20 @@
 //! model back as a folder transformers loads; `--json` ends stdout with one JSON object. Every
 //! flag and file is checked before any device work.
 //!
+//! LoRA (GPT-2 folders): `--lora-rank R` (with `--lora-alpha`, `--lora-dropout`,
+//! `--lora-targets c_attn,...`) freezes the model and trains adapters in PEFT's layout only;
+//! `--quantize int8|nf4` keeps the frozen base quantized on the device (QLoRA);
+//! `--resume-adapter DIR` starts from a PEFT adapter folder, `--save-adapter DIR` writes one,
+//! `--merge-into DIR` writes the model with the adapter merged. With `--fit auto` the budget
+//! also chooses among the dense, int8 and NF4 bases.
+//!
 //! tests/hf.rs includes this file as a module and calls [`prepare`] and [`run`].
 
 use clap::Parser;
-use fitgrad::hf::ModelConfig;
-use fitgrad::hf::TOKENIZER_FILE;
+use fitgrad::compress::{quantize_gpt_base, BaseQuant};
 use fitgrad::hf::{save_gpt2, save_llama, PretrainedGpt, PretrainedLlama, Tokenizer};
-use fitgrad::nn::{Gpt, LanguageModel, Llama, Sampling};
+use fitgrad::hf::{Adapter, LoraSpec, ModelConfig, TOKENIZER_FILE};
+use fitgrad::nn::{trainable_parameters, Gpt, LanguageModel, Llama, LoraConfig, Module, Sampling};
 use fitgrad::optim::{decay_groups, AdamW, Optimizer, Sgd};
 use fitgrad::train::text::{TextDataset, TokenBatch};
 use fitgrad::train::WindowLoss;
@@ -120,6 +127,31 @@ pub struct Args {
     /// End stdout with one JSON object describing the run.
     #[arg(long)]
     pub json: bool,
+    /// Train LoRA adapters of this rank instead of the whole model (the base is frozen).
+    #[arg(long)]
+    pub lora_rank: Option<usize>,
+    /// LoRA's alpha: the update is scaled by alpha / rank (PEFT's default 8).
+    #[arg(long)]
+    pub lora_alpha: Option<f32>,
+    /// Dropout on the adapters' input, in [0, 1).
+    #[arg(long)]
+    pub lora_dropout: Option<f32>,
+    /// Comma-separated module names to adapt (c_attn, c_proj, c_fc; attn.c_proj, ...).
+    #[arg(long)]
+    pub lora_targets: Option<String>,
+    /// How the frozen base is held under LoRA: none, int8, nf4 (double-quantized) or
+    /// nf4-single.
+    #[arg(long, default_value = "none")]
+    pub quantize: String,
+    /// Write the adapters (after fine-tuning) to this folder in PEFT's format.
+    #[arg(long)]
+    pub save_adapter: Option<PathBuf>,
+    /// Start from the PEFT adapter in this folder (its rank, alpha and targets).
+    #[arg(long)]
+    pub resume_adapter: Option<PathBuf>,
+    /// Write the model with the adapters merged into its weights to this folder.
+    #[arg(long)]
+    pub merge_into: Option<PathBuf>,
 }
 
 /// What a run ends with.
@@ -133,6 +165,12 @@ pub struct Report {
     pub train_loss: Option<f32>,
     /// The prompt and its continuation.
     pub generated: Option<String>,
+    /// A quantized frozen base's device bytes and parameters.
+    pub base: Option<(u64, usize)>,
+    /// What `--fit auto` chose, as printed: every candidate with its planned peak.
+    pub fit_choice: Option<String>,
+    /// The planned step of the fine-tuning run.
+    pub plan: Option<fitgrad::train::Plan>,
 }
 
 /// A model folder read and checked on the host.
@@ -221,6 +259,14 @@ pub struct Setup {
     precision: Precision,
     budget: Option<u64>,
     fit_auto: bool,
+    lora: Option<LoraSetup>,
+}
+
+/// The LoRA flags, checked.
+pub struct LoraSetup {
+    spec: LoraSpec,
+    resume: Option<Adapter>,
+    quant: BaseQuant,
 }
 
 fn invalid(reason: String) -> Error {
@@ -317,6 +363,7 @@ pub fn prepare(args: &Args) -> Result<Setup> {
             "--checkpoint-activations: a Llama's blocks are not checkpointed (yet)".into(),
         ));
     }
+    let lora = prepare_lora(args, &folder, precision)?;
     let tokenizer = folder.tokenizer()?;
     let (n_positions, field) = folder.positions();
     let context = args.context.unwrap_or(n_positions);
@@ -380,7 +427,144 @@ pub fn prepare(args: &Args) -> Result<Setup> {
         precision,
         budget,
         fit_auto,
+        lora,
     })
+}
+
+/// Checks the LoRA flags against the folder's model, on the host.
+fn prepare_lora(args: &Args, folder: &Folder, precision: Precision) -> Result<Option<LoraSetup>> {
+    let quant: BaseQuant = args.quantize.parse()?;
+    let on = args.lora_rank.is_some() || args.resume_adapter.is_some();
+    if !on {
+        let given = [
+            ("--lora-alpha", args.lora_alpha.is_some()),
+            ("--lora-dropout", args.lora_dropout.is_some()),
+            ("--lora-targets", args.lora_targets.is_some()),
+            ("--quantize", quant != BaseQuant::None),
+            ("--save-adapter", args.save_adapter.is_some()),
+            ("--merge-into", args.merge_into.is_some()),
+        ];
+        if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
+            return Err(invalid(format!(
+                "{flag} is a LoRA setting: add --lora-rank R or --resume-adapter DIR"
+            )));
+        }
+        return Ok(None);
+    }
+    let Folder::Gpt2(folder) = folder else {
+        return Err(invalid(
+            "--lora-rank / --resume-adapter: LoRA adapts GPT-2 folders (a Llama's is not wired yet)"
+                .into(),
+        ));
+    };
+    if quant != BaseQuant::None && precision == Precision::F16 {
+        return Err(invalid(format!(
+            "--quantize {quant} quantizes f32 weights: use --precision f32 or mixed"
+        )));
+    }
+    if args.save.is_some() {
+        return Err(invalid(
+            "--save writes the base without its adapters: use --merge-into DIR (merged) or \
+             --save-adapter DIR (the adapters alone)"
+                .into(),
+        ));
+    }
+    for (flag, dir) in [
+        ("--save-adapter", &args.save_adapter),
+        ("--merge-into", &args.merge_into),
+    ] {
+        let Some(dir) = dir else { continue };
+        let same = |a: &std::path::Path, b: &std::path::Path| {
+            a.canonicalize()
+                .ok()
+                .is_some_and(|x| Some(x) == b.canonicalize().ok())
+        };
+        if same(dir, &args.model) || args.resume_adapter.as_deref().is_some_and(|r| same(dir, r)) {
+            return Err(invalid(format!(
+                "{flag} {} would overwrite an input folder",
+                dir.display()
+            )));
+        }
+    }
+    let (spec, resume) = match &args.resume_adapter {
+        Some(dir) => {
+            let a = fitgrad::hf::read_adapter(dir, &folder.config)?;
+            let differs = [
+                (
+                    "--lora-rank",
+                    args.lora_rank.is_some_and(|r| r != a.spec.config.r),
+                ),
+                (
+                    "--lora-alpha",
+                    args.lora_alpha.is_some_and(|v| v != a.spec.config.alpha),
+                ),
+                ("--lora-targets", args.lora_targets.is_some()),
+            ];
+            if let Some((flag, _)) = differs.iter().find(|(_, d)| *d) {
+                return Err(invalid(format!(
+                    "{flag} differs from the adapter in {} (r = {}, alpha = {}, targets {:?});                      drop the flag",
+                    dir.display(),
+                    a.spec.config.r,
+                    a.spec.config.alpha,
+                    a.spec.targets
+                )));
+            }
+            let mut spec = a.spec.clone();
+            if let Some(p) = args.lora_dropout {
+                spec.config.dropout = p;
+            }
+            (spec, Some(a))
+        }
+        None => {
+            let targets = args
+                .lora_targets
+                .as_deref()
+                .unwrap_or("c_attn")
+                .split(',')
+                .map(|t| t.trim().to_string())
+                .filter(|t| !t.is_empty())
+                .collect();
+            let spec = LoraSpec {
+                config: LoraConfig {
+                    r: args.lora_rank.expect("LoRA is on"),
+                    alpha: args.lora_alpha.unwrap_or(8.0),
+                    dropout: args.lora_dropout.unwrap_or(0.0),
+                },
+                targets,
+            };
+            (spec, None)
+        }
+    };
+    // Every target and the rank, against the model's widths.
+    fitgrad::hf::resolve_targets(&folder.config, &spec)?;
+    Ok(Some(LoraSetup {
+        spec,
+        resume,
+        quant,
+    }))
+}
+
+/// The folder's model on `device`, with the adapters and the base `quant` the flags ask for;
+/// the base's device bytes and parameters when quantized.
+fn build_gpt(
+    args: &Args,
+    setup: &Setup,
+    folder: &PretrainedGpt,
+    device: &Device,
+    quant: BaseQuant,
+) -> Result<(Gpt, Option<(u64, usize)>)> {
+    let mut gpt = folder.build(device)?;
+    let Some(lora) = &setup.lora else {
+        return Ok((gpt, None));
+    };
+    match &lora.resume {
+        Some(a) => a.apply(&mut gpt, args.seed)?,
+        None => {
+            fitgrad::hf::add_lora(&mut gpt, &lora.spec, args.seed)?;
+        }
+    }
+    let base = quantize_gpt_base(&mut gpt, quant)?;
+    Ok((gpt, (quant != BaseQuant::None).then_some(base)))
 }
 
 /// Opens the device the flags ask for.
@@ -410,41 +594,128 @@ pub fn run(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
         setup.folder.describe(),
         setup.context
     );
+    let setup = &setup;
     match &setup.folder {
-        Folder::Gpt2(f) => run_model(args, &setup, device, &|| f.build(device), &save_gpt2),
-        Folder::Llama(f) => run_model(args, &setup, device, &|| f.build(device), &save_llama),
+        Folder::Gpt2(f) => run_model(
+            args,
+            setup,
+            device,
+            &|q| build_gpt(args, setup, f, device, q),
+            &save_gpt2,
+            &|gpt| save_lora(args, setup, f, gpt),
+        ),
+        Folder::Llama(f) => run_model(
+            args,
+            setup,
+            device,
+            &|_| Ok((f.build(device)?, None)),
+            &save_llama,
+            &|_| Ok(()),
+        ),
     }
 }
+
+/// Writes the adapters of a LoRA run as the flags ask: `--save-adapter`, `--merge-into`.
+fn save_lora(args: &Args, setup: &Setup, folder: &PretrainedGpt, gpt: &Gpt) -> Result<()> {
+    let Some(lora) = &setup.lora else {
+        return Ok(());
+    };
+    if let Some(dir) = &args.save_adapter {
+        fitgrad::hf::save_adapter(gpt, &lora.spec, dir, &args.model.display().to_string())?;
+        println!("saved adapter {}", dir.display());
+    }
+    if let Some(dir) = &args.merge_into {
+        let adapter = fitgrad::hf::adapter_of(gpt, &lora.spec)?;
+        fitgrad::hf::merge_adapter(folder, &adapter, dir)?;
+        println!("merged into {}", dir.display());
+    }
+    Ok(())
+}
+
+/// A model built for a run and, when its frozen base is quantized, the base's device bytes
+/// and parameters.
+type Built<M> = (M, Option<(u64, usize)>);
+
+/// Builds the model with its frozen base held as asked.
+type BuildFn<'a, M> = dyn Fn(BaseQuant) -> Result<Built<M>> + 'a;
 
 /// Writes a model back as a folder, with a copy of the tokenizer.
 type SaveFn<M> = dyn Fn(&M, &Path, Option<&Path>) -> Result<()>;
 
-/// [`run`] for the model `build` makes (again when budget fitting rebuilds it); `save` writes
-/// it back as a folder.
+/// [`run`] for the model `build_model` makes (again when budget fitting rebuilds it); `save`
+/// writes it back as a folder, `after` writes what else the trained model gives (adapters).
 fn run_model<M>(
     args: &Args,
     setup: &Setup,
     device: &Device,
-    build_model: &dyn Fn() -> Result<M>,
+    build_model: &BuildFn<'_, M>,
     save: &SaveFn<M>,
+    after: &dyn Fn(&M) -> Result<()>,
 ) -> Result<Report>
 where
     M: LanguageModel + TrainModel<TokenBatch>,
 {
     let mut report = Report::default();
-    let mut gpt = build_model()?;
+    let quant = setup.lora.as_ref().map_or(BaseQuant::None, |l| l.quant);
+    // Under --fit auto the budget is the ladder's to apply: the model loads without it, so a
+    // budget it alone passes ends in fit auto's smallest workable budget, not a failed load.
+    let budget = device.memory_stats().budget;
+    if setup.fit_auto && setup.train.is_some() {
+        device.set_memory_budget(None)?;
+    }
+    let built = build_model(quant);
+    device.set_memory_budget(budget)?;
+    let (mut gpt, mut base) = built?;
     let mut plan_json = None;
     if let Some(train) = &setup.train {
-        let mut trainer = make_trainer(
-            args,
-            setup.precision,
-            setup.fit_auto,
-            device,
-            train,
-            gpt,
-            build_model,
-        )?;
+        let mut config = TrainerConfig::new(args.batch_size, args.accum_steps, args.lr);
+        config.precision = setup.precision;
+        config.clip_grad_norm = Some(1.0);
+        gpt.set_checkpointing(args.checkpoint_activations);
+        // The first build hands over the model already loaded; a rebuild (budget fitting)
+        // loads the weights again.
+        let first = std::cell::RefCell::new(Some((gpt, quant)));
+        let built_base = std::cell::Cell::new(base);
+        let build_with = |q: &BaseQuant| {
+            let model = match first.borrow_mut().take() {
+                Some((m, mq)) if mq == *q => m,
+                _ => {
+                    let (mut m, b) = build_model(*q)?;
+                    built_base.set(b);
+                    m.set_checkpointing(args.checkpoint_activations);
+                    m
+                }
+            };
+            let optimizer = optimizer_for(args, &model)?;
+            Trainer::new(model, optimizer, config.clone())
+        };
+        let build = || build_with(&quant);
+        let mut fit_choice = None;
+        let mut trainer = if setup.fit_auto && setup.lora.is_some() && quant == BaseQuant::None {
+            // The budget also chooses the base: dense, then int8, then NF4.
+            let bases = [
+                BaseQuant::None,
+                BaseQuant::Int8,
+                BaseQuant::Nf4 { double_quant: true },
+            ];
+            let (trainer, choice) =
+                Trainer::build_fit_auto_variants(device, train, &bases, build_with)?;
+            print!("{choice}");
+            fit_choice = Some(choice.to_string());
+            trainer
+        } else if setup.fit_auto {
+            let (trainer, choice) = Trainer::build_fit_auto(device, train, build)?;
+            print!("{choice}");
+            fit_choice = Some(choice.to_string());
+            trainer
+        } else {
+            let mut trainer = Trainer::build_within_budget(device, train, build)?;
+            trainer.check_device_memory(train)?;
+            trainer
+        };
+        report.fit_choice = fit_choice;
         let plan = trainer.plan(train)?;
+        report.plan = Some(plan.clone());
         if args.plan {
             print!("{plan}");
             if args.json {
@@ -459,7 +730,16 @@ where
         }
         report.train_loss = train_steps(args, &mut trainer, train)?;
         gpt = trainer.model;
+        base = built_base.get();
     }
+    if let Some((bytes, params)) = base {
+        println!(
+            "frozen base: {quant} in {bytes} bytes, {:.4} bytes per parameter ({:.4}x of f32)",
+            bytes as f64 / params as f64,
+            bytes as f64 / (4.0 * params as f64)
+        );
+    }
+    report.base = base;
     report.eval = evaluate(&gpt, setup)?;
     if let Some(e) = &report.eval {
         println!(
@@ -476,6 +756,7 @@ where
         println!("generated:\n{text}");
         report.generated = Some(text);
     }
+    after(&gpt)?;
     if let Some(dir) = &args.save {
         save(&gpt, dir, Some(&setup.folder.dir().join(TOKENIZER_FILE)))?;
         println!("saved {}", dir.display());
@@ -485,6 +766,10 @@ where
             "model": args.model.display().to_string(),
             "adapter": device.info().adapter.name,
             "params": gpt.num_parameters(),
+            "trainable_params": trainable_parameters(&gpt).iter().map(|(_, t)| t.numel()).sum::<usize>(),
+            "quantize": quant.to_string(),
+            "base_bytes": base.map(|b| b.0),
+            "base_bytes_per_param": base.map(|(b, p)| b as f64 / p as f64),
             "context": setup.context,
             "steps": args.steps,
             "eval_loss": report.eval.map(|e| e.loss),
@@ -498,6 +783,18 @@ where
         println!("{j}");
     }
     Ok(report)
+}
+
+/// `--optimizer` over the parameters that train (under LoRA the adapters only: the base has
+/// no gradients and no state): AdamW without weight decay, or SGD.
+fn optimizer_for<M: Module>(args: &Args, model: &M) -> Result<Box<dyn Optimizer>> {
+    let groups = decay_groups(trainable_parameters(model), 0.0);
+    Ok(if args.optimizer == "sgd" {
+        let params = groups.into_iter().flat_map(|g| g.params).collect();
+        Box::new(Sgd::new(params, args.lr)?)
+    } else {
+        Box::new(AdamW::with_groups(groups, args.lr)?)
+    })
 }
 
 /// The trainer of a fine-tuning run: `first` is the model already built, `build_model`
@@ -529,12 +826,7 @@ where
                 m
             }
         };
-        let optimizer: Box<dyn Optimizer> = if args.optimizer == "sgd" {
-            Box::new(Sgd::new(model.parameters(), args.lr)?)
-        } else {
-            let groups = decay_groups(model.named_parameters(), 0.0);
-            Box::new(AdamW::with_groups(groups, args.lr)?)
-        };
+        let optimizer = optimizer_for(args, &model)?;
         Trainer::new(model, optimizer, config.clone())
     };
     if fit_auto {

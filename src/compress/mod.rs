@@ -8,11 +8,16 @@
 //! distillation needs only each model's logits ([`Logits`]).
 
 mod distill;
+mod nf4;
 mod prune;
 mod quantize;
 mod quantized_model;
 
 pub use distill::{distillation_loss, Distill, DistillConfig, Labeled, Logits};
+pub use nf4::{
+    dequantize_nf4, double_dequantize, double_quantize, quantize_gpt_base, quantize_linear,
+    quantize_nf4, quantize_weight, BaseQuant, NF4,
+};
 pub use prune::{
     prunable, LayerSparsity, ParamFilter, PruneConfig, PruneSchedule, PruneScope, Pruner,
     SparsityReport,

@@ -137,7 +137,7 @@ pub fn read_tensors(dir: &Path, dtype: DType, skip: &dyn Fn(&str) -> bool) -> Re
 }
 
 /// `bytes` of a `from` tensor of `dims` as `to`; the reason of a refusal.
-fn convert(
+pub(crate) fn convert(
     from: safetensors::Dtype,
     dims: &[usize],
     bytes: &[u8],

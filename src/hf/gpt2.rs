@@ -18,6 +18,16 @@ const BODY_PREFIX: &str = "transformer.";
 /// The head, tied to `wte.weight`; written by some exporters, omitted by save_pretrained.
 const HEAD: &str = "lm_head.weight";
 
+/// The Linear layers of a block: transformers' module name under `h.{i}` (Conv1D, weights
+/// stored (in, out)), the name under `blocks.{i}` in [`Gpt`], and their (out, in) as multiples
+/// of the width C.
+pub(crate) const LINEARS: [(&str, &str, usize, usize); 4] = [
+    ("attn.c_attn", "attn.qkv", 3, 1),
+    ("attn.c_proj", "attn.proj", 1, 1),
+    ("mlp.c_fc", "mlp.fc", 4, 1),
+    ("mlp.c_proj", "mlp.proj", 1, 4),
+];
+
 /// One parameter: its name in a Hugging Face file (without `transformer.`), in [`Gpt`], its
 /// dims in the file, and whether the file stores it transposed (Conv1D's (in, out)).
 struct Entry {
@@ -53,12 +63,7 @@ fn entries(cfg: &GptConfig) -> Vec<Entry> {
     for i in 0..cfg.layers {
         let (h, b) = (format!("h.{i}"), format!("blocks.{i}"));
         // (hf part, our part, out features, in features); norms have no in features.
-        let linears = [
-            ("attn.c_attn", "attn.qkv", 3 * c, c),
-            ("attn.c_proj", "attn.proj", c, c),
-            ("mlp.c_fc", "mlp.fc", 4 * c, c),
-            ("mlp.c_proj", "mlp.proj", c, 4 * c),
-        ];
+        let linears = LINEARS.map(|(hf, ours, o, i)| (hf, ours, o * c, i * c));
         let norm = |hf: &str, ours: &str, out: &mut Vec<Entry>| {
             for p in ["weight", "bias"] {
                 out.push(e(
@@ -316,15 +321,40 @@ pub fn save_gpt2(model: &Gpt, dir: &Path, tokenizer: Option<&Path>) -> Result<()
         .transpose()?;
     let cfg = model.gpt_config();
     let params: BTreeMap<String, crate::Tensor> = model.named_parameters().into_iter().collect();
-    let mut tensors = Vec::new();
+    let mut host = BTreeMap::new();
     for e in entries(&cfg) {
         let p = params.get(&e.ours).ok_or_else(|| Error::InvalidArgument {
             op: "save_gpt2",
-            reason: format!("the model has no parameter '{}'", e.ours),
+            reason: format!(
+                "the model has no parameter '{}' (a quantized base has no dense weights to save)",
+                e.ours
+            ),
         })?;
-        let host = HostTensor::read(p)?;
-        let host = if e.transposed { transpose(&host) } else { host };
-        tensors.push((format!("{BODY_PREFIX}{}", e.hf), host));
+        host.insert(e.ours, HostTensor::read(p)?);
+    }
+    save_host(&cfg, &host, dir, tokenizer)
+}
+
+/// [`save_gpt2`] of weights on the host, by [`Gpt`]'s names (every one of `cfg`'s model),
+/// with the tokenizer's bytes.
+pub(crate) fn save_host(
+    cfg: &GptConfig,
+    host: &BTreeMap<String, HostTensor>,
+    dir: &Path,
+    tokenizer: Option<Vec<u8>>,
+) -> Result<()> {
+    let mut tensors = Vec::new();
+    for e in entries(cfg) {
+        let h = host.get(&e.ours).ok_or_else(|| Error::InvalidArgument {
+            op: "save_gpt2",
+            reason: format!("no tensor '{}'", e.ours),
+        })?;
+        let h = if e.transposed {
+            transpose(h)
+        } else {
+            h.clone()
+        };
+        tensors.push((format!("{BODY_PREFIX}{}", e.hf), h));
     }
     let raw: Vec<RawTensor> = tensors
         .iter()
@@ -347,7 +377,7 @@ pub fn save_gpt2(model: &Gpt, dir: &Path, tokenizer: Option<&Path>) -> Result<()
         source,
     })?;
     crate::write_atomic(&weights_path, &bytes)?;
-    let mut json = gpt2_json(&cfg);
+    let mut json = gpt2_json(cfg);
     // GPT-2's one special token starts and ends texts; without a tokenizer there is none.
     let eot = tokenizer
         .as_deref()

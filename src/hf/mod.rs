@@ -23,6 +23,7 @@ mod config;
 mod files;
 mod gpt2;
 mod llama;
+mod peft;
 mod tokenizer;
 
 pub use arch::{ModelConfig, SHIPPED_CONFIGS};
@@ -30,6 +31,10 @@ pub use config::Gpt2Config;
 pub use files::{INDEX_FILE, WEIGHTS_FILE};
 pub use gpt2::{save_gpt2, PretrainedGpt};
 pub use llama::{llama_config_from_json, save_llama, PretrainedLlama};
+pub use peft::{
+    adapter_of, add_lora, merge_adapter, read_adapter, resolve_targets, save_adapter, Adapter,
+    LoraSpec, Target, ADAPTER_CONFIG, ADAPTER_WEIGHTS,
+};
 
 /// The `model_type` of the folder `dir`'s `config.json` ("gpt2", "llama", ...), read before
 /// anything else so a caller can pick the loader. Errors ([`crate::Error::Data`] naming the

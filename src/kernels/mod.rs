@@ -14,6 +14,7 @@ pub(crate) mod attention;
 pub(crate) mod attention_sg;
 pub(crate) mod batch_norm;
 pub(crate) mod conv2d;
+pub(crate) mod dqmatmul;
 pub(crate) mod dropout;
 pub(crate) mod elementwise;
 pub(crate) mod grad_norm;
@@ -642,6 +643,20 @@ pub const QMATMUL_SG: ShaderFile = ShaderFile {
     ),
     bindings: QMATMUL.bindings,
 };
+pub const DQMATMUL: ShaderFile = ShaderFile {
+    name: "dqmatmul",
+    body: include_str!("../../shaders/dqmatmul.wgsl"),
+    // w and qa hold codes as raw u32 words; scale, dq and bias are f32.
+    bindings: &[
+        ("a", false),
+        ("w", false),
+        ("scale", false),
+        ("qa", false),
+        ("dq", false),
+        ("bias", false),
+        ("c", true),
+    ],
+};
 pub const ATTENTION_FWD: ShaderFile = ShaderFile {
     name: "attention_fwd",
     body: concat!(
@@ -852,6 +867,7 @@ pub const SHADERS: &[ShaderFile] = &[
     GRAD_NORM,
     QMATMUL,
     QMATMUL_SG,
+    DQMATMUL,
     ATTENTION_FWD,
     ATTENTION_BWD_DQ,
     ATTENTION_BWD_DKV,
@@ -1131,6 +1147,8 @@ pub(crate) fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
             .map(|&s| vec![s, U32, F32, F32, s])
             .chain([vec![F16Packed, U32, F32, F32, F32]])
             .collect(),
+        // Codes are raw words; A, C, the statistics and the bias f32.
+        "dqmatmul" => vec![vec![F32, U32, F32, U32, F32, F32, F32]],
         // The parameter and its gradient in any storage (f16 gradients beside f32 master
         // weights under mixed precision); codes are raw words, absmax and the map f32.
         "adamw8bit" => [

@@ -227,6 +227,8 @@ impl Gpt {
                 bias: Some(Tensor::zeros(device, &[o], dtype)?.with_requires_grad()),
                 in_features: i,
                 out_features: o,
+                lora: None,
+                quantized: None,
             })
         };
         let norm = || LayerNorm::with_options(device, c, cfg.layer_norm_eps, dtype);
@@ -463,6 +465,47 @@ impl Gpt {
                 ..Default::default()
             },
         )
+    }
+
+    /// Every Linear of the blocks with its parameter prefix (`blocks.{i}.attn.qkv`,
+    /// `.attn.proj`, `.mlp.fc`, `.mlp.proj`), to add adapters or quantize weights. An
+    /// [`Error::InvalidArgument`] while something else holds a block (a graph of a
+    /// checkpointed forward that has not run backward).
+    pub fn linears_mut(&mut self) -> Result<Vec<(String, &mut Linear)>> {
+        let mut out = Vec::new();
+        for (i, b) in self.blocks.iter_mut().enumerate() {
+            let b = Arc::get_mut(b).ok_or_else(|| Error::InvalidArgument {
+                op: "Gpt::linears_mut",
+                reason: format!("block {i} is held by a recorded graph; run backward or drop it"),
+            })?;
+            let p = format!("blocks.{i}");
+            out.push((format!("{p}.attn.qkv"), &mut b.attn.qkv));
+            out.push((format!("{p}.attn.proj"), &mut b.attn.proj));
+            out.push((format!("{p}.mlp.fc"), &mut b.mlp.fc));
+            out.push((format!("{p}.mlp.proj"), &mut b.mlp.proj));
+        }
+        Ok(out)
+    }
+
+    /// Detaches every parameter from autograd (embeddings, norms, every Linear's weight and
+    /// bias): no gradients, no optimizer state. Adapters added after (or before) stay
+    /// trainable. Errors as [`Gpt::linears_mut`].
+    pub fn freeze(&mut self) -> Result<()> {
+        for (_, l) in self.linears_mut()? {
+            l.freeze();
+        }
+        for b in &mut self.blocks {
+            let b = Arc::get_mut(b).expect("checked by linears_mut");
+            for n in [&mut b.ln1, &mut b.ln2] {
+                n.weight = n.weight.detach();
+                n.bias = n.bias.detach();
+            }
+        }
+        self.ln_f.weight = self.ln_f.weight.detach();
+        self.ln_f.bias = self.ln_f.bias.detach();
+        self.wte.weight = self.wte.weight.detach();
+        self.wpe.weight = self.wpe.weight.detach();
+        Ok(())
     }
 
     pub(crate) fn block_list(&self) -> &[Arc<GptBlock>] {

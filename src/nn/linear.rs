@@ -1,9 +1,13 @@
 //! `Linear`: y = x · Wᵀ + b with W stored (out, in) as in torch, so weights load into and out of
 //! PyTorch state dicts unchanged. The forward is one fused matmul dispatch (bias and activation
-//! in its epilogue) that reads W transposed in place.
+//! in its epilogue) that reads W transposed in place. A layer may carry a LoRA adapter
+//! (src/nn/lora.rs) and hold its frozen weight quantized ([`QuantWeight`]).
 
+use super::lora::Lora;
 use super::Module;
+use crate::tensor::QuantWeight;
 use crate::{Activation, DType, Device, Error, MatmulOptions, Result, Tensor};
+use std::sync::Arc;
 
 /// A fully connected layer, `y = x · Wᵀ + b`.
 #[derive(Clone)]
@@ -16,6 +20,11 @@ pub struct Linear {
     pub in_features: usize,
     /// Width of the output.
     pub out_features: usize,
+    /// A LoRA adapter added to the output (see [`Linear::add_lora`]); none by default.
+    pub lora: Option<Arc<Lora>>,
+    /// The frozen weight held quantized (int8 or NF4); `weight` is then an empty (0) tensor
+    /// and is not listed as a parameter.
+    pub quantized: Option<Arc<QuantWeight>>,
 }
 
 impl Linear {
@@ -72,6 +81,8 @@ impl Linear {
             bias,
             in_features,
             out_features,
+            lora: None,
+            quantized: None,
         })
     }
 
@@ -91,13 +102,11 @@ impl Linear {
                 t.to_dtype(dtype)
             }
         };
-        let weight = cast(&self.weight)?;
-        let bias = self.bias.as_ref().map(cast).transpose()?;
         if x.dims().last() != Some(&self.in_features) {
             return Err(Error::Shape {
                 op: "Linear::forward",
                 lhs: x.dims().to_vec(),
-                rhs: self.weight.dims().to_vec(),
+                rhs: vec![self.out_features, self.in_features],
                 reason: format!(
                     "input's last dim must be in_features = {}",
                     self.in_features
@@ -110,15 +119,43 @@ impl Linear {
         } else {
             x.clone()
         };
-        let y = x2.matmul_with(
-            &weight,
-            &MatmulOptions {
-                trans_b: true,
-                bias: bias.as_ref(),
-                activation,
-                ..Default::default()
-            },
-        )?;
+        // With an active adapter the activation comes after the adapter's sum.
+        let base_act = if self.lora_active() {
+            Activation::None
+        } else {
+            activation
+        };
+        let y = match &self.quantized {
+            Some(q) => {
+                // The dequantizing matmul takes rows: (.., in) -> (rows, in) -> (.., out).
+                let rows = x2.numel() / self.in_features;
+                let flat = x2.reshape(&[rows, self.in_features])?;
+                let y = q.linear(&flat, self.bias.as_ref(), base_act)?;
+                let mut dims = x2.dims().to_vec();
+                *dims.last_mut().expect("rank >= 2") = self.out_features;
+                y.reshape(&dims)?
+            }
+            None => {
+                let weight = cast(&self.weight)?;
+                let bias = self.bias.as_ref().map(cast).transpose()?;
+                x2.matmul_with(
+                    &weight,
+                    &MatmulOptions {
+                        trans_b: true,
+                        bias: bias.as_ref(),
+                        activation: base_act,
+                        ..Default::default()
+                    },
+                )?
+            }
+        };
+        let y = match &self.lora {
+            Some(l) if self.lora_active() => {
+                let y = y.add(&l.delta(&x2, dtype)?)?;
+                super::lora::activate(&y, activation)?
+            }
+            _ => y,
+        };
         if x.rank() == 1 {
             y.reshape(&[self.out_features])
         } else {
@@ -132,11 +169,26 @@ impl Module for Linear {
         self.forward_act(x, Activation::None)
     }
 
+    /// `weight` (unless quantized), `bias`, then an adapter's `lora_A.weight` (r, in) and
+    /// `lora_B.weight` (out, r), PEFT's names.
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        let mut v = vec![("weight".to_string(), self.weight.clone())];
+        let mut v = Vec::new();
+        if self.quantized.is_none() {
+            v.push(("weight".to_string(), self.weight.clone()));
+        }
         if let Some(b) = &self.bias {
             v.push(("bias".to_string(), b.clone()));
         }
+        if let Some(l) = &self.lora {
+            v.push(("lora_A.weight".to_string(), l.a.clone()));
+            v.push(("lora_B.weight".to_string(), l.b.clone()));
+        }
         v
+    }
+
+    fn set_training(&self, training: bool) {
+        if let Some(l) = &self.lora {
+            l.dropout.set_training(training);
+        }
     }
 }

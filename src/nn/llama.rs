@@ -376,6 +376,8 @@ impl Llama {
                 },
                 in_features: i,
                 out_features: o,
+                lora: None,
+                quantized: None,
             })
         };
         let norm = || RmsNorm::new(device, c, cfg.rms_norm_eps, dtype);

@@ -157,6 +157,47 @@ impl fmt::Display for FitChoice {
     }
 }
 
+/// What [`Trainer::build_fit_auto_variants`] chose: the variants tried with their
+/// candidates, in order, and the fitting one's choice.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VariantsChoice {
+    /// Each variant tried and the candidates planned for it.
+    pub tried: Vec<(String, Vec<Candidate>)>,
+    /// The index in `tried` of the variant chosen (the last).
+    pub chosen: usize,
+    /// Its choice.
+    pub choice: FitChoice,
+}
+
+impl fmt::Display for VariantsChoice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (name, _) = &self.tried[self.chosen];
+        writeln!(f, "fit auto: {name}")?;
+        for (i, (name, candidates)) in self.tried.iter().enumerate() {
+            writeln!(f, "{name}:")?;
+            if i == self.chosen {
+                let text = self.choice.to_string();
+                // The chosen variant's own lines, without its header.
+                for line in text.lines().skip(1) {
+                    writeln!(f, "{line}")?;
+                }
+                continue;
+            }
+            for c in candidates {
+                writeln!(
+                    f,
+                    "  {:<52} planned peak {:>11} in use, {:>11} reserved  {}",
+                    c.description,
+                    Bytes(c.planned_peak).to_string(),
+                    Bytes(c.planned_reserved).to_string(),
+                    if c.fits { "fits" } else { "does not fit" }
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// "micro-batch 16 (4 per batch), checkpointing, mixed".
 fn describe(batch: usize, micro: usize, checkpointing: bool, precision: Precision) -> String {
     let split = if micro >= batch {
@@ -190,6 +231,21 @@ impl<M: Module> Trainer<M> {
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
+        self.fit_auto_into(data, budget, &mut Vec::new())
+    }
+
+    /// [`Trainer::fit_auto`], with the candidates planned left in `candidates` whether one
+    /// fits or not.
+    fn fit_auto_into<D>(
+        &mut self,
+        data: &D,
+        budget: u64,
+        candidates: &mut Vec<Candidate>,
+    ) -> Result<FitChoice>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
         let idx = self.plan_indices(data)?;
         let start = self.config.precision;
         let (micro_before, micro_config) = (self.micro, self.config.micro_batch);
@@ -218,7 +274,6 @@ impl<M: Module> Trainer<M> {
             }
         }
         let batch = self.config.batch_size.min(idx.len());
-        let mut candidates = Vec::new();
         let result = (|| {
             for &(ckpt, precision, residence) in &configs {
                 self.use_strategy(ckpt, precision);
@@ -284,7 +339,7 @@ impl<M: Module> Trainer<M> {
             checkpointing: chosen.1,
             precision: chosen.2,
             residence: chosen.3,
-            candidates,
+            candidates: candidates.clone(),
         })
     }
 
@@ -345,6 +400,73 @@ impl<M: Module> Trainer<M> {
             }
         }
         Ok(())
+    }
+
+    /// [`Trainer::build_fit_auto`] over variants of the model that change what it holds (a
+    /// frozen base kept dense, int8 or NF4 under LoRA): each variant, in the order given, is
+    /// built by `build` and fitted by [`Trainer::fit_auto`]'s ladder; the first that fits is
+    /// returned with every candidate planned on the way. When none fits, the error is
+    /// [`Error::BudgetTooSmall`] with the smallest budget of any variant.
+    pub fn build_fit_auto_variants<D, V: fmt::Display>(
+        device: &crate::Device,
+        data: &D,
+        variants: &[V],
+        mut build: impl FnMut(&V) -> Result<Trainer<M>>,
+    ) -> Result<(Trainer<M>, VariantsChoice)>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let Some(budget) = device.memory_stats().budget else {
+            return Err(Error::InvalidArgument {
+                op: "Trainer::build_fit_auto_variants",
+                reason: "fit auto needs a memory budget to fit (set one on the device)".into(),
+            });
+        };
+        let mut tried = Vec::new();
+        let mut smallest: Option<Error> = None;
+        for (i, v) in variants.iter().enumerate() {
+            device.set_memory_budget(None)?;
+            let mut candidates = Vec::new();
+            let built = build(v).and_then(|mut t| {
+                let choice = t.fit_auto_into(data, budget, &mut candidates)?;
+                Ok((t, choice))
+            });
+            if built.is_err() {
+                device.empty_cache();
+            }
+            device.set_memory_budget(Some(budget))?;
+            tried.push((v.to_string(), candidates));
+            match built {
+                Ok((t, choice)) => {
+                    return Ok((
+                        t,
+                        VariantsChoice {
+                            tried,
+                            chosen: i,
+                            choice,
+                        },
+                    ))
+                }
+                Err(e @ Error::BudgetTooSmall { .. }) => {
+                    let better = match (&smallest, &e) {
+                        (
+                            Some(Error::BudgetTooSmall { minimum: old, .. }),
+                            Error::BudgetTooSmall { minimum, .. },
+                        ) => minimum < old,
+                        _ => true,
+                    };
+                    if better {
+                        smallest = Some(e);
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Err(smallest.unwrap_or_else(|| Error::InvalidArgument {
+            op: "Trainer::build_fit_auto_variants",
+            reason: "no variants to fit".into(),
+        }))
     }
 
     /// Builds the trainer with `build` on `device` and runs [`Trainer::fit_auto`] under the

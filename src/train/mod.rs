@@ -23,7 +23,7 @@ mod trainer;
 mod window_loss;
 
 pub use events::TrainEvent;
-pub use fit::{Candidate, FitChoice, Residence};
+pub use fit::{Candidate, FitChoice, Residence, VariantsChoice};
 pub use model::{
     Batch, BatchSource, ClassBatch, EvalBatch, Features, StepContext, TensorBatch, TensorDataset,
     TrainModel,

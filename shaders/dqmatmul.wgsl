@@ -1,0 +1,90 @@
+// C = A · dequant(W)ᵀ (+ bias) or C = A · dequant(W), W frozen and quantized, dequantized per
+// element as it is multiplied: the f32 weights never exist in memory. This is the matmul of a
+// LoRA layer's frozen base: the forward (TRANS = 0) and the input gradient (TRANS = 1).
+//
+// W is (R, K) (out features, in features), in one of three formats (FMT, specialized):
+//   0  int8 per output row, the layout of include/qmatmul_common.wgsl: row r is KW words, four
+//      int8 each (k = 4j + b in byte b of word j), scale[r] per row.
+//   1  NF4: element i = r * K + k of the flattened W is nibble i % 8 of word i / 8 (low nibble
+//      first), its value NF4[nibble] * scale[i / 64] (one f32 absmax per block of 64).
+//   2  NF4 with double quantization: block b's absmax is dq[code] * scale[b / 256] + dq[256],
+//      code = byte b % 4 of qa[b / 4] (8-bit dynamic codes of the absmax minus their mean, one
+//      f32 absmax per 256 blocks, as bitsandbytes' compress_statistics).
+// A is (M, K) for TRANS = 0 and (M, R) for TRANS = 1; bias (R) f32 is added when p.bias is 1
+// (forward only); C is (M, R) or (M, K). A and C are f32.
+//
+// One invocation per element of C, the sum over the reduction axis in order (a fixed order:
+// bitwise repeatable). Rows of C are spread over y and z (65535 workgroups per dimension).
+
+struct Params {
+    m: u32,     // rows of A and C
+    n: u32,     // columns of C: R (forward) or K (input gradient)
+    red: u32,   // the reduction: K (forward) or R (input gradient)
+    cols: u32,  // K, W's row length
+    kw: u32,    // words per row of the int8 layout
+    bias: u32,  // 1: add bias[col]
+    _p0: u32,
+    _p1: u32,
+}
+@group(0) @binding(0) var<uniform> p: Params;
+
+// 0: C = A · Wᵀ; 1: C = A · W. Specialized.
+const TRANS: u32 = 0u;
+// The weight format (see above). Specialized.
+const FMT: u32 = 1u;
+// Invocations per workgroup, along the columns of C.
+const WG: u32 = 64u;
+// Rows of C per y slice of the grid.
+const ROWS_Y: u32 = 65535u;
+
+// QLoRA's NormalFloat4 code values (bitsandbytes' get_4bit_type("nf4")).
+var<private> NF4: array<f32, 16> = array<f32, 16>(
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0);
+
+fn block_absmax(b: u32) -> f32 {
+    if (FMT == 2u) {
+        let code = (qa[b >> 2u] >> (8u * (b & 3u))) & 255u;
+        return dq[code] * scale[b >> 8u] + dq[256u];
+    }
+    return scale[b];
+}
+
+// W[r, k] dequantized.
+fn deq(r: u32, k: u32) -> f32 {
+    if (FMT == 0u) {
+        let word = w[r * p.kw + (k >> 2u)];
+        let q = bitcast<i32>(word << (24u - 8u * (k & 3u))) >> 24u;
+        return f32(q) * scale[r];
+    }
+    let i = r * p.cols + k;
+    let nib = (w[i >> 3u] >> (4u * (i & 7u))) & 15u;
+    return NF4[nib] * block_absmax(i >> 6u);
+}
+
+@compute @workgroup_size(WG, 1, 1)
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+    let row = wg.z * ROWS_Y + wg.y;
+    let col = wg.x * WG + lid.x;
+    // No barriers: an invocation outside C simply has nothing to do.
+    if (row >= p.m || col >= p.n) {
+        return;
+    }
+    let a0 = row * p.red;
+    var s = 0.0;
+    for (var j = 0u; j < p.red; j++) {
+        var v: f32;
+        if (TRANS == 0u) {
+            v = deq(col, j);
+        } else {
+            v = deq(j, col);
+        }
+        s = fma(ld_a(a0 + j), v, s);
+    }
+    if (p.bias == 1u) {
+        s += bias[col];
+    }
+    st_c(row * p.n + col, s);
+}
