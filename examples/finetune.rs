@@ -223,27 +223,8 @@ impl Folder {
     /// One line on the architecture.
     fn describe(&self) -> String {
         match self {
-            Folder::Gpt2(f) => {
-                let c = &f.config;
-                format!(
-                    "GPT-2, {} layers, dim {}, {} heads, {} positions, vocabulary {}",
-                    c.layers, c.dim, c.heads, c.context, c.vocab_size
-                )
-            }
-            Folder::Llama(f) => {
-                let c = &f.config;
-                format!(
-                    "Llama, {} layers, dim {}, {} heads over {} kv heads, {} positions, \
-                     vocabulary {}{}",
-                    c.layers,
-                    c.dim,
-                    c.heads,
-                    c.kv_heads,
-                    c.context,
-                    c.vocab_size,
-                    if c.tie_embeddings { ", tied head" } else { "" }
-                )
-            }
+            Folder::Gpt2(f) => ModelConfig::Gpt2(f.config.clone()).describe(),
+            Folder::Llama(f) => ModelConfig::Llama(f.config.clone()).describe(),
         }
     }
 }

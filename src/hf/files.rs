@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use crate::checkpoint::{parse_safetensors, HostTensor};
+use crate::checkpoint::{parse_safetensors, safetensors_bytes, HostTensor, RawTensor};
 use crate::{DType, Error, Result};
 
 /// The single-file weights' name.
@@ -188,4 +188,33 @@ pub(crate) fn convert(
         }
     };
     HostTensor::new(to, dims, out).map_err(|e| e.to_string())
+}
+
+/// Writes `tensors` to `dir/file` as a safetensors file transformers and PEFT read (metadata
+/// `format = "pt"`, which transformers requires), creating `dir`, atomically.
+pub(crate) fn write_safetensors(
+    dir: &Path,
+    file: &str,
+    tensors: &[(String, HostTensor)],
+) -> Result<()> {
+    let raw: Vec<RawTensor> = tensors
+        .iter()
+        .map(|(name, t)| RawTensor {
+            name,
+            dtype: match t.dtype {
+                DType::F32 => safetensors::Dtype::F32,
+                DType::F16 => safetensors::Dtype::F16,
+            },
+            dims: &t.dims,
+            bytes: &t.bytes,
+        })
+        .collect();
+    let path = dir.join(file);
+    let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+    let bytes = safetensors_bytes(&raw, &metadata, &path.display().to_string())?;
+    std::fs::create_dir_all(dir).map_err(|source| Error::Io {
+        path: dir.display().to_string(),
+        source,
+    })?;
+    crate::write_atomic(&path, &bytes)
 }

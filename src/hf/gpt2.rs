@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use super::config::{gpt2_json, Gpt2Config};
 use super::files::{read_tensors, FileTensor, INDEX_FILE, WEIGHTS_FILE};
 use super::tokenizer::TOKENIZER_FILE;
-use crate::checkpoint::{list, safetensors_bytes, Checkpoint, HostTensor, RawTensor};
+use crate::checkpoint::{list, Checkpoint, HostTensor};
 use crate::nn::{Gpt, GptConfig, Module};
 use crate::{DType, Device, Error, Result};
 
@@ -356,27 +356,7 @@ pub(crate) fn save_host(
         };
         tensors.push((format!("{BODY_PREFIX}{}", e.hf), h));
     }
-    let raw: Vec<RawTensor> = tensors
-        .iter()
-        .map(|(name, t)| RawTensor {
-            name,
-            dtype: match t.dtype {
-                DType::F32 => safetensors::Dtype::F32,
-                DType::F16 => safetensors::Dtype::F16,
-            },
-            dims: &t.dims,
-            bytes: &t.bytes,
-        })
-        .collect();
-    let weights_path = dir.join(WEIGHTS_FILE);
-    // transformers refuses a safetensors file whose metadata lacks format = "pt".
-    let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-    let bytes = safetensors_bytes(&raw, &metadata, &weights_path.display().to_string())?;
-    std::fs::create_dir_all(dir).map_err(|source| Error::Io {
-        path: dir.display().to_string(),
-        source,
-    })?;
-    crate::write_atomic(&weights_path, &bytes)?;
+    super::files::write_safetensors(dir, WEIGHTS_FILE, &tensors)?;
     let mut json = gpt2_json(cfg);
     // GPT-2's one special token starts and ends texts; without a tokenizer there is none.
     let eot = tokenizer

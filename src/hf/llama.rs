@@ -3,7 +3,6 @@
 //! layouts (rotate-half RoPE needs no permutation of q and k), the head tied or not, and the
 //! checks (missing, extra, wrong shape) that come before any device work.
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
@@ -11,7 +10,7 @@ use serde_json::{Map, Value};
 use super::config::read_json;
 use super::files::{read_tensors, FileTensor, INDEX_FILE, WEIGHTS_FILE};
 use super::tokenizer::TOKENIZER_FILE;
-use crate::checkpoint::{list, safetensors_bytes, Checkpoint, HostTensor, RawTensor, MODEL_PREFIX};
+use crate::checkpoint::{list, Checkpoint, HostTensor, MODEL_PREFIX};
 use crate::nn::{Llama, LlamaConfig, Module};
 use crate::{DType, Device, Error, Result};
 
@@ -382,26 +381,7 @@ pub fn save_llama(model: &Llama, dir: &Path, tokenizer: Option<&Path>) -> Result
         .into_iter()
         .map(|(name, p)| Ok((name, HostTensor::read(&p)?)))
         .collect::<Result<_>>()?;
-    let raw: Vec<RawTensor> = hosts
-        .iter()
-        .map(|(name, t)| RawTensor {
-            name,
-            dtype: match t.dtype {
-                DType::F32 => safetensors::Dtype::F32,
-                DType::F16 => safetensors::Dtype::F16,
-            },
-            dims: &t.dims,
-            bytes: &t.bytes,
-        })
-        .collect();
-    let weights_path = dir.join(WEIGHTS_FILE);
-    let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-    let bytes = safetensors_bytes(&raw, &metadata, &weights_path.display().to_string())?;
-    std::fs::create_dir_all(dir).map_err(|source| Error::Io {
-        path: dir.display().to_string(),
-        source,
-    })?;
-    crate::write_atomic(&weights_path, &bytes)?;
+    super::files::write_safetensors(dir, WEIGHTS_FILE, &hosts)?;
     let text =
         serde_json::to_string_pretty(&llama_json(model.llama_config())).expect("JSON serializes");
     crate::write_atomic(&dir.join("config.json"), text.as_bytes())?;

@@ -16,7 +16,7 @@ use serde_json::{json, Map, Value};
 use super::config::read_json;
 use super::files::convert;
 use super::gpt2::{save_host, PretrainedGpt, LINEARS};
-use crate::checkpoint::{parse_safetensors, safetensors_bytes, HostTensor, RawTensor};
+use crate::checkpoint::{parse_safetensors, HostTensor};
 use crate::nn::{Gpt, GptConfig, Lora, LoraConfig, Module};
 use crate::{DType, Error, Result, Tensor};
 
@@ -178,26 +178,7 @@ pub fn save_adapter(gpt: &Gpt, spec: &LoraSpec, dir: &Path, base_model: &str) ->
             ));
         }
     }
-    let raw: Vec<RawTensor> = host
-        .iter()
-        .map(|(name, t)| RawTensor {
-            name,
-            dtype: match t.dtype {
-                DType::F32 => safetensors::Dtype::F32,
-                DType::F16 => safetensors::Dtype::F16,
-            },
-            dims: &t.dims,
-            bytes: &t.bytes,
-        })
-        .collect();
-    let path = dir.join(ADAPTER_WEIGHTS);
-    let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
-    let bytes = safetensors_bytes(&raw, &metadata, &path.display().to_string())?;
-    std::fs::create_dir_all(dir).map_err(|source| Error::Io {
-        path: dir.display().to_string(),
-        source,
-    })?;
-    crate::write_atomic(&path, &bytes)?;
+    super::files::write_safetensors(dir, ADAPTER_WEIGHTS, &host)?;
     let text = serde_json::to_string_pretty(&config_json(spec, base_model))
         .expect("a JSON value serializes");
     crate::write_atomic(&dir.join(ADAPTER_CONFIG), text.as_bytes())

@@ -231,16 +231,18 @@ impl<M: Module> Trainer<M> {
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
-        self.fit_auto_into(data, budget, &mut Vec::new())
+        self.fit_auto_into(data, budget, &mut Vec::new(), true)
     }
 
     /// [`Trainer::fit_auto`], with the candidates planned left in `candidates` whether one
-    /// fits or not.
+    /// fits or not; the rungs that move state off the device (8-bit state, offload, streamed
+    /// parameters) only when `residences`.
     fn fit_auto_into<D>(
         &mut self,
         data: &D,
         budget: u64,
         candidates: &mut Vec<Candidate>,
+        residences: bool,
     ) -> Result<FitChoice>
     where
         D: BatchSource,
@@ -269,7 +271,7 @@ impl<M: Module> Trainer<M> {
             Residence::OffloadOptimizer,
             Residence::StreamedParameters,
         ] {
-            if r > start_residence && self.can_use(r) {
+            if residences && r > start_residence && self.can_use(r) {
                 configs.push((can_checkpoint, last_precision, r));
             }
         }
@@ -404,8 +406,8 @@ impl<M: Module> Trainer<M> {
 
     /// [`Trainer::build_fit_auto`] over variants of the model that change what it holds (a
     /// frozen base kept dense, int8 or NF4 under LoRA): each variant, in the order given, is
-    /// built by `build` and fitted by [`Trainer::fit_auto`]'s ladder; the first that fits is
-    /// returned with every candidate planned on the way. When none fits, the error is
+    /// built by `build` and fitted by [`Trainer::fit_auto`]'s ladder (its rungs that move state
+    /// off the device only for the last variant); the first that fits is returned with every candidate planned on the way. When none fits, the error is
     /// [`Error::BudgetTooSmall`] with the smallest budget of any variant.
     pub fn build_fit_auto_variants<D, V: fmt::Display>(
         device: &crate::Device,
@@ -429,7 +431,10 @@ impl<M: Module> Trainer<M> {
             device.set_memory_budget(None)?;
             let mut candidates = Vec::new();
             let built = build(v).and_then(|mut t| {
-                let choice = t.fit_auto_into(data, budget, &mut candidates)?;
+                // The variants shrink what the model holds first; the residence rungs follow
+                // the last variant's.
+                let last = i + 1 == variants.len();
+                let choice = t.fit_auto_into(data, budget, &mut candidates, last)?;
                 Ok((t, choice))
             });
             if built.is_err() {
