@@ -8,7 +8,8 @@
 //! stay bitwise identical, and the weights equal one device's with the same effective batch up
 //! to float rounding (the sum of a batch's gradients is added in another order).
 
-use super::allreduce::{attach, parameter_values, AllReduceStats};
+use super::allreduce::{parameter_values, AllReduceStats};
+use super::zero::{attach_zero, Zero};
 use super::comm::{LocalGroup, LOCAL_TIMEOUT};
 use crate::nn::Module;
 use crate::train::{BatchSource, Evaluation, Plan, TrainModel, Trainer};
@@ -104,6 +105,17 @@ impl<M: Module + Send> DataParallel<M> {
         devices: &[Device],
         build: impl Fn(&Device) -> Result<Trainer<M>>,
     ) -> Result<DataParallel<M>> {
+        Self::with_zero(devices, Zero::OFF, build)
+    }
+
+    /// [`DataParallel::new`] at ZeRO stage `zero` ([`attach_zero`]): each replica keeps the
+    /// optimizer state (stage 1) and the gradients (stage 2) of its shard only; the
+    /// parameters stay identical on every replica.
+    pub fn with_zero(
+        devices: &[Device],
+        zero: Zero,
+        build: impl Fn(&Device) -> Result<Trainer<M>>,
+    ) -> Result<DataParallel<M>> {
         if devices.is_empty() {
             return Err(Error::InvalidArgument {
                 op: "DataParallel::new",
@@ -141,7 +153,7 @@ impl<M: Module + Send> DataParallel<M> {
             let comm = crate::device::lock(&members)[i]
                 .take()
                 .expect("one member per replica");
-            let s = attach(t, comm)?;
+            let s = attach_zero(t, comm, zero)?;
             crate::device::lock(&stats)[i] = Some(s);
             Ok(())
         })?;

@@ -14,6 +14,7 @@ mod allreduce;
 mod comm;
 mod data_parallel;
 mod job;
+pub mod zero;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 
@@ -21,3 +22,4 @@ pub use allreduce::{attach, AllReduceStats, GradientAllReduce};
 pub use comm::{share_of, Communicator, LocalComm, LocalGroup, LOCAL_TIMEOUT};
 pub use data_parallel::DataParallel;
 pub use job::Job;
+pub use zero::{attach_zero, Zero};

@@ -57,7 +57,29 @@ pub fn clip_grad_norm_tensor(params: &[Tensor], max_norm: f32) -> Result<Tensor>
 }
 
 /// The clipping; the norm tensor, or `None` when no parameter has a gradient.
+/// [`clip_grad_norm_tensor`] over gradients sharded across replicas: this replica's norm of
+/// `params`' gradients goes through `global` (the norm over every replica, the same on each;
+/// called even when this replica holds no gradient) and the gradients are scaled by it.
+pub(crate) fn clip_grad_norm_sharded(
+    device: &crate::Device,
+    params: &[Tensor],
+    max_norm: f32,
+    global: &mut dyn FnMut(f32) -> Result<f32>,
+) -> Result<()> {
+    clip_with(params, max_norm, Some((device, global))).map(drop)
+}
+
 fn clip(params: &[Tensor], max_norm: f32) -> Result<Option<Tensor>> {
+    clip_with(params, max_norm, None)
+}
+
+type Global<'a> = (&'a crate::Device, &'a mut dyn FnMut(f32) -> Result<f32>);
+
+fn clip_with(
+    params: &[Tensor],
+    max_norm: f32,
+    global: Option<Global<'_>>,
+) -> Result<Option<Tensor>> {
     if !(max_norm.is_finite() && max_norm > 0.0) {
         return Err(Error::InvalidArgument {
             op: OP,
@@ -84,24 +106,33 @@ fn clip(params: &[Tensor], max_norm: f32) -> Result<Option<Tensor>> {
         }
         grads.push(g);
     }
-    let Some(first) = grads.first() else {
-        return Ok(None);
+    let dev = match (grads.first(), &global) {
+        (Some(first), _) => first.device().clone(),
+        (None, Some((d, _))) => (*d).clone(),
+        (None, None) => return Ok(None),
     };
-    let dev = first.device().clone();
     let norm = Tensor::zeros(&dev, &[], DType::F32)?;
     let slots: usize = grads.iter().map(|g| grad_norm::parts(g.numel())).sum();
+    if slots > 0 {
+        // acc is (slots,): every slot is written by exactly one workgroup.
+        let acc = Tensor::uninit(&dev, crate::Shape::new(&[slots])?, DType::F32)?;
+        let mut slot = 0;
+        for g in &grads {
+            grad_norm::sum_squares(g, &acc, slot)?;
+            slot += grad_norm::parts(g.numel());
+        }
+        grad_norm::norm(&acc, slots, &norm)?;
+    }
+    if let Some((_, global)) = global {
+        if !dev.is_planning() {
+            let n = global(norm.item()?)?;
+            norm.fill_(n)?;
+        }
+    }
     if slots == 0 {
-        // Only empty gradients: the norm is 0 and nothing is scaled.
+        // Only empty gradients here: nothing to scale.
         return Ok(Some(norm));
     }
-    // acc is (slots,): every slot is written by exactly one workgroup.
-    let acc = Tensor::uninit(&dev, crate::Shape::new(&[slots])?, DType::F32)?;
-    let mut slot = 0;
-    for g in &grads {
-        grad_norm::sum_squares(g, &acc, slot)?;
-        slot += grad_norm::parts(g.numel());
-    }
-    grad_norm::norm(&acc, slots, &norm)?;
     for g in &grads {
         grad_norm::scale(g, &norm, max_norm)?;
     }

@@ -35,6 +35,7 @@ pub mod schedule;
 mod sgd;
 
 pub use adamw::AdamW;
+pub(crate) use clip::clip_grad_norm_sharded;
 pub use clip::{clip_grad_norm, clip_grad_norm_tensor};
 pub use groups::{decay_groups, ParamGroup};
 pub use quant8::Quantized;
@@ -114,6 +115,17 @@ pub trait Optimizer: Send {
     /// The same optimizer (parameters, hyperparameters, learning rate) without any state and
     /// at step 0: the planner runs a step with it, so the real state is left alone.
     fn fresh(&self) -> Box<dyn Optimizer>;
+    /// The same optimizer (hyperparameters, groups, learning rate) without state and at step
+    /// 0, over `parts`: `parts[j]` is a range of this one's parameter `of[j]` (ZeRO's update
+    /// of one rank's shard, which may start and end inside a tensor). Optimizers whose state
+    /// cannot be split refuse with [`Error::InvalidArgument`].
+    fn over_parts(&self, parts: Vec<Tensor>, of: &[usize]) -> Result<Box<dyn Optimizer>> {
+        let _ = (parts, of);
+        Err(Error::InvalidArgument {
+            op: "zero",
+            reason: format!("the {} optimizer's state cannot be sharded", self.name()),
+        })
+    }
 }
 
 /// What a checkpoint saves of an optimizer besides its hyperparameters.
