@@ -276,9 +276,14 @@ impl<M: Module + Send> DataParallel<M> {
         Ok(())
     }
 
-    /// Saves replica 0's model, optimizer and position (see [`Trainer::save_checkpoint`]).
-    pub fn save_checkpoint(&self, path: &std::path::Path, epochs_done: u64) -> Result<()> {
-        self.replicas[0].save_checkpoint(path, epochs_done)
+    /// Saves replica 0's model, the optimizer and the position (see [`Trainer::save_checkpoint`]).
+    /// Under ZeRO every replica joins in putting the optimizer state together, and the file
+    /// holds the whole state, as one device's trainer saves it.
+    pub fn save_checkpoint(&mut self, path: &std::path::Path, epochs_done: u64) -> Result<()> {
+        on_threads(&mut self.replicas, &self.group, |i, t| match i {
+            0 => t.save_checkpoint(path, epochs_done),
+            _ => t.optimizer.checkpoint_state().map(drop),
+        })
     }
 
     /// Restores every replica from a checkpoint of [`DataParallel::save_checkpoint`] (or of

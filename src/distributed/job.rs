@@ -5,6 +5,7 @@
 
 use super::allreduce::AllReduceStats;
 use super::comm::share_of;
+use super::zero::Zero;
 use crate::nn::Module;
 use crate::train::{BatchSource, TrainModel, Trainer};
 use crate::{Error, Result};
@@ -100,14 +101,15 @@ impl Job {
     pub fn attach<M: Module>(
         &self,
         trainer: &mut Trainer<M>,
+        zero: Zero,
     ) -> Result<Option<Arc<Mutex<AllReduceStats>>>> {
         match self {
             Job::Single => {
-                let _ = trainer;
+                let _ = (trainer, zero);
                 Ok(None)
             }
             #[cfg(feature = "mpi")]
-            Job::Mpi(m) => Ok(Some(super::attach(trainer, m.communicator()?)?)),
+            Job::Mpi(m) => Ok(Some(super::attach_zero(trainer, m.communicator()?, zero)?)),
         }
     }
 
@@ -126,7 +128,22 @@ impl Job {
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
-        let stats = self.attach(trainer)?;
+        self.join_zero(trainer, data, Zero::OFF)
+    }
+
+    /// [`Job::join`] at ZeRO stage `zero` ([`attach_zero`](super::attach_zero)); one process
+    /// ignores the stage (it holds every shard).
+    pub fn join_zero<M, D>(
+        &self,
+        trainer: &mut Trainer<M>,
+        data: &D,
+        zero: Zero,
+    ) -> Result<Option<Arc<Mutex<AllReduceStats>>>>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let stats = self.attach(trainer, zero)?;
         if stats.is_some() {
             if let Some(budget) = trainer.device().memory_stats().budget {
                 trainer.fit_to_budget(data, budget)?;
@@ -144,6 +161,22 @@ impl Job {
             let _ = std::io::stderr().write_all(line.as_bytes());
         }
         Ok(stats)
+    }
+
+    /// Saves a checkpoint of `trainer` on rank 0 ([`Trainer::save_checkpoint`]); the other
+    /// ranks join in putting a sharded optimizer state together (ZeRO), so the file holds the
+    /// whole state, loadable by one process or any number of ranks. Call it on every rank.
+    pub fn save_checkpoint<M: Module>(
+        &self,
+        trainer: &Trainer<M>,
+        path: &std::path::Path,
+        epochs_done: u64,
+    ) -> Result<()> {
+        if self.is_root() {
+            trainer.save_checkpoint(path, epochs_done)
+        } else {
+            trainer.optimizer.checkpoint_state().map(drop)
+        }
     }
 
     /// Adds the job to a run's JSON object `j`: `ranks`, and with `stats` (an MPI rank's)

@@ -89,6 +89,11 @@ pub trait Optimizer: Send {
     }
     /// Everything a checkpoint needs besides the hyperparameters.
     fn state(&self) -> OptimizerState;
+    /// The state a checkpoint stores: [`Optimizer::state`], or (a sharded optimizer) the whole
+    /// state put together from every replica's shard, which every replica then calls at once.
+    fn checkpoint_state(&self) -> Result<OptimizerState> {
+        Ok(self.state())
+    }
     /// Restores a state taken from an optimizer over parameters of the same shapes. The tensors
     /// are adopted, not copied: later steps update them in place.
     fn load_state(&mut self, state: OptimizerState) -> Result<()>;

@@ -23,6 +23,8 @@ pub struct ZeroOptimizer<C> {
     rank: usize,
     comm: Arc<Mutex<C>>,
     name: &'static str,
+    /// The state tensors per parameter of the original optimizer ("exp_avg", ...).
+    state_names: Vec<&'static str>,
     hyperparameters: Vec<(String, String)>,
     lr: f32,
     steps: u64,
@@ -46,6 +48,11 @@ impl<C: Communicator> ZeroOptimizer<C> {
             rank,
             comm,
             name: original.name(),
+            state_names: match (original.name(), original.has_momentum()) {
+                ("sgd", true) => vec!["momentum_buffer"],
+                ("sgd", false) => vec![],
+                _ => vec!["exp_avg", "exp_avg_sq"],
+            },
             hyperparameters: original.hyperparameters(),
             lr: original.lr(),
             steps: 0,
@@ -88,6 +95,105 @@ impl<C: Communicator> ZeroOptimizer<C> {
             }
         }
         Ok(())
+    }
+}
+
+impl<C: Communicator> ZeroOptimizer<C> {
+    /// The whole state, as one optimizer over all the parameters holds it: every replica's
+    /// shard of each state tensor all-gathered (every replica calls it at once).
+    fn consolidated(&self) -> Result<OptimizerState> {
+        let l = &self.layout;
+        let pieces = l.pieces(self.rank);
+        let shard_state = self
+            .inner
+            .as_ref()
+            .map_or_else(OptimizerState::default, |o| o.state());
+        let mut steps = vec![0u64; self.params.len()];
+        for (pc, &s) in pieces.iter().zip(&shard_state.param_steps) {
+            steps[pc.param] = s;
+        }
+        let mut comm = crate::device::lock(&self.comm);
+        let all = comm.all_gather(&steps)?;
+        let n = self.params.len();
+        let param_steps: Vec<u64> = (0..n)
+            .map(|i| (0..comm.size()).map(|r| all[r * n + i]).max().unwrap_or(0))
+            .collect();
+        let mut tensors = Vec::new();
+        for name in &self.state_names {
+            let mut shard = vec![0f32; l.shard_len()];
+            for (j, pc) in pieces.iter().enumerate() {
+                let key = format!("{j}.{name}");
+                if let Some((_, t)) = shard_state.tensors.iter().find(|(k, _)| *k == key) {
+                    let v = t.to_vec_f32()?;
+                    shard[pc.at..pc.at + v.len()].copy_from_slice(&v);
+                }
+            }
+            let mut flat = vec![0f32; l.padded_len()];
+            comm.all_gather_f32(&shard, &mut flat)?;
+            for (i, p) in self.params.iter().enumerate() {
+                if param_steps[i] > 0 {
+                    let o = l.offsets()[i];
+                    let t = Tensor::from_slice(p.device(), &flat[o..o + p.numel()], p.dims())?;
+                    tensors.push((format!("{i}.{name}"), t));
+                }
+            }
+        }
+        Ok(OptimizerState {
+            step_count: self.steps,
+            param_steps,
+            tensors,
+            ..OptimizerState::default()
+        })
+    }
+
+    /// This replica's pieces of a whole state (a consolidated checkpoint's, from any number of
+    /// replicas), named as the shard optimizer names them.
+    fn shard_of(&self, state: OptimizerState) -> Result<OptimizerState> {
+        let invalid = |reason: String| Error::InvalidArgument {
+            op: "ZeroOptimizer::load_state",
+            reason,
+        };
+        if !state.codes.is_empty() || !state.host.is_empty() {
+            return Err(invalid("8-bit or host state does not shard".into()));
+        }
+        if state.param_steps.len() != self.params.len() {
+            return Err(invalid(format!(
+                "the state has steps for {} parameters, the model has {}",
+                state.param_steps.len(),
+                self.params.len()
+            )));
+        }
+        let pieces = self.layout.pieces(self.rank);
+        let mut tensors = Vec::new();
+        for (key, t) in &state.tensors {
+            let Some((i, name)) = key
+                .split_once('.')
+                .and_then(|(i, n)| Some((i.parse::<usize>().ok()?, n)))
+                .filter(|(i, _)| *i < self.params.len())
+            else {
+                return Err(invalid(format!("unknown state tensor '{key}'")));
+            };
+            if t.numel() != self.params[i].numel() {
+                return Err(Error::Shape {
+                    op: "ZeroOptimizer::load_state",
+                    lhs: self.params[i].dims().to_vec(),
+                    rhs: t.dims().to_vec(),
+                    reason: format!("state tensor '{key}' does not fit its parameter"),
+                });
+            }
+            let values = t.to_vec_f32()?;
+            for (j, pc) in pieces.iter().enumerate().filter(|(_, pc)| pc.param == i) {
+                let v = &values[pc.within.clone()];
+                let piece = Tensor::from_slice(t.device(), v, &[v.len()])?;
+                tensors.push((format!("{j}.{name}"), piece));
+            }
+        }
+        Ok(OptimizerState {
+            step_count: state.step_count,
+            param_steps: pieces.iter().map(|pc| state.param_steps[pc.param]).collect(),
+            tensors,
+            ..OptimizerState::default()
+        })
     }
 }
 
@@ -155,7 +261,14 @@ impl<C: Communicator + 'static> Optimizer for ZeroOptimizer<C> {
         s
     }
 
+    fn checkpoint_state(&self) -> Result<OptimizerState> {
+        self.consolidated()
+    }
+
+    /// Takes a whole state ([`Optimizer::checkpoint_state`]'s, from any number of replicas or
+    /// one process) and keeps this replica's pieces of it.
     fn load_state(&mut self, state: OptimizerState) -> Result<()> {
+        let state = self.shard_of(state)?;
         let steps = state.step_count;
         match self.inner.as_mut() {
             Some(o) => o.load_state(state)?,
@@ -180,6 +293,7 @@ impl<C: Communicator + 'static> Optimizer for ZeroOptimizer<C> {
             rank: self.rank,
             comm: self.comm.clone(),
             name: self.name,
+            state_names: self.state_names.clone(),
             hyperparameters: self.hyperparameters.clone(),
             lr: self.lr,
             steps: 0,
