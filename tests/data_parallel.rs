@@ -25,7 +25,8 @@ device_tests!(
     a_different_model_is_refused,
     a_failing_replica_stops_the_others,
     zero_stages_match_stage_0_and_one_device,
-    zero_with_clipping_and_mixed_precision_matches_one_device
+    zero_with_clipping_and_mixed_precision_matches_one_device,
+    a_zero_checkpoint_resumes_on_other_replica_counts
 );
 
 const SEED: u64 = 3;
@@ -327,9 +328,21 @@ fn flat_collectives_match_plain_loops() {
         });
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         for (r, (mine, all, reduced)) in results.iter().enumerate() {
-            assert_eq!(bits(mine), bits(&sum[r * shard..(r + 1) * shard]), "size {size} rank {r}");
-            assert_eq!(bits(all), bits(&sum), "size {size} rank {r}: the all-gather");
-            assert_eq!(bits(reduced), bits(&sum), "size {size} rank {r}: the all-reduce");
+            assert_eq!(
+                bits(mine),
+                bits(&sum[r * shard..(r + 1) * shard]),
+                "size {size} rank {r}"
+            );
+            assert_eq!(
+                bits(all),
+                bits(&sum),
+                "size {size} rank {r}: the all-gather"
+            );
+            assert_eq!(
+                bits(reduced),
+                bits(&sum),
+                "size {size} rank {r}: the all-reduce"
+            );
         }
     }
 }
@@ -351,7 +364,10 @@ fn shard_layout_covers_every_element_once() {
             let mut seen: Vec<Vec<u32>> = numels.iter().map(|&n| vec![0; n]).collect();
             for r in 0..ranks {
                 for pc in l.pieces(r) {
-                    assert!(pc.within.start % GRANULE == 0, "{numels:?} / {ranks}: {pc:?}");
+                    assert!(
+                        pc.within.start % GRANULE == 0,
+                        "{numels:?} / {ranks}: {pc:?}"
+                    );
                     assert!(pc.at + pc.within.len() <= l.shard_len());
                     assert_eq!(
                         l.offsets()[pc.param] + pc.within.start,
@@ -363,7 +379,10 @@ fn shard_layout_covers_every_element_once() {
                     }
                 }
             }
-            assert!(seen.iter().flatten().all(|&c| c == 1), "{numels:?} over {ranks}");
+            assert!(
+                seen.iter().flatten().all(|&c| c == 1),
+                "{numels:?} over {ranks}"
+            );
             let end = l.offsets().last().unwrap() + numels.last().unwrap();
             assert!(end <= l.padded_len());
         }
@@ -377,8 +396,8 @@ fn shard_layout_covers_every_element_once() {
 /// Steps of three replicas at `zero`, returning the trained replicas.
 fn zero_run(dev: &Device, zero: Zero, config: &TrainerConfig) -> DataParallel<Mlp> {
     let devices = [twin(dev, None), twin(dev, None), twin(dev, None)];
-    let mut dp = DataParallel::with_zero(&devices, zero, |d| trainer(d, &WIDTHS, config.clone()))
-        .unwrap();
+    let mut dp =
+        DataParallel::with_zero(&devices, zero, |d| trainer(d, &WIDTHS, config.clone())).unwrap();
     for (i, idx) in batches().iter().enumerate() {
         dp.step(digits(), idx).unwrap();
         dp.check_identical()
@@ -408,18 +427,32 @@ fn zero_stages_match_stage_0_and_one_device(dev: &Device) {
         let mut dp = zero_run(dev, zero, &config);
         let got = param_values(dp.model());
         let bits = |v: &[Vec<f32>]| v.concat().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&got), bits(&base), "{zero:?}: weights differ from stage 0's");
+        assert_eq!(
+            bits(&got),
+            bits(&base),
+            "{zero:?}: weights differ from stage 0's"
+        );
         let worst = worst_rel_diff(&got, &want);
         assert!(worst < 1e-5, "{zero:?} on {}: {worst:e}", label(dev));
         let (a, b) = (dp.take_loss().unwrap(), dp0.take_loss().unwrap());
-        assert_eq!(a.to_bits(), b.to_bits(), "{zero:?}: mean loss {a} against {b}");
+        assert_eq!(
+            a.to_bits(),
+            b.to_bits(),
+            "{zero:?}: mean loss {a} against {b}"
+        );
         for (r, t) in dp.replicas().iter().enumerate() {
             let st = t.optimizer.state_bytes();
-            assert!(3 * st <= state0 + 3 * 2 * 256 * 4, "{zero:?} replica {r}: {st} of {state0}");
+            assert!(
+                3 * st <= state0 + 3 * 2 * 256 * 4,
+                "{zero:?} replica {r}: {st} of {state0}"
+            );
         }
         let plans = dp.plan(digits()).unwrap();
         for (r, p) in plans.iter().enumerate() {
-            assert!(3 * p.optimizer_state <= state0 + 3 * 2 * 256 * 4, "replica {r}: {p}");
+            assert!(
+                3 * p.optimizer_state <= state0 + 3 * 2 * 256 * 4,
+                "replica {r}: {p}"
+            );
         }
         dp0.take_loss().ok();
         dp0 = zero_run(dev, Zero::OFF, &config);
@@ -440,7 +473,11 @@ fn zero_with_clipping_and_mixed_precision_matches_one_device(dev: &Device) {
         let dp = zero_run(dev, zero, &config);
         let got = param_values(dp.model());
         let worst = worst_rel_diff(&got, &param_values(base.model()));
-        assert!(worst < 1e-5, "mixed {mixed} on {}: {worst:e} from stage 0", label(dev));
+        assert!(
+            worst < 1e-5,
+            "mixed {mixed} on {}: {worst:e} from stage 0",
+            label(dev)
+        );
         if !mixed {
             let mut single = trainer(dev, &WIDTHS, config.clone()).unwrap();
             for idx in batches() {
@@ -450,4 +487,72 @@ fn zero_with_clipping_and_mixed_precision_matches_one_device(dev: &Device) {
             assert!(worst < 1e-5, "{}: {worst:e} from one device", label(dev));
         }
     }
+}
+
+/// A ZeRO-2 checkpoint of three replicas holds the whole optimizer state (every tensor of one
+/// device's within 1e-5), and resumes on one device and on two ZeRO-1 replicas to the weights
+/// of an uninterrupted run; a state of another model is refused.
+fn a_zero_checkpoint_resumes_on_other_replica_counts(dev: &Device) {
+    let config = TrainerConfig::new(13, 1, 1e-2);
+    let b = batches();
+    let mut single = trainer(dev, &WIDTHS, config.clone()).unwrap();
+    for idx in &b[..2] {
+        single.step(digits(), idx).unwrap();
+    }
+    let tag: String = label(dev)
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .collect();
+    let dir = std::env::temp_dir().join(format!("fitgrad-zero-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (path, one) = (dir.join("zero.safetensors"), dir.join("one.safetensors"));
+    single.save_checkpoint(&one, 0).unwrap();
+    let devices = [twin(dev, None), twin(dev, None), twin(dev, None)];
+    let zero2 = Zero::stage(2).unwrap().bucket_elements(200).unwrap();
+    let mut dp =
+        DataParallel::with_zero(&devices, zero2, |d| trainer(d, &WIDTHS, config.clone())).unwrap();
+    for idx in &b[..2] {
+        dp.step(digits(), idx).unwrap();
+    }
+    dp.save_checkpoint(&path, 0).unwrap();
+    let (a, want) = (
+        fitgrad::checkpoint::load(&path).unwrap(),
+        fitgrad::checkpoint::load(&one).unwrap(),
+    );
+    let names = |c: &fitgrad::checkpoint::Checkpoint| c.tensors.keys().cloned().collect::<Vec<_>>();
+    assert_eq!(names(&a), names(&want));
+    for (k, t) in &want.tensors {
+        let worst = worst_rel_diff(&[a.tensors[k].to_f32()], &[t.to_f32()]);
+        assert!(worst < 1e-5, "{k}: {worst:e}");
+    }
+    for idx in &b[2..] {
+        single.step(digits(), idx).unwrap();
+    }
+    let want = param_values(&single.model);
+    let mut resumed = trainer(dev, &WIDTHS, config.clone()).unwrap();
+    resumed.resume_from(&path).unwrap();
+    let two = [twin(dev, None), twin(dev, None)];
+    let mut dp2 = DataParallel::with_zero(&two, Zero::stage(1).unwrap(), |d| {
+        trainer(d, &WIDTHS, config.clone())
+    })
+    .unwrap();
+    dp2.resume_from(&path).unwrap();
+    for idx in &b[2..] {
+        resumed.step(digits(), idx).unwrap();
+        dp2.step(digits(), idx).unwrap();
+    }
+    dp2.check_identical().unwrap();
+    for (what, got) in [
+        ("one device", param_values(&resumed.model)),
+        ("two replicas", param_values(dp2.model())),
+    ] {
+        let worst = worst_rel_diff(&got, &want);
+        assert!(worst < 1e-5, "{what} resumed on {}: {worst:e}", label(dev));
+    }
+    let mut other = DataParallel::with_zero(&two, Zero::stage(1).unwrap(), |d| {
+        trainer(d, &[64, 8, 10], config.clone())
+    })
+    .unwrap();
+    assert!(other.resume_from(&path).is_err());
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -9,8 +9,8 @@
 //! to float rounding (the sum of a batch's gradients is added in another order).
 
 use super::allreduce::{parameter_values, AllReduceStats};
-use super::zero::{attach_zero, Zero};
 use super::comm::{LocalGroup, LOCAL_TIMEOUT};
+use super::zero::{attach_zero, Zero};
 use crate::nn::Module;
 use crate::train::{BatchSource, Evaluation, Plan, TrainModel, Trainer};
 use crate::{Device, Error, Result};

@@ -14,9 +14,9 @@ mod allreduce;
 mod comm;
 mod data_parallel;
 mod job;
-pub mod zero;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod zero;
 
 pub use allreduce::{attach, AllReduceStats, GradientAllReduce};
 pub use comm::{share_of, Communicator, LocalComm, LocalGroup, LOCAL_TIMEOUT};

@@ -274,7 +274,11 @@ impl<C: Communicator> GradientSync for ZeroSync<C> {
         for (piece, view) in self.pieces.iter().zip(&self.views) {
             let len = piece.within.len();
             let g = if planning {
-                Some(Tensor::zeros(&self.device, &[len], params[piece.param].dtype())?)
+                Some(Tensor::zeros(
+                    &self.device,
+                    &[len],
+                    params[piece.param].dtype(),
+                )?)
             } else {
                 let (_, shard, _, flags) = self.last.as_ref().expect("exchanged");
                 match flags[piece.param] {

@@ -3,8 +3,8 @@
 //! and end inside a tensor), updates the shard in place, then all-gathers the parameters so
 //! every replica holds all of them, bit for bit the same.
 
-use crate::distributed::allreduce::{gather, write_into};
 use super::{Piece, ShardLayout};
+use crate::distributed::allreduce::{gather, write_into};
 use crate::distributed::Communicator;
 use crate::memory::Category;
 use crate::optim::{Optimizer, OptimizerState};
@@ -190,7 +190,10 @@ impl<C: Communicator> ZeroOptimizer<C> {
         }
         Ok(OptimizerState {
             step_count: state.step_count,
-            param_steps: pieces.iter().map(|pc| state.param_steps[pc.param]).collect(),
+            param_steps: pieces
+                .iter()
+                .map(|pc| state.param_steps[pc.param])
+                .collect(),
             tensors,
             ..OptimizerState::default()
         })
