@@ -1,6 +1,6 @@
 //! `cargo run --release --example finetune -- --model DIR --eval-text FILE` — evaluate and
-//! fine-tune a GPT-2 saved as a Hugging Face folder (config.json, model.safetensors or a sharded
-//! index, tokenizer.json).
+//! fine-tune a GPT-2 or a Llama saved as a Hugging Face folder (config.json, model.safetensors
+//! or a sharded index, tokenizer.json).
 //!
 //! `--eval-text` tokenizes the whole file with no special tokens, cuts it into consecutive
 //! windows of `--context`+1 tokens, one starting every `--context` tokens (the last may be
@@ -16,13 +16,15 @@
 //! tests/hf.rs includes this file as a module and calls [`prepare`] and [`run`].
 
 use clap::Parser;
-use fitgrad::hf::{save_gpt2, PretrainedGpt, Tokenizer, TOKENIZER_FILE};
-use fitgrad::nn::{Gpt, Module, Sampling};
+use fitgrad::hf::TOKENIZER_FILE;
+use fitgrad::hf::{save_gpt2, save_llama, PretrainedGpt, PretrainedLlama, Tokenizer};
+use fitgrad::nn::{LanguageModel, Sampling};
 use fitgrad::optim::{decay_groups, AdamW};
-use fitgrad::train::text::TextDataset;
-use fitgrad::train::{window_loss, BatchSource, Precision, Trainer, TrainerConfig, WindowLoss};
+use fitgrad::train::text::{TextDataset, TokenBatch};
+use fitgrad::train::WindowLoss;
+use fitgrad::train::{window_loss, BatchSource, Precision, TrainModel, Trainer, TrainerConfig};
 use fitgrad::{Bytes, Device, DeviceOptions, Error, Result};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 /// Windows per forward when evaluating.
@@ -30,16 +32,19 @@ const EVAL_BATCH: usize = 8;
 
 /// The flags.
 #[derive(Parser, Debug, Clone)]
-#[command(about = "Evaluate, fine-tune and sample a Hugging Face GPT-2 folder with fitgrad")]
+#[command(
+    about = "Evaluate, fine-tune and sample a Hugging Face GPT-2 or Llama folder with fitgrad"
+)]
 pub struct Args {
-    /// A Hugging Face GPT-2 folder: config.json, model.safetensors (or
+    /// A Hugging Face GPT-2 or Llama folder: config.json, model.safetensors (or
     /// model.safetensors.index.json and its shards), tokenizer.json.
     #[arg(long)]
     pub model: PathBuf,
     /// A UTF-8 text whose loss is reported as eval_loss (nats per token).
     #[arg(long)]
     pub eval_text: Option<PathBuf>,
-    /// Tokens a prediction sees, at most the model's n_positions (default: n_positions).
+    /// Tokens a prediction sees, at most the model's positions (GPT-2's n_positions, Llama's
+    /// max_position_embeddings; the default).
     #[arg(long)]
     pub context: Option<usize>,
     /// A UTF-8 text to fine-tune on (windows of --context + 1 tokens, every token a start).
@@ -114,9 +119,84 @@ pub struct Report {
     pub generated: Option<String>,
 }
 
+/// A model folder read and checked on the host.
+pub enum Folder {
+    /// `GPT2LMHeadModel`.
+    Gpt2(PretrainedGpt),
+    /// `LlamaForCausalLM`.
+    Llama(PretrainedLlama),
+}
+
+impl Folder {
+    /// Reads `dir` with the loader its `config.json`'s model_type names.
+    fn open(dir: &Path, dtype: fitgrad::DType) -> Result<Folder> {
+        match fitgrad::hf::model_type(dir)?.as_str() {
+            "llama" => Ok(Folder::Llama(PretrainedLlama::open(dir, dtype)?)),
+            // GPT-2's loader names any other model_type in its refusal.
+            _ => Ok(Folder::Gpt2(PretrainedGpt::open(dir, dtype)?)),
+        }
+    }
+
+    fn dir(&self) -> &Path {
+        match self {
+            Folder::Gpt2(f) => &f.dir,
+            Folder::Llama(f) => &f.dir,
+        }
+    }
+
+    fn tokenizer(&self) -> Result<Tokenizer> {
+        match self {
+            Folder::Gpt2(f) => f.tokenizer(),
+            Folder::Llama(f) => f.tokenizer(),
+        }
+    }
+
+    /// The most positions, and the config field that says so.
+    fn positions(&self) -> (usize, &'static str) {
+        match self {
+            Folder::Gpt2(f) => (f.config.context, "n_positions"),
+            Folder::Llama(f) => (f.config.context, "max_position_embeddings"),
+        }
+    }
+
+    fn vocab_size(&self) -> usize {
+        match self {
+            Folder::Gpt2(f) => f.config.vocab_size,
+            Folder::Llama(f) => f.config.vocab_size,
+        }
+    }
+
+    /// One line on the architecture.
+    fn describe(&self) -> String {
+        match self {
+            Folder::Gpt2(f) => {
+                let c = &f.config;
+                format!(
+                    "GPT-2, {} layers, dim {}, {} heads, {} positions, vocabulary {}",
+                    c.layers, c.dim, c.heads, c.context, c.vocab_size
+                )
+            }
+            Folder::Llama(f) => {
+                let c = &f.config;
+                format!(
+                    "Llama, {} layers, dim {}, {} heads over {} kv heads, {} positions, \
+                     vocabulary {}{}",
+                    c.layers,
+                    c.dim,
+                    c.heads,
+                    c.kv_heads,
+                    c.context,
+                    c.vocab_size,
+                    if c.tie_embeddings { ", tied head" } else { "" }
+                )
+            }
+        }
+    }
+}
+
 /// Everything the flags ask for, read and checked on the host.
 pub struct Setup {
-    folder: PretrainedGpt,
+    folder: Folder,
     tokenizer: Tokenizer,
     context: usize,
     eval: Option<Vec<u32>>,
@@ -194,22 +274,27 @@ pub fn prepare(args: &Args) -> Result<Setup> {
             "--steps and --plan fine-tune on a text: add --text FILE".into(),
         ));
     }
-    let folder = PretrainedGpt::open(&args.model, precision.param_dtype())?;
+    let folder = Folder::open(&args.model, precision.param_dtype())?;
+    if args.checkpoint_activations && matches!(folder, Folder::Llama(_)) {
+        return Err(invalid(
+            "--checkpoint-activations: a Llama's blocks are not checkpointed (yet)".into(),
+        ));
+    }
     let tokenizer = folder.tokenizer()?;
-    let n_positions = folder.config.context;
+    let (n_positions, field) = folder.positions();
     let context = args.context.unwrap_or(n_positions);
     if context == 0 || context > n_positions {
         return Err(invalid(format!(
-            "--context {context}: between 1 and the model's n_positions = {n_positions}"
+            "--context {context}: between 1 and the model's {field} = {n_positions}"
         )));
     }
-    if tokenizer.vocab_size() > folder.config.vocab_size {
+    if tokenizer.vocab_size() > folder.vocab_size() {
         return Err(Error::Data {
             path: args.model.join(TOKENIZER_FILE).display().to_string(),
             reason: format!(
                 "the tokenizer's {} tokens pass the model's vocab_size of {}",
                 tokenizer.vocab_size(),
-                folder.config.vocab_size
+                folder.vocab_size()
             ),
         });
     }
@@ -269,38 +354,54 @@ pub fn open_device(args: &Args, setup: &Setup) -> Result<Device> {
     Device::with_options(o)
 }
 
-fn evaluate(gpt: &Gpt, setup: &Setup) -> Result<Option<WindowLoss>> {
+fn evaluate<M: LanguageModel>(model: &M, setup: &Setup) -> Result<Option<WindowLoss>> {
     let Some(ids) = &setup.eval else {
         return Ok(None);
     };
-    gpt.set_training(false);
-    let loss = window_loss(gpt, ids, setup.context, EVAL_BATCH, gpt.gpt_config().dtype)?;
-    gpt.set_training(true);
+    model.set_training(false);
+    let loss = window_loss(model, ids, setup.context, EVAL_BATCH, model.dtype())?;
+    model.set_training(true);
     Ok(Some(loss))
 }
 
 /// Evaluates, fine-tunes, evaluates again, samples and saves, on `device`.
 pub fn run(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
-    let cfg = &setup.folder.config;
     println!("adapter: {}", device.info().adapter);
     println!(
-        "model: {} (GPT-2, {} layers, dim {}, {} heads, {} positions, vocabulary {}), context {}",
+        "model: {} ({}), context {}",
         args.model.display(),
-        cfg.layers,
-        cfg.dim,
-        cfg.heads,
-        cfg.context,
-        cfg.vocab_size,
+        setup.folder.describe(),
         setup.context
     );
+    match &setup.folder {
+        Folder::Gpt2(f) => run_model(args, &setup, device, &|| f.build(device), &save_gpt2),
+        Folder::Llama(f) => run_model(args, &setup, device, &|| f.build(device), &save_llama),
+    }
+}
+
+/// Writes a model back as a folder, with a copy of the tokenizer.
+type SaveFn<M> = dyn Fn(&M, &Path, Option<&Path>) -> Result<()>;
+
+/// [`run`] for the model `build` makes (again when budget fitting rebuilds it); `save` writes
+/// it back as a folder.
+fn run_model<M>(
+    args: &Args,
+    setup: &Setup,
+    device: &Device,
+    build_model: &dyn Fn() -> Result<M>,
+    save: &SaveFn<M>,
+) -> Result<Report>
+where
+    M: LanguageModel + TrainModel<TokenBatch>,
+{
     let mut report = Report::default();
-    let mut gpt = setup.folder.build(device)?;
+    let mut gpt = build_model()?;
     let mut plan_json = None;
     if let Some(train) = &setup.train {
         let mut config = TrainerConfig::new(args.batch_size, args.accum_steps, args.lr);
         config.precision = setup.precision;
         config.clip_grad_norm = Some(1.0);
-        gpt.set_checkpoint_blocks(args.checkpoint_activations);
+        gpt.set_checkpointing(args.checkpoint_activations);
         // The first build hands over the model already loaded; a rebuild (budget fitting)
         // loads the weights again.
         let first = std::cell::RefCell::new(Some(gpt));
@@ -308,8 +409,8 @@ pub fn run(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
             let model = match first.borrow_mut().take() {
                 Some(m) => m,
                 None => {
-                    let m = setup.folder.build(device)?;
-                    m.set_checkpoint_blocks(args.checkpoint_activations);
+                    let mut m = build_model()?;
+                    m.set_checkpointing(args.checkpoint_activations);
                     m
                 }
             };
@@ -333,7 +434,7 @@ pub fn run(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
             return Ok(report);
         }
         plan_json = Some(plan.peak);
-        report.eval_before = evaluate(&trainer.model, &setup)?;
+        report.eval_before = evaluate(&trainer.model, setup)?;
         if let Some(e) = &report.eval_before {
             println!("eval loss before fine-tuning: {:.6} nats/token", e.loss);
         }
@@ -362,7 +463,7 @@ pub fn run(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
         report.train_loss = losses.last().copied();
         gpt = trainer.model;
     }
-    report.eval = evaluate(&gpt, &setup)?;
+    report.eval = evaluate(&gpt, setup)?;
     if let Some(e) = &report.eval {
         println!(
             "eval loss: {:.6} nats/token over {} tokens in {} windows",
@@ -379,7 +480,7 @@ pub fn run(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
         report.generated = Some(text);
     }
     if let Some(dir) = &args.save {
-        save_gpt2(&gpt, dir, Some(&setup.folder.dir.join(TOKENIZER_FILE)))?;
+        save(&gpt, dir, Some(&setup.folder.dir().join(TOKENIZER_FILE)))?;
         println!("saved {}", dir.display());
     }
     if args.json {

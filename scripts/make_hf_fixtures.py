@@ -2,6 +2,7 @@
 """Makes the Hugging Face fixtures of tests/hf.rs and checks fitgrad's exported folders.
 
     python scripts/make_hf_fixtures.py [--out tests/fixtures/hf]
+    python scripts/make_hf_fixtures.py llama [OUT]
     python scripts/make_hf_fixtures.py check-export DIR --eval-text FILE --context N --expect LOSS
 
 The first form trains a small byte-level BPE tokenizer on the start of the embedded plays,
@@ -10,7 +11,8 @@ folder (config.json, model.safetensors or a sharded index, tokenizer.json) in th
 dtypes the loader must read, and writes what transformers and tokenizers compute on them:
 per-position logits of a short sequence (expected.safetensors), the eval loss of eval.txt in
 the windows of `finetune --eval-text` at two contexts, and the tokenizer's ids and decoded
-text of tricky strings (expected.json). The second loads a folder fitgrad exported in
+text of tricky strings (expected.json); then tiny random Llama models with the same tokenizer and
+text (expected_llama.json and .safetensors; the `llama` form makes only these). The last loads a folder fitgrad exported in
 transformers and checks that its eval loss on a text is LOSS within 1e-4.
 
 Needs torch, transformers, tokenizers, safetensors and numpy (a venv outside the repo). CI never
@@ -28,7 +30,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 320
@@ -165,7 +167,7 @@ def window_loss(model, ids, context):
 
 
 def load_hf(folder):
-    return GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def make(out):
@@ -251,8 +253,84 @@ def make(out):
     with open(os.path.join(out, "expected.json"), "w", encoding="utf-8") as f:
         json.dump(expected, f, indent=1, ensure_ascii=False)
         f.write("\n")
+    make_llama(out)
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
     print(f"wrote {out}: {size} bytes")
+
+
+def llama(seed, heads, kv_heads, tied, bias, eps, theta):
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=44,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=32,
+        rms_norm_eps=eps,
+        rope_theta=theta,
+        tie_word_embeddings=tied,
+        attention_bias=bias,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            else:
+                p.copy_(0.3 * noise)
+    return model
+
+
+def make_llama(out):
+    """The Llama fixtures, with the tokenizer and eval text of the GPT-2 ones (made first):
+    per-position logits (expected_llama.safetensors) and eval losses (expected_llama.json)."""
+    tok = Tokenizer.from_file(os.path.join(out, "gpt2-tiny", "tokenizer.json"))
+    with open(os.path.join(out, "eval.txt"), encoding="utf-8", newline="") as f:
+        eval_ids = tok.encode(f.read(), add_special_tokens=False).ids
+    logits_ids = eval_ids[:LOGITS_T]
+    # name: (seed, heads, kv heads, tied, attention_bias, rms_norm_eps, rope_theta, dtype)
+    specs = {
+        # grouped-query attention (4 query heads over 2 kv heads), untied head, f32 as
+        # save_pretrained writes it.
+        "llama-tiny-gqa": (11, 4, 2, False, False, 1e-5, 500.0, torch.float32),
+        # one kv head per query head, the head tied to the embedding, attention biases, bf16.
+        "llama-tiny-tied": (12, 4, 4, True, True, 1e-3, 10000.0, torch.bfloat16),
+    }
+    expected = {"logits_ids": logits_ids, "contexts": list(CONTEXTS), "models": {}}
+    logits = {}
+    for name, (seed, heads, kv, tied, bias, eps, theta, dtype) in specs.items():
+        folder = os.path.join(out, name)
+        os.makedirs(folder, exist_ok=True)
+        for f in os.listdir(folder):
+            os.remove(os.path.join(folder, f))
+        model = llama(seed, heads, kv, tied, bias, eps, theta)
+        if dtype == torch.float32:
+            model.save_pretrained(folder)
+        else:
+            model.config.save_pretrained(folder)
+            tensors = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()
+                       if not (tied and k == "lm_head.weight")}
+            save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+        tok.save(os.path.join(folder, "tokenizer.json"))
+        loaded = load_hf(folder)
+        with torch.no_grad():
+            logits[name] = loaded(input_ids=torch.tensor([logits_ids])).logits[0].float().contiguous()
+        losses = {}
+        for c in CONTEXTS:
+            loss, count = window_loss(loaded, eval_ids, c)
+            losses[str(c)] = {"eval_loss": loss, "tokens": count}
+        expected["models"][name] = {"dtype": str(dtype).removeprefix("torch."), "eval": losses}
+        print(f"{name}: eval_loss {losses}")
+    save_file(logits, os.path.join(out, "expected_llama.safetensors"))
+    with open(os.path.join(out, "expected_llama.json"), "w", encoding="utf-8") as f:
+        json.dump(expected, f, indent=1)
+        f.write("\n")
 
 
 def check_export(folder, eval_text, context, expect):
@@ -276,6 +354,9 @@ def main():
         p.add_argument("--expect", type=float, required=True)
         a = p.parse_args()
         sys.exit(0 if check_export(a.folder, a.eval_text, a.context, a.expect) else 1)
+    if len(sys.argv) > 1 and sys.argv[1] == "llama":
+        make_llama(sys.argv[2] if len(sys.argv) > 2 else os.path.join(ROOT, "tests", "fixtures", "hf"))
+        return
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=os.path.join(ROOT, "tests", "fixtures", "hf"))
     a = p.parse_args()

@@ -5,7 +5,8 @@
 //   P_ij = exp(scale * q_i . k_j - lse_i),  dV_j = sum_i P_ij dO_i,
 //   dS_ij = P_ij (dO_i . v_j - delta_i),   dK_j = scale * sum_i dS_ij q_i.
 // Rows, tiles and edges: include/attention_tiles.wgsl (here the rows are keys and the staged
-// tiles queries).
+// tiles queries). With grouped-query heads the workgroup's matrix m is a kv matrix and the sums
+// run over the G query heads m G .. m G + G - 1 that read it, in that order (no atomics).
 
 var<workgroup> qs: array<vec4<f32>, C * S>;  // the tile's queries
 var<workgroup> dys: array<vec4<f32>, C * S>; // and their output gradients
@@ -116,42 +117,46 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     if (p.causal != 0u) {
         i_start = tl.row0;
     }
-    let stats = tl.m * p.t; // where the matrix's lse and delta start
-    for (var i0 = i_start; i0 < p.t; i0 += C) {
-        workgroupBarrier();
-        for (var e = li; e < C * S; e += R) {
-            qs[e] = tile_q(tl.base, i0 + e / S, e % S);
-            dys[e] = tile_dy(tl.base, i0 + e / S, e % S);
-        }
-        workgroupBarrier();
-        let n = tile_rows(i0);
-        for (var c = 0u; c < n; c++) {
-            let i = i0 + c; // the same query in every invocation
-            let lse_i = ld_lse(stats + i);
-            let delta_i = ld_delta(stats + i);
-            var s: array<f32, RB>;
-            var dp: array<f32, RB>;
-            for (var qd = 0u; qd < S; qd++) {
-                let qq = qs[c * S + qd];
-                let gq = dys[c * S + qd];
-                for (var b = 0u; b < RB; b++) {
-                    s[b] += dot(kr[b][qd], qq);
-                    dp[b] += dot(vr[b][qd], gq);
+    for (var h = 0u; h < p.group; h++) {
+        let mq = tl.m * p.group + h; // the query matrix
+        let qb = mq * p.t * p.d;
+        let stats = mq * p.t; // where its lse and delta start
+        for (var i0 = i_start; i0 < p.t; i0 += C) {
+            workgroupBarrier();
+            for (var e = li; e < C * S; e += R) {
+                qs[e] = tile_q(qb, i0 + e / S, e % S);
+                dys[e] = tile_dy(qb, i0 + e / S, e % S);
+            }
+            workgroupBarrier();
+            let n = tile_rows(i0);
+            for (var c = 0u; c < n; c++) {
+                let i = i0 + c; // the same query in every invocation
+                let lse_i = ld_lse(stats + i);
+                let delta_i = ld_delta(stats + i);
+                var s: array<f32, RB>;
+                var dp: array<f32, RB>;
+                for (var qd = 0u; qd < S; qd++) {
+                    let qq = qs[c * S + qd];
+                    let gq = dys[c * S + qd];
+                    for (var b = 0u; b < RB; b++) {
+                        s[b] += dot(kr[b][qd], qq);
+                        dp[b] += dot(vr[b][qd], gq);
+                    }
                 }
-            }
-            var pij: array<f32, RB>;
-            var w: array<f32, RB>;
-            for (var b = 0u; b < RB; b++) {
-                let visible_b = visible(i, j0 + R * b);
-                pij[b] = select(0.0, exp(p.scale * s[b] - lse_i), visible_b);
-                w[b] = pij[b] * (dp[b] - delta_i) * p.scale;
-            }
-            for (var qd = 0u; qd < S; qd++) {
-                let qq = qs[c * S + qd];
-                let gq = dys[c * S + qd];
+                var pij: array<f32, RB>;
+                var w: array<f32, RB>;
                 for (var b = 0u; b < RB; b++) {
-                    dv_acc[b][qd] += pij[b] * gq;
-                    dk_acc[b][qd] += w[b] * qq;
+                    let visible_b = visible(i, j0 + R * b);
+                    pij[b] = select(0.0, exp(p.scale * s[b] - lse_i), visible_b);
+                    w[b] = pij[b] * (dp[b] - delta_i) * p.scale;
+                }
+                for (var qd = 0u; qd < S; qd++) {
+                    let qq = qs[c * S + qd];
+                    let gq = dys[c * S + qd];
+                    for (var b = 0u; b < RB; b++) {
+                        dv_acc[b][qd] += pij[b] * gq;
+                        dk_acc[b][qd] += w[b] * qq;
+                    }
                 }
             }
         }

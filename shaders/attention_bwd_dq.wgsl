@@ -98,8 +98,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     if (!tl.live) {
         return;
     }
-    // This invocation's queries: row0 + li + R b.
+    // This invocation's queries: row0 + li + R b; the keys and values of kv matrix m / G.
     let i0 = tl.row0 + li;
+    let kvb = (tl.m / p.group) * p.t * p.d;
     var qr: array<array<vec4<f32>, S>, RB>;
     var dyr: array<array<vec4<f32>, S>, RB>;
     var acc: array<array<vec4<f32>, S>, RB>; // the rows' dQ
@@ -125,8 +126,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     for (var j0 = 0u; j0 < kend; j0 += C) {
         workgroupBarrier();
         for (var e = li; e < C * S; e += R) {
-            ks[e] = tile_k(tl.base, j0 + e / S, e % S);
-            vs[e] = tile_v(tl.base, j0 + e / S, e % S);
+            ks[e] = tile_k(kvb, j0 + e / S, e % S);
+            vs[e] = tile_v(kvb, j0 + e / S, e % S);
         }
         workgroupBarrier();
         let n = min(tile_rows(j0), kend - j0);

@@ -29,8 +29,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     }
     let m = lin / p.tiles;
     let r0 = (lin % p.tiles) * BR;
-    let base = m * p.t * p.d;
-    let stats = m * p.t;
+    let kvb = m * p.t * p.d; // m is a kv matrix, read by query matrices m G .. m G + G - 1
     let d4 = (p.d + 3u) / 4u;
     //@ cols
     //@ zero: dk dv
@@ -39,19 +38,24 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     if (p.causal != 0u) {
         istart = r0;
     }
-    for (var c0 = istart; c0 < p.t; c0 += SG * TC) {
-        //@ kv_stats
-        //@ s_init: s dp
-        for (var qd = 0u; qd < d4; qd++) {
-            //@ s_quad: k q s
-            //@ s_quad: v dy dp
-        }
-        //@ kv_p
-        for (var t = 0u; t < TC; t++) {
-            let ct = c0 + SG * t;
-            //@ acc: dy p dv
-            //@ acc: q ds dk
-            //@ rotate: p ds
+    // Grouped-query heads: the group's query matrices in order (a fixed order, no atomics).
+    for (var h = 0u; h < p.group; h++) {
+        let base = (m * p.group + h) * p.t * p.d;
+        let stats = (m * p.group + h) * p.t;
+        for (var c0 = istart; c0 < p.t; c0 += SG * TC) {
+            //@ kv_stats
+            //@ s_init: s dp
+            for (var qd = 0u; qd < d4; qd++) {
+                //@ s_quad: k q s
+                //@ s_quad: v dy dp
+            }
+            //@ kv_p
+            for (var t = 0u; t < TC; t++) {
+                let ct = c0 + SG * t;
+                //@ acc: dy p dv
+                //@ acc: q ds dk
+                //@ rotate: p ds
+            }
         }
     }
     //@ store: dk dv

@@ -43,6 +43,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     let m = lin / p.tiles;
     let r0 = (lin % p.tiles) * BR;
     let base = m * p.t * p.d;
+    let kvb = (m / p.group) * p.t * p.d; // kv matrix m / G
     let d4 = (p.d + 3u) / 4u;
     let ninf = neg_inf();
     //@ cols

@@ -14,6 +14,8 @@
 //  11 minimum: out = min(a, b), NaN if either is NaN (torch.minimum)
 //  12 share:   out = 0 where a < b, 0.5 where a == b, else 1 (NaN included): the share of a
 //              maximum's gradient that goes to a, as torch splits it (minimum: a and b swapped)
+//  13 silu':   out = a * silu'(b)            (b = silu input)
+//  14 swiglu:  out = silu(a) * b             (a = gate, b = up: Llama's MLP product)
 //
 // The strided `offset` comes from include/broadcast.wgsl.
 
@@ -46,6 +48,8 @@ fn apply(x: f32, y: f32) -> f32 {
     if (OP == 10u) { return select(max(x, y), x + y, is_nan(x) || is_nan(y)); }
     if (OP == 11u) { return select(min(x, y), x + y, is_nan(x) || is_nan(y)); }
     if (OP == 12u) { return select(select(1.0, 0.5, x == y), 0.0, x < y); }
+    if (OP == 13u) { return x * silu_grad(y); }
+    if (OP == 14u) { return silu(x) * y; }
     switch p.op {
         case 0u: { return x + y; }
         case 1u: { return x - y; }

@@ -6,8 +6,9 @@
 // repeatable, no atomics. With one chunk part is the gradient itself. Parameters:
 // include/conv2d_params.wgsl.
 //
-// An invocation computes TM output channels of one group times TN consecutive kk; lanes span
-// kk, so the dy loads are the same address in every lane and only x is gathered per lane.
+// An invocation computes TM output channels of one group times 4 consecutive kk; lanes span
+// kk, so the dy loads are the same address in every lane and only x is gathered per lane. The
+// four kk are vector components and the rows named variables, kept in registers.
 
 const WG_X: u32 = 64u;
 const TM: u32 = 4u;
@@ -28,50 +29,45 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
     let m0 = (wg.y % p.m_blocks) * TM;
     let chunk = wg.z;
     // Per kk: its channel's offset in a sample's plane stack and its tap's displacement.
-    var xoff: array<u32, TN>;
-    var tapy: array<i32, TN>;
-    var tapx: array<i32, TN>;
-    for (var j = 0u; j < TN; j++) {
-        let kk = min(k0 + j, kdim - 1u);
-        let ci = kk / khw;
-        let tap = kk % khw;
-        xoff[j] = (g * p.cg + ci) * hw;
-        tapy[j] = i32((tap / p.kw) * p.dh) - i32(p.ph);
-        tapx[j] = i32((tap % p.kw) * p.dw) - i32(p.pw);
-    }
-    var grow: array<u32, TM>;
-    for (var i = 0u; i < TM; i++) {
-        grow[i] = (g * p.ocg + min(m0 + i, p.ocg - 1u)) * pq;
-    }
+    let kk = min(vec4<u32>(k0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(kdim - 1u));
+    let ci = kk / khw;
+    let tap = kk % khw;
+    let xoff = (g * p.cg + ci) * hw;
+    let tapy = vec4<i32>((tap / p.kw) * p.dh) - i32(p.ph);
+    let tapx = vec4<i32>((tap % p.kw) * p.dw) - i32(p.pw);
+    let last = p.ocg - 1u;
+    let g0 = (g * p.ocg + min(m0, last)) * pq;
+    let g1 = (g * p.ocg + min(m0 + 1u, last)) * pq;
+    let g2 = (g * p.ocg + min(m0 + 2u, last)) * pq;
+    let g3 = (g * p.ocg + min(m0 + 3u, last)) * pq;
     let total = p.n * pq;
     let start = chunk * p.chunk;
     let end = min(start + p.chunk, total);
-    var acc: array<array<f32, TN>, TM>;
+    var acc0 = vec4<f32>(0.0);
+    var acc1 = vec4<f32>(0.0);
+    var acc2 = vec4<f32>(0.0);
+    var acc3 = vec4<f32>(0.0);
+    let hi = vec4<i32>(i32(p.h));
+    let wi = vec4<i32>(i32(p.w));
+    let zero = vec4<i32>(0);
     // The position (n, oy, ox) of r, advanced by one each step.
     var n = start / pq;
     var oy = (start % pq) / p.ow;
     var ox = start % p.ow;
     for (var r = start; r < end; r++) {
         let gbase = n * p.oc * pq + oy * p.ow + ox;
-        var gv: array<f32, TM>;
-        for (var i = 0u; i < TM; i++) {
-            gv[i] = ld_dy(gbase + grow[i]);
-        }
         let xs = n * p.c * hw;
-        let iy0 = i32(oy * p.sh);
-        let ix0 = i32(ox * p.sw);
-        var xv: array<f32, TN>;
-        for (var j = 0u; j < TN; j++) {
-            let iy = iy0 + tapy[j];
-            let ix = ix0 + tapx[j];
-            let inside = iy >= 0 && iy < i32(p.h) && ix >= 0 && ix < i32(p.w);
-            let e = xs + xoff[j] + select(0u, u32(iy) * p.w + u32(ix), inside);
-            xv[j] = select(0.0, ld_x(e), inside);
-        }
-        for (var i = 0u; i < TM; i++) {
-            for (var j = 0u; j < TN; j++) {
-                acc[i][j] = fma(gv[i], xv[j], acc[i][j]);
-            }
+        let iy = vec4<i32>(i32(oy * p.sh)) + tapy;
+        let ix = vec4<i32>(i32(ox * p.sw)) + tapx;
+        let inside = (iy >= zero) & (iy < hi) & (ix >= zero) & (ix < wi);
+        let e = xs + xoff + select(vec4<u32>(0u), vec4<u32>(iy) * p.w + vec4<u32>(ix), inside);
+        let xv = select(vec4<f32>(0.0),
+                        vec4<f32>(ld_x(e.x), ld_x(e.y), ld_x(e.z), ld_x(e.w)), inside);
+        acc0 = fma(vec4<f32>(ld_dy(gbase + g0)), xv, acc0);
+        if (TM > 1u) {
+            acc1 = fma(vec4<f32>(ld_dy(gbase + g1)), xv, acc1);
+            acc2 = fma(vec4<f32>(ld_dy(gbase + g2)), xv, acc2);
+            acc3 = fma(vec4<f32>(ld_dy(gbase + g3)), xv, acc3);
         }
         ox += 1u;
         if (ox == p.ow) {
@@ -83,15 +79,29 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
             }
         }
     }
-    for (var i = 0u; i < TM; i++) {
-        if (m0 + i >= p.ocg) {
-            break;
-        }
-        let row = (chunk * p.oc + g * p.ocg + m0 + i) * kdim;
-        for (var j = 0u; j < TN; j++) {
-            if (k0 + j < kdim) {
-                st_part(row + k0 + j, acc[i][j]);
-            }
-        }
+    store_row(m0, g, chunk, k0, kdim, acc0);
+    if (TM > 1u) {
+        store_row(m0 + 1u, g, chunk, k0, kdim, acc1);
+        store_row(m0 + 2u, g, chunk, k0, kdim, acc2);
+        store_row(m0 + 3u, g, chunk, k0, kdim, acc3);
+    }
+}
+
+// Row m of the group's output channels at the four kk of this chunk's partial; rows past the
+// group and kk past the end are not stored.
+fn store_row(m: u32, g: u32, chunk: u32, k0: u32, kdim: u32, acc: vec4<f32>) {
+    if (m >= p.ocg) {
+        return;
+    }
+    let row = (chunk * p.oc + g * p.ocg + m) * kdim + k0;
+    st_part(row, acc.x);
+    if (k0 + 1u < kdim) {
+        st_part(row + 1u, acc.y);
+    }
+    if (k0 + 2u < kdim) {
+        st_part(row + 2u, acc.z);
+    }
+    if (k0 + 3u < kdim) {
+        st_part(row + 3u, acc.w);
     }
 }

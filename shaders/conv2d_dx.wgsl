@@ -4,13 +4,21 @@
 // whole and inside (n, oc, oh, ow) contribute. dy is gathered in place, nothing is
 // materialized. Parameters: include/conv2d_params.wgsl.
 //
-// As in conv2d_fwd.wgsl an invocation computes TM input channels of one group times TN
+// As in conv2d_fwd.wgsl an invocation computes TM input channels of one group times 4
 // consecutive positions of the flattened (n, h, w) axis, lanes spanning positions so the weight
-// loads are uniform; sums run ky, kx, o in order in f32 (bitwise repeatable), no barriers.
+// loads are uniform, the positions as vector components and the rows as named variables (kept
+// in registers); sums run ky, kx, o in order in f32 (bitwise repeatable), no barriers.
 
 const WG_X: u32 = 64u;
 const TM: u32 = 4u;
 const TN: u32 = 4u;
+
+// The flattened position q's sample and offset in its plane, clamped into range (positions
+// past the end compute the last one's values and are not stored).
+fn split_q(q: u32, total: u32, hw: u32) -> vec2<u32> {
+    let qc = min(q, total - 1u);
+    return vec2<u32>(qc / hw, qc % hw);
+}
 
 @compute @workgroup_size(WG_X)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>,
@@ -26,78 +34,98 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
     let m0 = (wg.y % p.m_blocks) * TM;
     // Per position: dy's first element of this group in the sample, and the input coordinate
     // shifted by the padding (iy + ph), from which each tap's output coordinate follows.
-    var dybase: array<u32, TN>;
-    var ty0: array<i32, TN>;
-    var tx0: array<i32, TN>;
-    var on: array<u32, TN>;
-    var oq: array<u32, TN>;
-    for (var j = 0u; j < TN; j++) {
-        let q = min(q0 + j, total - 1u);
-        let n = q / hw;
-        let r = q % hw;
-        on[j] = n;
-        oq[j] = r;
-        dybase[j] = (n * p.oc + g * p.ocg) * pq;
-        ty0[j] = i32(r / p.w + p.ph);
-        tx0[j] = i32(r % p.w + p.pw);
-    }
+    let s0 = split_q(q0, total, hw);
+    let s1 = split_q(q0 + 1u, total, hw);
+    let s2 = split_q(q0 + 2u, total, hw);
+    let s3 = split_q(q0 + 3u, total, hw);
+    let on = vec4<u32>(s0.x, s1.x, s2.x, s3.x);
+    let oq = vec4<u32>(s0.y, s1.y, s2.y, s3.y);
+    let dybase = (on * p.oc + g * p.ocg) * pq;
+    let ty0 = vec4<i32>(oq / p.w + p.ph);
+    let tx0 = vec4<i32>(oq % p.w + p.pw);
     let khw = p.kh * p.kw;
-    // W is (oc, cg, kh, kw): row i's element (o, ky, kx) is at wrow[i] + o cg khw + tap.
-    var wrow: array<u32, TM>;
-    for (var i = 0u; i < TM; i++) {
-        wrow[i] = g * p.ocg * p.cg * khw + min(m0 + i, p.cg - 1u) * khw;
-    }
+    // W is (oc, cg, kh, kw): row i's element (o, ky, kx) is at w{i} + o cg khw + tap.
+    let last = p.cg - 1u;
+    let wg0 = g * p.ocg * p.cg * khw;
+    let w0 = wg0 + min(m0, last) * khw;
+    let w1 = wg0 + min(m0 + 1u, last) * khw;
+    let w2 = wg0 + min(m0 + 2u, last) * khw;
+    let w3 = wg0 + min(m0 + 3u, last) * khw;
     let ostride = p.cg * khw;
-    var acc: array<array<f32, TN>, TM>;
+    var acc0 = vec4<f32>(0.0);
+    var acc1 = vec4<f32>(0.0);
+    var acc2 = vec4<f32>(0.0);
+    var acc3 = vec4<f32>(0.0);
+    let zero = vec4<i32>(0);
     for (var ky = 0u; ky < p.kh; ky++) {
+        let ty = ty0 - vec4<i32>(i32(ky * p.dh));
+        let oy = vec4<u32>(max(ty, zero)) / p.sh;
+        let in_y = (ty >= zero) & (vec4<u32>(ty) == oy * p.sh) & (oy < vec4<u32>(p.oh));
+        if (!any(in_y)) {
+            // No position of this invocation takes the row tap (a stride's other phase, or
+            // past the edge): every term would be 0.
+            continue;
+        }
         for (var kx = 0u; kx < p.kw; kx++) {
-            var off: array<u32, TN>;
-            var inside: array<bool, TN>;
-            for (var j = 0u; j < TN; j++) {
-                let ty = ty0[j] - i32(ky * p.dh);
-                let tx = tx0[j] - i32(kx * p.dw);
-                let oy = u32(max(ty, 0)) / p.sh;
-                let ox = u32(max(tx, 0)) / p.sw;
-                inside[j] = ty >= 0 && tx >= 0 && u32(ty) == oy * p.sh && u32(tx) == ox * p.sw
-                    && oy < p.oh && ox < p.ow;
-                off[j] = dybase[j] + select(0u, oy * p.ow + ox, inside[j]);
+            let tx = tx0 - vec4<i32>(i32(kx * p.dw));
+            let ox = vec4<u32>(max(tx, zero)) / p.sw;
+            let inside = in_y & (tx >= zero) & (vec4<u32>(tx) == ox * p.sw)
+                & (ox < vec4<u32>(p.ow));
+            if (!any(inside)) {
+                continue;
             }
+            let off = dybase + select(vec4<u32>(0u), oy * p.ow + ox, inside);
             let tap = ky * p.kw + kx;
             for (var o = 0u; o < p.ocg; o++) {
-                var gv: array<f32, TN>;
-                for (var j = 0u; j < TN; j++) {
-                    gv[j] = select(0.0, ld_dy(off[j] + o * pq), inside[j]);
-                }
+                let e = off + o * pq;
+                let gv = select(vec4<f32>(0.0),
+                                vec4<f32>(ld_dy(e.x), ld_dy(e.y), ld_dy(e.z), ld_dy(e.w)), inside);
                 let k = o * ostride + tap;
-                for (var i = 0u; i < TM; i++) {
-                    let wv = ld_wt(wrow[i] + k);
-                    for (var j = 0u; j < TN; j++) {
-                        acc[i][j] = fma(wv, gv[j], acc[i][j]);
-                    }
+                acc0 = fma(vec4<f32>(ld_wt(w0 + k)), gv, acc0);
+                if (TM > 1u) {
+                    acc1 = fma(vec4<f32>(ld_wt(w1 + k)), gv, acc1);
+                    acc2 = fma(vec4<f32>(ld_wt(w2 + k)), gv, acc2);
+                    acc3 = fma(vec4<f32>(ld_wt(w3 + k)), gv, acc3);
                 }
             }
         }
     }
-    let even = (hw & 1u) == 0u;
-    for (var i = 0u; i < TM; i++) {
-        if (m0 + i >= p.cg) {
-            break;
+    store_row(m0, g, q0, total, hw, on, oq, acc0);
+    if (TM > 1u) {
+        store_row(m0 + 1u, g, q0, total, hw, on, oq, acc1);
+        store_row(m0 + 2u, g, q0, total, hw, on, oq, acc2);
+        store_row(m0 + 3u, g, q0, total, hw, on, oq, acc3);
+    }
+}
+
+// Row m of the group's input channels at the four positions; rows past the group and
+// positions past the end are not stored.
+fn store_row(m: u32, g: u32, q0: u32, total: u32, hw: u32, on: vec4<u32>, oq: vec4<u32>,
+             acc: vec4<f32>) {
+    if (m >= p.cg) {
+        return;
+    }
+    let e = (on * p.c + g * p.cg + m) * hw + oq;
+    if ((hw & 1u) == 0u) {
+        // As in the forward: pairs of an even plane are one packed word.
+        if (q0 < total) {
+            st2_dx(e.x >> 1u, acc.x, acc.y, e.x + 2u);
         }
-        let ch = g * p.cg + m0 + i;
-        if (even) {
-            // As in the forward: pairs of an even plane are one packed word.
-            for (var j = 0u; j < TN; j += 2u) {
-                if (q0 + j < total) {
-                    let e = (on[j] * p.c + ch) * hw + oq[j];
-                    st2_dx(e >> 1u, acc[i][j], acc[i][j + 1u], e + 2u);
-                }
-            }
-        } else {
-            for (var j = 0u; j < TN; j++) {
-                if (q0 + j < total) {
-                    st_dx((on[j] * p.c + ch) * hw + oq[j], acc[i][j]);
-                }
-            }
+        if (q0 + 2u < total) {
+            st2_dx(e.z >> 1u, acc.z, acc.w, e.z + 2u);
+        }
+    } else {
+        if (q0 < total) {
+            st_dx(e.x, acc.x);
+        }
+        if (q0 + 1u < total) {
+            st_dx(e.y, acc.y);
+        }
+        if (q0 + 2u < total) {
+            st_dx(e.z, acc.z);
+        }
+        if (q0 + 3u < total) {
+            st_dx(e.w, acc.w);
         }
     }
 }

@@ -3,15 +3,25 @@
 // build; here each X value is gathered from x when it is needed, so no column buffer exists.
 // Parameters: include/conv2d_params.wgsl.
 //
-// An invocation computes a TM x TN block: TM output channels of one group times TN consecutive
-// output positions of the flattened (n, oh, ow) axis. The workgroup's lanes span positions and
-// share the channels, so every weight load is the same address in every lane (one scalar load
-// on a CPU adapter) and only the input is gathered per lane. Sums run ci, ky, kx in order in
-// f32: bitwise the same every run. No barriers, so lanes past the end return at once.
+// An invocation computes a TM x 4 block: TM (4, or 1 for small groups) output channels of one
+// group times 4 consecutive output positions of the flattened (n, oh, ow) axis. The workgroup's
+// lanes span positions and share the channels, so every weight load is the same address in
+// every lane (one scalar load on a CPU adapter) and only the input is gathered per lane. The
+// four positions are the components of vectors and the TM rows are named variables, never
+// arrays indexed in loops: CPU compilers keep those in registers (an indexed array lands in
+// memory). Sums run ci, ky, kx in order in f32: bitwise the same every run. No barriers, so
+// lanes past the end return at once.
 
 const WG_X: u32 = 64u;
 const TM: u32 = 4u;
 const TN: u32 = 4u;
+
+// The flattened position q's sample and offset in its plane, clamped into range (positions
+// past the end compute the last one's values and are not stored).
+fn split_q(q: u32, total: u32, pq: u32) -> vec2<u32> {
+    let qc = min(q, total - 1u);
+    return vec2<u32>(qc / pq, qc % pq);
+}
 
 @compute @workgroup_size(WG_X)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>,
@@ -25,87 +35,99 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
     }
     let g = wg.y / p.m_blocks;
     let m0 = (wg.y % p.m_blocks) * TM;
-    // Per position: the sample's first input element of this group, the window's top-left input
-    // coordinate, and the output's sample and offset in its plane.
-    var xbase: array<u32, TN>;
-    var iy0: array<i32, TN>;
-    var ix0: array<i32, TN>;
-    var on: array<u32, TN>;
-    var oq: array<u32, TN>;
-    for (var j = 0u; j < TN; j++) {
-        let q = min(q0 + j, total - 1u);
-        let n = q / pq;
-        let r = q % pq;
-        on[j] = n;
-        oq[j] = r;
-        xbase[j] = (n * p.c + g * p.cg) * hw;
-        iy0[j] = i32((r / p.ow) * p.sh) - i32(p.ph);
-        ix0[j] = i32((r % p.ow) * p.sw) - i32(p.pw);
-    }
+    // Per position (the vectors' components): sample and plane offset of the output, the
+    // sample's first input element of this group, the window's top-left input coordinate.
+    let s0 = split_q(q0, total, pq);
+    let s1 = split_q(q0 + 1u, total, pq);
+    let s2 = split_q(q0 + 2u, total, pq);
+    let s3 = split_q(q0 + 3u, total, pq);
+    let on = vec4<u32>(s0.x, s1.x, s2.x, s3.x);
+    let oq = vec4<u32>(s0.y, s1.y, s2.y, s3.y);
+    let xbase = (on * p.c + g * p.cg) * hw;
+    let iy0 = vec4<i32>((oq / p.ow) * p.sh) - i32(p.ph);
+    let ix0 = vec4<i32>((oq % p.ow) * p.sw) - i32(p.pw);
     let khw = p.kh * p.kw;
     let kdim = p.cg * khw;
     // Rows past the group's channels repeat its last one and are not stored.
-    var wrow: array<u32, TM>;
-    for (var i = 0u; i < TM; i++) {
-        wrow[i] = (g * p.ocg + min(m0 + i, p.ocg - 1u)) * kdim;
-    }
-    var acc: array<array<f32, TN>, TM>;
+    let last = p.ocg - 1u;
+    let w0 = (g * p.ocg + min(m0, last)) * kdim;
+    let w1 = (g * p.ocg + min(m0 + 1u, last)) * kdim;
+    let w2 = (g * p.ocg + min(m0 + 2u, last)) * kdim;
+    let w3 = (g * p.ocg + min(m0 + 3u, last)) * kdim;
+    var acc0 = vec4<f32>(0.0);
+    var acc1 = vec4<f32>(0.0);
+    var acc2 = vec4<f32>(0.0);
+    var acc3 = vec4<f32>(0.0);
+    let hi = vec4<i32>(i32(p.h));
+    let wi = vec4<i32>(i32(p.w));
     for (var ky = 0u; ky < p.kh; ky++) {
+        let iy = iy0 + vec4<i32>(i32(ky * p.dh));
+        let in_y = (iy >= vec4<i32>(0)) & (iy < hi);
         for (var kx = 0u; kx < p.kw; kx++) {
-            // The input offset of this tap per position, or none where it falls in the padding.
-            var off: array<u32, TN>;
-            var inside: array<bool, TN>;
-            for (var j = 0u; j < TN; j++) {
-                let iy = iy0[j] + i32(ky * p.dh);
-                let ix = ix0[j] + i32(kx * p.dw);
-                inside[j] = iy >= 0 && iy < i32(p.h) && ix >= 0 && ix < i32(p.w);
-                off[j] = xbase[j] + select(0u, u32(iy) * p.w + u32(ix), inside[j]);
-            }
+            // The input offset of this tap per position, or the sample's first where it falls
+            // in the padding (read, then replaced by 0).
+            let ix = ix0 + vec4<i32>(i32(kx * p.dw));
+            let inside = in_y & (ix >= vec4<i32>(0)) & (ix < wi);
+            let off = xbase + select(vec4<u32>(0u), vec4<u32>(iy) * p.w + vec4<u32>(ix), inside);
             let tap = ky * p.kw + kx;
             for (var ci = 0u; ci < p.cg; ci++) {
-                var xv: array<f32, TN>;
-                for (var j = 0u; j < TN; j++) {
-                    xv[j] = select(0.0, ld_x(off[j] + ci * hw), inside[j]);
-                }
+                let o = off + ci * hw;
+                let xv = select(vec4<f32>(0.0),
+                                vec4<f32>(ld_x(o.x), ld_x(o.y), ld_x(o.z), ld_x(o.w)), inside);
                 let k = ci * khw + tap;
-                for (var i = 0u; i < TM; i++) {
-                    let wv = ld_wt(wrow[i] + k);
-                    for (var j = 0u; j < TN; j++) {
-                        acc[i][j] = fma(wv, xv[j], acc[i][j]);
-                    }
+                acc0 = fma(vec4<f32>(ld_wt(w0 + k)), xv, acc0);
+                if (TM > 1u) {
+                    acc1 = fma(vec4<f32>(ld_wt(w1 + k)), xv, acc1);
+                    acc2 = fma(vec4<f32>(ld_wt(w2 + k)), xv, acc2);
+                    acc3 = fma(vec4<f32>(ld_wt(w3 + k)), xv, acc3);
                 }
             }
         }
     }
-    let even = (pq & 1u) == 0u;
-    for (var i = 0u; i < TM; i++) {
-        if (m0 + i >= p.ocg) {
-            break;
+    store_row(m0, g, q0, total, pq, on, oq, acc0);
+    if (TM > 1u) {
+        store_row(m0 + 1u, g, q0, total, pq, on, oq, acc1);
+        store_row(m0 + 2u, g, q0, total, pq, on, oq, acc2);
+        store_row(m0 + 3u, g, q0, total, pq, on, oq, acc3);
+    }
+}
+
+// Row m of the group's output channels at the four positions, plus the bias; rows past the
+// group and positions past the end are not stored.
+fn store_row(m: u32, g: u32, q0: u32, total: u32, pq: u32, on: vec4<u32>, oq: vec4<u32>,
+             acc: vec4<f32>) {
+    if (m >= p.ocg) {
+        return;
+    }
+    let o = g * p.ocg + m;
+    var b = 0.0;
+    if (p.has_bias != 0u) {
+        b = ld_b(o);
+    }
+    let v = acc + vec4<f32>(b);
+    let e = (on * p.oc + o) * pq + oq;
+    if ((pq & 1u) == 0u) {
+        // Planes of even size: q0 is even, so each pair (q, q + 1) is one sample's, adjacent
+        // and word-aligned in y: one packed word, written whole.
+        if (q0 < total) {
+            st2_y(e.x >> 1u, v.x, v.y, e.x + 2u);
         }
-        let o = g * p.ocg + m0 + i;
-        var b = 0.0;
-        if (p.has_bias != 0u) {
-            b = ld_b(o);
+        if (q0 + 2u < total) {
+            st2_y(e.z >> 1u, v.z, v.w, e.z + 2u);
         }
-        for (var j = 0u; j < TN; j++) {
-            acc[i][j] += b;
+    } else {
+        // Odd planes (never packed f16: the caller stages those in f32).
+        if (q0 < total) {
+            st_y(e.x, v.x);
         }
-        if (even) {
-            // Planes of even size: q0 is even (TN is), so each pair (q, q + 1) is one sample's,
-            // adjacent and word-aligned in y: one packed word, written whole.
-            for (var j = 0u; j < TN; j += 2u) {
-                if (q0 + j < total) {
-                    let e = (on[j] * p.oc + o) * pq + oq[j];
-                    st2_y(e >> 1u, acc[i][j], acc[i][j + 1u], e + 2u);
-                }
-            }
-        } else {
-            // Odd planes (never packed f16: the caller stages those in f32).
-            for (var j = 0u; j < TN; j++) {
-                if (q0 + j < total) {
-                    st_y((on[j] * p.oc + o) * pq + oq[j], acc[i][j]);
-                }
-            }
+        if (q0 + 1u < total) {
+            st_y(e.y, v.y);
+        }
+        if (q0 + 2u < total) {
+            st_y(e.z, v.z);
+        }
+        if (q0 + 3u < total) {
+            st_y(e.w, v.w);
         }
     }
 }

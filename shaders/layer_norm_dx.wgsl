@@ -1,7 +1,8 @@
 // Layer norm backward, the input's gradient: dy, x and dx are (rows, C), w is (C), mean and
 // rstd (rows, f32) are the forward's. With xh = (x - mean) * rstd and gw = dy * w, per row:
 //   dx = rstd * (gw - sum(gw) / C - xh * sum(gw * xh) / C),
-// both sums from one pass (as a vec2), in f32. Rows, lanes and the row sum:
+// both sums from one pass (as a vec2), in f32. RMS norm (mean = 0) drops the sum(gw) term:
+//   dx = rstd * (gw - xh * sum(gw * xh) / C). Rows, lanes and the row sum:
 // include/layer_norm_rows.wgsl.
 
 @compute @workgroup_size(WG)
@@ -26,7 +27,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
             acc += vec2<f32>(g1, g1 * (ld_x(base + i + 1u) - m) * r);
         }
     }
-    let s = row_sum(l, acc) / f32(p.c);
+    var s = row_sum(l, acc) / f32(p.c);
+    if (RMS == 1u) {
+        s.x = 0.0;
+    }
     if (!l.live) {
         return;
     }

@@ -15,7 +15,7 @@ struct Params {
 @group(0) @binding(0) var<uniform> p: Params;
 
 const WG: u32 = 256u;
-// Ops 9-17 each get a pipeline of their own, with OP specialized to their code; the arithmetic
+// Ops 9-18 each get a pipeline of their own, with OP specialized to their code; the arithmetic
 // ops 0-8 share one, with OP = 0xffffffff, and switch on p.op. CPU drivers such as lavapipe run
 // every case of a switch for every element (masked SIMD), so one shader holding every op made a
 // copy pay for gelu, pow and the rest: 4x the time on lavapipe.
@@ -96,6 +96,7 @@ fn apply(x: f32) -> f32 {
     if (OP == 16u) { return clamp_nan(x, p.s, p.s2); }
     // |x| by clearing the sign bit: NaN stays NaN, -0 becomes 0.
     if (OP == 17u) { return bitcast<f32>(bitcast<u32>(x) & 0x7fffffffu); }
+    if (OP == 18u) { return silu(x); }
     switch p.op {
         case 0u: { return x; }
         case 1u: { return relu(x); }

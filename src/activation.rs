@@ -20,6 +20,8 @@ pub enum Activation {
     Tanh,
     /// The logistic sigmoid.
     Sigmoid,
+    /// `x * sigmoid(x)` (SiLU, swish): Llama's MLP activation.
+    Silu,
 }
 
 impl Activation {
@@ -31,6 +33,7 @@ impl Activation {
             Activation::Gelu => "gelu",
             Activation::Tanh => "tanh",
             Activation::Sigmoid => "sigmoid",
+            Activation::Silu => "silu",
         }
     }
 }
@@ -50,9 +53,10 @@ impl FromStr for Activation {
             "gelu" => Ok(Activation::Gelu),
             "tanh" => Ok(Activation::Tanh),
             "sigmoid" => Ok(Activation::Sigmoid),
+            "silu" | "swish" => Ok(Activation::Silu),
             _ => Err(Error::InvalidArgument {
                 op: "Activation",
-                reason: format!("unknown activation '{s}' (none, relu, gelu, tanh, sigmoid)"),
+                reason: format!("unknown activation '{s}' (none, relu, gelu, tanh, sigmoid, silu)"),
             }),
         }
     }

@@ -216,6 +216,7 @@ impl Mm {
                         Activation::Gelu => gelu64(s),
                         Activation::Tanh => s.tanh(),
                         Activation::Sigmoid => 1.0 / (1.0 + (-s).exp()),
+                        Activation::Silu => s / (1.0 + (-s).exp()),
                     });
                 }
             }

@@ -122,6 +122,7 @@ fn reference(c: &Case, a: &[f32], b: &[f32], bias: &[f32]) -> Vec<f32> {
                     Activation::Gelu => gelu(s),
                     Activation::Tanh => s.tanh(),
                     Activation::Sigmoid => 1.0 / (1.0 + (-s).exp()),
+                    Activation::Silu => s / (1.0 + (-s).exp()),
                 };
                 out.push(s as f32);
             }

@@ -43,6 +43,7 @@ fn reference(
                 Activation::Gelu => ref_gelu(y),
                 Activation::Tanh => ref_tanh(y),
                 Activation::Sigmoid => ref_sigmoid(y),
+                Activation::Silu => y * ref_sigmoid(y),
             });
         }
     }

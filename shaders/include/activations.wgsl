@@ -39,6 +39,17 @@ fn sigmoid(x: f32) -> f32 {
     return select(e, 1.0, x >= 0.0) / (1.0 + e);
 }
 
+// x sigmoid(x) (SiLU); 0 * sigmoid at -inf is taken as 0 by sigmoid's e / (1 + e) = 0.
+fn silu(x: f32) -> f32 {
+    return x * sigmoid(x);
+}
+
+// d silu / dx = s (1 + x (1 - s)) with s = sigmoid(x).
+fn silu_grad(x: f32) -> f32 {
+    let s = sigmoid(x);
+    return s * (1.0 + x * (1.0 - s));
+}
+
 // d gelu / dx for the tanh form: 0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2),
 // with t = tanh(u). Past |x| = 10 it is 1 or 0 to f32 precision; the cut also keeps x^3 from
 // overflowing into 0 * inf = NaN.

@@ -1,7 +1,9 @@
 // Shared by every attention shader, the workgroup-tiled ones (attention_*.wgsl, with
 // include/attention_tiles.wgsl) and the subgroup ones (attention_sg_*.wgsl): the parameters at
-// binding 0, the causal rule and the edges of a row. q, k, v, o and their gradients are
-// (BH, T, D) contiguous (BH = batch * heads); lse and delta are (BH, T) f32.
+// binding 0, the causal rule and the edges of a row. q, o and their gradients are (BH, T, D)
+// contiguous (BH = batch * heads); k, v and theirs (BH / G, T, D) with G query heads per kv
+// head (grouped-query attention; G = 1 is plain multi-head): query matrix m reads kv matrix
+// m / G, never a copy. lse and delta are (BH, T) f32.
 
 struct Params {
     groups: u32,   // workgroups with work: tiles * BH (a 2-D grid may have spare ones)
@@ -10,7 +12,7 @@ struct Params {
     d: u32,        // head dim
     causal: u32,   // 1: query i sees keys j <= i only
     scale: f32,    // 1 / sqrt(D)
-    _pad0: u32,
+    group: u32,    // G: query heads per kv head
     _pad1: u32,
 }
 @group(0) @binding(0) var<uniform> p: Params;

@@ -1,6 +1,6 @@
 // Shared by layer_norm.wgsl and layer_norm_dx.wgsl (prepended at build time): the parameters at
-// binding 0, which row and elements each invocation takes, the fixed-order row sum, and the
-// pair store. Tensors are (rows, c) contiguous.
+// binding 0, the RMS mode, which row and elements each invocation takes, the fixed-order row
+// sum, and the pair store. Tensors are (rows, c) contiguous.
 //
 // 2^lane_shift invocations share a row (WG >> lane_shift rows per workgroup; one invocation per
 // row for short rows). Lane l takes the element pairs q = l + lanes * t, elements 2q and
@@ -19,6 +19,9 @@ struct Params {
 @group(0) @binding(0) var<uniform> p: Params;
 
 const WG: u32 = 256u;
+// 1: RMS norm (Llama's RMSNorm): no mean is subtracted (the mean written is 0) and no bias is
+// added, so y = x * rstd * w with rstd = 1 / sqrt(mean(x^2) + eps). Specialized.
+const RMS: u32 = 0u;
 
 var<workgroup> part: array<vec2<f32>, WG>;
 

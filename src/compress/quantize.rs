@@ -273,7 +273,9 @@ impl QuantizedLinear {
         let epilogue = match act {
             Activation::Relu => Epilogue::Relu,
             Activation::Gelu => Epilogue::Gelu,
-            Activation::None | Activation::Tanh | Activation::Sigmoid => Epilogue::None,
+            Activation::None | Activation::Tanh | Activation::Sigmoid | Activation::Silu => {
+                Epilogue::None
+            }
         };
         // out is (M, N), written as f32 where packed f16 words would be split.
         let staged = qmatmul::needs_f32_staging(dev, n, x.dtype());
@@ -296,6 +298,7 @@ impl QuantizedLinear {
         let out = match act {
             Activation::Tanh => out.tanh()?,
             Activation::Sigmoid => out.sigmoid()?,
+            Activation::Silu => out.silu()?,
             _ => out,
         };
         Ok(record_nondiff("QuantizedLinear::forward", out, &[x]))

@@ -294,14 +294,7 @@ impl PretrainedGpt {
 
     /// The folder's `tokenizer.json`, or an [`Error::Data`] naming the folder if it has none.
     pub fn tokenizer(&self) -> Result<super::Tokenizer> {
-        let path = self.dir.join(TOKENIZER_FILE);
-        if !path.is_file() {
-            return Err(Error::Data {
-                path: self.dir.display().to_string(),
-                reason: format!("no {TOKENIZER_FILE} in the model folder"),
-            });
-        }
-        super::Tokenizer::from_file(&path)
+        super::tokenizer::folder_tokenizer(&self.dir)
     }
 }
 

@@ -1,6 +1,7 @@
 //! Hugging Face model folders: `config.json`, `model.safetensors` (or sharded with
 //! `model.safetensors.index.json`) and `tokenizer.json`, loaded as their authors saved them and
-//! written back so transformers loads them. GPT-2 (`GPT2LMHeadModel`) loads into [`Gpt`].
+//! written back so transformers loads them. GPT-2 (`GPT2LMHeadModel`) loads into [`Gpt`],
+//! Llama (`LlamaForCausalLM`) into [`Llama`]; [`model_type`] tells a folder's kind.
 //!
 //! ```no_run
 //! # fn f(dev: &fitgrad::Device) -> fitgrad::Result<()> {
@@ -15,13 +16,37 @@
 //! ```
 //!
 //! [`Gpt`]: crate::nn::Gpt
+//! [`Llama`]: crate::nn::Llama
 
 mod config;
 mod files;
 mod gpt2;
+mod llama;
 mod tokenizer;
 
 pub use config::Gpt2Config;
 pub use files::{INDEX_FILE, WEIGHTS_FILE};
 pub use gpt2::{save_gpt2, PretrainedGpt};
+pub use llama::{llama_config_from_json, save_llama, PretrainedLlama};
+
+/// The `model_type` of the folder `dir`'s `config.json` ("gpt2", "llama", ...), read before
+/// anything else so a caller can pick the loader. Errors ([`crate::Error::Data`] naming the
+/// folder or file): no `config.json`, not a JSON object, no `model_type` string.
+pub fn model_type(dir: &std::path::Path) -> crate::Result<String> {
+    let path = dir.join("config.json");
+    if !path.is_file() {
+        return Err(crate::Error::Data {
+            path: dir.display().to_string(),
+            reason: "no config.json: not a Hugging Face model folder".into(),
+        });
+    }
+    let json = config::read_json(&path)?;
+    json.get("model_type")
+        .and_then(serde_json::Value::as_str)
+        .map(str::to_string)
+        .ok_or_else(|| crate::Error::Data {
+            path: path.display().to_string(),
+            reason: "no model_type (\"gpt2\" or \"llama\")".into(),
+        })
+}
 pub use tokenizer::{Tokenizer, TOKENIZER_FILE};

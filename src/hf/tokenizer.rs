@@ -9,6 +9,19 @@ use crate::{Error, Result};
 /// The tokenizer's file in a model folder.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
+/// The `tokenizer.json` of the model folder `dir`, or an [`Error::Data`] naming the folder if
+/// it has none.
+pub(crate) fn folder_tokenizer(dir: &Path) -> Result<Tokenizer> {
+    let path = dir.join(TOKENIZER_FILE);
+    if !path.is_file() {
+        return Err(Error::Data {
+            path: dir.display().to_string(),
+            reason: format!("no {TOKENIZER_FILE} in the model folder"),
+        });
+    }
+    Tokenizer::from_file(&path)
+}
+
 /// A tokenizer from a `tokenizer.json` (byte-level BPE for GPT-2, SentencePiece-style BPE for
 /// Llama). Encoding adds no special tokens: text is tokenized as it is.
 pub struct Tokenizer {

@@ -198,22 +198,30 @@ pub(crate) fn scale(d: usize) -> f32 {
     1.0 / (d as f32).sqrt()
 }
 
-/// The problem: BH (batch * heads) matrices of (T, D), scale 1 / sqrt(D).
+/// The problem: BH (batch * heads) query matrices of (T, D), scale 1 / sqrt(D), and
+/// BH / `group` key and value matrices (grouped-query heads: query matrix m reads kv matrix
+/// m / group; 1 is plain multi-head attention).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Dims {
     pub bh: usize,
     pub t: usize,
     pub d: usize,
     pub causal: bool,
+    pub group: usize,
 }
 
 impl Dims {
     /// The uniform words of include/attention_params.wgsl's `Params` for workgroups of
-    /// `rows` rows each, and the workgroups.
-    fn launch(&self, rows: u32) -> ([u32; 8], u32) {
+    /// `rows` rows each, and the workgroups: over the query matrices, or over the kv matrices
+    /// for the dK / dV pass (each sums its group's query heads).
+    fn launch(&self, rows: u32, pass: Pass) -> ([u32; 8], u32) {
         let row_tiles = self.t.div_ceil(rows as usize);
+        let matrices = match pass {
+            Pass::Dkv => self.bh / self.group,
+            _ => self.bh,
+        };
         // The caller checked that every element index, hence this product, fits u32.
-        let groups = (row_tiles * self.bh) as u32;
+        let groups = (row_tiles * matrices) as u32;
         (
             [
                 groups,
@@ -222,7 +230,7 @@ impl Dims {
                 self.d as u32,
                 u32::from(self.causal),
                 scale(self.d).to_bits(),
-                0,
+                self.group as u32,
                 0,
             ],
             groups,
@@ -285,7 +293,7 @@ fn pipeline(
             (k, block.rows)
         }
     };
-    let (params, groups) = dims.launch(rows);
+    let (params, groups) = dims.launch(rows, pass);
     Ok((kernel, params, groups))
 }
 
@@ -298,7 +306,7 @@ fn consts(t: Tiles) -> [(&'static str, u32); 4] {
     ]
 }
 
-/// o (BH, T, D) = attention of q, k, v (BH, T, D, one dtype) and lse (BH, T, f32) = each query's
+/// o (BH, T, D) = attention of q (BH, T, D), k and v (BH / group, T, D; q's dtype) and lse (BH, T, f32) = each query's
 /// log-sum-exp of its scaled scores. `o` may be an f32 staging tensor (packed f16 with D odd).
 pub(crate) fn forward<T: Operand>(
     q: &T,
@@ -364,8 +372,8 @@ pub(crate) fn backward_dq<T: Operand>(
     )
 }
 
-/// Pass 2 of the backward: dk and dv (BH, T, D; may be f32 staging) from q, k, v, dy, lse and
-/// pass 1's delta.
+/// Pass 2 of the backward: dk and dv (k's shape, BH / group matrices; may be f32 staging)
+/// from q, k, v, dy, lse and pass 1's delta, each summed over its group's query heads in order.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward_dkv<T: Operand>(
     q: &T,

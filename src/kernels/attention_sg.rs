@@ -131,6 +131,16 @@ fn put_fn(n: &str) -> String {
     )
 }
 
+/// The variable holding the element offset of binding `n`'s (T, D) matrix in the shaders: `kvb`
+/// for keys, values and their gradients (kv matrix m / G under grouped-query heads), `base` for
+/// the queries' side.
+fn base_of(n: &str) -> &'static str {
+    match n {
+        "k" | "v" | "dk" | "dv" => "kvb",
+        _ => "base",
+    }
+}
+
 /// Expands the `//@` lines of an attention_sg shader (already specialized to `b`).
 pub(crate) fn expand(body: &str, b: Block) -> String {
     let (sg, br, tc, cq) = (b.sg, b.rows, b.per_lane, b.col_quads);
@@ -184,13 +194,15 @@ pub(crate) fn expand(body: &str, b: Block) -> String {
                 };
                 for u in 0..br / sg {
                     emit(format!(
-                        "let {acc}a{u} = row_{a}(base, r0 + lane + {}u, qd);",
+                        "let {acc}a{u} = row_{a}({}, r0 + lane + {}u, qd);",
+                        base_of(a),
                         sg * u
                     ));
                 }
                 for t in 0..tc {
                     emit(format!(
-                        "let {acc}b{t} = row_{bn}(base, c0 + lane + {}u, qd);",
+                        "let {acc}b{t} = row_{bn}({}, c0 + lane + {}u, qd);",
+                        base_of(bn),
                         sg * t
                     ));
                 }
@@ -216,7 +228,8 @@ pub(crate) fn expand(body: &str, b: Block) -> String {
                 for src in 0..sg {
                     for c in 0..cq {
                         emit(format!(
-                            "let {acc}c{src}_{c} = row_{bn}(base, ct + {src}u, cq{c});"
+                            "let {acc}c{src}_{c} = row_{bn}({}, ct + {src}u, cq{c});",
+                            base_of(bn)
                         ));
                     }
                 }
@@ -361,7 +374,8 @@ pub(crate) fn expand(body: &str, b: Block) -> String {
                     for n in &args {
                         for c in 0..cq {
                             emit(format!(
-                                "    if (cl{c}) {{ put_{n}(base, r0 + {r}u, lane + {}u, {n}{r}_{c}); }}",
+                                "    if (cl{c}) {{ put_{n}({}, r0 + {r}u, lane + {}u, {n}{r}_{c}); }}",
+                                base_of(n),
                                 sg * c
                             ));
                         }

@@ -34,6 +34,10 @@ pub(crate) enum BinaryOp {
     /// 0 where a < b, 0.5 where a == b, else 1: the share of maximum(a, b)'s gradient that
     /// goes to a (torch's split; minimum(a, b) gives a the share of (b, a)).
     Share = 12,
+    /// out = a * silu'(b) (b = silu input).
+    SiluBackward = 13,
+    /// out = silu(a) * b: the SwiGLU product (a = gate, b = up).
+    Swiglu = 14,
 }
 
 impl BinaryOp {
@@ -73,6 +77,8 @@ pub(crate) enum UnaryOp {
     Clamp = 16,
     /// |x|, NaN kept.
     Abs = 17,
+    /// x * sigmoid(x).
+    Silu = 18,
 }
 
 impl UnaryOp {
@@ -227,6 +233,7 @@ mod tests {
             UnaryOp::PowScalar,
             UnaryOp::Clamp,
             UnaryOp::Abs,
+            UnaryOp::Silu,
         ] {
             assert!(op.has_own_pipeline());
             for bind in variants(&UNARY) {
@@ -246,6 +253,8 @@ mod tests {
             BinaryOp::Maximum,
             BinaryOp::Minimum,
             BinaryOp::Share,
+            BinaryOp::SiluBackward,
+            BinaryOp::Swiglu,
         ] {
             assert!(op.has_own_pipeline());
             for bind in variants(&BINARY) {

@@ -1,4 +1,5 @@
-//! Dispatch for layer norm: the fused forward (shaders/layer_norm.wgsl), the input's gradient
+//! Dispatch for layer norm and RMS norm (the same shaders with `RMS` specialized): the fused
+//! forward (shaders/layer_norm.wgsl), the input's gradient
 //! (shaders/layer_norm_dx.wgsl) and the weight's and bias's gradients (column sums in chunks,
 //! shaders/layer_norm_dwdb.wgsl, then the reduce kernel over the chunks).
 
@@ -36,10 +37,12 @@ fn row_launch(rows: usize, c: usize, eps: f32) -> ([u32; 4], u32) {
 }
 
 /// y (rows, c) = layer norm of x with weight w and bias b (c, x's dtype); mean and rstd
-/// (rows, f32) get each row's statistics. y may have any dtype that needs no f32 staging (see
+/// (rows, f32) get each row's statistics. With `rms`, RMS norm: no mean (0 is written) and no
+/// bias (b is not read). y may have any dtype that needs no f32 staging (see
 /// [`needs_f32_staging`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<T: Operand>(
+    rms: bool,
     x: &T,
     w: &T,
     b: &T,
@@ -64,7 +67,7 @@ pub(crate) fn forward<T: Operand>(
         Storage::F32,
         Storage::F32,
     ];
-    let k = LAYER_NORM.kernel(dev, &storage)?;
+    let k = LAYER_NORM.kernel_with(dev, &storage, &[("RMS", u32::from(rms))])?;
     let (params, groups) = row_launch(rows, c, eps);
     dev.dispatch(
         &k,
@@ -83,9 +86,10 @@ pub(crate) fn forward<T: Operand>(
 
 /// dx (rows, c, any dtype) = the gradient of layer norm's input, from the output's gradient dy
 /// and x (rows, c), w (c) in x's dtype, and the forward's mean and rstd. Like y, dx needs no f32
-/// staging.
+/// staging. With `rms`, RMS norm's (mean 0).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward_dx<T: Operand>(
+    rms: bool,
     dy: &T,
     x: &T,
     w: &T,
@@ -109,7 +113,7 @@ pub(crate) fn backward_dx<T: Operand>(
         Storage::F32,
         Storage::of(dev, dx.dtype()),
     ];
-    let k = LAYER_NORM_DX.kernel(dev, &storage)?;
+    let k = LAYER_NORM_DX.kernel_with(dev, &storage, &[("RMS", u32::from(rms))])?;
     let (params, groups) = row_launch(rows, c, 0.0);
     dev.dispatch(
         &k,
@@ -205,5 +209,20 @@ mod tests {
         assert_eq!(params[2], 5);
         // 8 rows per workgroup.
         assert_eq!(groups, 5);
+    }
+
+    /// The RMS forms validate in every storage the registry builds.
+    #[test]
+    fn rms_variants_validate() {
+        use crate::kernels::{assemble, specialize, storage_variants, validate_wgsl};
+        for file in [&LAYER_NORM, &LAYER_NORM_DX] {
+            for storage in storage_variants(file) {
+                let body = specialize(file.body, &[("RMS", 1)]);
+                let src = assemble(&body, &file.with_storage(&storage));
+                if let Err(e) = validate_wgsl(&src) {
+                    panic!("{} RMS {storage:?}: {e}", file.name);
+                }
+            }
+        }
     }
 }

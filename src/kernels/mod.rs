@@ -28,6 +28,7 @@ pub(crate) mod pool2d;
 pub(crate) mod qmatmul;
 pub(crate) mod reduce;
 pub(crate) mod reduce_max;
+pub(crate) mod rope;
 pub(crate) mod softmax;
 pub(crate) mod transpose;
 
@@ -476,6 +477,11 @@ pub const LAYER_NORM_DWDB: ShaderFile = ShaderFile {
         ("db", true),
     ],
 };
+pub const ROPE: ShaderFile = ShaderFile {
+    name: "rope",
+    body: include_str!("../../shaders/rope.wgsl"),
+    bindings: &[("x", false), ("cs", false), ("y", true)],
+};
 pub const DROPOUT: ShaderFile = ShaderFile {
     name: "dropout",
     body: concat!(
@@ -712,6 +718,7 @@ pub const SHADERS: &[ShaderFile] = &[
     LAYER_NORM,
     LAYER_NORM_DX,
     LAYER_NORM_DWDB,
+    ROPE,
     DROPOUT,
     WHERE,
     PERMUTE,
@@ -931,6 +938,13 @@ pub(crate) fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
         .iter()
         .map(|&[p, g]| vec![p, g, U32, U32, F32, F32, F32])
         .collect(),
+        // The angles are f32; packed f16 rows whose halves start on odd elements are written
+        // to f32 first.
+        "rope" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s, F32, s])
+            .chain([vec![F16Packed, F32, F32]])
+            .collect(),
         // Column partial sums are f32.
         "layer_norm_dwdb" => [F32, F16, F16Packed]
             .iter()

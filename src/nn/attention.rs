@@ -128,11 +128,12 @@ crate::module! {
     }
 }
 
-/// softmax(q · kᵀ / sqrt(D), causal) · v: q is (B, H, T_q, D), k and v (B, H, T_k, D), the
-/// result (B, H, T_q, D). Self-attention (T_q = T_k) runs [`Tensor::attention_with`] with
-/// `kind` (the fused kernels where they can run); a block of new queries against a longer
-/// cached key sequence (generation with a KV cache) runs the composed ops, where causal query i
-/// sees keys up to i + T_k - T_q.
+/// softmax(q · kᵀ / sqrt(D), causal) · v: q is (B, H, T_q, D), k and v (B, KV, T_k, D) with KV
+/// dividing H (grouped-query heads), the result (B, H, T_q, D). Self-attention (T_q = T_k)
+/// runs [`Tensor::attention_with`] with `kind` (the fused kernels where they can run); a block
+/// of new queries against a longer cached key sequence (generation with a KV cache) runs the
+/// composed ops on the kv heads repeated for their groups, where causal query i sees keys up to
+/// i + T_k - T_q.
 pub(crate) fn attend(
     q: &Tensor,
     k: &Tensor,
@@ -140,10 +141,18 @@ pub(crate) fn attend(
     causal: bool,
     kind: AttentionKind,
 ) -> Result<Tensor> {
-    if q.dims() == k.dims() {
+    if q.dims().get(2) == k.dims().get(2) {
         return q.attention_with(k, v, &AttentionOptions::new().causal(causal).kind(kind));
     }
     let d = q.dims().last().copied().unwrap_or(1).max(1);
+    let group = match (q.dims().get(1), k.dims().get(1)) {
+        (Some(&h), Some(&kv)) if kv > 0 && h % kv == 0 => h / kv,
+        _ => 1,
+    };
+    let (k, v) = (
+        &crate::tensor::repeat_kv(k, group)?,
+        &crate::tensor::repeat_kv(v, group)?,
+    );
     // scores are (B, H, T_q, T_k)
     let scores = q.matmul_with(k, &crate::MatmulOptions::new().trans_b(true))?;
     let w = scores.softmax_masked(

@@ -415,40 +415,13 @@ impl Gpt {
         t: usize,
         max_t: usize,
     ) -> Result<()> {
-        let bad = |reason: String| Err(Error::InvalidArgument { op, reason });
-        if batch == 0 || t == 0 {
-            return bad(format!("batch and t must be at least 1, got {batch} x {t}"));
-        }
-        if batch.checked_mul(t) != Some(ids.len()) {
-            return bad(format!(
-                "{} ids are not batch x t = {batch} x {t}",
-                ids.len()
-            ));
-        }
-        let context = self.cfg.context;
-        if t > max_t {
-            return bad(if max_t == context {
-                format!("t = {t} passes the context of {context}; feed at most the last {context} tokens")
-            } else {
-                format!(
-                    "t = {t} passes the {max_t} positions the cache leaves of the context of \
-                     {context}; clear the cache and feed at most the last {context} tokens"
-                )
-            });
-        }
-        self.check_vocab(op, ids)
+        let (context, v) = (self.cfg.context, self.cfg.vocab_size);
+        super::generate::check_ids(op, ids, batch, t, max_t, context, v)
     }
 
     /// Checks that every id is below `vocab_size`.
     pub(crate) fn check_vocab(&self, op: &'static str, ids: &[u32]) -> Result<()> {
-        let v = self.cfg.vocab_size;
-        match ids.iter().enumerate().find(|(_, &id)| id as usize >= v) {
-            Some((i, id)) => Err(Error::InvalidArgument {
-                op,
-                reason: format!("id {id} at position {i} is out of range for a vocabulary of {v}"),
-            }),
-            None => Ok(()),
-        }
+        super::generate::check_vocab(op, ids, self.cfg.vocab_size)
     }
 
     fn check_targets(&self, targets: &[u32], batch: usize, t: usize) -> Result<()> {

@@ -72,9 +72,11 @@ impl AttentionOptions {
 }
 
 impl Tensor {
-    /// Scaled dot-product self-attention `softmax(q kᵀ / sqrt(D), causal) v`: `self` is q, and
-    /// q, k and v are all (B, H, T, D), of one dtype and device; the output is (B, H, T, D) in
-    /// that dtype. Causal query i sees keys j <= i (softmax_masked's rule with T_q = T_k).
+    /// Scaled dot-product self-attention `softmax(q kᵀ / sqrt(D), causal) v`: `self` is q,
+    /// (B, H, T, D), k and v are (B, KV, T, D) with KV dividing H, all of one dtype and device;
+    /// the output is (B, H, T, D) in that dtype. KV < H is grouped-query attention: query head
+    /// h reads kv head h / (H / KV); the fused kernels read the shared heads in place (no
+    /// copy of K or V) and sum their gradients over the group in a fixed order. Causal query i sees keys j <= i (softmax_masked's rule with T_q = T_k).
     /// Queries and keys have the same length T (a separate T_k, as for a KV cache, is not
     /// supported yet).
     ///
@@ -109,8 +111,8 @@ impl Tensor {
     /// keys' and values'), each workgroup writing its own rows: no atomics, so results are
     /// bitwise reproducible. Accumulation is in f32 for f16 inputs.
     ///
-    /// Errors, before any device work: a q, k or v that is not rank 4, or k or v of another
-    /// shape than q ([`Error::Shape`]); another dtype ([`Error::DType`]) or device
+    /// Errors, before any device work: a q, k or v that is not rank 4, or k or v not
+    /// (B, KV, T, D) as above ([`Error::Shape`]); another dtype ([`Error::DType`]) or device
     /// ([`Error::DeviceMismatch`]); more than 2^32 - 1 elements ([`Error::Limit`]);
     /// [`AttentionKind::Fused`] where the fused kernels cannot run ([`Error::InvalidArgument`]
     /// naming the reason). An empty input (B, H, T or D of 0) gives an empty output.
@@ -196,19 +198,22 @@ fn check(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Dims> {
     }
     q.same_device_and_dtype(OP, k)?;
     q.same_device_and_dtype(OP, v)?;
-    for (name, t) in [("k", k), ("v", v)] {
-        if t.dims() != q.dims() {
+    let [b, h, t, d] = [0, 1, 2, 3].map(|i| q.dims()[i]);
+    let kv = k.dims()[1];
+    for (name, x) in [("k", k), ("v", v)] {
+        let [xb, xh, xt, xd] = [0, 1, 2, 3].map(|i| x.dims()[i]);
+        if (xb, xt, xd) != (b, t, d) || x.dims() != k.dims() || !h.is_multiple_of(xh) {
             return Err(Error::Shape {
                 op: OP,
                 lhs: q.dims().to_vec(),
-                rhs: t.dims().to_vec(),
+                rhs: x.dims().to_vec(),
                 reason: format!(
-                    "{name} must have q's shape (B, H, T, D): keys as long as the queries"
+                    "{name} must be (B, KV, T, D) with q's B, T and D (keys as long as the \
+                     queries), k's shape, and KV heads dividing q's H = {h}"
                 ),
             });
         }
     }
-    let [b, h, t, d] = [0, 1, 2, 3].map(|i| q.dims()[i]);
     // The kernels index elements with u32.
     let elements = b
         .checked_mul(h)
@@ -231,20 +236,45 @@ fn check(q: &Tensor, k: &Tensor, v: &Tensor, causal: bool) -> Result<Dims> {
         t,
         d,
         causal,
+        // An empty q (H = 0) may have no kv heads either.
+        group: h.checked_div(kv).unwrap_or(1),
     })
 }
 
 /// The empty output of an empty input, and empty gradients.
 fn empty(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
     let out = Tensor::zeros(q.device(), q.dims(), q.dtype())?;
-    let (dev, dims, dtype) = (q.device().clone(), q.dims().to_vec(), q.dtype());
+    let (dev, dtype) = (q.device().clone(), q.dtype());
+    let dims = [q.dims().to_vec(), k.dims().to_vec(), v.dims().to_vec()];
     Ok(record(OP, out, &[q, k, v], move || {
         Box::new(move |_, need| {
             need.iter()
-                .map(|&n| n.then(|| Tensor::zeros(&dev, &dims, dtype)).transpose())
+                .zip(&dims)
+                .map(|(&n, dims)| n.then(|| Tensor::zeros(&dev, dims, dtype)).transpose())
                 .collect()
         })
     }))
+}
+
+/// k or v (B, KV, T, D) with each kv head repeated for the `group` query heads that read it:
+/// (B, KV group, T, D), head h of the result is head h / group of `x`. A copy in memory, for
+/// the composed path only (the fused kernels read the shared heads in place); its backward
+/// sums the group's gradients.
+pub fn repeat_kv(x: &Tensor, group: usize) -> Result<Tensor> {
+    if group == 1 {
+        return Ok(x.clone());
+    }
+    let &[b, kv, t, d] = x.dims() else {
+        return Err(Error::Shape {
+            op: "repeat_kv",
+            lhs: x.dims().to_vec(),
+            rhs: vec![],
+            reason: "keys and values must be (B, KV, T, D), rank 4".into(),
+        });
+    };
+    let one = x.reshape(&[b, kv, 1, t * d])?;
+    let copies: Vec<&Tensor> = std::iter::repeat_n(&one, group).collect();
+    Tensor::cat(&copies, 2)?.reshape(&[b, kv * group, t, d])
 }
 
 /// matmul, softmax_masked, matmul: autograd records each.
@@ -253,6 +283,7 @@ fn composed(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims) -> Result<Tensor> {
         trans_b: true,
         ..Default::default()
     };
+    let (k, v) = (&repeat_kv(k, dims.group)?, &repeat_kv(v, dims.group)?);
     // scores are (B, H, T, T)
     let scores = q.matmul_with(k, &trans_b)?;
     let weights = scores.softmax_masked(
@@ -269,6 +300,7 @@ fn fused_attention(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims, plan: Plan) -
     let dev = q.device();
     let dtype = q.dtype();
     let shape = q.shape().clone();
+    let kv_shape = k.shape().clone();
     // out is (B, H, T, D); lse is (B, H, T), f32.
     let out = Tensor::uninit(dev, shape.clone(), dtype)?;
     let lse = Tensor::uninit(dev, Shape::new(&q.dims()[..3])?, DType::F32)?;
@@ -295,8 +327,8 @@ fn fused_attention(q: &Tensor, k: &Tensor, v: &Tensor, dims: Dims, plan: Plan) -
             })?;
             let (mut dk, mut dv) = (None, None);
             if need[1] || need[2] {
-                let gk = Tensor::uninit(dev, shape.clone(), dtype)?;
-                let gv = Tensor::uninit(dev, shape.clone(), dtype)?;
+                let gk = Tensor::uninit(dev, kv_shape.clone(), dtype)?;
+                let gv = Tensor::uninit(dev, kv_shape.clone(), dtype)?;
                 staged_f32(&gk, staged, |gk| {
                     staged_f32(&gv, staged, |gv| {
                         kernel::backward_dkv(&q, &k, &v, &g, &lse, &delta, dims, plan, gk, gv)

@@ -1,5 +1,5 @@
-//! Layer norm over the last dim: validation and autograd here, fused kernels in
-//! src/kernels/layer_norm.rs.
+//! Layer norm and RMS norm over the last dim: validation and autograd here, fused kernels in
+//! src/kernels/layer_norm.rs (RMS norm is layer norm without the mean and the bias).
 
 use super::operand::staged_f32;
 use super::{DType, Shape, Tensor};
@@ -25,22 +25,43 @@ impl Tensor {
         bias: Option<&Tensor>,
         eps: f32,
     ) -> Result<Tensor> {
-        const OP: &str = "layer_norm";
+        self.normalize("layer_norm", false, weight, bias, eps)
+    }
+
+    /// RMS norm over the last dim, as Llama's `RMSNorm`: `self` is (.., C) and each row becomes
+    /// `x / sqrt(mean(x^2) + eps) * weight`. `weight` is (C) in `self`'s dtype (`None`: ones).
+    /// Computed in f32 whatever the storage, by the fused kernels of [`Tensor::layer_norm`]
+    /// (no mean, no bias): bitwise reproducible, only 1 / rms per row (f32) kept for the
+    /// backward.
+    ///
+    /// Errors, before any device work: those of [`Tensor::layer_norm`].
+    pub fn rms_norm(&self, weight: Option<&Tensor>, eps: f32) -> Result<Tensor> {
+        self.normalize("rms_norm", true, weight, None, eps)
+    }
+
+    fn normalize(
+        &self,
+        op: &'static str,
+        rms: bool,
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f32,
+    ) -> Result<Tensor> {
         let dims = self.dims();
         let Some(&c) = dims.last() else {
             return Err(Error::Shape {
-                op: OP,
+                op,
                 lhs: vec![],
                 rhs: vec![],
-                reason: "layer norm normalizes the last dim, which a rank-0 tensor lacks".into(),
+                reason: format!("{op} normalizes the last dim, which a rank-0 tensor lacks"),
             });
         };
         for (name, t) in [("weight", weight), ("bias", bias)] {
             let Some(t) = t else { continue };
-            self.same_device_and_dtype(OP, t)?;
+            self.same_device_and_dtype(op, t)?;
             if t.dims() != [c] {
                 return Err(Error::Shape {
-                    op: OP,
+                    op,
                     lhs: dims.to_vec(),
                     rhs: t.dims().to_vec(),
                     reason: format!("the {name} must be (C) = ({c}) for an input of (.., {c})"),
@@ -49,7 +70,7 @@ impl Tensor {
         }
         if !(eps.is_finite() && eps >= 0.0) {
             return Err(Error::InvalidArgument {
-                op: OP,
+                op,
                 reason: format!("eps must be finite and >= 0, got {eps}"),
             });
         }
@@ -61,8 +82,10 @@ impl Tensor {
             Some(w) => w.detach(),
             None => Tensor::ones(dev, &[c], dtype)?,
         };
+        // RMS norm reads no bias: the weight stands in for the binding.
         let b = match bias {
             Some(b) => b.detach(),
+            None if rms => w.clone(),
             None => Tensor::zeros(dev, &[c], dtype)?,
         };
         // y is (.., C); mean and rstd are (rows), f32.
@@ -72,7 +95,7 @@ impl Tensor {
         if self.numel() > 0 {
             let staged = needs_f32_staging(dev, dtype, c);
             staged_f32(&y, staged, |y| {
-                layer_norm::forward(self, &w, &b, rows, c, eps, y, &mean, &rstd)
+                layer_norm::forward(rms, self, &w, &b, rows, c, eps, y, &mean, &rstd)
             })?;
         }
         drop(b);
@@ -80,7 +103,7 @@ impl Tensor {
         inputs.extend(weight);
         inputs.extend(bias);
         let (has_w, has_b) = (weight.is_some(), bias.is_some());
-        Ok(record(OP, y, &inputs, || {
+        Ok(record(op, y, &inputs, || {
             let x = self.detach();
             Box::new(move |g, need| {
                 let mut grads = vec![None];
@@ -88,7 +111,7 @@ impl Tensor {
                     let dx = Tensor::uninit(x.device(), x.shape().clone(), dtype)?;
                     let staged = needs_f32_staging(x.device(), dtype, c);
                     staged_f32(&dx, staged, |dx| {
-                        layer_norm::backward_dx(g, &x, &w, &mean, &rstd, rows, c, dx)
+                        layer_norm::backward_dx(rms, g, &x, &w, &mean, &rstd, rows, c, dx)
                     })?;
                     grads[0] = Some(dx);
                 }

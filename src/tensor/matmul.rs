@@ -96,6 +96,7 @@ impl Tensor {
             Activation::Gelu if recording => return plain()?.gelu(),
             Activation::Tanh => return plain()?.tanh(),
             Activation::Sigmoid => return plain()?.sigmoid(),
+            Activation::Silu => return plain()?.silu(),
             _ => {}
         }
         let (pb, out_dims) = self.matmul_problem(other, opts)?;
@@ -131,6 +132,7 @@ impl Tensor {
         match opts.activation {
             Activation::Tanh => out.tanh(),
             Activation::Sigmoid => out.sigmoid(),
+            Activation::Silu => out.silu(),
             _ => Ok(out),
         }
     }
@@ -225,7 +227,9 @@ impl Tensor {
                 Activation::Relu => Epilogue::Relu,
                 Activation::Gelu => Epilogue::Gelu,
                 // Applied by matmul_with as their own ops.
-                Activation::None | Activation::Tanh | Activation::Sigmoid => Epilogue::None,
+                Activation::None | Activation::Tanh | Activation::Sigmoid | Activation::Silu => {
+                    Epilogue::None
+                }
             },
         };
         Ok((pb, out_dims))

@@ -15,17 +15,19 @@ mod operand;
 mod ops;
 mod pool;
 mod random;
+mod rope;
 mod select;
 mod softmax;
 
 pub use crate::dtype::{DType, Element};
 pub use crate::kernels::matmul::Variant as MatmulVariant;
 pub use crate::shape::{Shape, MAX_RANK};
-pub use attention::{AttentionKind, AttentionOptions};
+pub use attention::{repeat_kv, AttentionKind, AttentionOptions};
 pub use batch_norm::BatchNormOptions;
 pub use conv::Conv2dOptions;
 pub use matmul::MatmulOptions;
 pub use random::Rng;
+pub use rope::{rope_table, Rope};
 pub use softmax::SoftmaxOptions;
 
 use crate::device::Device;

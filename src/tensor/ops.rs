@@ -214,6 +214,34 @@ impl Tensor {
         })
     }
 
+    /// SiLU (swish), `x * sigmoid(x)`, computed without overflow for either sign.
+    pub fn silu(&self) -> Result<Tensor> {
+        self.saving_unary("silu", UnaryOp::Silu, 0.0, false, |g, x, _| {
+            Tensor::activation_backward(BinaryOp::SiluBackward, g, x)
+        })
+    }
+
+    /// The SwiGLU product `silu(self) * up` (Llama's MLP: `down(silu(gate(x)) * up(x))`), one
+    /// kernel; `self` (the gate) and `up` broadcast as [`Tensor::add`]. The backward gives the
+    /// gate `g * up * silu'(gate)` and `up` `g * silu(gate)`.
+    pub fn swiglu(&self, up: &Tensor) -> Result<Tensor> {
+        let out = self.binary(BinaryOp::Swiglu, "swiglu", up)?;
+        Ok(record("swiglu", out, &[self, up], || {
+            let (a, b) = (self.detach(), up.detach());
+            Box::new(move |g, need| {
+                Ok(vec![
+                    grad_if(need[0], || {
+                        let gb = g.mul(&b)?;
+                        // gb has the output's shape; the gate broadcasts into it.
+                        let ga = Tensor::activation_backward(BinaryOp::SiluBackward, &gb, &a)?;
+                        sum_to(&ga, a.dims())
+                    })?,
+                    grad_if(need[1], || sum_to(&g.mul(&a.silu()?)?, b.dims()))?,
+                ])
+            })
+        }))
+    }
+
     /// `e^self`.
     pub fn exp(&self) -> Result<Tensor> {
         self.saving_unary("exp", UnaryOp::Exp, 0.0, true, |g, y, _| g.mul(y))

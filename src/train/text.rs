@@ -418,6 +418,13 @@ pub fn bigram_baseline(train: &[u32], valid: &[u32], vocab: usize) -> Result<f64
     Ok(nats / (valid.len() - 1) as f64)
 }
 
+impl TrainModel<TokenBatch> for crate::nn::Llama {
+    /// The mean next-token cross-entropy of the batch's windows, matmuls in the step's dtype.
+    fn forward_loss(&self, b: &TokenBatch, ctx: &StepContext) -> Result<Tensor> {
+        self.loss_in(&b.ids, &b.targets, b.batch, b.t, ctx.dtype)
+    }
+}
+
 impl TrainModel<TokenBatch> for Gpt {
     /// The mean next-token cross-entropy of the batch's (batch, t) windows, with the matmuls in
     /// the step's dtype (f16 under mixed precision; the loss is f32).

@@ -3,7 +3,7 @@
 //! `context` tokens (the last may be shorter), each its own forward from position 0, and the
 //! token-weighted mean next-token cross-entropy over all of them.
 
-use crate::nn::Gpt;
+use crate::nn::LanguageModel;
 use crate::{DType, Error, Result};
 
 /// What [`window_loss`] measured.
@@ -23,9 +23,9 @@ pub struct WindowLoss {
 ///
 /// Errors, before any device work: [`Error::InvalidArgument`] for fewer than 2 tokens, a
 /// `context` or `batch` of 0, a context past the model's, and the id checks of
-/// [`Gpt::forward_ids`].
-pub fn window_loss(
-    model: &Gpt,
+/// the model's forward ([`Gpt::forward_ids`](crate::nn::Gpt::forward_ids)).
+pub fn window_loss<M: LanguageModel + ?Sized>(
+    model: &M,
     tokens: &[u32],
     context: usize,
     batch: usize,
@@ -37,7 +37,6 @@ pub fn window_loss(
             reason,
         })
     };
-    let cfg = model.gpt_config();
     if tokens.len() < 2 {
         return bad(format!(
             "{} tokens: the loss needs at least 2 (one to predict from, one to predict)",
@@ -49,10 +48,10 @@ pub fn window_loss(
             "context and batch must be at least 1, got {context} and {batch}"
         ));
     }
-    if context > cfg.context {
+    if context > model.context() {
         return bad(format!(
             "context {context} passes the model's {} positions",
-            cfg.context
+            model.context()
         ));
     }
     model.check_vocab("window_loss", tokens)?;

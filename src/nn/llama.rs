@@ -1,0 +1,608 @@
+//! `Llama`: the Llama family's decoder (Hugging Face's `LlamaForCausalLM`): token embedding,
+//! pre-RMSNorm blocks of grouped-query self-attention with rotary positions (rotate-half, no
+//! position table) and a SwiGLU MLP, a final RMSNorm, and a head of its own or tied to the
+//! embedding. Parameters carry transformers' names, so a folder loads and saves one to one.
+//! Generation with a KV cache shares src/nn/generate.rs with [`Gpt`](super::Gpt).
+
+use super::generate::{KvCache, LanguageModel};
+use super::gpt::cast;
+use super::{Embedding, Linear, Module};
+use crate::tensor::{Rng, Rope};
+use crate::{Activation, AttentionKind, DType, Device, Error, MatmulOptions, Result, Tensor};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// The init of a model built from a configuration alone: N(0, 0.02), as transformers'
+/// `initializer_range` default.
+const INIT_STD: f32 = 0.02;
+
+/// A [`Llama`]'s configuration: the fields of a Llama `config.json` that change the math.
+#[non_exhaustive]
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    /// Token ids are `0..vocab_size`.
+    pub vocab_size: usize,
+    /// Model width C (`hidden_size`).
+    pub dim: usize,
+    /// The MLP's inner width (`intermediate_size`).
+    pub intermediate: usize,
+    /// Blocks (`num_hidden_layers`).
+    pub layers: usize,
+    /// Query heads H (`num_attention_heads`).
+    pub heads: usize,
+    /// Key and value heads KV (`num_key_value_heads`), dividing H: H / KV query heads share
+    /// each (grouped-query attention).
+    pub kv_heads: usize,
+    /// Head dim D (`head_dim`, C / H unless given); even.
+    pub head_dim: usize,
+    /// The most positions a forward sees (`max_position_embeddings`).
+    pub context: usize,
+    /// Every RMSNorm's eps (`rms_norm_eps`).
+    pub rms_norm_eps: f32,
+    /// RoPE's base (`rope_theta`).
+    pub rope_theta: f32,
+    /// The head is the embedding (`tie_word_embeddings`).
+    pub tie_embeddings: bool,
+    /// q, k, v and o projections with biases (`attention_bias`).
+    pub attention_bias: bool,
+    /// gate, up and down projections with biases (`mlp_bias`).
+    pub mlp_bias: bool,
+    /// The parameters' dtype.
+    pub dtype: DType,
+    /// Seed of the initial weights.
+    pub seed: u64,
+    /// Which attention implementation the blocks run.
+    pub attention: AttentionKind,
+}
+
+impl LlamaConfig {
+    /// `layers` blocks of width `dim`, `heads` query heads over `kv_heads` kv heads of dim
+    /// `dim / heads`, an MLP of `intermediate`; transformers' defaults otherwise (eps 1e-6,
+    /// theta 10000, untied, no biases), f32, seed 0.
+    pub fn new(
+        vocab_size: usize,
+        dim: usize,
+        intermediate: usize,
+        layers: usize,
+        heads: usize,
+        kv_heads: usize,
+        context: usize,
+    ) -> LlamaConfig {
+        LlamaConfig {
+            vocab_size,
+            dim,
+            intermediate,
+            layers,
+            heads,
+            kv_heads,
+            head_dim: dim.checked_div(heads).unwrap_or(0),
+            context,
+            rms_norm_eps: 1e-6,
+            rope_theta: 10000.0,
+            tie_embeddings: false,
+            attention_bias: false,
+            mlp_bias: false,
+            dtype: DType::F32,
+            seed: 0,
+            attention: AttentionKind::Auto,
+        }
+    }
+
+    /// Every check [`Llama::new`] makes before any device work.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |reason: String| Error::InvalidArgument {
+            op: "Llama::new",
+            reason,
+        };
+        let sizes = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.dim),
+            ("intermediate_size", self.intermediate),
+            ("num_hidden_layers", self.layers),
+            ("num_attention_heads", self.heads),
+            ("num_key_value_heads", self.kv_heads),
+            ("head_dim", self.head_dim),
+            ("max_position_embeddings", self.context),
+        ];
+        if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
+            return Err(bad(format!("{name} must be at least 1, got 0")));
+        }
+        if !self.heads.is_multiple_of(self.kv_heads) {
+            return Err(bad(format!(
+                "num_key_value_heads = {} must divide num_attention_heads = {}",
+                self.kv_heads, self.heads
+            )));
+        }
+        if !self.head_dim.is_multiple_of(2) {
+            return Err(bad(format!(
+                "head_dim = {} must be even (RoPE rotates its two halves)",
+                self.head_dim
+            )));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            return Err(bad(format!(
+                "rms_norm_eps must be a finite number >= 0, got {}",
+                self.rms_norm_eps
+            )));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            return Err(bad(format!(
+                "rope_theta must be a finite number > 0, got {}",
+                self.rope_theta
+            )));
+        }
+        if self.vocab_size > 1 << 24 {
+            return Err(bad(format!(
+                "vocab_size = {} passes 2^24, the most classes the cross-entropy indexes exactly",
+                self.vocab_size
+            )));
+        }
+        if self.context > 1 << 24 {
+            return Err(bad(format!(
+                "max_position_embeddings = {} passes 2^24 (f32 rotary angles)",
+                self.context
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// RMSNorm over the last dim with a weight (Llama's `LlamaRMSNorm`), see [`Tensor::rms_norm`].
+pub struct RmsNorm {
+    /// (C), ones at init.
+    pub weight: Tensor,
+    /// Added to the mean square.
+    pub eps: f32,
+}
+
+impl RmsNorm {
+    /// Ones of width `dim` in `dtype`.
+    pub fn new(device: &Device, dim: usize, eps: f32, dtype: DType) -> Result<RmsNorm> {
+        Ok(RmsNorm {
+            weight: Tensor::ones(device, &[dim], dtype)?.with_requires_grad(),
+            eps,
+        })
+    }
+}
+
+impl Module for RmsNorm {
+    /// x (.., C) in any dtype; a weight of another dtype is cast inside the graph.
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        x.rms_norm(Some(&cast(&self.weight, x.dtype())?), self.eps)
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        vec![("weight".into(), self.weight.clone())]
+    }
+}
+
+/// Grouped-query self-attention with rotary positions: q, k, v and o projections
+/// (transformers' `q_proj`, `k_proj`, `v_proj`, `o_proj`).
+pub struct LlamaAttention {
+    /// C -> H D
+    pub q_proj: Linear,
+    /// C -> KV D
+    pub k_proj: Linear,
+    /// C -> KV D
+    pub v_proj: Linear,
+    /// H D -> C
+    pub o_proj: Linear,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    kind: AttentionKind,
+}
+
+impl LlamaAttention {
+    /// x (B, T, C) at positions `rope`'s -> (B, T, C); `kv` holds the cached keys and values
+    /// (B, KV, T_seen, D) when generating, and gets these positions' appended.
+    fn forward_in(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        kv: Option<&mut super::attention::LayerKv>,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let &[b, t, _] = x.dims() else {
+            return Err(Error::Shape {
+                op: "LlamaAttention::forward",
+                lhs: x.dims().to_vec(),
+                rhs: vec![],
+                reason: "the input must be (batch, time, hidden), rank 3".into(),
+            });
+        };
+        let d = self.head_dim;
+        // (B, T, N D) -> (B, N, T, D)
+        let split = |y: Tensor, n: usize| y.reshape(&[b, t, n, d])?.permute(&[0, 2, 1, 3]);
+        let q = split(
+            self.q_proj.forward_in(x, Activation::None, dtype)?,
+            self.heads,
+        )?;
+        let k = split(
+            self.k_proj.forward_in(x, Activation::None, dtype)?,
+            self.kv_heads,
+        )?;
+        let v = split(
+            self.v_proj.forward_in(x, Activation::None, dtype)?,
+            self.kv_heads,
+        )?;
+        let (q, k) = (q.rope_with(rope)?, k.rope_with(rope)?);
+        let y = match kv {
+            None => super::attention::attend(&q, &k, &v, true, self.kind)?,
+            Some(kv) => {
+                let (k, v) = match kv.take() {
+                    Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
+                    None => (k, v),
+                };
+                let y = super::attention::attend(&q, &k, &v, true, self.kind)?;
+                *kv = Some((k, v));
+                y
+            }
+        };
+        let y = y.permute(&[0, 2, 1, 3])?.reshape(&[b, t, self.heads * d])?;
+        self.o_proj.forward_in(&y, Activation::None, dtype)
+    }
+}
+
+/// The SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
+pub struct LlamaMlp {
+    /// C -> I
+    pub gate_proj: Linear,
+    /// C -> I
+    pub up_proj: Linear,
+    /// I -> C
+    pub down_proj: Linear,
+}
+
+impl LlamaMlp {
+    fn forward_in(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        let gate = self.gate_proj.forward_in(x, Activation::None, dtype)?;
+        let up = self.up_proj.forward_in(x, Activation::None, dtype)?;
+        self.down_proj
+            .forward_in(&gate.swiglu(&up)?, Activation::None, dtype)
+    }
+}
+
+/// One decoder layer: `h = x + attn(norm1(x))`, `out = h + mlp(norm2(h))`.
+pub struct LlamaBlock {
+    /// Before the attention.
+    pub input_layernorm: RmsNorm,
+    /// Grouped-query self-attention with rotary positions.
+    pub self_attn: LlamaAttention,
+    /// Before the MLP.
+    pub post_attention_layernorm: RmsNorm,
+    /// The SwiGLU MLP.
+    pub mlp: LlamaMlp,
+}
+
+impl LlamaBlock {
+    fn forward_in(
+        &self,
+        x: &Tensor,
+        rope: &Rope,
+        kv: Option<&mut super::attention::LayerKv>,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let a = self
+            .self_attn
+            .forward_in(&self.input_layernorm.forward(x)?, rope, kv, dtype)?;
+        let h = x.add(&a)?;
+        let m = self
+            .mlp
+            .forward_in(&self.post_attention_layernorm.forward(&h)?, dtype)?;
+        h.add(&m)
+    }
+}
+
+fn prefixed(prefix: &str, m: &dyn Module) -> Vec<(String, Tensor)> {
+    m.named_parameters()
+        .into_iter()
+        .map(|(n, t)| (format!("{prefix}.{n}"), t))
+        .collect()
+}
+
+crate::module! {
+    impl Module for LlamaAttention {
+        params { q_proj, k_proj, v_proj, o_proj }
+        /// Always an error: the attention needs its positions; run the whole [`Llama`].
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            let _ = x;
+            Err(Error::InvalidArgument {
+                op: "LlamaAttention::forward",
+                reason: "the attention needs its positions: run the Llama".into(),
+            })
+        }
+    }
+}
+
+crate::module! {
+    impl Module for LlamaMlp {
+        params { gate_proj, up_proj, down_proj }
+        /// x (.., C) -> (.., C) in the parameters' dtype.
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            self.forward_in(x, self.gate_proj.weight.dtype())
+        }
+    }
+}
+
+crate::module! {
+    impl Module for LlamaBlock {
+        params { input_layernorm, self_attn, post_attention_layernorm, mlp }
+        /// Always an error: the block needs its positions; run the whole [`Llama`].
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            let _ = x;
+            Err(Error::InvalidArgument {
+                op: "LlamaBlock::forward",
+                reason: "the block needs its positions: run the Llama".into(),
+            })
+        }
+    }
+}
+
+/// A Llama-family language model: ids (B, T) -> logits (B, T, V).
+///
+/// Parameters are named as in transformers: `model.embed_tokens.weight`,
+/// `model.layers.{i}.input_layernorm.weight`, `model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`
+/// (and `.bias` with `attention_bias`), `model.layers.{i}.post_attention_layernorm.weight`,
+/// `model.layers.{i}.mlp.{gate,up,down}_proj.weight`, `model.norm.weight` and, untied,
+/// `lm_head.weight`; every Linear weight is (out, in) as torch stores it.
+pub struct Llama {
+    embed_tokens: Embedding,
+    layers: Vec<LlamaBlock>,
+    norm: RmsNorm,
+    /// None when tied to the embedding.
+    lm_head: Option<Linear>,
+    cfg: LlamaConfig,
+    training: AtomicBool,
+}
+
+impl Llama {
+    /// A model initialised from `cfg.seed` (weights N(0, 0.02), biases 0, norms 1), in
+    /// training mode (Llama has no dropout; the mode is kept for the trainer).
+    ///
+    /// Errors, before any device work: those of [`LlamaConfig::validate`].
+    pub fn new(device: &Device, cfg: LlamaConfig) -> Result<Llama> {
+        cfg.validate()?;
+        let (c, dtype) = (cfg.dim, cfg.dtype);
+        let mut rng = Rng::new(cfg.seed);
+        let mut seed = || rng.next_u64();
+        let mut linear = |i: usize, o: usize, bias: bool| -> Result<Linear> {
+            Ok(Linear {
+                weight: Tensor::randn(device, &[o, i], 0.0, INIT_STD, seed(), dtype)?
+                    .with_requires_grad(),
+                bias: if bias {
+                    Some(Tensor::zeros(device, &[o], dtype)?.with_requires_grad())
+                } else {
+                    None
+                },
+                in_features: i,
+                out_features: o,
+            })
+        };
+        let norm = || RmsNorm::new(device, c, cfg.rms_norm_eps, dtype);
+        let (hd, kvd) = (cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim);
+        let embed_tokens = Embedding {
+            weight: Tensor::randn(
+                device,
+                &[cfg.vocab_size, c],
+                0.0,
+                INIT_STD,
+                1 + cfg.seed,
+                dtype,
+            )?
+            .with_requires_grad(),
+            num_embeddings: cfg.vocab_size,
+            dim: c,
+        };
+        let mut layers = Vec::with_capacity(cfg.layers);
+        for _ in 0..cfg.layers {
+            let ab = cfg.attention_bias;
+            let self_attn = LlamaAttention {
+                q_proj: linear(c, hd, ab)?,
+                k_proj: linear(c, kvd, ab)?,
+                v_proj: linear(c, kvd, ab)?,
+                o_proj: linear(hd, c, ab)?,
+                heads: cfg.heads,
+                kv_heads: cfg.kv_heads,
+                head_dim: cfg.head_dim,
+                kind: cfg.attention,
+            };
+            let mb = cfg.mlp_bias;
+            let mlp = LlamaMlp {
+                gate_proj: linear(c, cfg.intermediate, mb)?,
+                up_proj: linear(c, cfg.intermediate, mb)?,
+                down_proj: linear(cfg.intermediate, c, mb)?,
+            };
+            layers.push(LlamaBlock {
+                input_layernorm: norm()?,
+                self_attn,
+                post_attention_layernorm: norm()?,
+                mlp,
+            });
+        }
+        let lm_head = if cfg.tie_embeddings {
+            None
+        } else {
+            Some(linear(c, cfg.vocab_size, false)?)
+        };
+        Ok(Llama {
+            embed_tokens,
+            layers,
+            norm: norm()?,
+            lm_head,
+            training: AtomicBool::new(true),
+            cfg,
+        })
+    }
+
+    /// The configuration.
+    pub fn llama_config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// Logits (B, T, V) of ids (B, T) given row-major, in the parameters' dtype.
+    ///
+    /// Errors, before any device work: [`Error::InvalidArgument`] when `ids.len()` is not
+    /// `batch * t`, `batch` or `t` is 0, `t` passes `context`, or an id is `vocab_size` or more.
+    pub fn forward_ids(&self, ids: &[u32], batch: usize, t: usize) -> Result<Tensor> {
+        self.logits(ids, batch, t, 0, None, self.cfg.dtype)
+    }
+
+    /// Logits (B, T, V) in f32 with every matmul in `dtype`.
+    pub fn forward_ids_in(
+        &self,
+        ids: &[u32],
+        batch: usize,
+        t: usize,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        cast(&self.logits(ids, batch, t, 0, None, dtype)?, DType::F32)
+    }
+
+    /// The mean next-token cross-entropy (f32, rank 0) of ids (B, T) against `targets`, every
+    /// matmul in `dtype`. Errors: those of [`Llama::forward_ids`], and targets not `batch * t`
+    /// long or out of the vocabulary ([`Error::InvalidArgument`]).
+    pub fn loss_in(
+        &self,
+        ids: &[u32],
+        targets: &[u32],
+        batch: usize,
+        t: usize,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        if batch.checked_mul(t) != Some(targets.len()) {
+            return Err(Error::InvalidArgument {
+                op: "Llama::loss",
+                reason: format!(
+                    "{} targets are not batch x t = {batch} x {t}",
+                    targets.len()
+                ),
+            });
+        }
+        self.check_vocab("Llama::loss", targets)?;
+        let logits = self.forward_ids_in(ids, batch, t, dtype)?;
+        super::cross_entropy(&logits.reshape(&[batch * t, self.cfg.vocab_size])?, targets)
+    }
+
+    /// Logits (B, T, V) of ids at positions `start..start + t`, each block's keys and values
+    /// appended to `cache` when given.
+    fn logits(
+        &self,
+        ids: &[u32],
+        batch: usize,
+        t: usize,
+        start: usize,
+        cache: Option<&mut KvCache>,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        super::generate::check_ids(
+            "Llama::forward_ids",
+            ids,
+            batch,
+            t,
+            self.cfg.context - start,
+            self.cfg.context,
+            self.cfg.vocab_size,
+        )?;
+        let rope = Rope::new(
+            self.embed_tokens.weight.device(),
+            t,
+            self.cfg.head_dim,
+            self.cfg.rope_theta,
+            start,
+        )?;
+        let mut x = cast(&self.embed_tokens.forward_ids(ids, &[batch, t])?, dtype)?;
+        match cache {
+            None => {
+                for block in &self.layers {
+                    x = block.forward_in(&x, &rope, None, dtype)?;
+                }
+            }
+            Some(cache) => {
+                for (block, kv) in self.layers.iter().zip(cache.layers_mut()) {
+                    x = block.forward_in(&x, &rope, Some(kv), dtype)?;
+                }
+            }
+        }
+        let x = self.norm.forward(&x)?;
+        let w = match &self.lm_head {
+            Some(head) => &head.weight,
+            None => &self.embed_tokens.weight,
+        };
+        x.matmul_with(&cast(w, dtype)?, &MatmulOptions::new().trans_b(true))
+    }
+}
+
+impl LanguageModel for Llama {
+    fn vocab_size(&self) -> usize {
+        self.cfg.vocab_size
+    }
+
+    fn context(&self) -> usize {
+        self.cfg.context
+    }
+
+    fn dtype(&self) -> DType {
+        self.cfg.dtype
+    }
+
+    fn kv_cache(&self) -> KvCache {
+        KvCache::with_layers(self.cfg.layers)
+    }
+
+    fn forward_cached(
+        &self,
+        ids: &[u32],
+        batch: usize,
+        t: usize,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        cache.check("Llama::forward_cached", self.cfg.layers, batch)?;
+        let _g = crate::no_grad();
+        let start = cache.len();
+        let logits = self.logits(ids, batch, t, start, Some(cache), self.cfg.dtype)?;
+        cache.advance(t, batch);
+        Ok(logits)
+    }
+
+    fn loss_in(
+        &self,
+        ids: &[u32],
+        targets: &[u32],
+        batch: usize,
+        t: usize,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        Llama::loss_in(self, ids, targets, batch, t, dtype)
+    }
+
+    fn is_training(&self) -> bool {
+        self.training.load(Ordering::Relaxed)
+    }
+}
+
+impl Module for Llama {
+    /// Always an [`Error::InvalidArgument`]: a Llama reads host token ids. Use
+    /// [`Llama::forward_ids`].
+    fn forward(&self, _x: &Tensor) -> Result<Tensor> {
+        Err(Error::InvalidArgument {
+            op: "Llama::forward",
+            reason: "a Llama looks up host token ids; call forward_ids(ids, batch, t)".into(),
+        })
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut out = prefixed("model.embed_tokens", &self.embed_tokens);
+        for (i, b) in self.layers.iter().enumerate() {
+            out.extend(prefixed(&format!("model.layers.{i}"), b));
+        }
+        out.extend(prefixed("model.norm", &self.norm));
+        if let Some(head) = &self.lm_head {
+            out.extend(prefixed("lm_head", head));
+        }
+        out
+    }
+
+    fn set_training(&self, training: bool) {
+        self.training.store(training, Ordering::Relaxed);
+    }
+}
