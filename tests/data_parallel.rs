@@ -8,8 +8,8 @@
 mod common;
 
 use common::*;
-use fitgrad::distributed::zero::{ShardLayout, GRANULE};
-use fitgrad::distributed::{share_of, Communicator, DataParallel, LocalGroup, Zero};
+use fitgrad::distributed::zero::{CollectiveKind, ShardLayout, StepCollectives, GRANULE};
+use fitgrad::distributed::{attach_zero, share_of, Communicator, DataParallel, LocalGroup, Zero};
 use fitgrad::memory::Category;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::AdamW;
@@ -26,7 +26,8 @@ device_tests!(
     a_failing_replica_stops_the_others,
     zero_stages_match_stage_0_and_one_device,
     zero_with_clipping_and_mixed_precision_matches_one_device,
-    a_zero_checkpoint_resumes_on_other_replica_counts
+    a_zero_checkpoint_resumes_on_other_replica_counts,
+    zero_stages_send_the_bytes_of_stage_0
 );
 
 const SEED: u64 = 3;
@@ -555,4 +556,142 @@ fn a_zero_checkpoint_resumes_on_other_replica_counts(dev: &Device) {
     .unwrap();
     assert!(other.resume_from(&path).is_err());
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A communicator that counts the bytes its member sends, as a ring moves them: 2(N-1)/N of
+/// an all-reduced buffer, (N-1)/N of a reduce-scattered or all-gathered one.
+struct Counting<C> {
+    inner: C,
+    sent: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl<C: Communicator> Counting<C> {
+    fn add(&self, ring_parts: u64, buffer_bytes: usize) {
+        let n = self.inner.size() as u64;
+        let b = ring_parts * (n - 1) * buffer_bytes as u64 / n;
+        self.sent.fetch_add(b, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl<C: Communicator> Communicator for Counting<C> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<()> {
+        self.add(2, buf.len() * 4);
+        self.inner.all_reduce_sum(buf)
+    }
+    fn broadcast(&mut self, buf: &mut [u8]) -> Result<()> {
+        self.add(1, buf.len() * self.inner.size());
+        self.inner.broadcast(buf)
+    }
+    fn all_gather(&mut self, values: &[u64]) -> Result<Vec<u64>> {
+        self.add(1, values.len() * 8 * self.inner.size());
+        self.inner.all_gather(values)
+    }
+    fn reduce_scatter(&mut self, buf: &[f32], shard: &mut [f32]) -> Result<()> {
+        self.add(1, buf.len() * 4);
+        self.inner.reduce_scatter(buf, shard)
+    }
+    fn all_gather_f32(&mut self, shard: &[f32], buf: &mut [f32]) -> Result<()> {
+        self.add(1, buf.len() * 4);
+        self.inner.all_gather_f32(shard, buf)
+    }
+}
+
+/// The bytes each of two replicas sends per step at `zero`, measured over the batches' steps
+/// (the set-up's checks not counted), and the replicas' final weights.
+fn bytes_sent_per_step(dev: &Device, widths: &[usize], zero: Zero) -> (Vec<u64>, Vec<Vec<Vec<f32>>>) {
+    let (_, comms) = LocalGroup::new(2, Duration::from_secs(60)).unwrap();
+    let config = TrainerConfig::new(13, 1, 1e-2);
+    let steps = batches().len() as u64;
+    let out: Vec<(u64, Vec<Vec<f32>>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let config = config.clone();
+                s.spawn(move || {
+                    let d = twin(dev, None);
+                    let mut t = trainer(&d, widths, config).unwrap();
+                    let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+                    let counting = Counting {
+                        inner: comm,
+                        sent: sent.clone(),
+                    };
+                    attach_zero(&mut t, counting, zero).unwrap();
+                    let before = sent.load(std::sync::atomic::Ordering::Relaxed);
+                    for idx in batches() {
+                        t.step(digits(), &idx).unwrap();
+                    }
+                    let after = sent.load(std::sync::atomic::Ordering::Relaxed);
+                    ((after - before) / steps, param_values(&t.model))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    out.into_iter().unzip()
+}
+
+/// Stages 1 and 2 send per step what stage 0 sends, measured through a counting communicator
+/// on two replicas whose parameters fill the shards exactly: the reduce-scatter and the
+/// all-gather carry the gradient values the all-reduce carries, and only the few words of
+/// the loss, flags and checks differ. Each measurement equals what the plan counts
+/// ([`Zero::collectives`]), and each stage ends with the same weights on both replicas.
+fn zero_stages_send_the_bytes_of_stage_0(dev: &Device) {
+    // 64*128 + 128 + 128*128 + 128 elements: each parameter on a granule, the whole a
+    // multiple of two shards' granules, so no padding.
+    let widths = [64, 128, 128];
+    let numels = [64 * 128, 128, 128 * 128, 128];
+    let elements: usize = numels.iter().sum();
+    assert_eq!(ShardLayout::new(&numels, 2).unwrap().padded_len(), elements);
+    let planned = |zero: Zero| -> u64 {
+        zero.collectives(&numels, 2, StepCollectives::default())
+            .unwrap()
+            .iter()
+            .map(|c| c.sent_bytes)
+            .sum()
+    };
+    let mut sent = Vec::new();
+    for zero in [
+        Zero::OFF,
+        Zero::stage(1).unwrap(),
+        Zero::stage(2).unwrap().bucket_elements(5000).unwrap(),
+    ] {
+        let (bytes, weights) = bytes_sent_per_step(dev, &widths, zero);
+        assert_eq!(bytes[0], bytes[1], "{zero:?}: both replicas send alike");
+        assert_eq!(bytes[0], planned(zero), "{zero:?}: measured = planned");
+        assert_eq!(weights[0], weights[1], "{zero:?}: replicas hold the same bits");
+        sent.push(bytes[0]);
+    }
+    // The gradient values: one all-reduce of them against a reduce-scatter and an all-gather.
+    let values = |zero: Zero| -> u64 {
+        zero.collectives(&numels, 2, StepCollectives::default())
+            .unwrap()
+            .iter()
+            .filter(|c| c.what == "gradients" || c.what == "parameters")
+            .map(|c| c.sent_bytes)
+            .sum()
+    };
+    let stage0 = Zero::OFF.collectives(&numels, 2, StepCollectives::default()).unwrap();
+    assert_eq!(stage0[0].kind, CollectiveKind::AllReduce);
+    // The all-reduce's buffer is the gradients, the loss and one flag per parameter.
+    let control = 2 * (1 + numels.len() as u64) * 4 / 2;
+    assert_eq!(stage0[0].sent_bytes - control, values(Zero::stage(1).unwrap()));
+    assert_eq!(sent[1], sent[2], "stages 1 and 2 send alike");
+    let (s0, s1) = (sent[0] as f64, sent[1] as f64);
+    assert!(
+        (s1 - s0).abs() <= 1e-3 * s0,
+        "stage 1 sends {s1} bytes per step, stage 0 {s0}"
+    );
+    eprintln!(
+        "{}: bytes sent per replica per step, 2 replicas, {elements} parameters: stage 0 {}, \
+         stages 1 and 2 {}",
+        label(dev),
+        sent[0],
+        sent[1]
+    );
 }

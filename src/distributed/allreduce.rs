@@ -145,7 +145,7 @@ pub(super) fn new_grad(p: &Tensor, values: &[f32]) -> Result<Tensor> {
 }
 
 /// FNV-1a over the bits of `values`: the same sums on every member give the same hash.
-fn hash_values(values: &[f32]) -> u64 {
+pub(super) fn hash_values(values: &[f32]) -> u64 {
     crate::hash::Fnv1a::default()
         .words(values.iter().map(|v| u64::from(v.to_bits())))
         .finish()

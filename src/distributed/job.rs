@@ -5,14 +5,16 @@
 
 use super::allreduce::AllReduceStats;
 use super::comm::share_of;
-use super::zero::Zero;
+use super::zero::{RankPlans, StepCollectives, Zero};
+use crate::cli;
 use crate::nn::Module;
-use crate::train::{BatchSource, TrainModel, Trainer};
+use crate::train::{BatchSource, Plan, RunPlan, TrainModel, Trainer};
 use crate::{Error, Result};
 use std::io::Write;
 use std::ops::Range;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 /// This process's part in a training run.
 #[non_exhaustive]
@@ -176,6 +178,80 @@ impl Job {
             trainer.save_checkpoint(path, epochs_done)
         } else {
             trainer.optimizer.checkpoint_state().map(drop)
+        }
+    }
+
+    /// Prints the run's plan (`--plan`) on rank 0 ([`cli::print_plan`]); on an MPI rank also
+    /// every rank's planned device bytes and the step's collectives ([`RankPlans`], under
+    /// `per_rank` in the JSON). Call it on every rank at the same point.
+    pub fn print_plan<M: Module>(
+        &self,
+        trainer: &Trainer<M>,
+        run: &RunPlan,
+        zero: Zero,
+        json: bool,
+        planned_in: Duration,
+    ) -> Result<()> {
+        let ranks = self.rank_plans(trainer, &run.step, zero)?;
+        if !self.is_root() {
+            return Ok(());
+        }
+        if json {
+            let mut j = cli::plan_json(run, planned_in);
+            if let Some(r) = &ranks {
+                j["per_rank"] = serde_json::to_value(r).unwrap_or_default();
+            }
+            println!("{j}");
+        } else {
+            cli::print_plan(run, false, planned_in);
+            if let Some(r) = &ranks {
+                print!("{r}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Every rank's plan of its step (`plan` is this rank's) and the step's collectives at
+    /// stage `zero`; nothing for one process. Call it on every rank at the same point.
+    pub fn rank_plans<M: Module>(
+        &self,
+        trainer: &Trainer<M>,
+        plan: &Plan,
+        zero: Zero,
+    ) -> Result<Option<RankPlans>> {
+        let numels: Vec<usize> = trainer.model.parameters().iter().map(|p| p.numel()).collect();
+        let step = StepCollectives {
+            clipping: trainer.config().clip_grad_norm.is_some(),
+            finite_check_every: match trainer.scaler() {
+                Some(_) => 1,
+                None => trainer.config().check_finite_every,
+            },
+        };
+        match self {
+            Job::Single => {
+                let _ = (plan, zero, numels, step);
+                Ok(None)
+            }
+            #[cfg(feature = "mpi")]
+            Job::Mpi(m) => {
+                let mut comm = m.communicator()?;
+                RankPlans::gather(&mut comm, plan, &numels, zero, step).map(Some)
+            }
+        }
+    }
+
+    /// A hash of every rank's parameter values (FNV-1a over their bits), rank after rank: the
+    /// same on every rank when the replicas hold the same bits. Call it on every rank at the
+    /// same point (one small all-gather); one process gets its own hash.
+    pub fn weight_hashes(&self, model: &dyn Module) -> Result<Vec<u64>> {
+        let own = super::allreduce::hash_values(&super::allreduce::parameter_values(model)?);
+        match self {
+            Job::Single => Ok(vec![own]),
+            #[cfg(feature = "mpi")]
+            Job::Mpi(m) => {
+                use super::comm::Communicator as _;
+                m.communicator()?.all_gather(&[own])
+            }
         }
     }
 

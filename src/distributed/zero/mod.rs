@@ -15,13 +15,16 @@
 //!
 //! A reduce-scatter plus an all-gather move what one all-reduce moves (a ring counts
 //! (N-1)/N of the buffer for each, 2(N-1)/N for the all-reduce), so stages 1 and 2 send the
-//! bytes of stage 0.
+//! bytes of stage 0, less the loss and flags the all-reduce carries and plus the shards'
+//! padding ([`Zero::collectives`] counts each collective).
 
 mod layout;
 mod optimizer;
+mod plan;
 
 pub use layout::{Piece, ShardLayout, GRANULE};
 pub use optimizer::ZeroOptimizer;
+pub use plan::{Collective, CollectiveKind, RankPlan, RankPlans, StepCollectives};
 
 use super::allreduce::{check_same_run, copy_from_rank0, gather, new_grad, write_into};
 use super::comm::{share_of, Communicator};
@@ -111,19 +114,6 @@ impl Zero {
     /// Elements per stage-2 bucket.
     pub fn bucket(&self) -> usize {
         self.bucket
-    }
-
-    /// Bytes one replica sends per step for `elements` gradient elements over `ranks`
-    /// replicas, counted as a ring moves them: an all-reduce 2(N-1)/N of its buffer (stage 0),
-    /// a reduce-scatter and an all-gather (N-1)/N each (stages 1 and 2), f32 values.
-    pub fn bytes_sent_per_step(&self, elements: usize, ranks: usize) -> u64 {
-        let n = ranks.max(1) as u64;
-        let bytes = if self.stage == 0 {
-            elements as u64 * 4
-        } else {
-            ShardLayout::new(&[elements], ranks.max(1)).map_or(0, |l| l.padded_len() as u64 * 4)
-        };
-        2 * (n - 1) * bytes / n
     }
 }
 
