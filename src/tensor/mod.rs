@@ -329,6 +329,12 @@ impl Tensor {
         &self.alloc.block
     }
 
+    /// Whether `other` is this tensor's memory with this shape (the same parameter, however
+    /// many handles hold it).
+    pub(crate) fn is_same(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.alloc, &other.alloc) && self.shape == other.shape
+    }
+
     /// Elements `start..start + len` of this tensor's memory as a 1-D tensor that shares it
     /// (writes through either change both; the view keeps the memory alive), without graph:
     /// the update of a shard of the parameters that starts or ends inside a tensor. The range

@@ -131,6 +131,8 @@ pub struct ZeroSync<C> {
     /// The last step exchanged: its shard sums, loss and which parameters have a gradient,
     /// reapplied when the trainer redoes that step.
     last: Option<(u64, Vec<f32>, f32, Vec<bool>)>,
+    /// The model's index of each of the optimizer's parameters (the layout's order).
+    order: Vec<usize>,
     stats: Arc<Mutex<AllReduceStats>>,
 }
 
@@ -249,7 +251,13 @@ impl<C: Communicator> GradientSync for ZeroSync<C> {
         share_of(n, self.rank, l.ranks())
     }
 
-    fn reduce(&mut self, step: u64, params: &[Tensor], loss: &Tensor) -> Result<()> {
+    fn reduce(&mut self, step: u64, model_params: &[Tensor], loss: &Tensor) -> Result<()> {
+        let params: Vec<Tensor> = self
+            .order
+            .iter()
+            .map(|&m| model_params[m].clone())
+            .collect();
+        let params = &params[..];
         let planning = self.device.is_planning();
         if planning || !matches!(&self.last, Some((s, ..)) if *s == step) {
             self.exchange(step, params, loss)?;
@@ -341,7 +349,21 @@ pub fn attach_zero<M: Module, C: Communicator + 'static>(
     }
     check_same_run(trainer, &mut comm, &[format!("zero stage {}", zero.stage)])?;
     copy_from_rank0(trainer, &mut comm)?;
-    let params = trainer.model.parameters();
+    // The shards follow the optimizer's order of the parameters (its groups may reorder the
+    // model's), so its per-parameter settings and its state's names stay its own.
+    let model_params = trainer.model.parameters();
+    let params: Vec<Tensor> = trainer.optimizer.params().to_vec();
+    let order = params
+        .iter()
+        .map(|p| model_params.iter().position(|m| m.is_same(p)))
+        .collect::<Option<Vec<usize>>>()
+        .filter(|o| o.len() == model_params.len())
+        .ok_or_else(|| Error::InvalidArgument {
+            op,
+            reason: "the optimizer does not hold exactly the model's parameters; ZeRO shards \
+                     the parameters the optimizer updates"
+                .into(),
+        })?;
     let numels: Vec<usize> = params.iter().map(Tensor::numel).collect();
     let layout = Arc::new(ShardLayout::new(&numels, comm.size())?);
     let pieces = layout.pieces(comm.rank());
@@ -380,6 +402,7 @@ pub fn attach_zero<M: Module, C: Communicator + 'static>(
         device,
         rank,
         last: None,
+        order,
         stats: stats.clone(),
     })));
     Ok(stats)

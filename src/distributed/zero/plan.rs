@@ -15,8 +15,11 @@ use std::fmt;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum CollectiveKind {
+    /// Every rank ends with the sum: 2(N-1)/N of the buffer sent.
     AllReduce,
+    /// Each rank ends with its part of the sum: (N-1)/N sent.
     ReduceScatter,
+    /// Each rank ends with every rank's part: (N-1)/N sent.
     AllGather,
 }
 
@@ -25,6 +28,7 @@ pub enum CollectiveKind {
 pub struct Collective {
     /// What it carries.
     pub what: &'static str,
+    /// How it moves the buffer.
     pub kind: CollectiveKind,
     /// The bytes of the whole result (the all-reduced buffer; every rank's parts together).
     pub buffer_bytes: u64,
@@ -126,12 +130,17 @@ impl Zero {
 /// One rank's planned device bytes at its step's peak.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct RankPlan {
+    /// The rank.
     pub rank: usize,
+    /// Parameters alive at the peak.
     pub parameters: u64,
+    /// Gradients alive at the peak.
     pub gradients: u64,
+    /// Optimizer state alive at the peak.
     pub optimizer_state: u64,
-    /// The step's peak in use and reserved.
+    /// The step's peak in use.
     pub peak: u64,
+    /// The step's peak reserved.
     pub peak_reserved: u64,
 }
 
@@ -163,14 +172,18 @@ impl RankPlan {
 /// Every rank's plan and the step's collectives: what `--plan` prints for a data-parallel run.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct RankPlans {
+    /// The ZeRO stage.
     pub zero_stage: u8,
+    /// Every rank's plan, rank 0 first.
     pub ranks: Vec<RankPlan>,
+    /// The collectives of one step.
     pub collectives: Vec<Collective>,
     /// The bytes each rank sends per step, all collectives together.
     pub bytes_sent_per_step: u64,
 }
 
 impl RankPlans {
+    /// The plans of `ranks` at `zero` with a step's `collectives`, their bytes summed.
     pub fn new(zero: Zero, ranks: Vec<RankPlan>, collectives: Vec<Collective>) -> RankPlans {
         RankPlans {
             zero_stage: zero.number(),
