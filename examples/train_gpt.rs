@@ -567,7 +567,13 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
     drop(phases);
     let plan = run_plan.step.clone();
     if args.plan {
-        dist.print_plan(&trainer, &run_plan, setup.zero, args.json, planning.elapsed())?;
+        dist.print_plan(
+            &trainer,
+            &run_plan,
+            setup.zero,
+            args.json,
+            planning.elapsed(),
+        )?;
         return Ok(Report {
             train_loss: f32::NAN,
             valid_loss: f32::NAN,

@@ -194,7 +194,10 @@ pub fn print_plan(run: &crate::train::RunPlan, json: bool, planned_in: std::time
 
 /// The JSON object of [`print_plan`]: the step's fields at the top, the whole run's phases
 /// and peaks under "run", and the planning time.
-pub fn plan_json(run: &crate::train::RunPlan, planned_in: std::time::Duration) -> serde_json::Value {
+pub fn plan_json(
+    run: &crate::train::RunPlan,
+    planned_in: std::time::Duration,
+) -> serde_json::Value {
     let mut j = serde_json::to_value(&run.step).unwrap_or_default();
     j["run"] = serde_json::json!({
         "phases": run.phases,

@@ -604,7 +604,11 @@ impl<C: Communicator> Communicator for Counting<C> {
 
 /// The bytes each of two replicas sends per step at `zero`, measured over the batches' steps
 /// (the set-up's checks not counted), and the replicas' final weights.
-fn bytes_sent_per_step(dev: &Device, widths: &[usize], zero: Zero) -> (Vec<u64>, Vec<Vec<Vec<f32>>>) {
+fn bytes_sent_per_step(
+    dev: &Device,
+    widths: &[usize],
+    zero: Zero,
+) -> (Vec<u64>, Vec<Vec<Vec<f32>>>) {
     let (_, comms) = LocalGroup::new(2, Duration::from_secs(60)).unwrap();
     let config = TrainerConfig::new(13, 1, 1e-2);
     let steps = batches().len() as u64;
@@ -664,7 +668,10 @@ fn zero_stages_send_the_bytes_of_stage_0(dev: &Device) {
         let (bytes, weights) = bytes_sent_per_step(dev, &widths, zero);
         assert_eq!(bytes[0], bytes[1], "{zero:?}: both replicas send alike");
         assert_eq!(bytes[0], planned(zero), "{zero:?}: measured = planned");
-        assert_eq!(weights[0], weights[1], "{zero:?}: replicas hold the same bits");
+        assert_eq!(
+            weights[0], weights[1],
+            "{zero:?}: replicas hold the same bits"
+        );
         sent.push(bytes[0]);
     }
     // The gradient values: one all-reduce of them against a reduce-scatter and an all-gather.
@@ -676,11 +683,16 @@ fn zero_stages_send_the_bytes_of_stage_0(dev: &Device) {
             .map(|c| c.sent_bytes)
             .sum()
     };
-    let stage0 = Zero::OFF.collectives(&numels, 2, StepCollectives::default()).unwrap();
+    let stage0 = Zero::OFF
+        .collectives(&numels, 2, StepCollectives::default())
+        .unwrap();
     assert_eq!(stage0[0].kind, CollectiveKind::AllReduce);
     // The all-reduce's buffer is the gradients, the loss and one flag per parameter.
     let control = 2 * (1 + numels.len() as u64) * 4 / 2;
-    assert_eq!(stage0[0].sent_bytes - control, values(Zero::stage(1).unwrap()));
+    assert_eq!(
+        stage0[0].sent_bytes - control,
+        values(Zero::stage(1).unwrap())
+    );
     assert_eq!(sent[1], sent[2], "stages 1 and 2 send alike");
     let (s0, s1) = (sent[0] as f64, sent[1] as f64);
     assert!(

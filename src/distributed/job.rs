@@ -219,7 +219,12 @@ impl Job {
         plan: &Plan,
         zero: Zero,
     ) -> Result<Option<RankPlans>> {
-        let numels: Vec<usize> = trainer.model.parameters().iter().map(|p| p.numel()).collect();
+        let numels: Vec<usize> = trainer
+            .model
+            .parameters()
+            .iter()
+            .map(|p| p.numel())
+            .collect();
         let step = StepCollectives {
             clipping: trainer.config().clip_grad_norm.is_some(),
             finite_check_every: match trainer.scaler() {

@@ -93,12 +93,7 @@ impl Zero {
         if self.stage == 0 {
             let values = numels.iter().sum::<usize>() + 1 + numels.len();
             return Ok(vec![
-                Collective::new(
-                    "gradients, loss and flags",
-                    AllReduce,
-                    values as u64 * 4,
-                    n,
-                ),
+                Collective::new("gradients, loss and flags", AllReduce, values as u64 * 4, n),
                 Collective::new("check of the sums", AllGather, words(3), n),
             ]);
         }
@@ -243,7 +238,10 @@ impl fmt::Display for RankPlans {
                 Bytes(r.peak_reserved).to_string()
             )?;
         }
-        writeln!(f, "collectives of a step (each rank sends, as a ring moves it):")?;
+        writeln!(
+            f,
+            "collectives of a step (each rank sends, as a ring moves it):"
+        )?;
         for c in &self.collectives {
             let kind = match c.kind {
                 CollectiveKind::AllReduce => "all-reduce",
