@@ -360,7 +360,7 @@ fn shard_layout_covers_every_element_once() {
         for ranks in [1usize, 2, 3, 4] {
             let l = ShardLayout::new(numels, ranks).unwrap();
             assert_eq!(l.padded_len(), l.shard_len() * ranks);
-            assert!(l.shard_len() % GRANULE == 0);
+            assert!(l.shard_len().is_multiple_of(GRANULE));
             // Plain loop: the owner and position of each element of each parameter.
             let mut seen: Vec<Vec<u32>> = numels.iter().map(|&n| vec![0; n]).collect();
             for r in 0..ranks {

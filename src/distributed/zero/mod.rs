@@ -140,7 +140,7 @@ pub struct ZeroSync<C> {
 /// elements each (stage 2), or one range of all of them (stage 1).
 fn buckets(numels: &[usize], zero: Zero) -> Vec<Range<usize>> {
     if zero.stage < 2 {
-        return vec![0..numels.len()];
+        return std::iter::once(0..numels.len()).collect();
     }
     let mut out = Vec::new();
     let mut end = numels.len();

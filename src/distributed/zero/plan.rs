@@ -107,12 +107,17 @@ impl Zero {
                 n,
             ),
         ];
-        if step.finite_check_every > 0 {
-            // Counted per step: one all-gather every `finite_check_every` steps.
-            let mut c = Collective::new("finite check", AllGather, words(1), n);
-            c.buffer_bytes /= step.finite_check_every;
-            c.sent_bytes /= step.finite_check_every;
-            out.push(c);
+        // Counted per step: one all-gather every `finite_check_every` steps.
+        let check = Collective::new("finite check", AllGather, words(1), n);
+        if let (Some(buffer_bytes), Some(sent_bytes)) = (
+            check.buffer_bytes.checked_div(step.finite_check_every),
+            check.sent_bytes.checked_div(step.finite_check_every),
+        ) {
+            out.push(Collective {
+                buffer_bytes,
+                sent_bytes,
+                ..check
+            });
         }
         if step.clipping {
             out.push(Collective::new("gradient norm", AllGather, words(1), n));
