@@ -35,7 +35,7 @@ use clap::Parser;
 use fitgrad::checkpoint::Expect;
 use fitgrad::cli::{self, MAX_BATCH, MAX_EPOCHS, MAX_LAYERS, MAX_WIDTH};
 use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner};
-use fitgrad::distributed::Job;
+use fitgrad::distributed::{Job, Zero};
 use fitgrad::nn::{self, Dropout, LayerNorm, Linear, Module, Unit};
 use fitgrad::optim::quant8::f32_adamw_state_bytes;
 use fitgrad::optim::{AdamW, Optimizer};
@@ -140,6 +140,12 @@ pub struct Args {
     /// with the same flags; with dropout each rank draws its own masks, as micro-batches do.
     #[arg(long)]
     distributed: Option<String>,
+    /// ZeRO stage under --distributed mpi: 0 replicates everything (plain data parallelism),
+    /// 1 keeps each rank's shard of the optimizer state only, 2 also its shard of the summed
+    /// gradients; the weights are those of stage 0. 3 (sharded parameters) is not available
+    /// yet. One process holds every shard, so the stage changes nothing there.
+    #[arg(long)]
+    zero: Option<String>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -320,6 +326,7 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
         ($($t:tt)*) => { if root { println!($($t)*); } };
     }
     let precision: Precision = args.precision.parse()?;
+    let zero = Zero::from_flag(args.zero.as_deref())?;
     if precision == Precision::F16 {
         return Err(invalid(
             "this example keeps f32 master weights: --precision f32 or mixed".into(),
@@ -517,7 +524,7 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
         trainer.fit_to_budget(&train, b)?;
     }
     // Fitted to the whole batch as on one process; a rank refits to its share.
-    let all_reduce = dist.join(&mut trainer, &train)?;
+    let all_reduce = dist.join_zero(&mut trainer, &train, zero)?;
     if let Some(b) = budget {
         let micro = trainer.micro_batch();
         say!(
@@ -551,9 +558,7 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
     drop(phases);
     let plan = run_plan.step.clone();
     if args.plan {
-        if root {
-            cli::print_plan(&run_plan, args.json, planning.elapsed());
-        }
+        dist.print_plan(&trainer, &run_plan, zero, args.json, planning.elapsed())?;
         return Ok(());
     }
     if args.prealloc {
@@ -688,11 +693,17 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
             report.log_eval(trainer.steps(), Some(epoch), "test", &e);
             eval_secs += eval_start.elapsed().as_secs_f64();
         }
-        if let (Some(path), true) = (&args.save, root) {
-            trainer.save_checkpoint(path, epoch + 1)?;
+        // Every rank joins (a ZeRO rank holds a shard of the optimizer state); rank 0 writes.
+        if let Some(path) = &args.save {
+            dist.save_checkpoint(&trainer, path, epoch + 1)?;
         }
     }
     device.sync()?;
+    // Each rank's weights, hashed: the report shows whether the replicas hold the same bits.
+    let rank_hashes = match dist.size() > 1 {
+        true => Some(dist.weight_hashes(&trainer.model)?),
+        false => None,
+    };
     if !root {
         return Ok(());
     }
@@ -803,6 +814,8 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
             "samples_per_s": samples_per_s,
         });
         dist.add_to_json(&mut j, all_reduce.as_ref());
+        j["zero_stage"] = zero.number().into();
+        j["rank_weight_hashes"] = rank_hashes.into();
         println!("{j}");
     }
     Ok(())

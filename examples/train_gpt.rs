@@ -17,7 +17,7 @@
 use clap::Parser;
 use fitgrad::checkpoint::Expect;
 use fitgrad::cli::{self, MAX_BATCH, MAX_LAYERS, MAX_SAMPLE_LEN, MAX_STEPS, MAX_WIDTH};
-use fitgrad::distributed::Job;
+use fitgrad::distributed::{Job, Zero};
 use fitgrad::nn::{AttentionKind, Gpt, GptConfig, Module};
 use fitgrad::optim::quant8::f32_adamw_state_bytes;
 use fitgrad::optim::{decay_groups, AdamW, LrSchedule};
@@ -150,6 +150,12 @@ pub struct Args {
     /// are those of one process with the same flags.
     #[arg(long)]
     pub distributed: Option<String>,
+    /// ZeRO stage under --distributed mpi: 0 replicates everything (plain data parallelism),
+    /// 1 keeps each rank's shard of the optimizer state only, 2 also its shard of the summed
+    /// gradients; the weights are those of stage 0. 3 (sharded parameters) is not available
+    /// yet. One process holds every shard, so the stage changes nothing there.
+    #[arg(long)]
+    pub zero: Option<String>,
 }
 
 /// What a run ends with.
@@ -181,6 +187,8 @@ pub struct Setup {
     valid_head: TextDataset,
     cfg: GptConfig,
     precision: Precision,
+    /// The ZeRO stage under --distributed mpi.
+    zero: Zero,
     budget: Option<u64>,
     fit_auto: bool,
     /// `--offload`: (optimizer offloaded, parameters streamed).
@@ -203,6 +211,7 @@ fn invalid(reason: String) -> Error {
 /// Checks every flag and loads the text, before any device work.
 pub fn prepare(args: &Args) -> Result<Setup> {
     let precision: Precision = args.precision.parse()?;
+    let zero = Zero::from_flag(args.zero.as_deref())?;
     let attention = match args.attention.as_str() {
         "auto" => AttentionKind::Auto,
         "fused" => AttentionKind::Fused,
@@ -338,6 +347,7 @@ pub fn prepare(args: &Args) -> Result<Setup> {
         valid_head,
         cfg,
         precision,
+        zero,
         budget,
         fit_auto,
         offload,
@@ -502,7 +512,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
     };
     trainer.set_data_identity(setup.identity.clone());
     // Fitted to the whole batch as on one process; a rank refits to its share.
-    let all_reduce = dist.join(&mut trainer, &setup.train)?;
+    let all_reduce = dist.join_zero(&mut trainer, &setup.train, setup.zero)?;
     // What `--fit auto` chose, for the JSON line (null without it).
     let fit_json = choice.as_ref().map(|c| {
         serde_json::json!({
@@ -573,9 +583,13 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
     drop(phases);
     let plan = run_plan.step.clone();
     if args.plan {
-        if root {
-            cli::print_plan(&run_plan, args.json, planning.elapsed());
-        }
+        dist.print_plan(
+            &trainer,
+            &run_plan,
+            setup.zero,
+            args.json,
+            planning.elapsed(),
+        )?;
         return Ok(Report {
             train_loss: f32::NAN,
             valid_loss: f32::NAN,
@@ -739,8 +753,12 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
                     setup.valid_head.len()
                 )
             });
+        }
+        // Every rank joins the save (a ZeRO rank holds a shard of the optimizer state);
+        // rank 0, which evaluated, writes.
+        if args.eval_every > 0 && done % args.eval_every == 0 && done < args.steps {
             if let Some(path) = &args.save {
-                trainer.save_checkpoint(path, 0)?;
+                dist.save_checkpoint(&trainer, path, 0)?;
             }
         }
         let events = trainer.take_events();
@@ -751,7 +769,16 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
     }
     bar.finish();
     device.sync()?;
+    // Each rank's weights, hashed: the report shows whether the replicas hold the same bits.
+    let rank_hashes = match dist.size() > 1 {
+        true => Some(dist.weight_hashes(&trainer.model)?),
+        false => None,
+    };
     if !root {
+        // Joins rank 0's final save, written once its validation loss is finite.
+        if let Some(path) = &args.save {
+            dist.save_checkpoint(&trainer, path, 0)?;
+        }
         return Ok(Report {
             train_loss,
             valid_loss: f32::NAN,
@@ -773,7 +800,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         .evaluate(&setup.valid, eval_batch(&trainer))?
         .finite(trainer.steps(), "validation")?;
     if let Some(path) = &args.save {
-        trainer.save_checkpoint(path, 0)?;
+        dist.save_checkpoint(&trainer, path, 0)?;
     }
     report.log_eval(trainer.steps(), None, "validation", &valid);
     let valid_loss = valid.loss;
@@ -888,6 +915,8 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             "tokens_per_s": tokens_per_s,
         });
         dist.add_to_json(&mut j, all_reduce.as_ref());
+        j["zero_stage"] = setup.zero.number().into();
+        j["rank_weight_hashes"] = rank_hashes.into();
         println!("{j}");
     }
     Ok(Report {

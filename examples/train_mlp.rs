@@ -10,7 +10,7 @@ use clap::Parser;
 use fitgrad::checkpoint::Expect;
 use fitgrad::cli::{self, MAX_BATCH, MAX_EPOCHS};
 use fitgrad::compress::{PruneConfig, PruneSchedule, Pruner, QuantizedMlp};
-use fitgrad::distributed::Job;
+use fitgrad::distributed::{Job, Zero};
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::quant8::f32_adamw_state_bytes;
 use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
@@ -122,6 +122,12 @@ pub struct Args {
     /// and saves.
     #[arg(long)]
     distributed: Option<String>,
+    /// ZeRO stage under --distributed mpi: 0 replicates everything (plain data parallelism),
+    /// 1 keeps each rank's shard of the optimizer state only, 2 also its shard of the summed
+    /// gradients; the weights are those of stage 0. 3 (sharded parameters) is not available
+    /// yet. One process holds every shard, so the stage changes nothing there.
+    #[arg(long)]
+    zero: Option<String>,
     /// Prune the weights by magnitude to this sparsity in [0, 1) during training (cubic
     /// schedule from 5% to 60% of the steps), and report the sparsity of each layer.
     #[arg(long)]
@@ -146,6 +152,7 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     }
     // Every argument is checked before any device work.
     let precision: Precision = args.precision.parse()?;
+    let zero = Zero::from_flag(args.zero.as_deref())?;
     let act: Activation = args.activation.parse()?;
     let budget = args
         .memory_budget
@@ -354,7 +361,7 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     };
     trainer.set_data_identity(identity);
     // Fitted to the whole batch as on one process; a rank refits to its share.
-    let all_reduce = dist.join(&mut trainer, &view)?;
+    let all_reduce = dist.join_zero(&mut trainer, &view, zero)?;
     // The pruner's masks (as many bytes as the weights) are made now, so the plan counts them;
     // under a budget the micro-batch is chosen again with them in use.
     let mut pruner = prune
@@ -400,9 +407,7 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     drop(phases);
     let plan = run_plan.step.clone();
     if args.plan {
-        if root {
-            cli::print_plan(&run_plan, args.json, planning.elapsed());
-        }
+        dist.print_plan(&trainer, &run_plan, zero, args.json, planning.elapsed())?;
         return Ok(());
     }
     if args.prealloc {
@@ -593,11 +598,17 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
             report.log_eval(trainer.steps(), Some(epoch), "test", &e);
             eval_secs += eval_start.elapsed().as_secs_f64();
         }
-        if let (Some(path), true) = (&args.save, root) {
-            trainer.save_checkpoint(path, epoch + 1)?;
+        // Every rank joins (a ZeRO rank holds a shard of the optimizer state); rank 0 writes.
+        if let Some(path) = &args.save {
+            dist.save_checkpoint(&trainer, path, epoch + 1)?;
         }
     }
     device.sync()?;
+    // Each rank's weights, hashed: the report shows whether the replicas hold the same bits.
+    let rank_hashes = match dist.size() > 1 {
+        true => Some(dist.weight_hashes(&trainer.model)?),
+        false => None,
+    };
     if !root {
         return Ok(());
     }
@@ -725,6 +736,8 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
             "samples_per_s": samples_per_s,
         });
         dist.add_to_json(&mut j, all_reduce.as_ref());
+        j["zero_stage"] = zero.number().into();
+        j["rank_weight_hashes"] = rank_hashes.into();
         println!("{j}");
     }
     Ok(())

@@ -323,7 +323,7 @@ impl Checkpoint {
             m.insert(format!("{CONFIG_PREFIX}{k}"), v);
         }
         if let Some(opt) = optimizer {
-            let s = opt.state();
+            let s = opt.checkpoint_state()?;
             for (name, t) in &s.tensors {
                 put(format!("{OPTIM_PREFIX}{name}"), t)?;
             }

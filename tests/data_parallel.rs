@@ -8,7 +8,8 @@
 mod common;
 
 use common::*;
-use fitgrad::distributed::{share_of, Communicator, DataParallel, LocalGroup};
+use fitgrad::distributed::zero::{CollectiveKind, ShardLayout, StepCollectives, GRANULE};
+use fitgrad::distributed::{attach_zero, share_of, Communicator, DataParallel, LocalGroup, Zero};
 use fitgrad::memory::Category;
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::AdamW;
@@ -22,7 +23,11 @@ device_tests!(
     two_replicas_match_one_device,
     budgets_micro_batches_and_the_planned_buffer,
     a_different_model_is_refused,
-    a_failing_replica_stops_the_others
+    a_failing_replica_stops_the_others,
+    zero_stages_match_stage_0_and_one_device,
+    zero_with_clipping_and_mixed_precision_matches_one_device,
+    a_zero_checkpoint_resumes_on_other_replica_counts,
+    zero_stages_send_the_bytes_of_stage_0
 );
 
 const SEED: u64 = 3;
@@ -282,4 +287,423 @@ fn local_group_errors_instead_of_hanging() {
         .all(|e| matches!(e, Error::Distributed { .. })));
     assert!(group.failure().is_some());
     assert!(LocalGroup::new(0, Duration::from_secs(1)).is_err());
+}
+
+/// The flat collectives against plain loops, at 1, 2 and 3 members: the reduce-scatter gives
+/// each member its part of the rank-order sum (the all-reduce's bits), the all-gather every
+/// member's shard in rank order; a buffer that is not `size` shards is refused.
+#[test]
+fn flat_collectives_match_plain_loops() {
+    for size in [1usize, 2, 3] {
+        let shard = 257;
+        let (_group, members) = LocalGroup::new(size, Duration::from_secs(60)).unwrap();
+        let inputs: Vec<Vec<f32>> = (0..size)
+            .map(|r| host_data(10 + r as u64, shard * size, -1e3, 1e3))
+            .collect();
+        let mut sum = vec![0f32; shard * size];
+        for (k, s) in sum.iter_mut().enumerate() {
+            *s = inputs[0][k];
+            for v in &inputs[1..] {
+                *s += v[k];
+            }
+        }
+        let results: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+            let handles: Vec<_> = members
+                .into_iter()
+                .zip(&inputs)
+                .map(|(mut m, input)| {
+                    s.spawn(move || {
+                        let mut mine = vec![0f32; shard];
+                        m.reduce_scatter(input, &mut mine).unwrap();
+                        let mut all = vec![0f32; shard * m.size()];
+                        m.all_gather_f32(&mine, &mut all).unwrap();
+                        let mut reduced = input.clone();
+                        m.all_reduce_sum(&mut reduced).unwrap();
+                        let bad = m.reduce_scatter(input, &mut vec![0f32; shard + 1]);
+                        assert!(matches!(bad, Err(Error::InvalidArgument { .. })), "{bad:?}");
+                        (mine, all, reduced)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for (r, (mine, all, reduced)) in results.iter().enumerate() {
+            assert_eq!(
+                bits(mine),
+                bits(&sum[r * shard..(r + 1) * shard]),
+                "size {size} rank {r}"
+            );
+            assert_eq!(
+                bits(all),
+                bits(&sum),
+                "size {size} rank {r}: the all-gather"
+            );
+            assert_eq!(
+                bits(reduced),
+                bits(&sum),
+                "size {size} rank {r}: the all-reduce"
+            );
+        }
+    }
+}
+
+/// Every element of every parameter lies in exactly one rank's shard, at the place the
+/// layout says, for counts not divisible by the ranks, empty and one-element tensors, one
+/// rank, and shards that start inside a tensor; every shard has the same length and every
+/// piece starts on a granule.
+#[test]
+fn shard_layout_covers_every_element_once() {
+    let lists: [&[usize]; 4] = [&[10, 300, 1, 0, 129], &[1], &[1024, 16, 160, 10], &[5000]];
+    let mut boundary_inside = false;
+    for numels in lists {
+        for ranks in [1usize, 2, 3, 4] {
+            let l = ShardLayout::new(numels, ranks).unwrap();
+            assert_eq!(l.padded_len(), l.shard_len() * ranks);
+            assert!(l.shard_len().is_multiple_of(GRANULE));
+            // Plain loop: the owner and position of each element of each parameter.
+            let mut seen: Vec<Vec<u32>> = numels.iter().map(|&n| vec![0; n]).collect();
+            for r in 0..ranks {
+                for pc in l.pieces(r) {
+                    assert!(
+                        pc.within.start % GRANULE == 0,
+                        "{numels:?} / {ranks}: {pc:?}"
+                    );
+                    assert!(pc.at + pc.within.len() <= l.shard_len());
+                    assert_eq!(
+                        l.offsets()[pc.param] + pc.within.start,
+                        r * l.shard_len() + pc.at
+                    );
+                    boundary_inside |= pc.within.start > 0;
+                    for k in pc.within.clone() {
+                        seen[pc.param][k] += 1;
+                    }
+                }
+            }
+            assert!(
+                seen.iter().flatten().all(|&c| c == 1),
+                "{numels:?} over {ranks}"
+            );
+            let end = l.offsets().last().unwrap() + numels.last().unwrap();
+            assert!(end <= l.padded_len());
+        }
+    }
+    assert!(boundary_inside, "some shard starts inside a tensor");
+    assert!(ShardLayout::new(&[3], 0).is_err());
+    assert!(matches!(Zero::stage(3), Err(Error::InvalidArgument { .. })));
+    assert!(Zero::from_flag(Some("x")).is_err());
+}
+
+/// Steps of three replicas at `zero`, returning the trained replicas.
+fn zero_run(dev: &Device, zero: Zero, config: &TrainerConfig) -> DataParallel<Mlp> {
+    let devices = [twin(dev, None), twin(dev, None), twin(dev, None)];
+    let mut dp =
+        DataParallel::with_zero(&devices, zero, |d| trainer(d, &WIDTHS, config.clone())).unwrap();
+    for (i, idx) in batches().iter().enumerate() {
+        dp.step(digits(), idx).unwrap();
+        dp.check_identical()
+            .unwrap_or_else(|e| panic!("{zero:?} after step {i} on {}: {e}", label(dev)));
+    }
+    dp
+}
+
+/// ZeRO stages 1 and 2 over three replicas (shard boundaries inside the first weight; stage 2
+/// in buckets of ~200 elements, so several) give stage 0's weights bit for bit and one
+/// device's within 1e-5; each replica plans and holds a third of the optimizer state and,
+/// in stage 2, its planned peak equals the measured one.
+fn zero_stages_match_stage_0_and_one_device(dev: &Device) {
+    let config = TrainerConfig::new(13, 1, 1e-2);
+    let mut single = trainer(dev, &WIDTHS, config.clone()).unwrap();
+    for idx in batches() {
+        single.step(digits(), &idx).unwrap();
+    }
+    let want = param_values(&single.model);
+    let mut dp0 = zero_run(dev, Zero::OFF, &config);
+    let base = param_values(dp0.model());
+    let state0 = dp0.replicas()[0].optimizer.state_bytes();
+    for zero in [
+        Zero::stage(1).unwrap(),
+        Zero::stage(2).unwrap().bucket_elements(200).unwrap(),
+    ] {
+        let mut dp = zero_run(dev, zero, &config);
+        let got = param_values(dp.model());
+        let bits = |v: &[Vec<f32>]| v.concat().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&got),
+            bits(&base),
+            "{zero:?}: weights differ from stage 0's"
+        );
+        let worst = worst_rel_diff(&got, &want);
+        assert!(worst < 1e-5, "{zero:?} on {}: {worst:e}", label(dev));
+        let (a, b) = (dp.take_loss().unwrap(), dp0.take_loss().unwrap());
+        assert_eq!(
+            a.to_bits(),
+            b.to_bits(),
+            "{zero:?}: mean loss {a} against {b}"
+        );
+        for (r, t) in dp.replicas().iter().enumerate() {
+            let st = t.optimizer.state_bytes();
+            assert!(
+                3 * st <= state0 + 3 * 2 * 256 * 4,
+                "{zero:?} replica {r}: {st} of {state0}"
+            );
+        }
+        let plans = dp.plan(digits()).unwrap();
+        for (r, p) in plans.iter().enumerate() {
+            assert!(
+                3 * p.optimizer_state <= state0 + 3 * 2 * 256 * 4,
+                "replica {r}: {p}"
+            );
+        }
+        dp0.take_loss().ok();
+        dp0 = zero_run(dev, Zero::OFF, &config);
+    }
+}
+
+/// Stage 2 with gradient clipping (a norm over every replica's shard), in f32 and under mixed
+/// precision (loss scaling, the overflow decision shared), matches stage 0 within 1e-5 (and
+/// in f32 one device).
+fn zero_with_clipping_and_mixed_precision_matches_one_device(dev: &Device) {
+    let zero = Zero::stage(2).unwrap().bucket_elements(300).unwrap();
+    for mixed in [false, true] {
+        let mut config = TrainerConfig::new(13, 1, 1e-2).clip_grad_norm(0.05);
+        if mixed {
+            config = config.precision(fitgrad::train::Precision::Mixed);
+        }
+        let base = zero_run(dev, Zero::OFF, &config);
+        let dp = zero_run(dev, zero, &config);
+        let got = param_values(dp.model());
+        let worst = worst_rel_diff(&got, &param_values(base.model()));
+        assert!(
+            worst < 1e-5,
+            "mixed {mixed} on {}: {worst:e} from stage 0",
+            label(dev)
+        );
+        if !mixed {
+            let mut single = trainer(dev, &WIDTHS, config.clone()).unwrap();
+            for idx in batches() {
+                single.step(digits(), &idx).unwrap();
+            }
+            let worst = worst_rel_diff(&got, &param_values(&single.model));
+            assert!(worst < 1e-5, "{}: {worst:e} from one device", label(dev));
+        }
+    }
+}
+
+/// A ZeRO-2 checkpoint of three replicas holds the whole optimizer state (every tensor of one
+/// device's within 1e-5), and resumes on one device and on two ZeRO-1 replicas to the weights
+/// of an uninterrupted run; a state of another model is refused.
+fn a_zero_checkpoint_resumes_on_other_replica_counts(dev: &Device) {
+    let config = TrainerConfig::new(13, 1, 1e-2);
+    let b = batches();
+    let mut single = trainer(dev, &WIDTHS, config.clone()).unwrap();
+    for idx in &b[..2] {
+        single.step(digits(), idx).unwrap();
+    }
+    let tag: String = label(dev)
+        .chars()
+        .filter(char::is_ascii_alphanumeric)
+        .collect();
+    let dir = std::env::temp_dir().join(format!("fitgrad-zero-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (path, one) = (dir.join("zero.safetensors"), dir.join("one.safetensors"));
+    single.save_checkpoint(&one, 0).unwrap();
+    let devices = [twin(dev, None), twin(dev, None), twin(dev, None)];
+    let zero2 = Zero::stage(2).unwrap().bucket_elements(200).unwrap();
+    let mut dp =
+        DataParallel::with_zero(&devices, zero2, |d| trainer(d, &WIDTHS, config.clone())).unwrap();
+    for idx in &b[..2] {
+        dp.step(digits(), idx).unwrap();
+    }
+    dp.save_checkpoint(&path, 0).unwrap();
+    let (a, want) = (
+        fitgrad::checkpoint::load(&path).unwrap(),
+        fitgrad::checkpoint::load(&one).unwrap(),
+    );
+    let names = |c: &fitgrad::checkpoint::Checkpoint| c.tensors.keys().cloned().collect::<Vec<_>>();
+    assert_eq!(names(&a), names(&want));
+    for (k, t) in &want.tensors {
+        let worst = worst_rel_diff(&[a.tensors[k].to_f32()], &[t.to_f32()]);
+        assert!(worst < 1e-5, "{k}: {worst:e}");
+    }
+    for idx in &b[2..] {
+        single.step(digits(), idx).unwrap();
+    }
+    let want = param_values(&single.model);
+    let mut resumed = trainer(dev, &WIDTHS, config.clone()).unwrap();
+    resumed.resume_from(&path).unwrap();
+    let two = [twin(dev, None), twin(dev, None)];
+    let mut dp2 = DataParallel::with_zero(&two, Zero::stage(1).unwrap(), |d| {
+        trainer(d, &WIDTHS, config.clone())
+    })
+    .unwrap();
+    dp2.resume_from(&path).unwrap();
+    for idx in &b[2..] {
+        resumed.step(digits(), idx).unwrap();
+        dp2.step(digits(), idx).unwrap();
+    }
+    dp2.check_identical().unwrap();
+    for (what, got) in [
+        ("one device", param_values(&resumed.model)),
+        ("two replicas", param_values(dp2.model())),
+    ] {
+        let worst = worst_rel_diff(&got, &want);
+        assert!(worst < 1e-5, "{what} resumed on {}: {worst:e}", label(dev));
+    }
+    let mut other = DataParallel::with_zero(&two, Zero::stage(1).unwrap(), |d| {
+        trainer(d, &[64, 8, 10], config.clone())
+    })
+    .unwrap();
+    assert!(other.resume_from(&path).is_err());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A communicator that counts the bytes its member sends, as a ring moves them: 2(N-1)/N of
+/// an all-reduced buffer, (N-1)/N of a reduce-scattered or all-gathered one.
+struct Counting<C> {
+    inner: C,
+    sent: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl<C: Communicator> Counting<C> {
+    fn add(&self, ring_parts: u64, buffer_bytes: usize) {
+        let n = self.inner.size() as u64;
+        let b = ring_parts * (n - 1) * buffer_bytes as u64 / n;
+        self.sent.fetch_add(b, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl<C: Communicator> Communicator for Counting<C> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<()> {
+        self.add(2, buf.len() * 4);
+        self.inner.all_reduce_sum(buf)
+    }
+    fn broadcast(&mut self, buf: &mut [u8]) -> Result<()> {
+        self.add(1, buf.len() * self.inner.size());
+        self.inner.broadcast(buf)
+    }
+    fn all_gather(&mut self, values: &[u64]) -> Result<Vec<u64>> {
+        self.add(1, values.len() * 8 * self.inner.size());
+        self.inner.all_gather(values)
+    }
+    fn reduce_scatter(&mut self, buf: &[f32], shard: &mut [f32]) -> Result<()> {
+        self.add(1, buf.len() * 4);
+        self.inner.reduce_scatter(buf, shard)
+    }
+    fn all_gather_f32(&mut self, shard: &[f32], buf: &mut [f32]) -> Result<()> {
+        self.add(1, buf.len() * 4);
+        self.inner.all_gather_f32(shard, buf)
+    }
+}
+
+/// The bytes each of two replicas sends per step at `zero`, measured over the batches' steps
+/// (the set-up's checks not counted), and the replicas' final weights.
+fn bytes_sent_per_step(
+    dev: &Device,
+    widths: &[usize],
+    zero: Zero,
+) -> (Vec<u64>, Vec<Vec<Vec<f32>>>) {
+    let (_, comms) = LocalGroup::new(2, Duration::from_secs(60)).unwrap();
+    let config = TrainerConfig::new(13, 1, 1e-2);
+    let steps = batches().len() as u64;
+    let out: Vec<(u64, Vec<Vec<f32>>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                let config = config.clone();
+                s.spawn(move || {
+                    let d = twin(dev, None);
+                    let mut t = trainer(&d, widths, config).unwrap();
+                    let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+                    let counting = Counting {
+                        inner: comm,
+                        sent: sent.clone(),
+                    };
+                    attach_zero(&mut t, counting, zero).unwrap();
+                    let before = sent.load(std::sync::atomic::Ordering::Relaxed);
+                    for idx in batches() {
+                        t.step(digits(), &idx).unwrap();
+                    }
+                    let after = sent.load(std::sync::atomic::Ordering::Relaxed);
+                    ((after - before) / steps, param_values(&t.model))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    out.into_iter().unzip()
+}
+
+/// Stages 1 and 2 send per step what stage 0 sends, measured through a counting communicator
+/// on two replicas whose parameters fill the shards exactly: the reduce-scatter and the
+/// all-gather carry the gradient values the all-reduce carries, and only the few words of
+/// the loss, flags and checks differ. Each measurement equals what the plan counts
+/// ([`Zero::collectives`]), and each stage ends with the same weights on both replicas.
+fn zero_stages_send_the_bytes_of_stage_0(dev: &Device) {
+    // 64*128 + 128 + 128*128 + 128 elements: each parameter on a granule, the whole a
+    // multiple of two shards' granules, so no padding.
+    let widths = [64, 128, 128];
+    let numels = [64 * 128, 128, 128 * 128, 128];
+    let elements: usize = numels.iter().sum();
+    assert_eq!(ShardLayout::new(&numels, 2).unwrap().padded_len(), elements);
+    let planned = |zero: Zero| -> u64 {
+        zero.collectives(&numels, 2, StepCollectives::default())
+            .unwrap()
+            .iter()
+            .map(|c| c.sent_bytes)
+            .sum()
+    };
+    let mut sent = Vec::new();
+    for zero in [
+        Zero::OFF,
+        Zero::stage(1).unwrap(),
+        Zero::stage(2).unwrap().bucket_elements(5000).unwrap(),
+    ] {
+        let (bytes, weights) = bytes_sent_per_step(dev, &widths, zero);
+        assert_eq!(bytes[0], bytes[1], "{zero:?}: both replicas send alike");
+        assert_eq!(bytes[0], planned(zero), "{zero:?}: measured = planned");
+        assert_eq!(
+            weights[0], weights[1],
+            "{zero:?}: replicas hold the same bits"
+        );
+        sent.push(bytes[0]);
+    }
+    // The gradient values: one all-reduce of them against a reduce-scatter and an all-gather.
+    let values = |zero: Zero| -> u64 {
+        zero.collectives(&numels, 2, StepCollectives::default())
+            .unwrap()
+            .iter()
+            .filter(|c| c.what == "gradients" || c.what == "parameters")
+            .map(|c| c.sent_bytes)
+            .sum()
+    };
+    let stage0 = Zero::OFF
+        .collectives(&numels, 2, StepCollectives::default())
+        .unwrap();
+    assert_eq!(stage0[0].kind, CollectiveKind::AllReduce);
+    // The all-reduce's buffer is the gradients, the loss and one flag per parameter.
+    let control = 2 * (1 + numels.len() as u64) * 4 / 2;
+    assert_eq!(
+        stage0[0].sent_bytes - control,
+        values(Zero::stage(1).unwrap())
+    );
+    assert_eq!(sent[1], sent[2], "stages 1 and 2 send alike");
+    let (s0, s1) = (sent[0] as f64, sent[1] as f64);
+    assert!(
+        (s1 - s0).abs() <= 1e-3 * s0,
+        "stage 1 sends {s1} bytes per step, stage 0 {s0}"
+    );
+    eprintln!(
+        "{}: bytes sent per replica per step, 2 replicas, {elements} parameters: stage 0 {}, \
+         stages 1 and 2 {}",
+        label(dev),
+        sent[0],
+        sent[1]
+    );
 }

@@ -125,9 +125,11 @@ fn run_ok(mut cmd: Command, what: &str) -> String {
     text
 }
 
-/// Runs the example `name` with `args` as one process and as 2 MPI ranks, each saving a
-/// checkpoint (`--save`), and asserts that the two hold the same tensors (model and optimizer
-/// state) within 1e-5 relative and the same step.
+/// Runs the example `name` with `args` as one process and as 2 MPI ranks at each ZeRO stage of
+/// `stages` (`--zero`), each saving a checkpoint (`--save`), and asserts that each job's file
+/// holds the tensors of one process's (model and the whole optimizer state) within 1e-5
+/// relative and the same step, and that the two ranks end with the same bits (the hashes of
+/// their weights, in rank 0's JSON).
 ///
 /// `rounding_only` names elements (tensor, range) whose gradient is zero in exact arithmetic:
 /// AdamW turns their rounding, which any other order of additions changes, into updates, so
@@ -136,21 +138,42 @@ fn two_ranks_match_one_process(
     name: &str,
     args: &[String],
     rounding_only: &[(&str, Range<usize>)],
+    stages: &[u8],
 ) {
     let _one = one_job_at_a_time();
     let tmp = TempDir::new(name);
-    let (single, dist) = (
-        tmp.0.join("single.safetensors"),
-        tmp.0.join("dist.safetensors"),
-    );
+    let single = tmp.0.join("single.safetensors");
     let mut one = Command::new(example(name));
     one.args(args).arg("--save").arg(&single);
     run_ok(one, &format!("{name}, one process"));
-    let mut args = args.to_vec();
-    args.extend(["--json".into(), "--save".into(), dist.display().to_string()]);
+    for &stage in stages {
+        let dist = tmp.0.join(format!("zero{stage}.safetensors"));
+        let mut job = args.to_vec();
+        job.extend(["--zero".into(), stage.to_string()]);
+        job.extend(["--json".into(), "--save".into(), dist.display().to_string()]);
+        let started = Instant::now();
+        compare_job(name, &job, &single, &dist, rounding_only, stage);
+        eprintln!(
+            "{name} --zero {stage}: mpirun -np 2 took {:.1} s",
+            started.elapsed().as_secs_f64()
+        );
+    }
+}
+
+/// One 2-rank job of `example_name` with `args` (which save to `dist`) against one process's file
+/// `single`.
+fn compare_job(
+    example_name: &str,
+    args: &[String],
+    single: &Path,
+    dist: &Path,
+    rounding_only: &[(&str, Range<usize>)],
+    stage: u8,
+) {
+    let name = &format!("{example_name} --zero {stage}");
     // A loaded machine may keep one rank compiling kernels for a while: no timeout here.
     let text = run_ok(
-        mpirun(name, &args, &[("FITGRAD_DIST_TIMEOUT", "300")]),
+        mpirun(example_name, args, &[("FITGRAD_DIST_TIMEOUT", "300")]),
         &format!("{name}, mpirun -np 2"),
     );
     eprintln!("{text}");
@@ -158,9 +181,19 @@ fn two_ranks_match_one_process(
         text.contains("\"ranks\":2"),
         "rank 0 of {name} reports 2 ranks:\n{text}"
     );
+    assert!(
+        text.contains(&format!("\"zero_stage\":{stage}")),
+        "rank 0 of {name} reports its stage:\n{text}"
+    );
+    let hashes = rank_hashes(&text);
+    assert_eq!(hashes.len(), 2, "{name}: one weight hash per rank:\n{text}");
+    assert_eq!(
+        hashes[0], hashes[1],
+        "{name}: the two ranks' weights are not the same bits"
+    );
 
-    let a = fitgrad::checkpoint::load(&dist).unwrap();
-    let b = fitgrad::checkpoint::load(&single).unwrap();
+    let a = fitgrad::checkpoint::load(dist).unwrap();
+    let b = fitgrad::checkpoint::load(single).unwrap();
     assert_eq!(
         a.tensors.keys().collect::<Vec<_>>(),
         b.tensors.keys().collect::<Vec<_>>()
@@ -198,14 +231,28 @@ fn two_ranks_match_one_process(
     assert_eq!(a.metadata.get("step"), b.metadata.get("step"));
 }
 
-/// Two ranks and one process with the same flags save the same model and optimizer state.
+/// The ranks' weight hashes of rank 0's JSON line (`"rank_weight_hashes":[..]`).
+fn rank_hashes(text: &str) -> Vec<u64> {
+    let key = "\"rank_weight_hashes\":[";
+    let Some(at) = text.find(key) else {
+        return Vec::new();
+    };
+    let rest = &text[at + key.len()..];
+    rest[..rest.find(']').unwrap_or(0)]
+        .split(',')
+        .filter_map(|v| v.trim().parse().ok())
+        .collect()
+}
+
+/// Two ranks and one process with the same flags save the same model and optimizer state, at
+/// ZeRO stages 0, 1 and 2.
 #[test]
 fn two_ranks_give_the_weights_of_one_process() {
-    two_ranks_match_one_process("train_mlp", &flags(2), &[]);
+    two_ranks_match_one_process("train_mlp", &flags(2), &[], &[0, 1, 2]);
 }
 
 /// The same for the residual MLP defined in custom_model: the digits' last batch of 29 gives
-/// uneven shares (15 and 14); dropout 0, since each rank draws its own masks.
+/// uneven shares (15 and 14); dropout 0, since each rank draws its own masks. Stages 0, 1 and 2.
 #[test]
 fn custom_model_on_two_ranks_gives_the_weights_of_one_process() {
     let args = strings(&[
@@ -224,11 +271,11 @@ fn custom_model_on_two_ranks_gives_the_weights_of_one_process() {
         "--seed",
         "3",
     ]);
-    two_ranks_match_one_process("custom_model", &args, &[]);
+    two_ranks_match_one_process("custom_model", &args, &[], &[0, 1, 2]);
 }
 
 /// The same for train_gpt on a short text: clipping, an evaluation and a checkpoint mid-run
-/// (rank 0 only), and the sample at the end. The key bias (the middle third of qkv.bias) has a
+/// (rank 0 writes, every rank joins), and the sample at the end. The key bias (the middle third of qkv.bias) has a
 /// zero gradient, softmax ignoring what all scores of a row share, so it is left out. Both
 /// runs accumulate two micro-batches of 4, the ranks' shares: with one micro-batch of 8 a few
 /// elements of other tensors, whose gradients are as small as their rounding, also move apart
@@ -264,7 +311,7 @@ fn train_gpt_on_two_ranks_gives_the_weights_of_one_process() {
     ]);
     // dim 32: q, k and v biases are elements 0..32, 32..64 and 64..96.
     let key_bias = [("model.blocks.0.attn.qkv.bias", 32..64)];
-    two_ranks_match_one_process("train_gpt", &args, &key_bias);
+    two_ranks_match_one_process("train_gpt", &args, &key_bias, &[0, 1, 2]);
 }
 
 /// Sends `sig` to `pid` through the shell's own `kill` (no procps needed); whether it was sent.

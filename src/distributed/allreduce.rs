@@ -66,9 +66,9 @@ fn layout(tensors: &[Tensor]) -> (Vec<usize>, usize) {
     (offsets, total)
 }
 
-/// Copies `tensors` (absent ones as zeros) and then `extra` into one f32 buffer of the arena
+/// Copies `tensors` (absent ones, and gaps between `offsets`, as zeros) and then `extra` into one f32 buffer of the arena
 /// (counted as communication) and reads it back: `total + extra.len()` values, one readback.
-fn gather(
+pub(super) fn gather(
     device: &Device,
     tensors: &[Option<Tensor>],
     offsets: &[usize],
@@ -77,7 +77,12 @@ fn gather(
 ) -> Result<Vec<f32>> {
     let _c = device.category_scope(Category::Communication);
     let len = total + extra.map_or(0, Tensor::numel);
-    let flat = if tensors.iter().all(Option::is_some) {
+    let dense = offsets
+        .iter()
+        .zip(tensors)
+        .all(|(&o, t)| t.as_ref().is_some_and(|t| o + t.numel() <= total))
+        && tensors.iter().flatten().map(Tensor::numel).sum::<usize>() == total;
+    let flat = if dense {
         Tensor::uninit(device, Shape::new(&[len])?, DType::F32)?
     } else {
         Tensor::zeros(device, &[len], DType::F32)?
@@ -122,12 +127,12 @@ fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
 }
 
 /// Writes `values` into `t`'s memory (same element count), in `t`'s dtype.
-fn write_into(t: &Tensor, values: &[f32]) -> Result<()> {
+pub(super) fn write_into(t: &Tensor, values: &[f32]) -> Result<()> {
     t.device().upload(t.block(), &encode(values, t.dtype()))
 }
 
 /// A new gradient for `p` holding `values`, in `p`'s dtype, counted as a gradient.
-fn new_grad(p: &Tensor, values: &[f32]) -> Result<Tensor> {
+pub(super) fn new_grad(p: &Tensor, values: &[f32]) -> Result<Tensor> {
     let dev = p.device();
     let _c = dev.category_scope(Category::Gradients);
     match p.dtype() {
@@ -140,7 +145,7 @@ fn new_grad(p: &Tensor, values: &[f32]) -> Result<Tensor> {
 }
 
 /// FNV-1a over the bits of `values`: the same sums on every member give the same hash.
-fn hash_values(values: &[f32]) -> u64 {
+pub(super) fn hash_values(values: &[f32]) -> u64 {
     crate::hash::Fnv1a::default()
         .words(values.iter().map(|v| u64::from(v.to_bits())))
         .finish()
@@ -264,7 +269,7 @@ impl<C: Communicator> GradientSync for GradientAllReduce<C> {
 /// What must be equal on every member: the parameters' names, dtypes and shapes, the trainer's
 /// settings that change the math (precision, batch, accumulation, learning rate, schedule,
 /// clipping, finite checks) and the optimizer with its hyperparameters. One line each.
-fn describe<M: Module>(trainer: &Trainer<M>) -> Vec<String> {
+fn describe<M: Module>(trainer: &Trainer<M>, extra: &[String]) -> Vec<String> {
     let mut lines: Vec<String> = trainer
         .model
         .named_parameters()
@@ -284,13 +289,18 @@ fn describe<M: Module>(trainer: &Trainer<M>) -> Vec<String> {
     for (k, v) in trainer.optimizer.hyperparameters() {
         lines.push(format!("optimizer {k} = {v}"));
     }
+    lines.extend_from_slice(extra);
     lines
 }
 
 /// Every member's description hashes the same, or every member returns an error (rank 0's
 /// description is sent to the others, which name their first difference).
-fn check_same_run<M: Module>(trainer: &Trainer<M>, comm: &mut dyn Communicator) -> Result<()> {
-    let lines = describe(trainer);
+pub(super) fn check_same_run<M: Module>(
+    trainer: &Trainer<M>,
+    comm: &mut dyn Communicator,
+    extra: &[String],
+) -> Result<()> {
+    let lines = describe(trainer, extra);
     let text = lines.join("\n");
     let hashes = comm.all_gather(&[hash_bytes(text.as_bytes())])?;
     let differ: Vec<usize> = (0..comm.size())
@@ -339,6 +349,23 @@ pub(crate) fn parameter_values(model: &dyn Module) -> Result<Vec<f32>> {
     gather(first.device(), &present, &offsets, total, None)
 }
 
+/// Replaces every member's parameters by rank 0's.
+pub(super) fn copy_from_rank0<M: Module>(
+    trainer: &Trainer<M>,
+    comm: &mut dyn Communicator,
+) -> Result<()> {
+    let params = trainer.model.parameters();
+    let mut values = parameter_values(&trainer.model)?;
+    comm.broadcast(bytemuck::cast_slice_mut(&mut values))?;
+    if comm.rank() != 0 {
+        let (offsets, _) = layout(&params);
+        for (p, &o) in params.iter().zip(&offsets) {
+            write_into(p, &values[o..o + p.numel()])?;
+        }
+    }
+    Ok(())
+}
+
 /// Makes `trainer` one member of data-parallel training over `comm`: checks that every member
 /// holds the same model and settings (an [`Error::Distributed`] on every member otherwise),
 /// copies rank 0's parameters to the others, and installs the [`GradientAllReduce`]. Every
@@ -358,16 +385,8 @@ pub fn attach<M: Module, C: Communicator + 'static>(
             reason: "this trainer is already a data-parallel replica".into(),
         });
     }
-    check_same_run(trainer, &mut comm)?;
-    let params = trainer.model.parameters();
-    let mut values = parameter_values(&trainer.model)?;
-    comm.broadcast(bytemuck::cast_slice_mut(&mut values))?;
-    if comm.rank() != 0 {
-        let (offsets, _) = layout(&params);
-        for (p, &o) in params.iter().zip(&offsets) {
-            write_into(p, &values[o..o + p.numel()])?;
-        }
-    }
+    check_same_run(trainer, &mut comm, &[])?;
+    copy_from_rank0(trainer, &mut comm)?;
     let stats = Arc::new(Mutex::new(AllReduceStats::default()));
     trainer.set_gradient_sync(Some(Box::new(GradientAllReduce {
         comm,

@@ -23,6 +23,26 @@ pub trait Communicator: Send {
     fn broadcast(&mut self, buf: &mut [u8]) -> Result<()>;
     /// Every member's `values` (same length on each), rank after rank.
     fn all_gather(&mut self, values: &[u64]) -> Result<Vec<u64>>;
+    /// Sets `shard` to this member's part of the elementwise sum of every member's `buf`:
+    /// `buf` is `size()` equal parts (`buf.len() == size() * shard.len()`), part `r` summed
+    /// lands on member `r`. Each part is summed as [`Communicator::all_reduce_sum`] would.
+    fn reduce_scatter(&mut self, buf: &[f32], shard: &mut [f32]) -> Result<()>;
+    /// Sets `buf` to every member's `shard` (same length on each), rank after rank
+    /// (`buf.len() == size() * shard.len()`): the same bits on every member.
+    fn all_gather_f32(&mut self, shard: &[f32], buf: &mut [f32]) -> Result<()>;
+}
+
+/// `Err` unless `buf` is `size` parts of `shard`'s length (what both flat collectives need).
+pub(crate) fn check_parts(op: &'static str, buf: usize, shard: usize, size: usize) -> Result<()> {
+    if shard.checked_mul(size) == Some(buf) {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument {
+        op,
+        reason: format!(
+            "the flat buffer holds {buf} values, not {size} parts of the shard's {shard}"
+        ),
+    })
 }
 
 /// The positions of member `rank`'s share of a batch of `n` samples split over `size` members:
@@ -229,6 +249,22 @@ impl LocalComm {
     }
 }
 
+/// The elementwise sum of the members' f32 inputs, in rank order (one pass per member): the
+/// same additions every run, for the all-reduce and the reduce-scatter alike.
+fn sum_in_rank_order(inputs: &[Option<Payload>]) -> Payload {
+    let mut it = inputs.iter().flatten();
+    let Some(Payload::F32(first)) = it.next() else {
+        unreachable!("sum inputs are f32")
+    };
+    let mut sum = first.clone();
+    for p in it {
+        if let Payload::F32(v) = p {
+            sum.iter_mut().zip(v).for_each(|(s, x)| *s += x);
+        }
+    }
+    Payload::F32(sum)
+}
+
 impl Communicator for LocalComm {
     fn rank(&self) -> usize {
         self.rank
@@ -239,20 +275,7 @@ impl Communicator for LocalComm {
     }
 
     fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<()> {
-        let result = self.exchange("all-reduce", Payload::F32(buf.to_vec()), |inputs| {
-            // Rank order, one pass per member: the same additions every run.
-            let mut it = inputs.iter().flatten();
-            let Some(Payload::F32(first)) = it.next() else {
-                unreachable!("all-reduce inputs are f32")
-            };
-            let mut sum = first.clone();
-            for p in it {
-                if let Payload::F32(v) = p {
-                    sum.iter_mut().zip(v).for_each(|(s, x)| *s += x);
-                }
-            }
-            Payload::F32(sum)
-        })?;
+        let result = self.exchange("all-reduce", Payload::F32(buf.to_vec()), sum_in_rank_order)?;
         if let Payload::F32(v) = &*result {
             buf.copy_from_slice(v);
         }
@@ -283,5 +306,36 @@ impl Communicator for LocalComm {
             Payload::U64(v) => Ok(v.clone()),
             _ => unreachable!("all-gather results are u64"),
         }
+    }
+
+    fn reduce_scatter(&mut self, buf: &[f32], shard: &mut [f32]) -> Result<()> {
+        check_parts("reduce_scatter", buf.len(), shard.len(), self.size())?;
+        let result = self.exchange(
+            "reduce-scatter",
+            Payload::F32(buf.to_vec()),
+            sum_in_rank_order,
+        )?;
+        if let Payload::F32(v) = &*result {
+            let n = shard.len();
+            shard.copy_from_slice(&v[self.rank * n..(self.rank + 1) * n]);
+        }
+        Ok(())
+    }
+
+    fn all_gather_f32(&mut self, shard: &[f32], buf: &mut [f32]) -> Result<()> {
+        check_parts("all_gather_f32", buf.len(), shard.len(), self.size())?;
+        let result = self.exchange("all-gather (f32)", Payload::F32(shard.to_vec()), |inputs| {
+            let mut all = Vec::new();
+            for p in inputs.iter().flatten() {
+                if let Payload::F32(v) = p {
+                    all.extend_from_slice(v);
+                }
+            }
+            Payload::F32(all)
+        })?;
+        if let Payload::F32(v) = &*result {
+            buf.copy_from_slice(v);
+        }
+        Ok(())
     }
 }

@@ -8,8 +8,9 @@
 //! stay bitwise identical, and the weights equal one device's with the same effective batch up
 //! to float rounding (the sum of a batch's gradients is added in another order).
 
-use super::allreduce::{attach, parameter_values, AllReduceStats};
+use super::allreduce::{parameter_values, AllReduceStats};
 use super::comm::{LocalGroup, LOCAL_TIMEOUT};
+use super::zero::{attach_zero, Zero};
 use crate::nn::Module;
 use crate::train::{BatchSource, Evaluation, Plan, TrainModel, Trainer};
 use crate::{Device, Error, Result};
@@ -104,6 +105,17 @@ impl<M: Module + Send> DataParallel<M> {
         devices: &[Device],
         build: impl Fn(&Device) -> Result<Trainer<M>>,
     ) -> Result<DataParallel<M>> {
+        Self::with_zero(devices, Zero::OFF, build)
+    }
+
+    /// [`DataParallel::new`] at ZeRO stage `zero` ([`attach_zero`]): each replica keeps the
+    /// optimizer state (stage 1) and the gradients (stage 2) of its shard only; the
+    /// parameters stay identical on every replica.
+    pub fn with_zero(
+        devices: &[Device],
+        zero: Zero,
+        build: impl Fn(&Device) -> Result<Trainer<M>>,
+    ) -> Result<DataParallel<M>> {
         if devices.is_empty() {
             return Err(Error::InvalidArgument {
                 op: "DataParallel::new",
@@ -141,7 +153,7 @@ impl<M: Module + Send> DataParallel<M> {
             let comm = crate::device::lock(&members)[i]
                 .take()
                 .expect("one member per replica");
-            let s = attach(t, comm)?;
+            let s = attach_zero(t, comm, zero)?;
             crate::device::lock(&stats)[i] = Some(s);
             Ok(())
         })?;
@@ -264,9 +276,14 @@ impl<M: Module + Send> DataParallel<M> {
         Ok(())
     }
 
-    /// Saves replica 0's model, optimizer and position (see [`Trainer::save_checkpoint`]).
-    pub fn save_checkpoint(&self, path: &std::path::Path, epochs_done: u64) -> Result<()> {
-        self.replicas[0].save_checkpoint(path, epochs_done)
+    /// Saves replica 0's model, the optimizer and the position (see [`Trainer::save_checkpoint`]).
+    /// Under ZeRO every replica joins in putting the optimizer state together, and the file
+    /// holds the whole state, as one device's trainer saves it.
+    pub fn save_checkpoint(&mut self, path: &std::path::Path, epochs_done: u64) -> Result<()> {
+        on_threads(&mut self.replicas, &self.group, |i, t| match i {
+            0 => t.save_checkpoint(path, epochs_done),
+            _ => t.optimizer.checkpoint_state().map(drop),
+        })
     }
 
     /// Restores every replica from a checkpoint of [`DataParallel::save_checkpoint`] (or of

@@ -5,13 +5,16 @@
 
 use super::allreduce::AllReduceStats;
 use super::comm::share_of;
+use super::zero::{RankPlans, StepCollectives, Zero};
+use crate::cli;
 use crate::nn::Module;
-use crate::train::{BatchSource, TrainModel, Trainer};
+use crate::train::{BatchSource, Plan, RunPlan, TrainModel, Trainer};
 use crate::{Error, Result};
 use std::io::Write;
 use std::ops::Range;
 use std::process::ExitCode;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 /// This process's part in a training run.
 #[non_exhaustive]
@@ -100,14 +103,15 @@ impl Job {
     pub fn attach<M: Module>(
         &self,
         trainer: &mut Trainer<M>,
+        zero: Zero,
     ) -> Result<Option<Arc<Mutex<AllReduceStats>>>> {
         match self {
             Job::Single => {
-                let _ = trainer;
+                let _ = (trainer, zero);
                 Ok(None)
             }
             #[cfg(feature = "mpi")]
-            Job::Mpi(m) => Ok(Some(super::attach(trainer, m.communicator()?)?)),
+            Job::Mpi(m) => Ok(Some(super::attach_zero(trainer, m.communicator()?, zero)?)),
         }
     }
 
@@ -126,7 +130,22 @@ impl Job {
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
-        let stats = self.attach(trainer)?;
+        self.join_zero(trainer, data, Zero::OFF)
+    }
+
+    /// [`Job::join`] at ZeRO stage `zero` ([`attach_zero`](super::attach_zero)); one process
+    /// ignores the stage (it holds every shard).
+    pub fn join_zero<M, D>(
+        &self,
+        trainer: &mut Trainer<M>,
+        data: &D,
+        zero: Zero,
+    ) -> Result<Option<Arc<Mutex<AllReduceStats>>>>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let stats = self.attach(trainer, zero)?;
         if stats.is_some() {
             if let Some(budget) = trainer.device().memory_stats().budget {
                 trainer.fit_to_budget(data, budget)?;
@@ -144,6 +163,101 @@ impl Job {
             let _ = std::io::stderr().write_all(line.as_bytes());
         }
         Ok(stats)
+    }
+
+    /// Saves a checkpoint of `trainer` on rank 0 ([`Trainer::save_checkpoint`]); the other
+    /// ranks join in putting a sharded optimizer state together (ZeRO), so the file holds the
+    /// whole state, loadable by one process or any number of ranks. Call it on every rank.
+    pub fn save_checkpoint<M: Module>(
+        &self,
+        trainer: &Trainer<M>,
+        path: &std::path::Path,
+        epochs_done: u64,
+    ) -> Result<()> {
+        if self.is_root() {
+            trainer.save_checkpoint(path, epochs_done)
+        } else {
+            trainer.optimizer.checkpoint_state().map(drop)
+        }
+    }
+
+    /// Prints the run's plan (`--plan`) on rank 0 ([`cli::print_plan`]); on an MPI rank also
+    /// every rank's planned device bytes and the step's collectives ([`RankPlans`], under
+    /// `per_rank` in the JSON). Call it on every rank at the same point.
+    pub fn print_plan<M: Module>(
+        &self,
+        trainer: &Trainer<M>,
+        run: &RunPlan,
+        zero: Zero,
+        json: bool,
+        planned_in: Duration,
+    ) -> Result<()> {
+        let ranks = self.rank_plans(trainer, &run.step, zero)?;
+        if !self.is_root() {
+            return Ok(());
+        }
+        if json {
+            let mut j = cli::plan_json(run, planned_in);
+            if let Some(r) = &ranks {
+                j["per_rank"] = serde_json::to_value(r).unwrap_or_default();
+            }
+            println!("{j}");
+        } else {
+            cli::print_plan(run, false, planned_in);
+            if let Some(r) = &ranks {
+                print!("{r}");
+            }
+        }
+        Ok(())
+    }
+
+    /// Every rank's plan of its step (`plan` is this rank's) and the step's collectives at
+    /// stage `zero`; nothing for one process. Call it on every rank at the same point.
+    pub fn rank_plans<M: Module>(
+        &self,
+        trainer: &Trainer<M>,
+        plan: &Plan,
+        zero: Zero,
+    ) -> Result<Option<RankPlans>> {
+        let numels: Vec<usize> = trainer
+            .model
+            .parameters()
+            .iter()
+            .map(|p| p.numel())
+            .collect();
+        let step = StepCollectives {
+            clipping: trainer.config().clip_grad_norm.is_some(),
+            finite_check_every: match trainer.scaler() {
+                Some(_) => 1,
+                None => trainer.config().check_finite_every,
+            },
+        };
+        match self {
+            Job::Single => {
+                let _ = (plan, zero, numels, step);
+                Ok(None)
+            }
+            #[cfg(feature = "mpi")]
+            Job::Mpi(m) => {
+                let mut comm = m.communicator()?;
+                RankPlans::gather(&mut comm, plan, &numels, zero, step).map(Some)
+            }
+        }
+    }
+
+    /// A hash of every rank's parameter values (FNV-1a over their bits), rank after rank: the
+    /// same on every rank when the replicas hold the same bits. Call it on every rank at the
+    /// same point (one small all-gather); one process gets its own hash.
+    pub fn weight_hashes(&self, model: &dyn Module) -> Result<Vec<u64>> {
+        let own = super::allreduce::hash_values(&super::allreduce::parameter_values(model)?);
+        match self {
+            Job::Single => Ok(vec![own]),
+            #[cfg(feature = "mpi")]
+            Job::Mpi(m) => {
+                use super::comm::Communicator as _;
+                m.communicator()?.all_gather(&[own])
+            }
+        }
     }
 
     /// Adds the job to a run's JSON object `j`: `ranks`, and with `stats` (an MPI rank's)

@@ -16,8 +16,10 @@ mod data_parallel;
 mod job;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+pub mod zero;
 
 pub use allreduce::{attach, AllReduceStats, GradientAllReduce};
 pub use comm::{share_of, Communicator, LocalComm, LocalGroup, LOCAL_TIMEOUT};
 pub use data_parallel::DataParallel;
 pub use job::Job;
+pub use zero::{attach_zero, Zero};

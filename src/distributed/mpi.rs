@@ -11,7 +11,7 @@
 //! [`Mpi::abort`] (see [`Mpi::exit_on_error`]) for the same reason: the others would otherwise
 //! wait for it in their next collective.
 
-use super::comm::Communicator;
+use super::comm::{check_parts, Communicator};
 use crate::{Error, Result};
 use mpi::collective::{CommunicatorCollectives, Root, SystemOperation};
 use mpi::request::{Request, Scope};
@@ -226,5 +226,30 @@ impl Communicator for MpiComm {
             self.wait(req, "check of step and model across ranks (MPI_Iallgather)");
         });
         Ok(all)
+    }
+
+    fn reduce_scatter(&mut self, buf: &[f32], shard: &mut [f32]) -> Result<()> {
+        check_parts("reduce_scatter", buf.len(), shard.len(), self.size)?;
+        mpi::request::scope(|scope| {
+            let req = self.world.immediate_reduce_scatter_block_into(
+                scope,
+                buf,
+                &mut shard[..],
+                SystemOperation::sum(),
+            );
+            self.wait(req, "gradient reduce-scatter (MPI_Ireduce_scatter_block)");
+        });
+        Ok(())
+    }
+
+    fn all_gather_f32(&mut self, shard: &[f32], buf: &mut [f32]) -> Result<()> {
+        check_parts("all_gather_f32", buf.len(), shard.len(), self.size)?;
+        mpi::request::scope(|scope| {
+            let req = self
+                .world
+                .immediate_all_gather_into(scope, shard, &mut buf[..]);
+            self.wait(req, "parameter all-gather (MPI_Iallgather)");
+        });
+        Ok(())
     }
 }

@@ -291,6 +291,23 @@ impl Optimizer for AdamW {
         })
     }
 
+    fn over_parts(&self, parts: Vec<Tensor>, of: &[usize]) -> Result<Box<dyn Optimizer>> {
+        if self.eight_bit || self.host.is_some() {
+            return Err(Error::InvalidArgument {
+                op: "zero",
+                reason: "8-bit AdamW state and optimizer offload do not shard (yet); use f32 \
+                         AdamW state on the device with --zero"
+                    .into(),
+            });
+        }
+        let n = parts.len();
+        let mut fresh = AdamW::build(self.groups.parts(OP, parts, of)?, self.lr)?;
+        (fresh.beta1, fresh.beta2) = (self.beta1, self.beta2);
+        (fresh.eps, fresh.weight_decay) = (self.eps, self.weight_decay);
+        debug_assert_eq!(fresh.moments.len(), n);
+        Ok(Box::new(fresh))
+    }
+
     fn name(&self) -> &'static str {
         if self.eight_bit {
             "adamw8bit"

@@ -57,7 +57,29 @@ pub fn clip_grad_norm_tensor(params: &[Tensor], max_norm: f32) -> Result<Tensor>
 }
 
 /// The clipping; the norm tensor, or `None` when no parameter has a gradient.
+/// [`clip_grad_norm_tensor`] over gradients sharded across replicas: this replica's norm of
+/// `params`' gradients goes through `global` (the norm over every replica, the same on each;
+/// called even when this replica holds no gradient) and the gradients are scaled by it.
+pub(crate) fn clip_grad_norm_sharded(
+    device: &crate::Device,
+    params: &[Tensor],
+    max_norm: f32,
+    global: &mut dyn FnMut(f32) -> Result<f32>,
+) -> Result<()> {
+    clip_with(params, max_norm, Some((device, global))).map(drop)
+}
+
 fn clip(params: &[Tensor], max_norm: f32) -> Result<Option<Tensor>> {
+    clip_with(params, max_norm, None)
+}
+
+type Global<'a> = (&'a crate::Device, &'a mut dyn FnMut(f32) -> Result<f32>);
+
+fn clip_with(
+    params: &[Tensor],
+    max_norm: f32,
+    global: Option<Global<'_>>,
+) -> Result<Option<Tensor>> {
     if !(max_norm.is_finite() && max_norm > 0.0) {
         return Err(Error::InvalidArgument {
             op: OP,
@@ -84,24 +106,25 @@ fn clip(params: &[Tensor], max_norm: f32) -> Result<Option<Tensor>> {
         }
         grads.push(g);
     }
-    let Some(norm) = global_norm(&grads)? else {
-        return Ok(None);
+    let dev = match (grads.first(), &global) {
+        (Some(first), _) => first.device().clone(),
+        (None, Some((d, _))) => (*d).clone(),
+        (None, None) => return Ok(None),
     };
+    let numels: Vec<usize> = grads.iter().map(Tensor::numel).collect();
+    let norm = global_norm_of(&dev, &numels, |i| Ok(grads[i].clone()))?;
+    if let Some((_, global)) = global {
+        if !dev.is_planning() {
+            let n = global(norm.item()?)?;
+            norm.fill_(n)?;
+        }
+    }
     scale_by_norm(&grads, &norm, max_norm)?;
     Ok(Some(norm))
 }
 
-/// The L2 norm of all of `grads` together as a rank-0 f32 tensor, computed on the device in
-/// the fixed order of [`clip_grad_norm`]; `None` for no gradient.
-fn global_norm(grads: &[Tensor]) -> Result<Option<Tensor>> {
-    let Some(first) = grads.first() else {
-        return Ok(None);
-    };
-    let numels: Vec<usize> = grads.iter().map(Tensor::numel).collect();
-    global_norm_of(first.device(), &numels, |i| Ok(grads[i].clone())).map(Some)
-}
-
-/// The norm of [`global_norm`] over gradients made one at a time: `grad(i)` gives the i-th
+/// The L2 norm of all of `numels.len()` gradients together as a rank-0 f32 tensor, computed on
+/// the device in the fixed order of [`clip_grad_norm`], over gradients made one at a time: `grad(i)` gives the i-th
 /// (of `numels[i]` elements), which may be dropped once its squares are summed, so
 /// gradients that live elsewhere (host sums of streamed parameters) are uploaded one by one.
 /// The same kernels in the same order: the same bits as over the gradients all on the device.

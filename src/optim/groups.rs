@@ -127,6 +127,18 @@ impl Groups {
     }
 
     /// One group holding `params`, with the optimizer's hyperparameters.
+    /// The same groups over `parts`, `parts[j]` a range of parameter `of[j]` (in its group).
+    pub fn parts(&self, op: &'static str, parts: Vec<Tensor>, of: &[usize]) -> Result<Groups> {
+        if !parts.is_empty() {
+            check_params(op, &parts)?;
+        }
+        Ok(Groups {
+            params: parts,
+            hyper: self.hyper.clone(),
+            group_of: of.iter().map(|&i| self.group_of[i]).collect(),
+        })
+    }
+
     pub fn single(op: &'static str, params: Vec<Tensor>) -> Result<Groups> {
         Self::new(op, vec![ParamGroup::new(params)])
     }

@@ -35,7 +35,7 @@ pub mod schedule;
 mod sgd;
 
 pub use adamw::AdamW;
-pub(crate) use clip::{clip_factor, global_norm_of, scale_by_norm};
+pub(crate) use clip::{clip_factor, clip_grad_norm_sharded, global_norm_of, scale_by_norm};
 pub use clip::{clip_grad_norm, clip_grad_norm_tensor};
 pub use groups::{decay_groups, ParamGroup};
 pub use quant8::Quantized;
@@ -89,6 +89,11 @@ pub trait Optimizer: Send {
     }
     /// Everything a checkpoint needs besides the hyperparameters.
     fn state(&self) -> OptimizerState;
+    /// The state a checkpoint stores: [`Optimizer::state`], or (a sharded optimizer) the whole
+    /// state put together from every replica's shard, which every replica then calls at once.
+    fn checkpoint_state(&self) -> Result<OptimizerState> {
+        Ok(self.state())
+    }
     /// Restores a state taken from an optimizer over parameters of the same shapes. The tensors
     /// are adopted, not copied: later steps update them in place.
     fn load_state(&mut self, state: OptimizerState) -> Result<()>;
@@ -126,6 +131,17 @@ pub trait Optimizer: Send {
     /// The same optimizer (parameters, hyperparameters, learning rate) without any state and
     /// at step 0: the planner runs a step with it, so the real state is left alone.
     fn fresh(&self) -> Box<dyn Optimizer>;
+    /// The same optimizer (hyperparameters, groups, learning rate) without state and at step
+    /// 0, over `parts`: `parts[j]` is a range of this one's parameter `of[j]` (ZeRO's update
+    /// of one rank's shard, which may start and end inside a tensor). Optimizers whose state
+    /// cannot be split refuse with [`Error::InvalidArgument`].
+    fn over_parts(&self, parts: Vec<Tensor>, of: &[usize]) -> Result<Box<dyn Optimizer>> {
+        let _ = (parts, of);
+        Err(Error::InvalidArgument {
+            op: "zero",
+            reason: format!("the {} optimizer's state cannot be sharded", self.name()),
+        })
+    }
 }
 
 /// What a checkpoint saves of an optimizer besides its hyperparameters.

@@ -150,6 +150,21 @@ impl Optimizer for Sgd {
         })
     }
 
+    fn over_parts(&self, parts: Vec<Tensor>, of: &[usize]) -> Result<Box<dyn Optimizer>> {
+        let n = parts.len();
+        Ok(Box::new(Self {
+            groups: self.groups.parts(OP, parts, of)?,
+            lr: self.lr,
+            momentum: self.momentum,
+            dampening: self.dampening,
+            weight_decay: self.weight_decay,
+            nesterov: self.nesterov,
+            bufs: (0..n).map(|_| None).collect(),
+            param_steps: vec![0; n],
+            steps: 0,
+        }))
+    }
+
     fn name(&self) -> &'static str {
         "sgd"
     }

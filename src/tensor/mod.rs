@@ -42,17 +42,23 @@ use std::fmt;
 use std::sync::Arc;
 
 /// A block owned by tensors; returned to the arena when the last tensor using it is dropped.
+/// A range view ([`Tensor::range_view`]) holds part of another allocation's block and keeps
+/// that allocation alive instead of owning memory.
 struct Allocation {
     block: Block,
     device: Device,
     /// Set when the tensor's home moves to host memory (src/tensor/streamed.rs); `block` has
     /// been freed then.
     streamed: std::sync::OnceLock<streamed::Streamed>,
+    /// The allocation a range view shares (it frees nothing itself).
+    parent: Option<Arc<Allocation>>,
 }
 
 impl Drop for Allocation {
     fn drop(&mut self) {
-        self.release();
+        if self.parent.is_none() {
+            self.release();
+        }
     }
 }
 
@@ -86,6 +92,7 @@ impl Tensor {
                 block,
                 device: device.clone(),
                 streamed: std::sync::OnceLock::new(),
+                parent: None,
             }),
             shape,
             dtype,
@@ -334,6 +341,52 @@ impl Tensor {
             Some(s) => &s.block,
             None => &self.alloc.block,
         }
+    }
+
+    /// Whether `other` is this tensor's memory with this shape (the same parameter, however
+    /// many handles hold it).
+    pub(crate) fn is_same(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.alloc, &other.alloc) && self.shape == other.shape
+    }
+
+    /// Elements `start..start + len` of this tensor's memory as a 1-D tensor that shares it
+    /// (writes through either change both; the view keeps the memory alive), without graph:
+    /// the update of a shard of the parameters that starts or ends inside a tensor. The range
+    /// must start on a block boundary ([`BLOCK_ALIGN`](crate::memory::BLOCK_ALIGN) bytes).
+    pub(crate) fn range_view(&self, start: usize, len: usize) -> Result<Tensor> {
+        let es = self.dtype.size() as u64;
+        let align = crate::memory::BLOCK_ALIGN;
+        let at = start as u64 * es;
+        if start + len > self.numel() || !at.is_multiple_of(align) || len == 0 {
+            return Err(Error::InvalidArgument {
+                op: "range_view",
+                reason: format!(
+                    "elements {start}..{} of a tensor of {} are not a view starting on a \
+                     {align}-byte boundary",
+                    start + len,
+                    self.numel()
+                ),
+            });
+        }
+        let b = &self.alloc.block;
+        // Whole aligned blocks up to the end of the parent's: kernels bound by the count.
+        let size = (len as u64 * es).div_ceil(align) * align;
+        let block = Block {
+            offset: b.offset + at,
+            size: size.min(b.size - at),
+            ..b.clone()
+        };
+        Ok(Tensor {
+            alloc: Arc::new(Allocation {
+                block,
+                device: self.alloc.device.clone(),
+                streamed: std::sync::OnceLock::new(),
+                parent: Some(self.alloc.clone()),
+            }),
+            shape: Shape::new(&[len])?,
+            dtype: self.dtype,
+            node: None,
+        })
     }
 
     /// Whether no other tensor (clone or reshape) shares this tensor's memory.

@@ -25,4 +25,24 @@ pub trait GradientSync: Send {
     /// completed reduce (a step redone after an out-of-memory) reapplies that result. While
     /// the device is planning it allocates what it would, and communicates nothing.
     fn reduce(&mut self, step: u64, params: &[Tensor], loss: &Tensor) -> Result<()>;
+
+    /// The tensors whose gradients the rest of the step reads (unscaling, clipping, the finite
+    /// check) and the optimizer updates, when they are not the model's parameters: under ZeRO,
+    /// views of this replica's shard. `None` by default.
+    fn step_tensors(&self) -> Option<Vec<Tensor>> {
+        None
+    }
+
+    /// Whether `local`, found on this replica's gradients, holds on any replica. Replicas
+    /// holding different shards of the gradients must still take the same decision (skip a
+    /// step, stop); replicated gradients need no exchange, so the default is `local`.
+    fn any(&mut self, local: bool) -> Result<bool> {
+        Ok(local)
+    }
+
+    /// The global gradient norm from this replica's `local` norm: the norm of every replica's
+    /// norms when the gradients are sharded, `local` when they are replicated.
+    fn global_norm(&mut self, local: f32) -> Result<f32> {
+        Ok(local)
+    }
 }

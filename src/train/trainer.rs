@@ -273,6 +273,23 @@ impl<M: Module> Trainer<M> {
         })
     }
 
+    /// The tensors whose gradients the step reads after the gradient exchange: the model's
+    /// parameters, or (ZeRO) views of this replica's shard of them.
+    fn step_tensors(&self) -> Vec<Tensor> {
+        self.sync
+            .as_ref()
+            .and_then(|s| s.step_tensors())
+            .unwrap_or_else(|| self.model.parameters())
+    }
+
+    /// Whether `local` holds on any replica ([`GradientSync::any`]); `local` alone.
+    fn any_replica(&mut self, local: bool) -> Result<bool> {
+        match self.sync.as_mut() {
+            Some(s) => s.any(local),
+            None => Ok(local),
+        }
+    }
+
     /// Makes this trainer one replica of data-parallel training (see [`GradientSync`]; the
     /// `distributed` module installs it), or a single-device trainer again with `None`.
     pub fn set_gradient_sync(&mut self, sync: Option<Box<dyn GradientSync>>) {
@@ -649,8 +666,13 @@ impl<M: Module> Trainer<M> {
         }
         if let Some(sc) = &self.scaler {
             let _p = dev.phase_scope("unscale");
-            let params = self.device_params();
+            let params: Vec<Tensor> = self
+                .step_tensors()
+                .into_iter()
+                .filter(|p| !p.is_streamed())
+                .collect();
             let nonfinite = sc.unscale(&self.device, &params)? | self.unscale_host(sc.scale());
+            let nonfinite = self.any_replica(nonfinite)?;
             let sc = self.scaler.as_mut().expect("checked above");
             let (step, scale_before) = (self.step, sc.scale());
             sc.update(nonfinite);
@@ -687,29 +709,42 @@ impl<M: Module> Trainer<M> {
         if let Some(max_norm) = self.config.clip_grad_norm {
             let _p = dev.phase_scope("gradient clipping");
             let with_grad: Vec<Tensor> = self
-                .model
-                .parameters()
+                .step_tensors()
                 .into_iter()
                 .filter(|p| p.grad().is_some())
                 .collect();
             if self.streaming.is_some() {
                 self.clip_streamed(max_norm)?;
-            } else if !with_grad.is_empty() {
-                crate::optim::clip_grad_norm_tensor(&with_grad, max_norm)?;
+            } else {
+                match self.sync.as_mut() {
+                    // Sharded gradients: every replica joins the norm, with or without its own.
+                    Some(sync) if sync.step_tensors().is_some() => {
+                        crate::optim::clip_grad_norm_sharded(
+                            &dev,
+                            &with_grad,
+                            max_norm,
+                            &mut |l| sync.global_norm(l),
+                        )?
+                    }
+                    _ if !with_grad.is_empty() => {
+                        crate::optim::clip_grad_norm_tensor(&with_grad, max_norm)?;
+                    }
+                    _ => {}
+                }
             }
         }
         let every = self.config.check_finite_every;
         if self.scaler.is_none() && every > 0 && self.step.is_multiple_of(every) {
             let _p = dev.phase_scope("finite check");
             let grads: Vec<Tensor> = self
-                .model
-                .parameters()
+                .step_tensors()
                 .iter()
                 .filter_map(Tensor::grad)
                 .collect();
             let mut all: Vec<&Tensor> = vec![&step_loss];
             all.extend(grads.iter());
-            if dev.nonfinite(&all)? || self.host_grads_nonfinite() {
+            let nonfinite = dev.nonfinite(&all)? || self.host_grads_nonfinite();
+            if self.any_replica(nonfinite)? {
                 drop(grads);
                 self.optimizer.zero_grad();
                 let what = if dev.nonfinite(&[&step_loss])? {

@@ -1,0 +1,305 @@
+//! [`ZeroOptimizer`]: the trainer's optimizer under ZeRO. It keeps state for this replica's
+//! shard only (an optimizer of the same kind over views of the shard's pieces, which may start
+//! and end inside a tensor), updates the shard in place, then all-gathers the parameters so
+//! every replica holds all of them, bit for bit the same.
+
+use super::{Piece, ShardLayout};
+use crate::distributed::allreduce::{gather, write_into};
+use crate::distributed::Communicator;
+use crate::memory::Category;
+use crate::optim::{Optimizer, OptimizerState};
+use crate::{Error, Result, Tensor};
+use std::sync::{Arc, Mutex};
+
+/// One replica's optimizer under ZeRO (made by [`attach_zero`](super::attach_zero)).
+pub struct ZeroOptimizer<C> {
+    /// The optimizer over this replica's pieces; `None` when its shard is only padding.
+    inner: Option<Box<dyn Optimizer>>,
+    /// The model's parameters, all-gathered after each update.
+    params: Vec<Tensor>,
+    /// The views the inner optimizer updates, one per piece of this replica's shard.
+    views: Vec<Tensor>,
+    layout: Arc<ShardLayout>,
+    rank: usize,
+    comm: Arc<Mutex<C>>,
+    name: &'static str,
+    /// The state tensors per parameter of the original optimizer ("exp_avg", ...).
+    state_names: Vec<&'static str>,
+    hyperparameters: Vec<(String, String)>,
+    lr: f32,
+    steps: u64,
+}
+
+impl<C: Communicator> ZeroOptimizer<C> {
+    pub(super) fn new(
+        original: &dyn Optimizer,
+        inner: Option<Box<dyn Optimizer>>,
+        params: Vec<Tensor>,
+        views: Vec<Tensor>,
+        layout: Arc<ShardLayout>,
+        rank: usize,
+        comm: Arc<Mutex<C>>,
+    ) -> ZeroOptimizer<C> {
+        ZeroOptimizer {
+            inner,
+            params,
+            views,
+            layout,
+            rank,
+            comm,
+            name: original.name(),
+            state_names: match (original.name(), original.has_momentum()) {
+                ("sgd", true) => vec!["momentum_buffer"],
+                ("sgd", false) => vec![],
+                _ => vec!["exp_avg", "exp_avg_sq"],
+            },
+            hyperparameters: original.hyperparameters(),
+            lr: original.lr(),
+            steps: 0,
+        }
+    }
+
+    /// This replica's pieces of the parameters (what its state covers).
+    pub fn pieces(&self) -> Vec<Piece> {
+        self.layout.pieces(self.rank)
+    }
+
+    /// The layout of the shards.
+    pub fn layout(&self) -> &ShardLayout {
+        &self.layout
+    }
+
+    /// Reads this replica's updated shard back (one buffer, counted as communication),
+    /// all-gathers every replica's, and writes the parameters.
+    fn all_gather_parameters(&mut self) -> Result<()> {
+        let Some(first) = self.params.first() else {
+            return Ok(());
+        };
+        let dev = first.device().clone();
+        let l = &self.layout;
+        let pieces = l.pieces(self.rank);
+        let present: Vec<Option<Tensor>> = self.views.iter().map(|v| Some(v.clone())).collect();
+        let at: Vec<usize> = pieces.iter().map(|p| p.at).collect();
+        let shard = {
+            let _c = dev.category_scope(Category::Communication);
+            gather(&dev, &present, &at, l.shard_len(), None)?
+        };
+        if dev.is_planning() {
+            return Ok(());
+        }
+        let mut flat = vec![0f32; l.padded_len()];
+        crate::device::lock(&self.comm).all_gather_f32(&shard, &mut flat)?;
+        for (p, &o) in self.params.iter().zip(l.offsets()) {
+            if p.numel() > 0 {
+                write_into(p, &flat[o..o + p.numel()])?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<C: Communicator> ZeroOptimizer<C> {
+    /// The whole state, as one optimizer over all the parameters holds it: every replica's
+    /// shard of each state tensor all-gathered (every replica calls it at once).
+    fn consolidated(&self) -> Result<OptimizerState> {
+        let l = &self.layout;
+        let pieces = l.pieces(self.rank);
+        let shard_state = self
+            .inner
+            .as_ref()
+            .map_or_else(OptimizerState::default, |o| o.state());
+        let mut steps = vec![0u64; self.params.len()];
+        for (pc, &s) in pieces.iter().zip(&shard_state.param_steps) {
+            steps[pc.param] = s;
+        }
+        let mut comm = crate::device::lock(&self.comm);
+        let all = comm.all_gather(&steps)?;
+        let n = self.params.len();
+        let param_steps: Vec<u64> = (0..n)
+            .map(|i| (0..comm.size()).map(|r| all[r * n + i]).max().unwrap_or(0))
+            .collect();
+        let mut tensors = Vec::new();
+        for name in &self.state_names {
+            let mut shard = vec![0f32; l.shard_len()];
+            for (j, pc) in pieces.iter().enumerate() {
+                let key = format!("{j}.{name}");
+                if let Some((_, t)) = shard_state.tensors.iter().find(|(k, _)| *k == key) {
+                    let v = t.to_vec_f32()?;
+                    shard[pc.at..pc.at + v.len()].copy_from_slice(&v);
+                }
+            }
+            let mut flat = vec![0f32; l.padded_len()];
+            comm.all_gather_f32(&shard, &mut flat)?;
+            for (i, p) in self.params.iter().enumerate() {
+                if param_steps[i] > 0 {
+                    let o = l.offsets()[i];
+                    let t = Tensor::from_slice(p.device(), &flat[o..o + p.numel()], p.dims())?;
+                    tensors.push((format!("{i}.{name}"), t));
+                }
+            }
+        }
+        Ok(OptimizerState {
+            step_count: self.steps,
+            param_steps,
+            tensors,
+            ..OptimizerState::default()
+        })
+    }
+
+    /// This replica's pieces of a whole state (a consolidated checkpoint's, from any number of
+    /// replicas), named as the shard optimizer names them.
+    fn shard_of(&self, state: OptimizerState) -> Result<OptimizerState> {
+        let invalid = |reason: String| Error::InvalidArgument {
+            op: "ZeroOptimizer::load_state",
+            reason,
+        };
+        if !state.codes.is_empty() || !state.host.is_empty() {
+            return Err(invalid("8-bit or host state does not shard".into()));
+        }
+        if state.param_steps.len() != self.params.len() {
+            return Err(invalid(format!(
+                "the state has steps for {} parameters, the model has {}",
+                state.param_steps.len(),
+                self.params.len()
+            )));
+        }
+        let pieces = self.layout.pieces(self.rank);
+        let mut tensors = Vec::new();
+        for (key, t) in &state.tensors {
+            let Some((i, name)) = key
+                .split_once('.')
+                .and_then(|(i, n)| Some((i.parse::<usize>().ok()?, n)))
+                .filter(|(i, _)| *i < self.params.len())
+            else {
+                return Err(invalid(format!("unknown state tensor '{key}'")));
+            };
+            if t.numel() != self.params[i].numel() {
+                return Err(Error::Shape {
+                    op: "ZeroOptimizer::load_state",
+                    lhs: self.params[i].dims().to_vec(),
+                    rhs: t.dims().to_vec(),
+                    reason: format!("state tensor '{key}' does not fit its parameter"),
+                });
+            }
+            let values = t.to_vec_f32()?;
+            for (j, pc) in pieces.iter().enumerate().filter(|(_, pc)| pc.param == i) {
+                let v = &values[pc.within.clone()];
+                let piece = Tensor::from_slice(t.device(), v, &[v.len()])?;
+                tensors.push((format!("{j}.{name}"), piece));
+            }
+        }
+        Ok(OptimizerState {
+            step_count: state.step_count,
+            param_steps: pieces
+                .iter()
+                .map(|pc| state.param_steps[pc.param])
+                .collect(),
+            tensors,
+            ..OptimizerState::default()
+        })
+    }
+}
+
+impl<C: Communicator + 'static> Optimizer for ZeroOptimizer<C> {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn has_momentum(&self) -> bool {
+        self.inner.as_ref().is_some_and(|o| o.has_momentum())
+    }
+
+    fn step(&mut self) -> Result<()> {
+        if let Some(inner) = self.inner.as_mut() {
+            inner.set_lr(self.lr);
+            inner.step()?;
+        }
+        self.all_gather_parameters()?;
+        self.steps += 1;
+        Ok(())
+    }
+
+    fn zero_grad(&mut self) {
+        for t in self.params.iter().chain(&self.views) {
+            t.zero_grad();
+        }
+    }
+
+    fn lr(&self) -> f32 {
+        self.lr
+    }
+
+    fn set_lr(&mut self, lr: f32) {
+        self.lr = lr;
+    }
+
+    /// The model's parameters (every replica updates all of them: its shard by the update,
+    /// the rest by the all-gather).
+    fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+
+    fn step_count(&self) -> u64 {
+        self.steps
+    }
+
+    /// This replica's shard of the state, named by piece (`"{piece}.{name}"`, see
+    /// [`ZeroOptimizer::pieces`]).
+    fn state_tensors(&self) -> Vec<(String, Tensor)> {
+        self.inner
+            .as_ref()
+            .map_or_else(Vec::new, |o| o.state_tensors())
+    }
+
+    fn hyperparameters(&self) -> Vec<(String, String)> {
+        self.hyperparameters.clone()
+    }
+
+    fn state(&self) -> OptimizerState {
+        let mut s = self
+            .inner
+            .as_ref()
+            .map_or_else(OptimizerState::default, |o| o.state());
+        s.step_count = self.steps;
+        s
+    }
+
+    fn checkpoint_state(&self) -> Result<OptimizerState> {
+        self.consolidated()
+    }
+
+    /// Takes a whole state ([`Optimizer::checkpoint_state`]'s, from any number of replicas or
+    /// one process) and keeps this replica's pieces of it.
+    fn load_state(&mut self, state: OptimizerState) -> Result<()> {
+        let state = self.shard_of(state)?;
+        let steps = state.step_count;
+        match self.inner.as_mut() {
+            Some(o) => o.load_state(state)?,
+            None if state.tensors.is_empty() => {}
+            None => {
+                return Err(Error::InvalidArgument {
+                    op: "ZeroOptimizer::load_state",
+                    reason: "state given to a replica whose shard holds no parameter".into(),
+                })
+            }
+        }
+        self.steps = steps;
+        Ok(())
+    }
+
+    fn fresh(&self) -> Box<dyn Optimizer> {
+        Box::new(ZeroOptimizer {
+            inner: self.inner.as_ref().map(|o| o.fresh()),
+            params: self.params.clone(),
+            views: self.views.clone(),
+            layout: self.layout.clone(),
+            rank: self.rank,
+            comm: self.comm.clone(),
+            name: self.name,
+            state_names: self.state_names.clone(),
+            hyperparameters: self.hyperparameters.clone(),
+            lr: self.lr,
+            steps: 0,
+        })
+    }
+}
