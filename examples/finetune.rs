@@ -37,9 +37,6 @@ use fitgrad::{Bytes, Device, DeviceOptions, Error, Result};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-/// The model `--model` defaults to: a GPT-2-format folder shipped in the crate.
-pub const SHIPPED_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/models/shakespeare-gpt2");
-
 /// Windows per forward when evaluating.
 const EVAL_BATCH: usize = 8;
 
@@ -50,10 +47,9 @@ const EVAL_BATCH: usize = 8;
 )]
 pub struct Args {
     /// A Hugging Face GPT-2 or Llama folder: config.json, model.safetensors (or
-    /// model.safetensors.index.json and its shards), tokenizer.json. The default is the small
-    /// GPT-2 shipped in the crate, trained by fitgrad on seven of the eight embedded plays.
-    #[arg(long, default_value = SHIPPED_MODEL)]
-    pub model: PathBuf,
+    /// model.safetensors.index.json and its shards), tokenizer.json. Needed unless --config.
+    #[arg(long, required_unless_present = "config")]
+    pub model: Option<PathBuf>,
     /// A UTF-8 text whose loss is reported as eval_loss (nats per token).
     #[arg(long)]
     pub eval_text: Option<PathBuf>,
@@ -152,6 +148,13 @@ pub struct Args {
     /// Write the model with the adapters merged into its weights to this folder.
     #[arg(long)]
     pub merge_into: Option<PathBuf>,
+}
+
+impl Args {
+    /// The `--model` folder (empty under `--config`, which builds no folder).
+    pub fn model_dir(&self) -> &Path {
+        self.model.as_deref().unwrap_or(Path::new(""))
+    }
 }
 
 /// What a run ends with.
@@ -338,7 +341,7 @@ pub fn prepare(args: &Args) -> Result<Setup> {
             "--steps and --plan fine-tune on a text: add --text FILE".into(),
         ));
     }
-    let folder = Folder::open(&args.model, precision.param_dtype())?;
+    let folder = Folder::open(args.model_dir(), precision.param_dtype())?;
     if args.checkpoint_activations && matches!(folder, Folder::Llama(_)) {
         return Err(invalid(
             "--checkpoint-activations: a Llama's blocks are not checkpointed (yet)".into(),
@@ -355,7 +358,7 @@ pub fn prepare(args: &Args) -> Result<Setup> {
     }
     if tokenizer.vocab_size() > folder.vocab_size() {
         return Err(Error::Data {
-            path: args.model.join(TOKENIZER_FILE).display().to_string(),
+            path: args.model_dir().join(TOKENIZER_FILE).display().to_string(),
             reason: format!(
                 "the tokenizer's {} tokens pass the model's vocab_size of {}",
                 tokenizer.vocab_size(),
@@ -460,7 +463,9 @@ fn prepare_lora(args: &Args, folder: &Folder, precision: Precision) -> Result<Op
                 .ok()
                 .is_some_and(|x| Some(x) == b.canonicalize().ok())
         };
-        if same(dir, &args.model) || args.resume_adapter.as_deref().is_some_and(|r| same(dir, r)) {
+        if same(dir, args.model_dir())
+            || args.resume_adapter.as_deref().is_some_and(|r| same(dir, r))
+        {
             return Err(invalid(format!(
                 "{flag} {} would overwrite an input folder",
                 dir.display()
@@ -571,7 +576,7 @@ pub fn run(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
     println!("adapter: {}", device.info().adapter);
     println!(
         "model: {} ({}), context {}",
-        args.model.display(),
+        args.model_dir().display(),
         setup.folder.describe(),
         setup.context
     );
@@ -602,7 +607,12 @@ fn save_lora(args: &Args, setup: &Setup, folder: &PretrainedGpt, gpt: &Gpt) -> R
         return Ok(());
     };
     if let Some(dir) = &args.save_adapter {
-        fitgrad::hf::save_adapter(gpt, &lora.spec, dir, &args.model.display().to_string())?;
+        fitgrad::hf::save_adapter(
+            gpt,
+            &lora.spec,
+            dir,
+            &args.model_dir().display().to_string(),
+        )?;
         println!("saved adapter {}", dir.display());
     }
     if let Some(dir) = &args.merge_into {
@@ -744,7 +754,7 @@ where
     }
     if args.json {
         let j = serde_json::json!({
-            "model": args.model.display().to_string(),
+            "model": args.model_dir().display().to_string(),
             "adapter": device.info().adapter.name,
             "params": gpt.num_parameters(),
             "trainable_params": trainable_parameters(&gpt).iter().map(|(_, t)| t.numel()).sum::<usize>(),

@@ -250,8 +250,9 @@ fn too_many_elements(dev: &Device) {
     assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
     let r = Tensor::zeros(dev, &[usize::MAX, 2], DType::F32);
     assert!(matches!(r, Err(Error::InvalidArgument { .. })), "{r:?}");
-    // Past what one storage binding may cover: refused before any memory is asked for.
-    let max = dev.info().limits.max_storage_buffer_binding_size;
+    // Past the largest buffer (a tensor past one storage binding is bound as windows):
+    // refused before any memory is asked for.
+    let max = dev.info().limits.max_buffer_size;
     let n = (max / 4 + 1) as usize;
     let r = Tensor::zeros(dev, &[n], DType::F32);
     match r {
