@@ -468,6 +468,34 @@ fn finetune_on(dev: &Device) {
             "{name}: finetune's eval_loss {got}, transformers' {want}"
         );
     }
+    // The Llama fixtures through the same command, against transformers' eval_loss.
+    let llama: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("expected_llama.json")).unwrap(),
+    )
+    .unwrap();
+    for name in ["llama-tiny-gqa", "llama-tiny-tied"] {
+        let model = fixtures().join(name);
+        let r = finetune_run(
+            dev,
+            &[
+                "--model",
+                model.to_str().unwrap(),
+                "--eval-text",
+                eval,
+                "--context",
+                "32",
+                "--json",
+            ],
+        );
+        let want = llama["models"][name]["eval"]["32"]["eval_loss"]
+            .as_f64()
+            .unwrap();
+        let got = r.eval.unwrap().loss;
+        assert!(
+            (got - want).abs() <= 1e-4,
+            "{name}: finetune's eval_loss {got}, transformers' {want}"
+        );
+    }
     let model = fixtures().join("gpt2-tiny-f16-sharded");
     let model = model.to_str().unwrap();
 
