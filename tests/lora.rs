@@ -8,6 +8,7 @@
 
 mod common;
 
+use common::lora::*;
 use common::*;
 use fitgrad::compress::{
     dequantize_nf4, double_dequantize, double_quantize, quantize_gpt_base, quantize_nf4,
@@ -23,34 +24,8 @@ use fitgrad::tensor::QuantWeight;
 use fitgrad::train::text::TextDataset;
 use fitgrad::train::{Trainer, TrainerConfig};
 use fitgrad::{Activation, DType, Device, Error, Tensor};
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
-
-fn base_dir() -> PathBuf {
-    fixtures().join("hf/gpt2-tiny")
-}
-
-/// The fitgrad-trained adapter PEFT loaded for the fixture.
-fn adapter_dir() -> PathBuf {
-    fixtures().join("lora/gpt2-tiny-adapter")
-}
-
-/// The sequence whose logits the fixtures hold (the hf fixtures' `logits_ids`).
-fn logits_ids() -> Vec<u32> {
-    let text = std::fs::read_to_string(fixtures().join("hf/expected.json")).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    v["logits_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
 
 fn spec(r: usize, alpha: f32, targets: &[&str]) -> LoraSpec {
     LoraSpec {

@@ -9,37 +9,13 @@ mod common;
 #[path = "../examples/finetune.rs"]
 mod finetune;
 
+use common::lora::*;
 use common::*;
 use fitgrad::hf::{read_adapter, save_gpt2, PretrainedGpt};
 use fitgrad::nn::{Gpt, GptConfig, Module};
 use fitgrad::{DType, Device, Error};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
-}
-
-fn base_dir() -> PathBuf {
-    fixtures().join("hf/gpt2-tiny")
-}
-
-/// The fitgrad-trained adapter PEFT loaded for the fixture.
-fn adapter_dir() -> PathBuf {
-    fixtures().join("lora/gpt2-tiny-adapter")
-}
-
-/// The sequence whose logits the fixtures hold (the hf fixtures' `logits_ids`).
-fn logits_ids() -> Vec<u32> {
-    let text = std::fs::read_to_string(fixtures().join("hf/expected.json")).unwrap();
-    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
-    v["logits_ids"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
 
 /// The tiny GPT-2 fixture's logits of `ids` with its adapter applied (evaluation mode).
 fn adapted_logits(dev: &Device, adapter: &Path, ids: &[u32]) -> (usize, Vec<f32>) {

@@ -134,11 +134,12 @@ impl Sgd {
     }
 }
 
-impl Optimizer for Sgd {
-    fn fresh(&self) -> Box<dyn Optimizer> {
-        let n = self.groups.len();
-        Box::new(Self {
-            groups: self.groups.clone(),
+impl Sgd {
+    /// These hyperparameters over `groups`, with no state and no step taken.
+    fn restarted(&self, groups: Groups) -> Sgd {
+        let n = groups.len();
+        Sgd {
+            groups,
             lr: self.lr,
             momentum: self.momentum,
             dampening: self.dampening,
@@ -147,22 +148,17 @@ impl Optimizer for Sgd {
             bufs: (0..n).map(|_| None).collect(),
             param_steps: vec![0; n],
             steps: 0,
-        })
+        }
+    }
+}
+
+impl Optimizer for Sgd {
+    fn fresh(&self) -> Box<dyn Optimizer> {
+        Box::new(self.restarted(self.groups.clone()))
     }
 
     fn over_parts(&self, parts: Vec<Tensor>, of: &[usize]) -> Result<Box<dyn Optimizer>> {
-        let n = parts.len();
-        Ok(Box::new(Self {
-            groups: self.groups.parts(OP, parts, of)?,
-            lr: self.lr,
-            momentum: self.momentum,
-            dampening: self.dampening,
-            weight_decay: self.weight_decay,
-            nesterov: self.nesterov,
-            bufs: (0..n).map(|_| None).collect(),
-            param_steps: vec![0; n],
-            steps: 0,
-        }))
+        Ok(Box::new(self.restarted(self.groups.parts(OP, parts, of)?)))
     }
 
     fn name(&self) -> &'static str {

@@ -1,0 +1,29 @@
+//! The LoRA tests' fixtures: the tiny GPT-2 base, the fitgrad-trained adapter PEFT loaded,
+//! and the ids whose logits they hold.
+
+use std::path::{Path, PathBuf};
+
+pub fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures")
+}
+
+pub fn base_dir() -> PathBuf {
+    fixtures().join("hf/gpt2-tiny")
+}
+
+/// The fitgrad-trained adapter PEFT loaded for the fixture.
+pub fn adapter_dir() -> PathBuf {
+    fixtures().join("lora/gpt2-tiny-adapter")
+}
+
+/// The sequence whose logits the fixtures hold (the hf fixtures' `logits_ids`).
+pub fn logits_ids() -> Vec<u32> {
+    let text = std::fs::read_to_string(fixtures().join("hf/expected.json")).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    v["logits_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
