@@ -187,3 +187,42 @@ fn a_whole_binding_past_the_limit_is_a_typed_error() {
         Err(fitgrad::Error::Limit { .. })
     ));
 }
+
+/// With bindings of 256 bytes (the smallest a device takes, under one 256-element run of f32),
+/// AdamW on a 3001-element parameter runs over runs bound as windows and two steps give the
+/// bits of the unsplit device; an elementwise product of it would need 141 storage bindings and
+/// is a typed error before any pipeline is made.
+#[test]
+fn the_optimizer_over_the_smallest_binding() {
+    use fitgrad::optim::{AdamW, Optimizer};
+    let n = 3001;
+    let x: Vec<f32> = (0..n).map(|i| ((i % 97) as f32 - 48.0) / 16.0).collect();
+    let g: Vec<f32> = (0..n).map(|i| ((i % 31) as f32 - 15.0) / 8.0).collect();
+    let step = |dev: &Device| -> Vec<u32> {
+        let mut p = upload(dev, &x, &[n], DType::F32);
+        p.set_requires_grad(true);
+        let mut opt = AdamW::new(vec![p.clone()], 1e-2).unwrap();
+        for _ in 0..2 {
+            p.set_grad(Some(upload(dev, &g, &[n], DType::F32))).unwrap();
+            opt.step().unwrap();
+        }
+        p.to_vec_f32()
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect()
+    };
+    let (Some(whole), Some(split)) = (
+        binding_device(false, false),
+        fresh_device(fitgrad::DeviceOptions::default().max_binding_size(256)),
+    ) else {
+        return;
+    };
+    assert_eq!(split.info().limits.max_storage_buffer_binding_size, 256);
+    assert!(step(&whole) == step(&split), "AdamW over 256-byte bindings");
+    let p = upload(&split, &x, &[n], DType::F32);
+    match p.mul(&p) {
+        Err(fitgrad::Error::Limit { value, limit, .. }) => assert!(value > limit, "{value}"),
+        other => panic!("141 bindings: {other:?}"),
+    }
+}

@@ -207,16 +207,23 @@ impl Device {
             });
         }
         first.extend(rest);
+        self.check_storage_bindings(first.len() as u64)?;
+        Ok(first)
+    }
+
+    /// Refuses a kernel of more storage bindings (windows of large tensors included) than
+    /// the adapter allows, before its pipeline is made.
+    pub(crate) fn check_storage_bindings(&self, count: u64) -> Result<()> {
         let most = self.inner.info.limits.max_storage_buffers_per_shader_stage as u64;
-        if first.len() as u64 > most {
+        if count > most {
             return Err(Error::Limit {
                 op: "dispatch",
                 what: "storage bindings of one kernel (windows of large tensors included)",
-                value: first.len() as u64,
+                value: count,
                 limit: most,
             });
         }
-        Ok(first)
+        Ok(())
     }
 
     /// Records a copy of `bytes` bytes (a multiple of 4) between blocks.

@@ -101,7 +101,7 @@ fn kernel(
     vec: bool,
     blocks: &[&Block],
 ) -> Result<Arc<Kernel>> {
-    let splits = Splits::of(dev, blocks);
+    let splits = Splits::of(dev, blocks)?;
     let mut key = file.name.to_string();
     let mut consts = vec![("VEC", u32::from(vec))];
     if let Some(op) = op {

@@ -41,7 +41,7 @@ fn kernel(
     vec: bool,
     blocks: &[&Block; 3],
 ) -> Result<Arc<Kernel>> {
-    let splits = Splits::of(dev, blocks);
+    let splits = Splits::of(dev, blocks)?;
     let key = format!(
         "grad_norm_k{}_{}_{}_{}{}{}",
         kind as u32,

@@ -943,21 +943,23 @@ impl ShaderFile {
 pub(crate) struct Splits(Vec<Option<Split>>);
 
 impl Splits {
-    /// The splits of `blocks`, in binding order.
-    pub(crate) fn of(dev: &Device, blocks: &[&crate::memory::Block]) -> Splits {
+    /// The splits of `blocks`, in binding order. Errors: an [`Error::Limit`] when the windows
+    /// pass the adapter's storage bindings per kernel (before any pipeline is made).
+    pub(crate) fn of(dev: &Device, blocks: &[&crate::memory::Block]) -> Result<Splits> {
         let window_bytes = dev.window_bytes();
-        Splits(
-            blocks
-                .iter()
-                .map(|b| match dev.binding_windows(b.size) {
-                    1 => None,
-                    windows => Some(Split {
+        let windows: Vec<u32> = blocks.iter().map(|b| dev.binding_windows(b.size)).collect();
+        dev.check_storage_bindings(windows.iter().map(|&w| w as u64).sum())?;
+        Ok(Splits(
+            windows
+                .into_iter()
+                .map(|windows| {
+                    (windows > 1).then_some(Split {
                         windows,
                         window_bytes,
-                    }),
+                    })
                 })
                 .collect(),
-        )
+        ))
     }
 
     /// The pipeline-key suffix: empty when nothing is split, else each binding's windows and
@@ -999,7 +1001,7 @@ impl ShaderFile {
         consts: &[(&str, u32)],
         blocks: &[&crate::memory::Block],
     ) -> Result<Arc<Kernel>> {
-        let splits = Splits::of(device, blocks);
+        let splits = Splits::of(device, blocks)?;
         let mut key = self.name.to_string();
         for (name, v) in consts {
             key += &format!("_{name}{v}");

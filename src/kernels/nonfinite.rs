@@ -32,7 +32,7 @@ pub(crate) fn nonfinite<T: Operand>(x: &T, flag: &T) -> Result<()> {
         },
     ];
     let blocks = [x.block(), flag.block()];
-    let splits = super::Splits::of(dev, &blocks);
+    let splits = super::Splits::of(dev, &blocks)?;
     let key = format!(
         "nonfinite_{}{}{}",
         s.tag(),

@@ -174,7 +174,9 @@ fn dispatch<T: Operand>(kind: Kind, p: &T, g: &T, m: &T, v: &T, params: &Params)
         // The update is elementwise: it runs over ranges of CHUNK_ALIGN elements that each
         // fit one binding in every tensor, binding the same range of each (no windows, so
         // four large tensors never pass the adapter's count of bindings).
-        let chunk = (dev.window_bytes() / widest / CHUNK_ALIGN * CHUNK_ALIGN) as usize;
+        // At least one aligned run (a binding smaller than one run binds it as windows).
+        let chunk =
+            (dev.window_bytes() / widest / CHUNK_ALIGN).max(1) as usize * CHUNK_ALIGN as usize;
         let mut start = 0;
         while start < n {
             let len = chunk.min(n - start);
@@ -238,7 +240,7 @@ fn update(
     let storage = dtypes.map(|d| Storage::of(dev, d));
     // Whole quads where the element count allows (every block starts 256-byte aligned).
     let vec = n.is_multiple_of(4);
-    let splits = Splits::of(dev, &blocks);
+    let splits = Splits::of(dev, &blocks)?;
     let key = format!(
         "optim_k{}_{}_{}_{}_{}{}{}",
         kind as u32,

@@ -179,7 +179,7 @@ pub(super) fn pipeline(
     blocks: &[&Block; 4],
 ) -> Result<(Arc<Kernel>, [u32; 3])> {
     // A, B or C past the binding limit (a head over a large vocabulary) is bound as windows.
-    let splits = Splits::of(dev, blocks);
+    let splits = Splits::of(dev, blocks)?;
     // vec4 access where every row a kernel touches starts on a 4-element boundary.
     let vec_a = !pb.trans_a && pb.k.is_multiple_of(4) && pb.a_batch.is_multiple_of(4);
     let vec_b = !pb.trans_b && pb.n.is_multiple_of(4) && pb.b_batch.is_multiple_of(4);
