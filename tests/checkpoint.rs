@@ -12,7 +12,6 @@ use fitgrad::optim::{AdamW, Optimizer, Sgd};
 use fitgrad::{DType, Device, DeviceOptions, Error, Tensor};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
 
 device_tests!(
     round_trip_model_optimizer_and_training_state,
@@ -721,45 +720,17 @@ const BIG: [usize; 5] = [2048, 2048, 2048, 2048, 256];
 #[ignore = "child process of killed_during_save_keeps_the_previous_checkpoint: set \
             FITGRAD_CKPT_KILL_CHILD=<checkpoint>;<progress file>;<first step>"]
 fn kill_child_saver() {
-    let Ok(spec) = std::env::var(CHILD_ENV) else {
+    let Some(child) = kill::Child::from_env(CHILD_ENV) else {
         return;
     };
-    let mut parts = spec.split(';');
-    let (path, progress, first) = (
-        PathBuf::from(parts.next().unwrap()),
-        PathBuf::from(parts.next().unwrap()),
-        parts.next().unwrap().parse::<u64>().unwrap(),
-    );
     let Some(dev) = fresh_device(DeviceOptions::default()) else {
         return;
     };
     let model = Mlp::new(&dev, &BIG, Activation::Relu, 11).unwrap();
-    let start = Instant::now();
-    for step in first.. {
+    child.save_until_killed(|step| {
         let state = TrainingState::default().step(step);
-        checkpoint::save(&path, &model, None, &state).unwrap();
-        std::fs::write(&progress, format!("{}", step - first + 1)).unwrap();
-        if start.elapsed() > Duration::from_secs(60) {
-            break;
-        }
-    }
-}
-
-/// The files in `dir` whose names start with `prefix`.
-fn temp_files(dir: &Path, prefix: &str) -> Vec<PathBuf> {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().starts_with(prefix))
-        .map(|e| e.path())
-        .collect()
-}
-
-fn saves_done(progress: &Path) -> u64 {
-    std::fs::read_to_string(progress)
-        .ok()
-        .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(0)
+        checkpoint::save(&child.path, &model, None, &state).unwrap();
+    });
 }
 
 #[test]
@@ -767,90 +738,11 @@ fn killed_during_save_keeps_the_previous_checkpoint() {
     if devices().is_empty() {
         return;
     }
-    const KILLS: u64 = 8;
     let tmp = TempDir::new("kill");
     let path = tmp.join("big.safetensors");
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
-    let mut rng = HostRng::new(seed);
-    eprintln!("kill test: random seed {seed}");
-    let exe = std::env::current_exe().unwrap();
     let mut reference: Option<Checkpoint> = None;
-    let mut save_time = Duration::from_millis(500);
-    let (mut mid_write, mut last_step) = (0, 0);
-    for round in 0..KILLS {
-        let progress = tmp.join(&format!("progress-{round}"));
-        let first = round * 1_000_000;
-        let mut child = std::process::Command::new(&exe)
-            .args([
-                "--exact",
-                "kill_child_saver",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(
-                CHILD_ENV,
-                format!("{};{};{first}", path.display(), progress.display()),
-            )
-            .stdout(std::process::Stdio::null())
-            .stderr(std::fs::File::create(tmp.join(&format!("child-{round}.log"))).unwrap())
-            .spawn()
-            .unwrap();
-        // Wait for one whole save of this child (two in the first round, to time them), so the
-        // kill lands in a later one.
-        let want = if round == 0 { 2 } else { 1 };
-        let t0 = Instant::now();
-        let mut t1 = None;
-        while saves_done(&progress) < want {
-            if saves_done(&progress) == 1 && t1.is_none() {
-                t1 = Some(Instant::now());
-            }
-            if let Some(status) = child.try_wait().unwrap() {
-                let log = std::fs::read_to_string(tmp.join(&format!("child-{round}.log")));
-                panic!("the child exited ({status}) before saving: {log:?}");
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(180),
-                "the child never saved"
-            );
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        if let Some(t1) = t1 {
-            save_time = t1.elapsed();
-            eprintln!("kill test: one save of ~52 MB takes {save_time:?}");
-        }
-        // write_atomic's temporary file (`.big.safetensors.tmp-PID-RANDOM`): it exists from the
-        // start of the file write to the rename.
-        let tmp_prefix = format!(".big.safetensors.tmp-{}-", child.id());
-        if round % 2 == 0 {
-            // Anywhere in a save: reading back, serializing, writing, syncing, renaming.
-            let wait = save_time.mul_f64((rng.next_u64() % 1000) as f64 / 1000.0);
-            std::thread::sleep(wait);
-        } else {
-            // Within the file write: once the temporary file is there, up to 5 ms later.
-            let t0 = Instant::now();
-            while temp_files(&tmp.0, &tmp_prefix).is_empty()
-                && t0.elapsed() < Duration::from_secs(30)
-            {
-                std::thread::sleep(Duration::from_micros(200));
-            }
-            std::thread::sleep(Duration::from_micros(rng.next_u64() % 5000));
-        }
-        child.kill().unwrap(); // SIGKILL on Unix
-        child.wait().unwrap();
-
-        let left = temp_files(&tmp.0, &tmp_prefix);
-        assert!(
-            left.len() <= 1,
-            "round {round}: {left:?}: one save at a time"
-        );
-        if let Some(tmp_file) = left.first() {
-            mid_write += 1;
-            std::fs::remove_file(tmp_file).unwrap();
-        }
+    let mut last_step = 0;
+    kill::kill_during_saves("kill_child_saver", CHILD_ENV, &path, 8, |round, first| {
         let c = checkpoint::load(&path)
             .unwrap_or_else(|e| panic!("round {round}: the checkpoint does not load: {e}"));
         let step = c.training_state().unwrap().step;
@@ -863,15 +755,7 @@ fn killed_during_save_keeps_the_previous_checkpoint() {
             None => reference = Some(c),
             Some(r) => assert!(r.tensors == c.tensors, "round {round}: tensors differ"),
         }
-    }
-    eprintln!(
-        "kill test: {KILLS} kills, {mid_write} of them while the temporary file was being written \
-         (left behind as .big.safetensors.tmp-PID-RANDOM, removed here); the checkpoint loaded every time"
-    );
-    assert!(
-        mid_write > 0,
-        "no kill landed while a file was being written"
-    );
+    });
 }
 
 // ---------------------------------------------------------------------------------------------

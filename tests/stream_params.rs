@@ -363,3 +363,82 @@ fn fit_auto_ends_on_streamed_parameters() {
         "planned vs measured device peak"
     );
 }
+
+const KILL_ENV: &str = "FITGRAD_STREAM_KILL_CHILD";
+
+/// A streamed GPT of width 256 (3.2M parameters; a checkpoint of weights and AdamW moments of
+/// about 38 MB, read from host memory) initialised from `seed`, trained `steps` steps.
+fn kill_trainer(dev: &Device, seed: u64, steps: usize) -> Trainer<Gpt> {
+    let mut cfg = GptConfig::new(23, 16, 4, 4, 256);
+    cfg.seed = seed;
+    let model = Gpt::new(dev, cfg).unwrap();
+    let opt = Box::new(AdamW::new(model.parameters(), 1e-3).unwrap());
+    let config = TrainerConfig::default()
+        .batch_size(8)
+        .lr(1e-3)
+        .offload_parameters(true);
+    let mut t = Trainer::new(model, opt, config).unwrap();
+    run(&mut t, &data(), 0, steps);
+    t
+}
+
+/// Not a test on its own: run by `killed_during_a_streamed_save_keeps_the_previous_file` as
+/// a child process with FITGRAD_STREAM_KILL_CHILD="<checkpoint>;<progress file>;<first>", it
+/// saves the streamed trainer's checkpoint over and over until it is killed.
+#[test]
+#[ignore = "child process of killed_during_a_streamed_save_keeps_the_previous_file: set \
+            FITGRAD_STREAM_KILL_CHILD=<checkpoint>;<progress file>;<first save>"]
+fn kill_child_streamed_saver() {
+    let Some(child) = kill::Child::from_env(KILL_ENV) else {
+        return;
+    };
+    let Some(dev) = fresh_device(Default::default()) else {
+        return;
+    };
+    let t = kill_trainer(&dev, 9, 1);
+    child.save_until_killed(|n| t.save_checkpoint(&child.path, n).unwrap());
+}
+
+/// A process killed anywhere in a streamed trainer's save (parameters and optimizer state
+/// read from host memory) leaves the previous checkpoint whole: it loads after every kill,
+/// always with the same tensors, and a fresh streamed trainer resumes from it to the weights
+/// and moments the killed one had.
+#[test]
+fn killed_during_a_streamed_save_keeps_the_previous_file() {
+    let Some(dev) = fresh_device(Default::default()) else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("fitgrad-stream-kill-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("streamed.safetensors");
+    let mut reference = None;
+    kill::kill_during_saves(
+        "kill_child_streamed_saver",
+        KILL_ENV,
+        &path,
+        4,
+        |round, first| {
+            let c = fitgrad::checkpoint::load(&path)
+                .unwrap_or_else(|e| panic!("round {round}: the checkpoint does not load: {e}"));
+            let epoch = c.training_state().unwrap().epoch;
+            assert!(
+                epoch >= first,
+                "round {round}: save {epoch} is an earlier round's"
+            );
+            match &reference {
+                None => reference = Some(c.tensors),
+                Some(r) => assert!(*r == c.tensors, "round {round}: tensors differ"),
+            }
+        },
+    );
+    let mut fresh = kill_trainer(&dev, 9, 0);
+    fresh.resume_from(&path).unwrap();
+    let again = dir.join("again.safetensors");
+    fresh.save_checkpoint(&again, 0).unwrap();
+    let c = fitgrad::checkpoint::load(&again).unwrap();
+    assert!(
+        reference.unwrap() == c.tensors,
+        "resumed weights and moments"
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod gradcheck;
+pub mod kill;
 pub mod lora;
 
 use fitgrad::{DType, Device, DeviceOptions, Tensor};
