@@ -442,3 +442,35 @@ fn killed_during_a_streamed_save_keeps_the_previous_file() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// A report's recorded step under optimizer offload and streamed parameters: the host bytes
+/// and the bytes moved it measured equal the planner's, and the page shows them beside the
+/// device's figures.
+#[test]
+fn reports_show_host_bytes_and_transfers() {
+    use fitgrad::report::{StepCapture, TrainingReport};
+    let Some(dev) = fresh_device(Default::default()) else {
+        return;
+    };
+    let data = data();
+    for mode in [Mode::OffloadOptimizer, Mode::Streamed] {
+        let mut t = gpt_trainer(&dev, mode, 3, false);
+        let mut capture = StepCapture::new();
+        for s in 0..3 {
+            let idx: Vec<usize> = (0..8).map(|k| (s * 8 + k) * 3 % 580).collect();
+            t.step(&data, &idx).unwrap();
+            capture.after_step(&mut t, &data).unwrap();
+        }
+        let m = capture.finish().expect("the second step was recorded");
+        assert!(m.plan.host_bytes > 0 && m.plan.bytes_moved > 0, "{mode:?}");
+        assert_eq!(m.host_bytes, m.plan.host_bytes, "{mode:?}: host bytes");
+        assert_eq!(m.bytes_moved, m.plan.bytes_moved, "{mode:?}: bytes moved");
+        let mut report = TrainingReport::new("stream report test", &dev, "tokens/s");
+        report.set_step_memory(Some(m.clone()));
+        let html = report.to_html();
+        assert!(html.contains("Host memory and transfers"), "{mode:?}");
+        assert!(html.contains(&fitgrad::Bytes(m.bytes_moved).to_string()));
+        let back = TrainingReport::from_json(&report.to_json()).unwrap();
+        assert_eq!(back.step_memory, Some(m));
+    }
+}

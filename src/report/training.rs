@@ -63,6 +63,15 @@ pub struct StepMemory {
     pub planned: Timeline,
     /// The planner's figures for that step.
     pub plan: Plan,
+    /// Host memory the trainer held for the step (optimizer offload, streamed parameters):
+    /// not device memory; 0 when everything is on the device.
+    #[serde(default)]
+    pub host_bytes: u64,
+    /// Bytes the step moved between host and device (streamed parameters up and gradients
+    /// back as counted by the streaming, plus the offloaded optimizer's gradients read back
+    /// and parameters uploaded).
+    #[serde(default)]
+    pub bytes_moved: u64,
 }
 
 impl StepMemory {
@@ -343,6 +352,7 @@ impl StepCapture {
             State::Waiting => {
                 let (plan, planned) = trainer.plan_timeline(data)?;
                 let device = trainer.device().clone();
+                trainer.take_bytes_moved();
                 device.start_timeline()?;
                 self.state = State::Recording {
                     device,
@@ -357,12 +367,16 @@ impl StepCapture {
                 planned,
                 plan,
             } => {
+                let bytes_moved =
+                    trainer.take_bytes_moved().total() + trainer.offload_bytes_moved();
                 self.state = match device.take_timeline().and_then(|t| t.last_step()) {
                     Some(measured) => State::Done(StepMemory {
                         step,
                         measured,
                         planned,
                         plan,
+                        host_bytes: trainer.memory_summary().host_bytes,
+                        bytes_moved,
                     }),
                     None => State::Waiting,
                 };

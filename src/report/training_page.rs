@@ -282,6 +282,24 @@ fn memory_section(page: &mut Page, r: &TrainingReport, m: &StepMemory) {
     ]);
     page.heading(3, "At the peak, by role");
     page.table(&["role", "measured", "planned"], &rows);
+    if m.host_bytes > 0 || m.plan.host_bytes > 0 || m.bytes_moved > 0 || m.plan.bytes_moved > 0 {
+        page.heading(3, "Host memory and transfers");
+        page.table(
+            &["", "measured", "planned"],
+            &[
+                vec![
+                    "host memory (not in the device peak)".into(),
+                    Bytes(m.host_bytes).to_string(),
+                    Bytes(m.plan.host_bytes).to_string(),
+                ],
+                vec![
+                    "moved per step (host ↔ device)".into(),
+                    Bytes(m.bytes_moved).to_string(),
+                    Bytes(m.plan.bytes_moved).to_string(),
+                ],
+            ],
+        );
+    }
 }
 
 fn training_section(page: &mut Page, r: &TrainingReport) {
@@ -474,6 +492,8 @@ fn memory_table(page: &mut Page, r: &TrainingReport) {
                 vec!["workspace".into(), b(p.workspace)],
                 vec!["peak in use".into(), b(p.peak)],
                 vec!["peak reserved".into(), b(p.peak_reserved)],
+                vec!["host memory".into(), b(p.host_bytes)],
+                vec!["moved per step".into(), b(p.bytes_moved)],
                 vec![
                     "micro-batch".into(),
                     format!("{} ({} per step)", p.micro_batch, p.micro_batches),

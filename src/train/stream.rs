@@ -156,7 +156,7 @@ impl<M: Module> Trainer<M> {
     /// Bytes an offloaded optimizer moves in one step: each device-resident parameter's f32
     /// gradient read back and its f32 value uploaded (streamed ones are updated in host
     /// memory, where their gradients already are); 0 without offload.
-    pub(super) fn offload_bytes_moved(&self) -> u64 {
+    pub(crate) fn offload_bytes_moved(&self) -> u64 {
         if !self.optimizer.state_on_host() {
             return 0;
         }
