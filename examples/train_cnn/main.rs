@@ -19,14 +19,14 @@
 //! only its input), `--save` / `--resume`, `--report`, `--json`, `--distributed mpi`. It prints
 //! the planned peak of a step beside the measured one.
 
-mod augment;
-mod model;
+pub mod augment;
+pub mod model;
 
 use augment::{Augment, Augmented};
 use clap::Parser;
 use fitgrad::distributed::Job;
 use fitgrad::nn::Module;
-use fitgrad::optim::{AdamW, LrSchedule, Optimizer};
+use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
 use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
 use fitgrad::train::data::{self, Dataset};
 use fitgrad::train::Precision;
@@ -67,7 +67,10 @@ pub struct Args {
     /// Batches whose gradients add up before each optimizer step.
     #[arg(long, default_value_t = 1)]
     accum_steps: usize,
-    /// AdamW learning rate.
+    /// adamw, or sgd (momentum 0.9).
+    #[arg(long, default_value = "adamw", value_parser = ["adamw", "sgd"])]
+    optimizer: String,
+    /// The learning rate.
     #[arg(long, default_value_t = 2e-3, allow_negative_numbers = true)]
     lr: f64,
     /// Cosine decay of the learning rate to 0 over the run, after a warm-up of 5% of the steps.
@@ -142,7 +145,28 @@ fn invalid(reason: String) -> Error {
     }
 }
 
-pub fn run(args: Args, dist: &Job) -> Result<()> {
+/// What a run ends with: the planned and measured peak bytes in use of its steps, the
+/// micro-batch it ran, its test accuracy (the root only), and the model's parameters and
+/// buffers by name (what the tests compare).
+#[derive(Debug, Default)]
+pub struct Outcome {
+    pub planned_peak: u64,
+    pub measured_peak: u64,
+    pub micro_batch: usize,
+    pub test_accuracy: f32,
+    pub tensors: Vec<(String, Vec<f32>)>,
+}
+
+/// The model's parameters and buffers, read back.
+fn tensors_of(model: &ResNet) -> Result<Vec<(String, Vec<f32>)>> {
+    let mut all = model.named_parameters();
+    all.extend(model.named_buffers());
+    all.into_iter()
+        .map(|(n, t)| Ok((n, t.to_vec_f32()?)))
+        .collect()
+}
+
+pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
     let root = dist.is_root();
     macro_rules! say {
         ($($t:tt)*) => { if root { println!($($t)*); } };
@@ -231,7 +255,11 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
         model.checkpoint.store(true, Ordering::Relaxed);
     }
     let lr = args.lr as f32;
-    let optimizer: Box<dyn Optimizer> = Box::new(AdamW::new(model.parameters(), lr)?);
+    let optimizer: Box<dyn Optimizer> = if args.optimizer == "sgd" {
+        Box::new(Sgd::new(model.parameters(), lr)?.momentum(0.9)?)
+    } else {
+        Box::new(AdamW::new(model.parameters(), lr)?)
+    };
     let total_steps = train.len().div_ceil(args.batch_size * args.accum_steps) as u64 * epochs;
     let schedule = if args.cosine {
         LrSchedule::WarmupCosine {
@@ -247,7 +275,7 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
         .precision(precision);
     let mut trainer = Trainer::new(model, optimizer, config)?;
     say!(
-        "model: ResNet {} stages of width {}, {}, {} ({} blocks, {} norm, {} parameters), AdamW lr {}, {}, batch {} x {}",
+        "model: ResNet {} stages of width {}, {}, {} ({} blocks, {} norm, {} parameters), {} lr {}, {}, batch {} x {}",
         3,
         args.width,
         2 * args.width,
@@ -255,6 +283,7 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
         trainer.model.blocks.len(),
         args.norm,
         trainer.model.num_parameters(),
+        args.optimizer,
         args.lr,
         args.precision,
         args.batch_size,
@@ -288,7 +317,7 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
         );
         if !group && micro < args.batch_size {
             say!(
-                "note: batch norm's statistics are those of each micro-batch of {micro}, not of \
+                "warning: batch norm's statistics are those of each micro-batch of {micro}, not of \
                  the batch of {} (as in PyTorch with accumulation); --norm group is exact",
                 args.batch_size
             );
@@ -299,7 +328,11 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
         if root {
             print!("{plan}");
         }
-        return Ok(());
+        return Ok(Outcome {
+            planned_peak: plan.peak,
+            micro_batch: trainer.micro_batch(),
+            ..Outcome::default()
+        });
     }
     if args.prealloc {
         let reserved = trainer.prealloc(&images)?;
@@ -359,14 +392,22 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
         }
     }
     device.sync()?;
-    if !root {
-        return Ok(());
-    }
-    let train_secs = started.elapsed().as_secs_f64();
     let summary = trainer.memory_summary();
     let measured = summary.stats.peak_bytes_in_use;
+    let mut outcome = Outcome {
+        planned_peak: plan.peak,
+        measured_peak: measured,
+        micro_batch: trainer.micro_batch(),
+        test_accuracy: f32::NAN,
+        tensors: tensors_of(&trainer.model)?,
+    };
+    if !root {
+        return Ok(outcome);
+    }
+    let train_secs = started.elapsed().as_secs_f64();
     let eval = trainer.evaluate(&test, trainer.micro_batch())?;
     let accuracy = eval.accuracy.unwrap_or(f32::NAN);
+    outcome.test_accuracy = accuracy;
     println!(
         "test: loss {:.4}, accuracy {:.2}% ({train_secs:.1} s training)",
         eval.loss,
@@ -415,7 +456,7 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
         dist.add_to_json(&mut j, all_reduce.as_ref());
         println!("{j}");
     }
-    Ok(())
+    Ok(outcome)
 }
 
 fn main() -> ExitCode {
@@ -430,5 +471,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
     };
-    Job::main(args.distributed.clone().as_deref(), |dist| run(args, dist))
+    Job::main(args.distributed.clone().as_deref(), |dist| {
+        run(args, dist).map(drop)
+    })
 }
