@@ -767,7 +767,8 @@ fn batch_norm_buffers_are_rank_0s_on_every_replica(dev: &Device) {
                     .map(|&x| f64::from(x))
                     .collect();
                 let m = v.iter().sum::<f64>() / v.len() as f64;
-                let unbiased = v.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (v.len() - 1) as f64;
+                let unbiased =
+                    v.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (v.len() - 1) as f64;
                 mean[c] = 0.9 * mean[c] + 0.1 * m;
                 var[c] = 0.9 * var[c] + 0.1 * unbiased;
             }
@@ -785,12 +786,23 @@ fn batch_norm_buffers_are_rank_0s_on_every_replica(dev: &Device) {
             .map(|(_, t)| t.to_vec_f32().unwrap())
             .collect()
     };
-    assert_eq!(buffers(0), buffers(1), "{}: replicas' running statistics", label(dev));
+    assert_eq!(
+        buffers(0),
+        buffers(1),
+        "{}: replicas' running statistics",
+        label(dev)
+    );
     let (mean, var) = expected(0);
     let got = buffers(1);
     for c in 0..4 {
-        assert!((f64::from(got[0][c]) - mean[c]).abs() < 1e-5, "mean {c}: {got:?} vs {mean:?}");
-        assert!((f64::from(got[1][c]) - var[c]).abs() < 1e-4 * var[c], "var {c}: {got:?} vs {var:?}");
+        assert!(
+            (f64::from(got[0][c]) - mean[c]).abs() < 1e-5,
+            "mean {c}: {got:?} vs {mean:?}"
+        );
+        assert!(
+            (f64::from(got[1][c]) - var[c]).abs() < 1e-4 * var[c],
+            "var {c}: {got:?} vs {var:?}"
+        );
     }
     let (mean1, _) = expected(1);
     assert!(

@@ -106,7 +106,10 @@ fn crops_and_flips_are_seeded_and_match_the_reference() {
         let d = a.draw(1, i);
         assert!(d.dy <= 4 && d.dx <= 4, "{d:?}");
         let img = &data.features[i * n..(i + 1) * n];
-        assert_eq!(&got[k * n..(k + 1) * n], reference(img, 2, d.dy, d.dx, d.flip));
+        assert_eq!(
+            &got[k * n..(k + 1) * n],
+            reference(img, 2, d.dy, d.dx, d.flip)
+        );
         offsets.insert((d.dy, d.dx));
         flips[usize::from(d.flip)] += 1;
     }
@@ -174,15 +177,15 @@ fn run(csv: &tempfile::NamedTempFile, batch: usize, extra: &[&str]) -> train_cnn
 }
 
 /// max |a - b| / max |a| of each tensor, the worst first.
-fn worst_difference(
-    a: &[(String, Vec<f32>)],
-    b: &[(String, Vec<f32>)],
-) -> (f32, String) {
+fn worst_difference(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> (f32, String) {
     assert_eq!(a.len(), b.len());
     let mut worst = (0.0f32, String::new());
     for ((na, va), (nb, vb)) in a.iter().zip(b) {
         assert_eq!(na, nb);
-        let largest = va.iter().fold(0.0f32, |m, v| m.max(v.abs())).max(f32::MIN_POSITIVE);
+        let largest = va
+            .iter()
+            .fold(0.0f32, |m, v| m.max(v.abs()))
+            .max(f32::MIN_POSITIVE);
         let diff = va
             .iter()
             .zip(vb)
@@ -218,10 +221,17 @@ fn group_norm_under_half_the_peak_ends_with_the_same_weights() {
         budgeted.measured_peak
     );
     let (diff, name) = worst_difference(&whole.tensors, &budgeted.tensors);
-    eprintln!("micro-batch {} of 96, worst {name}: {diff:e}", budgeted.micro_batch);
+    eprintln!(
+        "micro-batch {} of 96, worst {name}: {diff:e}",
+        budgeted.micro_batch
+    );
     assert!(diff < 1e-5, "{name}: {diff:e} relative");
     // The parameters moved: the comparison is not of two untrained models.
-    let fresh = run(&csv, 96, &["--norm", "group", "--optimizer", "sgd", "--lr", "1e-12"]);
+    let fresh = run(
+        &csv,
+        96,
+        &["--norm", "group", "--optimizer", "sgd", "--lr", "1e-12"],
+    );
     let (moved, _) = worst_difference(&fresh.tensors, &whole.tensors);
     assert!(moved > 1e-3, "{moved}");
 }

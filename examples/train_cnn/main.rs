@@ -293,11 +293,18 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         say!(
             "augmentation: random crops (padding {}), {} (seeded per sample and epoch)",
             aug.pad,
-            if aug.flip { "horizontal flips" } else { "no flips" }
+            if aug.flip {
+                "horizontal flips"
+            } else {
+                "no flips"
+            }
         );
     }
     if args.cosine {
-        say!("learning rate: cosine to 0 over {total_steps} steps, warm-up {}", total_steps / 20);
+        say!(
+            "learning rate: cosine to 0 over {total_steps} steps, warm-up {}",
+            total_steps / 20
+        );
     }
     if let Some(b) = budget {
         if fit_auto {

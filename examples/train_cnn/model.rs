@@ -19,7 +19,6 @@ pub struct Shape {
     pub seed: u64,
 }
 
-
 /// BatchNorm2d or GroupNorm, chosen by --norm.
 #[derive(Clone)]
 enum Norm {
@@ -248,4 +247,3 @@ impl TrainModel<ClassBatch> for ResNet {
         true
     }
 }
-
