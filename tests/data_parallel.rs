@@ -2,7 +2,8 @@
 //! same effective batch (uneven shares, a replica with no sample, micro-batches under a
 //! budget), replicas bitwise identical after every step, the all-reduce buffer in the plan as
 //! measured, a model that differs refused on every replica, and a failing replica stopping the
-//! others instead of leaving them waiting. The in-process group's collectives are checked
+//! others instead of leaving them waiting, and batch norm's running statistics made rank 0's
+//! on every replica after each step. The in-process group's collectives are checked
 //! without a device.
 
 mod common;
@@ -11,11 +12,11 @@ use common::*;
 use fitgrad::distributed::zero::{CollectiveKind, ShardLayout, StepCollectives, GRANULE};
 use fitgrad::distributed::{attach_zero, share_of, Communicator, DataParallel, LocalGroup, Zero};
 use fitgrad::memory::Category;
-use fitgrad::nn::{Activation, Mlp, Module};
+use fitgrad::nn::{self, Activation, BatchNorm2d, Linear, Mlp, Module};
 use fitgrad::optim::AdamW;
 use fitgrad::train::data::{self, Dataset};
-use fitgrad::train::{BatchSource, ClassBatch, Trainer, TrainerConfig};
-use fitgrad::{Device, DeviceOptions, Error, Result};
+use fitgrad::train::{BatchSource, ClassBatch, StepContext, TrainModel, Trainer, TrainerConfig};
+use fitgrad::{Device, DeviceOptions, Error, Result, Tensor};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -27,7 +28,8 @@ device_tests!(
     zero_stages_match_stage_0_and_one_device,
     zero_with_clipping_and_mixed_precision_matches_one_device,
     a_zero_checkpoint_resumes_on_other_replica_counts,
-    zero_stages_send_the_bytes_of_stage_0
+    zero_stages_send_the_bytes_of_stage_0,
+    batch_norm_buffers_are_rank_0s_on_every_replica
 );
 
 const SEED: u64 = 3;
@@ -705,5 +707,106 @@ fn zero_stages_send_the_bytes_of_stage_0(dev: &Device) {
         label(dev),
         sent[0],
         sent[1]
+    );
+}
+
+/// Batch norm over the digits seen as (B, 4, 4, 4), then a Linear head: the running
+/// statistics depend on the data alone, so their reference is torch's rule on host loops.
+#[derive(Clone)]
+struct NormNet {
+    bn: BatchNorm2d,
+    head: Linear,
+}
+
+fitgrad::module! {
+    impl Module for NormNet {
+        params { bn, head }
+        fn forward(&self, x: &Tensor) -> Result<Tensor> {
+            let b = x.dims()[0];
+            let h = self.bn.forward(&x.reshape(&[b, 4, 4, 4])?)?;
+            self.head.forward(&h.reshape(&[b, 64])?)
+        }
+    }
+}
+
+impl TrainModel<ClassBatch> for NormNet {
+    fn forward_loss(&self, b: &ClassBatch, ctx: &StepContext) -> Result<Tensor> {
+        let x = b.x.to_device(&ctx.device)?;
+        nn::cross_entropy(&self.forward(&x)?, &b.y)
+    }
+}
+
+/// Each replica's forward updates its running statistics from its own share; after the step
+/// every replica holds rank 0's (PyTorch DDP's broadcast_buffers), which are torch's rule
+/// applied to rank 0's shares only. Replica 1's own shares would give other values.
+fn batch_norm_buffers_are_rank_0s_on_every_replica(dev: &Device) {
+    let config = TrainerConfig::new(13, 1, 1e-2);
+    let devices = [twin(dev, None), twin(dev, None)];
+    let mut dp = DataParallel::new(&devices, |d| {
+        let model = NormNet {
+            bn: BatchNorm2d::new(d, 4)?,
+            head: Linear::new(d, 64, 10, SEED)?,
+        };
+        let opt = Box::new(AdamW::new(model.parameters(), 1e-2)?);
+        Trainer::new(model, opt, config.clone())
+    })
+    .unwrap();
+    // torch's rule, in f64, on the shares of replica `r`: mean <- 0.9 mean + 0.1 batch mean,
+    // var <- 0.9 var + 0.1 unbiased batch variance, from 0 and 1.
+    let expected = |r: usize| {
+        let (mut mean, mut var) = (vec![0.0f64; 4], vec![1.0f64; 4]);
+        for idx in batches() {
+            let share = &idx[share_of(idx.len(), r, 2)];
+            if share.is_empty() {
+                continue;
+            }
+            for c in 0..4 {
+                let v: Vec<f64> = share
+                    .iter()
+                    .flat_map(|&i| &digits().features[i * 64 + 16 * c..i * 64 + 16 * c + 16])
+                    .map(|&x| f64::from(x))
+                    .collect();
+                let m = v.iter().sum::<f64>() / v.len() as f64;
+                let unbiased =
+                    v.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (v.len() - 1) as f64;
+                mean[c] = 0.9 * mean[c] + 0.1 * m;
+                var[c] = 0.9 * var[c] + 0.1 * unbiased;
+            }
+        }
+        (mean, var)
+    };
+    for idx in batches() {
+        dp.step(digits(), &idx).unwrap();
+    }
+    let buffers = |r: usize| -> Vec<Vec<f32>> {
+        dp.replicas()[r]
+            .model
+            .named_buffers()
+            .iter()
+            .map(|(_, t)| t.to_vec_f32().unwrap())
+            .collect()
+    };
+    assert_eq!(
+        buffers(0),
+        buffers(1),
+        "{}: replicas' running statistics",
+        label(dev)
+    );
+    let (mean, var) = expected(0);
+    let got = buffers(1);
+    for c in 0..4 {
+        assert!(
+            (f64::from(got[0][c]) - mean[c]).abs() < 1e-5,
+            "mean {c}: {got:?} vs {mean:?}"
+        );
+        assert!(
+            (f64::from(got[1][c]) - var[c]).abs() < 1e-4 * var[c],
+            "var {c}: {got:?} vs {var:?}"
+        );
+    }
+    let (mean1, _) = expected(1);
+    assert!(
+        (0..4).any(|c| (mean1[c] - mean[c]).abs() > 1e-3),
+        "the replicas' shares must differ for the test to mean anything"
     );
 }

@@ -131,6 +131,33 @@ pub(super) fn write_into(t: &Tensor, values: &[f32]) -> Result<()> {
     t.device().upload(t.block(), &encode(values, t.dtype()))
 }
 
+/// Rank 0's values of `tensors` written into every other member's, in one broadcast (what
+/// makes batch norm's running statistics agree across replicas). Nothing while planning.
+pub(super) fn broadcast_from_rank0(comm: &mut dyn Communicator, tensors: &[Tensor]) -> Result<()> {
+    let Some(first) = tensors.first() else {
+        return Ok(());
+    };
+    if first.device().is_planning() {
+        return Ok(());
+    }
+    let mut values = Vec::with_capacity(tensors.iter().map(Tensor::numel).sum());
+    for t in tensors {
+        match comm.rank() {
+            0 => values.extend(t.to_vec_f32()?),
+            _ => values.resize(values.len() + t.numel(), 0.0),
+        }
+    }
+    comm.broadcast(bytemuck::cast_slice_mut(&mut values))?;
+    if comm.rank() != 0 {
+        let mut at = 0;
+        for t in tensors {
+            write_into(t, &values[at..at + t.numel()])?;
+            at += t.numel();
+        }
+    }
+    Ok(())
+}
+
 /// A new gradient for `p` holding `values`, in `p`'s dtype, counted as a gradient.
 pub(super) fn new_grad(p: &Tensor, values: &[f32]) -> Result<Tensor> {
     let dev = p.device();
@@ -263,6 +290,10 @@ impl<C: Communicator> GradientSync for GradientAllReduce<C> {
         crate::device::lock(&self.stats).scatter += t3.elapsed();
         self.last = Some((step, sums));
         Ok(())
+    }
+
+    fn sync_buffers(&mut self, buffers: &[Tensor]) -> Result<()> {
+        broadcast_from_rank0(&mut self.comm, buffers)
     }
 }
 

@@ -6,7 +6,8 @@
 //! replica's share of them, weights each micro-batch's loss by its share of all `n` (so summed
 //! gradients are those of the whole batch's mean), then calls [`GradientSync::reduce`] before
 //! loss-scale unscaling, clipping, the finite check and the update. Every replica then sees the
-//! same gradients and takes the same decisions. Planning calls the hook too (on the device's
+//! same gradients and takes the same decisions. The model's buffers (running statistics) are
+//! then made rank 0's on every replica ([`GradientSync::sync_buffers`]). Planning calls the hook too (on the device's
 //! planning mode), so its buffer is part of the plan.
 
 use crate::{Result, Tensor};
@@ -25,6 +26,14 @@ pub trait GradientSync: Send {
     /// completed reduce (a step redone after an out-of-memory) reapplies that result. While
     /// the device is planning it allocates what it would, and communicates nothing.
     fn reduce(&mut self, step: u64, params: &[Tensor], loss: &Tensor) -> Result<()>;
+
+    /// Makes the model's buffers (batch norm's running statistics) the same on every replica
+    /// after a step's forwards updated each from its own share: rank 0's values, as PyTorch
+    /// DDP's `broadcast_buffers`. Called after [`GradientSync::reduce`]; while planning it
+    /// communicates nothing. Nothing by default.
+    fn sync_buffers(&mut self, _buffers: &[Tensor]) -> Result<()> {
+        Ok(())
+    }
 
     /// The tensors whose gradients the rest of the step reads (unscaling, clipping, the finite
     /// check) and the optimizer updates, when they are not the model's parameters: under ZeRO,

@@ -656,7 +656,14 @@ impl<M: Module> Trainer<M> {
         let result = result.and_then(|()| match self.sync.as_mut() {
             Some(sync) => {
                 let _p = dev.phase_scope("gradient all-reduce");
-                sync.reduce(self.step, &self.model.parameters(), &step_loss)
+                sync.reduce(self.step, &self.model.parameters(), &step_loss)?;
+                let buffers: Vec<Tensor> = self
+                    .model
+                    .named_buffers()
+                    .into_iter()
+                    .map(|(_, b)| b)
+                    .collect();
+                sync.sync_buffers(&buffers)
             }
             None => Ok(()),
         });

@@ -26,7 +26,8 @@ pub use layout::{Piece, ShardLayout, GRANULE};
 pub use optimizer::ZeroOptimizer;
 pub use plan::{Collective, CollectiveKind, RankPlan, RankPlans, StepCollectives};
 
-use super::allreduce::{check_same_run, copy_from_rank0, gather, new_grad, write_into};
+use super::allreduce::{broadcast_from_rank0, check_same_run, copy_from_rank0, gather};
+use super::allreduce::{new_grad, write_into};
 use super::comm::{share_of, Communicator};
 use super::AllReduceStats;
 use crate::memory::Category;
@@ -293,6 +294,10 @@ impl<C: Communicator> GradientSync for ZeroSync<C> {
         }
         crate::device::lock(&self.stats).scatter += t.elapsed();
         Ok(())
+    }
+
+    fn sync_buffers(&mut self, buffers: &[Tensor]) -> Result<()> {
+        broadcast_from_rank0(&mut *crate::device::lock(&self.comm), buffers)
     }
 
     fn step_tensors(&self) -> Option<Vec<Tensor>> {

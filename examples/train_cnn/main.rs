@@ -19,20 +19,24 @@
 //! only its input), `--save` / `--resume`, `--report`, `--json`, `--distributed mpi`. It prints
 //! the planned peak of a step beside the measured one.
 
+pub mod augment;
+pub mod model;
+
+use augment::{Augment, Augmented};
 use clap::Parser;
 use fitgrad::distributed::Job;
-use fitgrad::nn::{self, AvgPool2d, BatchNorm2d, Conv2d, GroupNorm, Linear, Module};
-use fitgrad::optim::{AdamW, Optimizer};
+use fitgrad::nn::Module;
+use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
 use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
 use fitgrad::train::data::{self, Dataset};
-use fitgrad::train::{ClassBatch, EvalBatch, Precision, StepContext, TrainModel};
+use fitgrad::train::Precision;
 use fitgrad::train::{Trainer, TrainerConfig};
-use fitgrad::{autograd, Activation, Bytes, Conv2dOptions, DType, Device, DeviceOptions};
-use fitgrad::{Error, Result, Tensor};
+use fitgrad::{Bytes, Device, DeviceOptions};
+use fitgrad::{Error, Result};
+use model::ResNet;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 /// Where `apt-get install dataset-fashion-mnist` puts the IDX files.
@@ -40,7 +44,7 @@ const FASHION_MNIST_DIR: &str = "/usr/share/datasets/fashion-mnist";
 
 #[derive(Parser, Debug)]
 #[command(about = "Train a small ResNet defined in this example with fitgrad's Trainer")]
-struct Args {
+pub struct Args {
     /// auto (Fashion-MNIST when installed, else digits), digits, fashion-mnist, mnist, or a
     /// folder of IDX files.
     #[arg(long, default_value = "auto")]
@@ -63,12 +67,31 @@ struct Args {
     /// Batches whose gradients add up before each optimizer step.
     #[arg(long, default_value_t = 1)]
     accum_steps: usize,
-    /// AdamW learning rate.
+    /// adamw, or sgd (momentum 0.9).
+    #[arg(long, default_value = "adamw", value_parser = ["adamw", "sgd"])]
+    optimizer: String,
+    /// The learning rate.
     #[arg(long, default_value_t = 2e-3, allow_negative_numbers = true)]
     lr: f64,
-    /// Seeds the weights, the data split and order.
+    /// Cosine decay of the learning rate to 0 over the run, after a warm-up of 5% of the steps.
+    #[arg(long)]
+    cosine: bool,
+    /// Seeds the weights, the data split and order, and the augmentation.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Random crops: pad every side with this many zeros, then crop back to the image size at a
+    /// seeded offset (per sample and epoch).
+    #[arg(long, default_value_t = 0)]
+    crop_pad: usize,
+    /// Random horizontal flips (seeded, per sample and epoch).
+    #[arg(long)]
+    flip: bool,
+    /// Both: --crop-pad 2 --flip.
+    #[arg(long)]
+    augment: bool,
+    /// Train on the first N samples of the training set only (a quick run).
+    #[arg(long)]
+    train_samples: Option<usize>,
     /// Hard limit on device memory (e.g. 16MiB): the micro-batch is chosen to fit.
     #[arg(long)]
     memory_budget: Option<String>,
@@ -111,236 +134,6 @@ struct Args {
 // ---------------------------------------------------------------------------------------------
 // The model
 // ---------------------------------------------------------------------------------------------
-
-/// BatchNorm2d or GroupNorm, chosen by --norm.
-#[derive(Clone)]
-enum Norm {
-    Batch(BatchNorm2d),
-    Group(GroupNorm),
-}
-
-impl Norm {
-    fn new(dev: &Device, group: bool, channels: usize) -> Result<Norm> {
-        Ok(if group {
-            Norm::Group(GroupNorm::new(dev, (channels / 4).max(1), channels)?)
-        } else {
-            Norm::Batch(BatchNorm2d::new(dev, channels)?)
-        })
-    }
-
-    fn inner(&self) -> &dyn Module {
-        match self {
-            Norm::Batch(b) => b,
-            Norm::Group(g) => g,
-        }
-    }
-}
-
-impl Module for Norm {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.inner().forward(x)
-    }
-    fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        self.inner().named_parameters()
-    }
-    fn named_buffers(&self) -> Vec<(String, Tensor)> {
-        self.inner().named_buffers()
-    }
-    fn set_training(&self, training: bool) {
-        self.inner().set_training(training)
-    }
-}
-
-/// The skip path of a strided block: a 1x1 stride-2 conv and its norm.
-#[derive(Clone)]
-struct Downsample {
-    conv: Conv2d,
-    norm: Norm,
-}
-
-fitgrad::module! {
-    impl Module for Downsample {
-        params { conv, norm }
-        fn forward(&self, x: &Tensor) -> Result<Tensor> {
-            self.norm.forward(&self.conv.forward(x)?)
-        }
-    }
-}
-
-/// relu(skip(x) + norm2(conv2(relu(norm1(conv1(x)))))): (B, C, S, S) -> (B, C', S', S').
-#[derive(Clone)]
-struct ResBlock {
-    conv1: Conv2d,
-    norm1: Norm,
-    conv2: Conv2d,
-    norm2: Norm,
-    /// `Some` on a stage's first block (stride 2, channels doubled); the identity otherwise.
-    down: Vec<Downsample>,
-}
-
-impl ResBlock {
-    fn new(dev: &Device, group: bool, cin: usize, cout: usize, seed: u64) -> Result<ResBlock> {
-        let stride = if cin == cout { 1 } else { 2 };
-        let c3 = Conv2dOptions::new().padding(1);
-        let down = if cin == cout {
-            vec![]
-        } else {
-            vec![Downsample {
-                conv: Conv2d::new(
-                    dev,
-                    cin,
-                    cout,
-                    1,
-                    Conv2dOptions::new().stride(2),
-                    false,
-                    seed + 2,
-                )?,
-                norm: Norm::new(dev, group, cout)?,
-            }]
-        };
-        Ok(ResBlock {
-            conv1: Conv2d::new(dev, cin, cout, 3, c3.stride(stride), false, seed)?,
-            norm1: Norm::new(dev, group, cout)?,
-            conv2: Conv2d::new(dev, cout, cout, 3, c3, false, seed + 1)?,
-            norm2: Norm::new(dev, group, cout)?,
-            down,
-        })
-    }
-
-    fn block(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.norm1.forward(&self.conv1.forward(x)?)?.relu()?;
-        let h = self.norm2.forward(&self.conv2.forward(&h)?)?;
-        let skip = match self.down.first() {
-            Some(d) => d.forward(x)?,
-            None => x.clone(),
-        };
-        h.add(&skip)?.relu()
-    }
-}
-
-fitgrad::module! {
-    impl Module for ResBlock {
-        params { conv1, norm1, conv2, norm2, down }
-        fn forward(&self, x: &Tensor) -> Result<Tensor> {
-            self.block(x)
-        }
-    }
-}
-
-/// stem -> stages -> global average pool -> head: (B, 1, S, S) -> logits (B, CLASSES).
-struct ResNet {
-    stem: Conv2d,
-    stem_norm: Norm,
-    blocks: Vec<ResBlock>,
-    pool: AvgPool2d,
-    head: Linear,
-    side: usize,
-    checkpoint: AtomicBool,
-}
-
-impl ResNet {
-    fn new(dev: &Device, side: usize, classes: usize, args: &Args, group: bool) -> Result<ResNet> {
-        let w = args.width;
-        let s = |k: u64| args.seed.wrapping_mul(0x100_0000_01b3).wrapping_add(k);
-        let mut blocks = Vec::new();
-        let mut cin = w;
-        for (stage, cout) in [w, 2 * w, 4 * w].into_iter().enumerate() {
-            let first = stage > 0;
-            let count = args.blocks + usize::from(first);
-            for b in 0..count {
-                let c_in = if b == 0 { cin } else { cout };
-                blocks.push(ResBlock::new(
-                    dev,
-                    group,
-                    c_in,
-                    cout,
-                    s(100 * stage as u64 + 10 * b as u64),
-                )?);
-            }
-            cin = cout;
-        }
-        Ok(ResNet {
-            stem: Conv2d::new(dev, 1, w, 3, Conv2dOptions::new().padding(1), false, s(1))?,
-            stem_norm: Norm::new(dev, group, w)?,
-            blocks,
-            pool: AvgPool2d::global(),
-            head: Linear::new(dev, 4 * w, classes, s(2))?,
-            side,
-            checkpoint: AtomicBool::new(false),
-        })
-    }
-
-    /// Logits (B, CLASSES), f32, from rows of pixels x (B, S S), computed in `dtype`.
-    fn forward_in(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
-        let b = x.dims()[0];
-        let x = x.reshape(&[b, 1, self.side, self.side])?;
-        let x = if x.dtype() == dtype {
-            x
-        } else {
-            x.to_dtype(dtype)?
-        };
-        let mut h = self.stem_norm.forward(&self.stem.forward(&x)?)?.relu()?;
-        let ckpt = self.checkpoint.load(Ordering::Relaxed) && autograd::is_grad_enabled();
-        for block in &self.blocks {
-            h = if ckpt {
-                let params = block.parameters();
-                let refs: Vec<&Tensor> = params.iter().collect();
-                let blk = Arc::new(block.clone());
-                autograd::checkpoint(&[&h], &refs, move |xs| blk.block(&xs[0]))?
-            } else {
-                block.block(&h)?
-            };
-        }
-        let pooled = self.pool.forward(&h)?.flatten(1)?; // (B, 4W)
-        let logits = self.head.forward_in(&pooled, Activation::None, dtype)?;
-        if logits.dtype() == DType::F32 {
-            Ok(logits)
-        } else {
-            logits.to_dtype(DType::F32)
-        }
-    }
-}
-
-fitgrad::module! {
-    impl Module for ResNet {
-        params { stem, stem_norm, blocks, head }
-        fn forward(&self, x: &Tensor) -> Result<Tensor> {
-            self.forward_in(x, DType::F32)
-        }
-        fn config(&self) -> Vec<(String, String)> {
-            vec![
-                ("kind".into(), "resnet".into()),
-                ("width".into(), self.stem.weight.dims()[0].to_string()),
-                ("blocks".into(), self.blocks.len().to_string()),
-                ("classes".into(), self.head.out_features.to_string()),
-            ]
-        }
-    }
-}
-
-impl TrainModel<ClassBatch> for ResNet {
-    fn forward_loss(&self, b: &ClassBatch, ctx: &StepContext) -> Result<Tensor> {
-        let x = b.x.to_device(&ctx.device)?;
-        let logits = self.forward_in(&x, ctx.dtype)?;
-        drop(x);
-        nn::cross_entropy(&logits, &b.y)
-    }
-
-    fn evaluate_batch(&self, b: &ClassBatch, ctx: &StepContext) -> Result<EvalBatch> {
-        let x = b.x.to_device(&ctx.device)?;
-        let logits = self.forward_in(&x, ctx.dtype)?;
-        Ok(EvalBatch {
-            loss: nn::cross_entropy(&logits, &b.y)?.item()?,
-            correct: Some(nn::correct(&logits, &b.y)?),
-        })
-    }
-
-    fn set_checkpointing(&mut self, on: bool) -> bool {
-        self.checkpoint.store(on, Ordering::Relaxed);
-        true
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // The run
 // ---------------------------------------------------------------------------------------------
@@ -352,7 +145,28 @@ fn invalid(reason: String) -> Error {
     }
 }
 
-fn run(args: Args, dist: &Job) -> Result<()> {
+/// What a run ends with: the planned and measured peak bytes in use of its steps, the
+/// micro-batch it ran, its test accuracy (the root only), and the model's parameters and
+/// buffers by name (what the tests compare).
+#[derive(Debug, Default)]
+pub struct Outcome {
+    pub planned_peak: u64,
+    pub measured_peak: u64,
+    pub micro_batch: usize,
+    pub test_accuracy: f32,
+    pub tensors: Vec<(String, Vec<f32>)>,
+}
+
+/// The model's parameters and buffers, read back.
+fn tensors_of(model: &ResNet) -> Result<Vec<(String, Vec<f32>)>> {
+    let mut all = model.named_parameters();
+    all.extend(model.named_buffers());
+    all.into_iter()
+        .map(|(n, t)| Ok((n, t.to_vec_f32()?)))
+        .collect()
+}
+
+pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
     let root = dist.is_root();
     macro_rules! say {
         ($($t:tt)*) => { if root { println!($($t)*); } };
@@ -390,17 +204,19 @@ fn run(args: Args, dist: &Job) -> Result<()> {
     if let Some(p) = &args.report {
         check_output_path("--report", p)?;
     }
-    let mut options = DeviceOptions::default();
-    options.adapter = args.adapter.clone();
-    options.memory_budget = budget;
-    let device = Device::with_options(options)?;
-    say!("adapter: {}", device.info().adapter);
+    if args.train_samples == Some(0) {
+        return Err(invalid("--train-samples must be positive".into()));
+    }
     let spec = match args.dataset.as_str() {
         "auto" if Path::new(FASHION_MNIST_DIR).is_dir() => "fashion-mnist",
         "auto" => "digits",
         s => s,
     };
-    let (train, test): (Dataset, Dataset) = data::load(spec, args.seed)?;
+    let (mut train, test): (Dataset, Dataset) = data::load(spec, args.seed)?;
+    if let Some(n) = args.train_samples.filter(|&n| n < train.len()) {
+        train.features.truncate(n * train.dim);
+        train.labels.truncate(n);
+    }
     let side = train.dim.isqrt();
     if side * side != train.dim {
         return Err(invalid(format!(
@@ -408,6 +224,19 @@ fn run(args: Args, dist: &Job) -> Result<()> {
             train.dim
         )));
     }
+    let epochs = args
+        .epochs
+        .unwrap_or(if train.len() <= 10_000 { 10 } else { 2 });
+    let aug = Augment {
+        pad: if args.augment { 2 } else { args.crop_pad },
+        flip: args.flip || args.augment,
+    };
+    let images = Augmented::new(&train, side, aug, args.seed)?;
+    let mut options = DeviceOptions::default();
+    options.adapter = args.adapter.clone();
+    options.memory_budget = budget;
+    let device = Device::with_options(options)?;
+    say!("adapter: {}", device.info().adapter);
     say!(
         "dataset: {} ({} train, {} test, {side}x{side}, {} classes)",
         train.name,
@@ -415,19 +244,38 @@ fn run(args: Args, dist: &Job) -> Result<()> {
         test.len(),
         train.classes
     );
-    let epochs = args
-        .epochs
-        .unwrap_or(if train.len() <= 10_000 { 10 } else { 2 });
-    let model = ResNet::new(&device, side, train.classes, &args, group)?;
+    let shape = model::Shape {
+        width: args.width,
+        blocks: args.blocks,
+        group_norm: group,
+        seed: args.seed,
+    };
+    let model = ResNet::new(&device, side, train.classes, shape)?;
     if args.checkpoint_activations {
         model.checkpoint.store(true, Ordering::Relaxed);
     }
     let lr = args.lr as f32;
-    let optimizer: Box<dyn Optimizer> = Box::new(AdamW::new(model.parameters(), lr)?);
-    let config = TrainerConfig::new(args.batch_size, args.accum_steps, lr).precision(precision);
+    let optimizer: Box<dyn Optimizer> = if args.optimizer == "sgd" {
+        Box::new(Sgd::new(model.parameters(), lr)?.momentum(0.9)?)
+    } else {
+        Box::new(AdamW::new(model.parameters(), lr)?)
+    };
+    let total_steps = train.len().div_ceil(args.batch_size * args.accum_steps) as u64 * epochs;
+    let schedule = if args.cosine {
+        LrSchedule::WarmupCosine {
+            warmup_steps: total_steps / 20,
+            total_steps,
+            min_lr_ratio: 0.0,
+        }
+    } else {
+        LrSchedule::Constant
+    };
+    let config = TrainerConfig::new(args.batch_size, args.accum_steps, lr)
+        .schedule(schedule)
+        .precision(precision);
     let mut trainer = Trainer::new(model, optimizer, config)?;
     say!(
-        "model: ResNet {} stages of width {}, {}, {} ({} blocks, {} norm, {} parameters), AdamW lr {}, {}, batch {} x {}",
+        "model: ResNet {} stages of width {}, {}, {} ({} blocks, {} norm, {} parameters), {} lr {}, {}, batch {} x {}",
         3,
         args.width,
         2 * args.width,
@@ -435,20 +283,38 @@ fn run(args: Args, dist: &Job) -> Result<()> {
         trainer.model.blocks.len(),
         args.norm,
         trainer.model.num_parameters(),
+        args.optimizer,
         args.lr,
         args.precision,
         args.batch_size,
         args.accum_steps
     );
+    if aug.is_on() {
+        say!(
+            "augmentation: random crops (padding {}), {} (seeded per sample and epoch)",
+            aug.pad,
+            if aug.flip {
+                "horizontal flips"
+            } else {
+                "no flips"
+            }
+        );
+    }
+    if args.cosine {
+        say!(
+            "learning rate: cosine to 0 over {total_steps} steps, warm-up {}",
+            total_steps / 20
+        );
+    }
     if let Some(b) = budget {
         if fit_auto {
-            let choice = trainer.fit_auto(&train, b)?;
+            let choice = trainer.fit_auto(&images, b)?;
             say!("fit auto: {choice}");
         } else {
-            trainer.fit_to_budget(&train, b)?;
+            trainer.fit_to_budget(&images, b)?;
         }
     }
-    let all_reduce = dist.join(&mut trainer, &train)?;
+    let all_reduce = dist.join(&mut trainer, &images)?;
     if let Some(b) = budget {
         let micro = trainer.micro_batch();
         say!(
@@ -458,21 +324,25 @@ fn run(args: Args, dist: &Job) -> Result<()> {
         );
         if !group && micro < args.batch_size {
             say!(
-                "note: batch norm's statistics are those of each micro-batch of {micro}, not of \
+                "warning: batch norm's statistics are those of each micro-batch of {micro}, not of \
                  the batch of {} (as in PyTorch with accumulation); --norm group is exact",
                 args.batch_size
             );
         }
     }
-    let plan = trainer.plan(&train)?;
+    let plan = trainer.plan(&images)?;
     if args.plan {
         if root {
             print!("{plan}");
         }
-        return Ok(());
+        return Ok(Outcome {
+            planned_peak: plan.peak,
+            micro_batch: trainer.micro_batch(),
+            ..Outcome::default()
+        });
     }
     if args.prealloc {
-        let reserved = trainer.prealloc(&train)?;
+        let reserved = trainer.prealloc(&images)?;
         say!("reserved {} up front", Bytes(reserved));
     }
     let mut report = TrainingReport::new(
@@ -493,9 +363,9 @@ fn run(args: Args, dist: &Job) -> Result<()> {
     let mut capture = StepCapture::new();
     for epoch in first_epoch..epochs {
         let epoch_start = Instant::now();
-        trainer.train_epoch(&train, args.seed, epoch, |t, done, total| {
+        trainer.train_epoch(&images, args.seed, epoch, |t, done, total| {
             if args.report.is_some() {
-                capture.after_step(t, &train)?;
+                capture.after_step(t, &images)?;
             }
             if done.is_multiple_of(50) || done == total {
                 let loss = t.take_loss()?;
@@ -529,14 +399,22 @@ fn run(args: Args, dist: &Job) -> Result<()> {
         }
     }
     device.sync()?;
-    if !root {
-        return Ok(());
-    }
-    let train_secs = started.elapsed().as_secs_f64();
     let summary = trainer.memory_summary();
     let measured = summary.stats.peak_bytes_in_use;
+    let mut outcome = Outcome {
+        planned_peak: plan.peak,
+        measured_peak: measured,
+        micro_batch: trainer.micro_batch(),
+        test_accuracy: f32::NAN,
+        tensors: tensors_of(&trainer.model)?,
+    };
+    if !root {
+        return Ok(outcome);
+    }
+    let train_secs = started.elapsed().as_secs_f64();
     let eval = trainer.evaluate(&test, trainer.micro_batch())?;
     let accuracy = eval.accuracy.unwrap_or(f32::NAN);
+    outcome.test_accuracy = accuracy;
     println!(
         "test: loss {:.4}, accuracy {:.2}% ({train_secs:.1} s training)",
         eval.loss,
@@ -570,6 +448,9 @@ fn run(args: Args, dist: &Job) -> Result<()> {
             "micro_batch": trainer.micro_batch(),
             "precision": args.precision,
             "checkpoint_activations": args.checkpoint_activations,
+            "crop_pad": aug.pad,
+            "flip": aug.flip,
+            "cosine": args.cosine,
             "memory_budget": budget,
             "planned_peak_bytes": plan.peak,
             "peak_bytes_in_use": measured,
@@ -582,7 +463,7 @@ fn run(args: Args, dist: &Job) -> Result<()> {
         dist.add_to_json(&mut j, all_reduce.as_ref());
         println!("{j}");
     }
-    Ok(())
+    Ok(outcome)
 }
 
 fn main() -> ExitCode {
@@ -597,5 +478,7 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
     };
-    Job::main(args.distributed.clone().as_deref(), |dist| run(args, dist))
+    Job::main(args.distributed.clone().as_deref(), |dist| {
+        run(args, dist).map(drop)
+    })
 }

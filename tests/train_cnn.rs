@@ -1,0 +1,262 @@
+//! train_cnn (included as a module, run as a user runs it, on tiny synthetic 6x6 images): the
+//! seeded crops and flips against a plain-loop reference; half the unbudgeted peak as
+//! `--memory-budget` with group norm ends with the unbudgeted run's weights; the planned peak
+//! equals the measured one (f32, and checkpointed mixed precision).
+
+mod common;
+
+#[allow(dead_code)] // the example's `main` and fields the tests do not read
+#[path = "../examples/train_cnn/main.rs"]
+mod train_cnn;
+
+use clap::Parser;
+use fitgrad::distributed::Job;
+use fitgrad::train::data::Dataset;
+use fitgrad::train::{BatchSource, Features};
+use std::io::Write;
+use train_cnn::augment::{Augment, Augmented};
+
+const SIDE: usize = 6;
+
+/// A pseudo-random value in [0, 1) for (i, k).
+fn noise(i: usize, k: usize) -> f32 {
+    let h = (i as u64 * 0x9e37_79b9 + k as u64 * 0x85eb_ca6b) % 1009;
+    h as f32 / 1009.0
+}
+
+/// `rows` 6x6 images of 3 classes (a bright row, column or diagonal, plus noise).
+fn images(rows: usize) -> Dataset {
+    let mut features = Vec::new();
+    let mut labels = Vec::new();
+    for i in 0..rows {
+        let class = i % 3;
+        let line = 1 + i % 4;
+        for r in 0..SIDE {
+            for c in 0..SIDE {
+                let on = match class {
+                    0 => r == line,
+                    1 => c == line,
+                    _ => r == c,
+                };
+                features.push(0.3 * noise(i, r * SIDE + c) + if on { 1.0 } else { 0.0 });
+            }
+        }
+        labels.push(class as u32);
+    }
+    Dataset {
+        name: "images".into(),
+        features,
+        labels,
+        dim: SIDE * SIDE,
+        classes: 3,
+    }
+}
+
+fn host(features: &Features) -> Vec<f32> {
+    match features {
+        Features::Host { data, .. } => data.clone(),
+        Features::Device(t) => t.to_vec_f32().unwrap(),
+    }
+}
+
+/// torchvision's RandomCrop(padding) then RandomHorizontalFlip, as plain loops over an
+/// explicitly padded image.
+fn reference(img: &[f32], pad: usize, dy: usize, dx: usize, flip: bool) -> Vec<f32> {
+    let w = SIDE + 2 * pad;
+    let mut padded = vec![0.0f32; w * w];
+    for r in 0..SIDE {
+        for c in 0..SIDE {
+            padded[(r + pad) * w + c + pad] = img[r * SIDE + c];
+        }
+    }
+    let mut out = Vec::new();
+    for r in 0..SIDE {
+        let mut row: Vec<f32> = (0..SIDE).map(|c| padded[(r + dy) * w + c + dx]).collect();
+        if flip {
+            row.reverse();
+        }
+        out.extend(row);
+    }
+    out
+}
+
+#[test]
+fn crops_and_flips_are_seeded_and_match_the_reference() {
+    let data = images(40);
+    let aug = Augment { pad: 2, flip: true };
+    let a = Augmented::new(&data, SIDE, aug, 7).unwrap();
+    let b = Augmented::new(&data, SIDE, aug, 7).unwrap();
+    // The trainer's epoch_order sets the epoch; the order is the dataset's own.
+    assert_eq!(a.epoch_order(3, 1), data.epoch_order(3, 1));
+    b.set_epoch(1);
+    let idx: Vec<usize> = (0..40).rev().collect();
+    let batch = a.batch(&idx).unwrap();
+    assert_eq!(host(&batch.x), host(&b.batch(&idx).unwrap().x), "same seed");
+    assert_eq!(batch.y, data.batch(&idx).unwrap().y);
+    // The micro-batch that holds a sample does not change it.
+    let mut split = host(&a.batch(&idx[..13]).unwrap().x);
+    split.extend(host(&a.batch(&idx[13..]).unwrap().x));
+    assert_eq!(split, host(&batch.x));
+    // Each image is the reference's for its draw.
+    let got = host(&batch.x);
+    let n = SIDE * SIDE;
+    let mut offsets = std::collections::HashSet::new();
+    let mut flips = [0; 2];
+    for (k, &i) in idx.iter().enumerate() {
+        let d = a.draw(1, i);
+        assert!(d.dy <= 4 && d.dx <= 4, "{d:?}");
+        let img = &data.features[i * n..(i + 1) * n];
+        assert_eq!(
+            &got[k * n..(k + 1) * n],
+            reference(img, 2, d.dy, d.dx, d.flip)
+        );
+        offsets.insert((d.dy, d.dx));
+        flips[usize::from(d.flip)] += 1;
+    }
+    // The draws vary: many offsets, both flips, and another epoch draws otherwise.
+    assert!(offsets.len() >= 10, "{offsets:?}");
+    assert!(flips[0] > 5 && flips[1] > 5, "{flips:?}");
+    a.set_epoch(2);
+    assert_ne!(host(&a.batch(&idx).unwrap().x), got);
+    let other_seed = Augmented::new(&data, SIDE, aug, 8).unwrap();
+    other_seed.set_epoch(1);
+    assert_ne!(host(&other_seed.batch(&idx).unwrap().x), got);
+    // Off, the batches are the dataset's; bad paddings and shapes are typed errors.
+    let off = Augmented::new(&data, SIDE, Augment::default(), 7).unwrap();
+    assert_eq!(
+        host(&off.batch(&idx).unwrap().x),
+        host(&data.batch(&idx).unwrap().x)
+    );
+    let crop_only = Augment {
+        pad: 1,
+        flip: false,
+    };
+    assert!(Augmented::new(&data, SIDE, crop_only, 7).is_ok());
+    let too_wide = Augment { pad: 6, flip: true };
+    assert!(matches!(
+        Augmented::new(&data, SIDE, too_wide, 7),
+        Err(fitgrad::Error::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        Augmented::new(&data, 5, aug, 7),
+        Err(fitgrad::Error::InvalidArgument { .. })
+    ));
+}
+
+/// The synthetic images as a CSV file the example loads (`--dataset FILE`).
+fn images_csv(rows: usize) -> tempfile::NamedTempFile {
+    let data = images(rows);
+    let mut f = tempfile::Builder::new().suffix(".csv").tempfile().unwrap();
+    let header: Vec<String> = (0..data.dim).map(|k| format!("p{k}")).collect();
+    writeln!(f, "{},label", header.join(",")).unwrap();
+    for (row, label) in data.features.chunks(data.dim).zip(&data.labels) {
+        let vals: Vec<String> = row.iter().map(|v| v.to_string()).collect();
+        writeln!(f, "{},{label}", vals.join(",")).unwrap();
+    }
+    f.flush().unwrap();
+    f
+}
+
+fn run(csv: &tempfile::NamedTempFile, batch: usize, extra: &[&str]) -> train_cnn::Outcome {
+    let path = csv.path().display().to_string();
+    let batch = batch.to_string();
+    let mut argv = vec![
+        "train_cnn",
+        "--dataset",
+        &path,
+        "--width",
+        "4",
+        "--batch-size",
+        &batch,
+        "--epochs",
+        "1",
+    ];
+    argv.extend_from_slice(extra);
+    let args = train_cnn::Args::try_parse_from(argv).unwrap();
+    train_cnn::run(args, &Job::Single).unwrap_or_else(|e| panic!("{extra:?}: {e}"))
+}
+
+/// max |a - b| / max |a| of each tensor, the worst first.
+fn worst_difference(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> (f32, String) {
+    assert_eq!(a.len(), b.len());
+    let mut worst = (0.0f32, String::new());
+    for ((na, va), (nb, vb)) in a.iter().zip(b) {
+        assert_eq!(na, nb);
+        let largest = va
+            .iter()
+            .fold(0.0f32, |m, v| m.max(v.abs()))
+            .max(f32::MIN_POSITIVE);
+        let diff = va
+            .iter()
+            .zip(vb)
+            .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
+        if diff / largest > worst.0 {
+            worst = (diff / largest, na.clone());
+        }
+    }
+    worst
+}
+
+/// Half the unbudgeted peak as the budget: micro-batches with accumulation, and with group
+/// norm (which mixes no samples) the same weights at the end, tensor by tensor. SGD: AdamW
+/// divides each gradient element by its own magnitude, so a gradient element near zero turns
+/// the rounding of another order of additions into an update (ARCHITECTURE.md).
+#[test]
+fn group_norm_under_half_the_peak_ends_with_the_same_weights() {
+    if common::fresh_with_budget(None).is_none() {
+        return;
+    }
+    let csv = images_csv(240);
+    let flags = ["--norm", "group", "--optimizer", "sgd", "--lr", "0.05"];
+    let whole = run(&csv, 96, &flags);
+    let budget = (whole.measured_peak / 2).to_string();
+    let mut budgeted_flags = flags.to_vec();
+    budgeted_flags.extend(["--memory-budget", &budget]);
+    let budgeted = run(&csv, 96, &budgeted_flags);
+    assert_eq!(whole.micro_batch, 96);
+    assert!(
+        budgeted.micro_batch < 96 && budgeted.measured_peak <= whole.measured_peak / 2,
+        "micro-batch {} at {} bytes",
+        budgeted.micro_batch,
+        budgeted.measured_peak
+    );
+    let (diff, name) = worst_difference(&whole.tensors, &budgeted.tensors);
+    eprintln!(
+        "micro-batch {} of 96, worst {name}: {diff:e}",
+        budgeted.micro_batch
+    );
+    assert!(diff < 1e-5, "{name}: {diff:e} relative");
+    // The parameters moved: the comparison is not of two untrained models.
+    let fresh = run(
+        &csv,
+        96,
+        &["--norm", "group", "--optimizer", "sgd", "--lr", "1e-12"],
+    );
+    let (moved, _) = worst_difference(&fresh.tensors, &whole.tensors);
+    assert!(moved > 1e-3, "{moved}");
+}
+
+/// The planned peak of a step equals the measured one within 2%: f32 with batch norm, and
+/// checkpointed residual blocks in mixed precision.
+#[test]
+fn planned_peak_equals_the_measured_one() {
+    if common::fresh_with_budget(None).is_none() {
+        return;
+    }
+    let csv = images_csv(48);
+    for flags in [
+        &[][..],
+        &["--checkpoint-activations", "--precision", "mixed"][..],
+        &["--augment", "--norm", "group"][..],
+    ] {
+        let o = run(&csv, 16, flags);
+        let ratio = o.planned_peak as f64 / o.measured_peak as f64;
+        assert!(
+            (ratio - 1.0).abs() <= 0.02,
+            "{flags:?}: planned {} measured {}",
+            o.planned_peak,
+            o.measured_peak
+        );
+        assert!(o.test_accuracy.is_finite());
+    }
+}
