@@ -592,7 +592,7 @@ pub fn load_sharded(dir: &Path) -> Result<Checkpoint> {
             ("shard.save", index.save.to_string()),
             ("shard.params_hash", index.params_hash.clone()),
         ];
-        if let Some((k, v)) = want.iter().find(|(k, v)| meta(k) != v) {
+        if let Some((k, v)) = want.iter().find(|(k, v)| meta(k) != v.as_str()) {
             return Err(bad(format!(
                 "{k} is '{}', the index says '{v}': a shard of another save{}",
                 meta(k),
