@@ -114,7 +114,10 @@ fn four_to_four_two_and_one(dev: &Device) {
 
     // Put together, the shards are the one-file checkpoint: the same tensors, bit for bit,
     // and the same metadata.
-    let (got, file) = (load_checkpoint(&dir).unwrap(), load_checkpoint(&one_file).unwrap());
+    let (got, file) = (
+        load_checkpoint(&dir).unwrap(),
+        load_checkpoint(&one_file).unwrap(),
+    );
     assert_eq!(got.metadata, file.metadata);
     let names = |c: &fitgrad::checkpoint::Checkpoint| c.tensors.keys().cloned().collect::<Vec<_>>();
     assert_eq!(names(&got), names(&file));
@@ -202,7 +205,11 @@ fn mismatches_are_refused(dev: &Device) {
     let restore = || {
         let _ = std::fs::remove_dir_all(&copy);
         std::fs::create_dir_all(copy.join("save-000001")).unwrap();
-        for f in [INDEX.to_string(), sharded::shard_file(1, 0, 2), sharded::shard_file(1, 1, 2)] {
+        for f in [
+            INDEX.to_string(),
+            sharded::shard_file(1, 0, 2),
+            sharded::shard_file(1, 1, 2),
+        ] {
             std::fs::copy(dir.join(&f), copy.join(&f)).unwrap();
         }
     };
@@ -234,13 +241,18 @@ fn mismatches_are_refused(dev: &Device) {
     // An index for other parameters (a shape changed, its hash made to match): the rank files
     // were written for the old list.
     restore();
-    let mut j: serde_json::Value = serde_json::from_slice(&std::fs::read(&c_index).unwrap()).unwrap();
+    let mut j: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&c_index).unwrap()).unwrap();
     j["params"][0]["dims"] = serde_json::json!([10, 64]);
     let list: Vec<sharded::IndexParam> = serde_json::from_value(j["params"].clone()).unwrap();
     j["params_hash"] = sharded::params_hash(&list).into();
     std::fs::write(&c_index, serde_json::to_vec(&j).unwrap()).unwrap();
     let c_file0 = copy.join(sharded::shard_file(1, 0, 2));
-    let why = refused(load_checkpoint(&copy), &c_file0, "an index of other parameters");
+    let why = refused(
+        load_checkpoint(&copy),
+        &c_file0,
+        "an index of other parameters",
+    );
     assert!(why.contains("other parameters"), "{why}");
     // An edited index whose hash no longer matches, a foreign index, none at all.
     j["params_hash"] = "0000000000000000".into();

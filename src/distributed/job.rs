@@ -194,7 +194,12 @@ impl Job {
         match self {
             Job::Single => {
                 let _ = zero;
-                super::zero::checkpoint::save_replicas(std::slice::from_ref(trainer), dir, epochs_done, false)
+                super::zero::checkpoint::save_replicas(
+                    std::slice::from_ref(trainer),
+                    dir,
+                    epochs_done,
+                    false,
+                )
             }
             #[cfg(feature = "mpi")]
             Job::Mpi(m) => super::zero::checkpoint::save_sharded(

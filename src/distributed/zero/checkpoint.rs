@@ -151,13 +151,16 @@ fn named_params<M: Module>(trainer: &Trainer<M>) -> Result<Vec<(String, Tensor)>
         .params()
         .iter()
         .map(|p| {
-            let (name, _) = named.iter().find(|(_, m)| m.is_same(p)).ok_or_else(|| {
-                Error::InvalidArgument {
-                    op: "zero::save_sharded",
-                    reason: "the optimizer updates a tensor that is not a parameter of the model"
-                        .into(),
-                }
-            })?;
+            let (name, _) =
+                named
+                    .iter()
+                    .find(|(_, m)| m.is_same(p))
+                    .ok_or_else(|| Error::InvalidArgument {
+                        op: "zero::save_sharded",
+                        reason:
+                            "the optimizer updates a tensor that is not a parameter of the model"
+                                .into(),
+                    })?;
             Ok((name.clone(), p.clone()))
         })
         .collect()
@@ -213,7 +216,11 @@ pub fn write_shard<M: Module>(
         values[pc.at..pc.at + pc.within.len()].copy_from_slice(&v[pc.within.clone()]);
     }
     let mut param_steps = vec![0u64; params.len()];
-    let want = if sharded_state { pieces.len() } else { params.len() };
+    let want = if sharded_state {
+        pieces.len()
+    } else {
+        params.len()
+    };
     if state.param_steps.len() != want {
         return Err(Error::InvalidArgument {
             op,
@@ -240,13 +247,22 @@ pub fn write_shard<M: Module>(
             });
         };
         let v = t.to_vec_f32()?;
-        let flat = optim.entry(name.to_string()).or_insert_with(|| vec![0f32; n]);
-        let mine = pieces
-            .iter()
-            .enumerate()
-            .filter(|(j, pc)| if sharded_state { *j == k } else { pc.param == k });
+        let flat = optim
+            .entry(name.to_string())
+            .or_insert_with(|| vec![0f32; n]);
+        let mine = pieces.iter().enumerate().filter(|(j, pc)| {
+            if sharded_state {
+                *j == k
+            } else {
+                pc.param == k
+            }
+        });
         for (_, pc) in mine {
-            let src = if sharded_state { 0..v.len() } else { pc.within.clone() };
+            let src = if sharded_state {
+                0..v.len()
+            } else {
+                pc.within.clone()
+            };
             if src.len() != pc.within.len() || src.end > v.len() {
                 return Err(Error::InvalidArgument {
                     op,
@@ -256,15 +272,18 @@ pub fn write_shard<M: Module>(
             flat[pc.at..pc.at + pc.within.len()].copy_from_slice(&v[src]);
         }
     }
-    let f32_tensor = |v: &[f32]| HostTensor::new(DType::F32, &[v.len()], bytemuck::cast_slice(v).to_vec());
+    let f32_tensor =
+        |v: &[f32]| HostTensor::new(DType::F32, &[v.len()], bytemuck::cast_slice(v).to_vec());
     let mut c = Checkpoint::default();
     c.tensors.insert(SHARD_PARAMS.into(), f32_tensor(&values)?);
     for (name, v) in &optim {
-        c.tensors.insert(format!("{SHARD_OPTIM}{name}"), f32_tensor(v)?);
+        c.tensors
+            .insert(format!("{SHARD_OPTIM}{name}"), f32_tensor(v)?);
     }
     if rank == 0 {
         for (name, t) in trainer.model.named_buffers() {
-            c.tensors.insert(format!("{MODEL_PREFIX}{name}"), HostTensor::read(&t)?);
+            c.tensors
+                .insert(format!("{MODEL_PREFIX}{name}"), HostTensor::read(&t)?);
         }
     }
     let m = &mut c.metadata;
@@ -638,7 +657,11 @@ pub fn load_sharded(dir: &Path) -> Result<Checkpoint> {
         .filter(|s| !s.is_empty())
         .map(|s| s.parse::<u64>())
         .collect::<std::result::Result<_, _>>()
-        .map_err(|_| bad(format!("optim.param_steps = '{steps}' is not a list of counts")))?;
+        .map_err(|_| {
+            bad(format!(
+                "optim.param_steps = '{steps}' is not a list of counts"
+            ))
+        })?;
     if param_steps.len() != index.params.len() {
         return Err(bad(format!(
             "optim.param_steps has {} counts for {} parameters",
