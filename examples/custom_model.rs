@@ -114,7 +114,12 @@ pub struct Args {
     /// Save a checkpoint (safetensors, written atomically) after every epoch.
     #[arg(long)]
     save: Option<PathBuf>,
-    /// Resume from a checkpoint written by --save (same model and batch flags).
+    /// Save a sharded checkpoint into this folder after every epoch: each rank writes its
+    /// shard of the parameters and optimizer state, rank 0 an index (index.json).
+    #[arg(long)]
+    save_sharded: Option<PathBuf>,
+    /// Resume from a checkpoint written by --save (same model and batch flags), or from the
+    /// folder of --save-sharded, on any number of ranks.
     #[arg(long)]
     resume: Option<PathBuf>,
     /// Substring of the adapter name to use.
@@ -395,6 +400,9 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
     .filter_map(|(f, p)| Some((f, p.as_deref()?)))
     .collect();
     cli::check_paths(&inputs, &outputs, &[("--save", "--resume")])?;
+    if let Some(dir) = &args.save_sharded {
+        fitgrad::distributed::zero::checkpoint::check_folder("--save-sharded", dir)?;
+    }
     let reporting = args.report.is_some() || args.report_json.is_some();
     let prune = args.prune.map(PruneConfig::new);
     if let Some(cfg) = &prune {
@@ -433,7 +441,7 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
     // The checkpoint is checked on the host before the model is built, naming the flags.
     let nothing_to_train = match &args.resume {
         Some(path) => {
-            let ckpt = fitgrad::checkpoint::load(path)?;
+            let ckpt = fitgrad::distributed::load_checkpoint(path)?;
             let as_saved = |flag: &str| format!("set {flag} as it was saved");
             let data = "resume on the --dataset it was trained on";
             ckpt.expect_config(
@@ -612,7 +620,7 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
 
     let mut first_epoch = 0;
     if let Some(path) = &args.resume {
-        first_epoch = trainer.resume_from(path)?;
+        first_epoch = dist.resume_from(&mut trainer, path)?;
         if let Some(p) = &mut pruner {
             // The masks are not in the checkpoint; the pruned weights are its zeros.
             p.mask_zeros()?;
@@ -696,6 +704,9 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
         // Every rank joins (a ZeRO rank holds a shard of the optimizer state); rank 0 writes.
         if let Some(path) = &args.save {
             dist.save_checkpoint(&trainer, path, epoch + 1)?;
+        }
+        if let Some(dir) = &args.save_sharded {
+            dist.save_sharded(&trainer, dir, epoch + 1, zero)?;
         }
     }
     device.sync()?;

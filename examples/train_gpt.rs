@@ -115,7 +115,8 @@ pub struct Args {
     /// Save a checkpoint (safetensors, written atomically) at every evaluation and at the end.
     #[arg(long)]
     pub save: Option<PathBuf>,
-    /// Resume from a checkpoint written by --save (same model and training flags).
+    /// Resume from a checkpoint written by --save (same model and training flags), or from a
+    /// sharded checkpoint's folder (train_mlp's --save-sharded), on any number of ranks.
     #[arg(long)]
     pub resume: Option<PathBuf>,
     /// Seed of the weights, the window order, dropout and the sample.
@@ -365,7 +366,7 @@ fn check_resume(
     cfg: &GptConfig,
     identity: &[(String, String)],
 ) -> Result<bool> {
-    let ckpt = fitgrad::checkpoint::load(path)?;
+    let ckpt = fitgrad::distributed::load_checkpoint(path)?;
     let as_saved = |flag: &str| format!("set {flag} as it was saved");
     ckpt.expect_config(
         &[
@@ -624,7 +625,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         }
     );
     if let Some(path) = &args.resume {
-        trainer.resume_from(path)?;
+        dist.resume_from(&mut trainer, path)?;
         say!(
             "resumed from {} after {} steps",
             path.display(),

@@ -106,7 +106,13 @@ pub struct Args {
     /// Save a checkpoint (safetensors, written atomically) after every epoch.
     #[arg(long)]
     save: Option<std::path::PathBuf>,
-    /// Resume from a checkpoint written by --save (same model flags).
+    /// Save a sharded checkpoint into this folder after every epoch: each rank writes its
+    /// shard of the parameters and optimizer state, rank 0 an index (index.json), so any
+    /// number of ranks, or one process, resumes from it (--resume DIR).
+    #[arg(long)]
+    save_sharded: Option<std::path::PathBuf>,
+    /// Resume from a checkpoint written by --save (same model flags), or from the folder of
+    /// --save-sharded, on any number of ranks.
     #[arg(long)]
     resume: Option<std::path::PathBuf>,
     /// Write an HTML report (memory timeline of a step, loss / accuracy / throughput, memory
@@ -231,6 +237,9 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     .filter_map(|(f, p)| Some((f, p.as_deref()?)))
     .collect();
     cli::check_paths(&inputs, &outputs, &[("--save", "--resume")])?;
+    if let Some(dir) = &args.save_sharded {
+        fitgrad::distributed::zero::checkpoint::check_folder("--save-sharded", dir)?;
+    }
     let reporting = args.report.is_some() || args.report_json.is_some();
     if !matches!(args.optimizer.as_str(), "adamw" | "adamw8bit" | "sgd") {
         return Err(invalid(format!(
@@ -268,7 +277,7 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     // The checkpoint is checked on the host, before any device work, naming the flags.
     let nothing_to_train = match &args.resume {
         Some(path) => {
-            let ckpt = fitgrad::checkpoint::load(path)?;
+            let ckpt = fitgrad::distributed::load_checkpoint(path)?;
             let widths: Vec<String> = widths.iter().map(usize::to_string).collect();
             ckpt.expect_config(
                 &[
@@ -490,7 +499,7 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
 
     let mut first_epoch = 0;
     if let Some(path) = &args.resume {
-        first_epoch = trainer.resume_from(path)?;
+        first_epoch = dist.resume_from(&mut trainer, path)?;
         if let Some(p) = &mut pruner {
             // The masks are not in the checkpoint; the pruned weights are its zeros.
             p.mask_zeros()?;
@@ -601,6 +610,9 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         // Every rank joins (a ZeRO rank holds a shard of the optimizer state); rank 0 writes.
         if let Some(path) = &args.save {
             dist.save_checkpoint(&trainer, path, epoch + 1)?;
+        }
+        if let Some(dir) = &args.save_sharded {
+            dist.save_sharded(&trainer, dir, epoch + 1, zero)?;
         }
     }
     device.sync()?;

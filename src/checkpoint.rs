@@ -283,11 +283,59 @@ pub fn save(
 
 /// Reads a checkpoint (any safetensors file of f32 and f16 tensors) to the host.
 pub fn load(path: &Path) -> Result<Checkpoint> {
+    if path.is_dir() {
+        return Err(Error::Data {
+            path: path.display().to_string(),
+            reason: "a folder, not a checkpoint file: a sharded checkpoint (its index.json and \
+                     one file per rank) is read by fitgrad::distributed::zero::load_checkpoint"
+                .into(),
+        });
+    }
     let bytes = std::fs::read(path).map_err(|source| Error::Io {
         path: path.display().to_string(),
         source,
     })?;
     Checkpoint::from_bytes(&bytes, &path.display().to_string())
+}
+
+/// A checkpoint's metadata besides the optimizer's (the table of the module docs): format and
+/// version, `model`'s configuration, the position in training, the scaler and the extras.
+pub fn run_metadata(model: &dyn Module, state: &TrainingState) -> BTreeMap<String, String> {
+    let mut m = BTreeMap::new();
+    for (k, v) in model.config() {
+        m.insert(format!("{CONFIG_PREFIX}{k}"), v);
+    }
+    m.insert("format".into(), FORMAT.into());
+    m.insert("version".into(), VERSION.to_string());
+    m.insert("step".into(), state.step.to_string());
+    m.insert("epoch".into(), state.epoch.to_string());
+    m.insert("rng_state".into(), state.rng_state.to_string());
+    if let Some(s) = &state.scaler {
+        // Display of f32 is the shortest string that parses back to the same bits.
+        m.insert("scaler.scale".into(), s.scale.to_string());
+        m.insert("scaler.growth_tracker".into(), s.growth_tracker.to_string());
+    }
+    for (k, v) in &state.extra {
+        m.insert(format!("{EXTRA_PREFIX}{k}"), v.clone());
+    }
+    m
+}
+
+/// The optimizer's metadata: its name, hyperparameters and the state's counters.
+pub fn optimizer_metadata(
+    opt: &dyn Optimizer,
+    step_count: u64,
+    param_steps: &[u64],
+) -> BTreeMap<String, String> {
+    let mut m = BTreeMap::new();
+    m.insert("optim.name".into(), opt.name().into());
+    for (k, v) in opt.hyperparameters() {
+        m.insert(format!("{OPTIM_HP_PREFIX}{k}"), v);
+    }
+    m.insert("optim.step_count".into(), step_count.to_string());
+    let steps: Vec<String> = param_steps.iter().map(u64::to_string).collect();
+    m.insert("optim.param_steps".into(), steps.join(","));
+    m
 }
 
 impl Checkpoint {
@@ -318,10 +366,7 @@ impl Checkpoint {
         {
             put(format!("{MODEL_PREFIX}{name}"), &t)?;
         }
-        let m = &mut c.metadata;
-        for (k, v) in model.config() {
-            m.insert(format!("{CONFIG_PREFIX}{k}"), v);
-        }
+        c.metadata = run_metadata(model, state);
         if let Some(opt) = optimizer {
             let s = opt.checkpoint_state()?;
             for (name, t) in &s.tensors {
@@ -348,26 +393,8 @@ impl Checkpoint {
                     });
                 }
             }
-            m.insert("optim.name".into(), opt.name().into());
-            for (k, v) in opt.hyperparameters() {
-                m.insert(format!("{OPTIM_HP_PREFIX}{k}"), v);
-            }
-            m.insert("optim.step_count".into(), s.step_count.to_string());
-            let steps: Vec<String> = s.param_steps.iter().map(u64::to_string).collect();
-            m.insert("optim.param_steps".into(), steps.join(","));
-        }
-        m.insert("format".into(), FORMAT.into());
-        m.insert("version".into(), VERSION.to_string());
-        m.insert("step".into(), state.step.to_string());
-        m.insert("epoch".into(), state.epoch.to_string());
-        m.insert("rng_state".into(), state.rng_state.to_string());
-        if let Some(s) = &state.scaler {
-            // Display of f32 is the shortest string that parses back to the same bits.
-            m.insert("scaler.scale".into(), s.scale.to_string());
-            m.insert("scaler.growth_tracker".into(), s.growth_tracker.to_string());
-        }
-        for (k, v) in &state.extra {
-            m.insert(format!("{EXTRA_PREFIX}{k}"), v.clone());
+            c.metadata
+                .extend(optimizer_metadata(opt, s.step_count, &s.param_steps));
         }
         Ok(c)
     }

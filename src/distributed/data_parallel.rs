@@ -42,6 +42,7 @@ pub struct DataParallel<M> {
     replicas: Vec<Trainer<M>>,
     group: LocalGroup,
     stats: Vec<Arc<Mutex<AllReduceStats>>>,
+    zero: Zero,
 }
 
 /// Runs `f` on every replica, each on its own thread, and returns the first replica's error
@@ -162,6 +163,7 @@ impl<M: Module + Send> DataParallel<M> {
             replicas,
             group,
             stats: stats.into_iter().flatten().collect(),
+            zero,
         })
     }
 
@@ -287,13 +289,22 @@ impl<M: Module + Send> DataParallel<M> {
     }
 
     /// Restores every replica from a checkpoint of [`DataParallel::save_checkpoint`] (or of
-    /// one device's trainer with the same model) and returns the epochs done.
+    /// one device's trainer with the same model), or a sharded checkpoint's folder of any
+    /// number of ranks, and returns the epochs done.
     pub fn resume_from(&mut self, path: &std::path::Path) -> Result<u64> {
+        let ckpt = super::load_checkpoint(path)?;
         let mut epochs = 0;
         for t in &mut self.replicas {
-            epochs = t.resume_from(path)?;
+            epochs = t.resume_from_checkpoint(&ckpt)?;
         }
         Ok(epochs)
+    }
+
+    /// A sharded checkpoint in the folder `dir` ([`zero::checkpoint`](super::zero::checkpoint)):
+    /// replica `i` writes the file of rank `i`, then the index is written.
+    pub fn save_sharded(&self, dir: &std::path::Path, epochs_done: u64) -> Result<()> {
+        let sharded = self.zero.number() > 0;
+        super::zero::checkpoint::save_replicas(&self.replicas, dir, epochs_done, sharded)
     }
 
     /// The all-reduce's time and buffer size per replica, summed over the steps so far.

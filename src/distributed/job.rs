@@ -181,6 +181,48 @@ impl Job {
         }
     }
 
+    /// A sharded checkpoint of `trainer` in the folder `dir` ([`zero::checkpoint`](super::zero::checkpoint)):
+    /// every rank writes its shard, rank 0 the index; one process writes one shard. Call it on
+    /// every rank with the stage the job trains at.
+    pub fn save_sharded<M: Module>(
+        &self,
+        trainer: &Trainer<M>,
+        dir: &std::path::Path,
+        epochs_done: u64,
+        zero: Zero,
+    ) -> Result<()> {
+        match self {
+            Job::Single => {
+                let _ = zero;
+                super::zero::checkpoint::save_replicas(
+                    std::slice::from_ref(trainer),
+                    dir,
+                    epochs_done,
+                    false,
+                )
+            }
+            #[cfg(feature = "mpi")]
+            Job::Mpi(m) => super::zero::checkpoint::save_sharded(
+                trainer,
+                &mut m.communicator()?,
+                dir,
+                epochs_done,
+                zero.number() > 0,
+            ),
+        }
+    }
+
+    /// Restores `trainer` from a checkpoint file or a sharded checkpoint's folder (written by
+    /// any number of ranks; [`load_checkpoint`](super::load_checkpoint)) and returns the
+    /// epochs done. Under ZeRO each rank keeps its own shard of the state.
+    pub fn resume_from<M: Module>(
+        &self,
+        trainer: &mut Trainer<M>,
+        path: &std::path::Path,
+    ) -> Result<u64> {
+        trainer.resume_from_checkpoint(&super::load_checkpoint(path)?)
+    }
+
     /// Prints the run's plan (`--plan`) on rank 0 ([`cli::print_plan`]); on an MPI rank also
     /// every rank's planned device bytes and the step's collectives ([`RankPlans`], under
     /// `per_rank` in the JSON). Call it on every rank at the same point.

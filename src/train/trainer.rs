@@ -449,6 +449,19 @@ impl<M: Module> Trainer<M> {
     /// loss scaler and the position in training (`epochs_done` full epochs) to a safetensors
     /// file, atomically: a crash mid-save leaves the previous file intact.
     pub fn save_checkpoint(&self, path: &std::path::Path, epochs_done: u64) -> Result<()> {
+        let state = self.checkpoint_training_state(path, epochs_done)?;
+        crate::checkpoint::save(path, &self.model, Some(self.optimizer.as_ref()), &state)
+    }
+
+    /// What a checkpoint of this trainer stores besides the tensors (position, scaler, run
+    /// settings, data identity), after the checks that keep a diverged model from replacing
+    /// the good checkpoint at `path` (named in the error). Sharded checkpoints
+    /// ([`crate::distributed::zero`]) write it into their index.
+    pub fn checkpoint_training_state(
+        &self,
+        path: &std::path::Path,
+        epochs_done: u64,
+    ) -> Result<crate::checkpoint::TrainingState> {
         // A diverged model must not replace a good file: one whose weights are not finite,
         // or whose loss scaling stopped training (finite weights that overflow every step).
         if let Some(sc) = self.scaler.as_ref().filter(|_| self.scaling_blew_up()) {
@@ -477,7 +490,7 @@ impl<M: Module> Trainer<M> {
                 remedy: REMEDY.into(),
             });
         }
-        let state = crate::checkpoint::TrainingState {
+        Ok(crate::checkpoint::TrainingState {
             step: self.step,
             epoch: epochs_done,
             rng_state: 0,
@@ -489,15 +502,19 @@ impl<M: Module> Trainer<M> {
                     growth_tracker: s.growth_tracker(),
                 }),
             extra: self.stored_settings().into_iter().collect(),
-        };
-        crate::checkpoint::save(path, &self.model, Some(self.optimizer.as_ref()), &state)
+        })
     }
 
     /// Restores what [`Trainer::save_checkpoint`] wrote into this trainer (same model shape
     /// and optimizer kind) and returns the epochs already done; training on from there gives
     /// the weights of an uninterrupted run (the data order depends only on seed and epoch).
     pub fn resume_from(&mut self, path: &std::path::Path) -> Result<u64> {
-        let ckpt = crate::checkpoint::load(path)?;
+        self.resume_from_checkpoint(&crate::checkpoint::load(path)?)
+    }
+
+    /// [`Trainer::resume_from`] with a checkpoint already read (a sharded one put together by
+    /// [`crate::distributed::zero::load_checkpoint`]); errors name its source.
+    pub fn resume_from_checkpoint(&mut self, ckpt: &crate::checkpoint::Checkpoint) -> Result<u64> {
         let state = ckpt.training_state()?;
         // What the model is comes first (a file of another model says so, not that its
         // learning rate differs), then the settings, then values that could not train on.

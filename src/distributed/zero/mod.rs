@@ -18,6 +18,7 @@
 //! bytes of stage 0, less the loss and flags the all-reduce carries and plus the shards'
 //! padding ([`Zero::collectives`] counts each collective).
 
+pub mod checkpoint;
 mod layout;
 mod optimizer;
 mod plan;
