@@ -47,8 +47,10 @@ use std::process::ExitCode;
 )]
 pub struct Args {
     /// A Hugging Face GPT-2 or Llama folder: config.json, model.safetensors (or
-    /// model.safetensors.index.json and its shards), tokenizer.json. Needed unless --config.
-    #[arg(long, required_unless_present = "config")]
+    /// model.safetensors.index.json and its shards), tokenizer.json. Without it: the small
+    /// model shipped in the crate (models/shakespeare-gpt2), and with no --text and no
+    /// --eval-text the eighth play's parts.
+    #[arg(long)]
     pub model: Option<PathBuf>,
     /// A UTF-8 text whose loss is reported as eval_loss (nats per token).
     #[arg(long)]
@@ -63,6 +65,9 @@ pub struct Args {
     /// Optimizer steps of fine-tuning (0: evaluate the model as loaded).
     #[arg(long, default_value_t = 0)]
     pub steps: u64,
+    /// Evaluate --eval-text every this many steps while fine-tuning (0: before and after only).
+    #[arg(long, default_value_t = 0)]
+    pub eval_every: u64,
     /// AdamW learning rate.
     #[arg(long, default_value_t = 1e-4)]
     pub lr: f32,
@@ -150,15 +155,54 @@ pub struct Args {
     pub merge_into: Option<PathBuf>,
 }
 
+/// The small GPT-2 folder shipped in the crate (made by examples/make_shipped_model.rs).
+pub const SHIPPED_MODEL: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/models/shakespeare-gpt2");
+
+/// The flags a run with none stands for: LoRA on the shipped model, on the eighth play,
+/// evaluated on its held-out end before, during and after.
+pub const DEFAULT_RUN: &[&str] = &[
+    "--lora-rank",
+    "8",
+    "--lora-targets",
+    "c_attn,c_fc",
+    "--steps",
+    "60",
+    "--lr",
+    "3e-3",
+    "--context",
+    "64",
+    "--batch-size",
+    "8",
+    "--eval-every",
+    "20",
+];
+
 impl Args {
-    /// The `--model` folder (empty under `--config`, which builds no folder).
+    /// The `--model` folder, or the shipped one.
     pub fn model_dir(&self) -> &Path {
-        self.model.as_deref().unwrap_or(Path::new(""))
+        Path::new(self.model.as_deref().unwrap_or(Path::new(SHIPPED_MODEL)))
+    }
+
+    /// The flags of [`DEFAULT_RUN`] and then `extra`.
+    pub fn default_run(extra: &[&str]) -> Args {
+        let all = std::iter::once("finetune")
+            .chain(DEFAULT_RUN.iter().copied())
+            .chain(extra.iter().copied());
+        Args::parse_from(all)
+    }
+
+    /// Whether no flag was given.
+    fn is_bare(&self) -> bool {
+        format!("{self:?}") == format!("{:?}", Args::parse_from(["finetune"]))
     }
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let mut args = Args::parse();
+    if args.is_bare() {
+        println!("no flags: finetune {}", DEFAULT_RUN.join(" "));
+        args = Args::default_run(&[]);
+    }
     let result = match &args.config {
         Some(_) => run_config(&args).map(|_| ()),
         None => prepare(&args).and_then(|setup| {

@@ -23,6 +23,8 @@ pub struct Report {
     pub eval: Option<WindowLoss>,
     /// The eval text's loss before fine-tuning (only when --steps > 0).
     pub eval_before: Option<WindowLoss>,
+    /// The eval text's loss every --eval-every steps while fine-tuning: (step, loss).
+    pub eval_during: Vec<(u64, WindowLoss)>,
     /// Mean training loss of the last steps.
     pub train_loss: Option<f32>,
     /// The prompt and its continuation.
@@ -224,7 +226,15 @@ where
         if let Some(e) = &report.eval_before {
             println!("eval loss before fine-tuning: {:.6} nats/token", e.loss);
         }
-        report.train_loss = train_steps(args, &mut trainer, train)?;
+        let mut during = Vec::new();
+        report.train_loss = train_steps(args, &mut trainer, train, &mut |step, model| {
+            if let Some(e) = evaluate(model, setup)? {
+                println!("eval loss after step {step}: {:.6} nats/token", e.loss);
+                during.push((step, e));
+            }
+            Ok(())
+        })?;
+        report.eval_during = during;
         gpt = trainer.model;
         base = built_base.get();
     }
@@ -272,6 +282,7 @@ where
             "eval_tokens": report.eval.map(|e| e.tokens),
             "eval_windows": report.eval.map(|e| e.windows),
             "eval_loss_before": report.eval_before.map(|e| e.loss),
+            "eval_loss_during": report.eval_during.iter().map(|(s, e)| (s, e.loss)).collect::<Vec<_>>(),
             "train_loss": report.train_loss,
             "planned_peak_bytes": plan_json,
             "generated": report.generated,
@@ -293,6 +304,14 @@ pub fn optimizer_for<M: Module>(args: &Args, model: &M) -> Result<Box<dyn Optimi
     })
 }
 
+/// The trainer's settings the flags ask for: gradients clipped to norm 1.
+pub fn trainer_config(args: &Args, precision: Precision) -> TrainerConfig {
+    let mut config = TrainerConfig::new(args.batch_size, args.accum_steps, args.lr);
+    config.precision = precision;
+    config.clip_grad_norm = Some(1.0);
+    config
+}
+
 /// The trainer of a fine-tuning run: `first` is the model already built, `build_model`
 /// builds it again where budget fitting tries several. AdamW without weight decay (or SGD),
 /// gradients clipped to norm 1; `--fit auto` prints its choice.
@@ -308,9 +327,7 @@ pub fn make_trainer<M>(
 where
     M: LanguageModel + TrainModel<TokenBatch>,
 {
-    let mut config = TrainerConfig::new(args.batch_size, args.accum_steps, args.lr);
-    config.precision = precision;
-    config.clip_grad_norm = Some(1.0);
+    let config = trainer_config(args, precision);
     first.set_checkpointing(args.checkpoint_activations);
     let first = std::cell::RefCell::new(Some(first));
     let build = || {
@@ -341,6 +358,7 @@ pub fn train_steps<M>(
     args: &Args,
     trainer: &mut Trainer<M>,
     train: &TextDataset,
+    during: &mut dyn FnMut(u64, &M) -> Result<()>,
 ) -> Result<Option<f32>>
 where
     M: LanguageModel + TrainModel<TokenBatch>,
@@ -365,6 +383,9 @@ where
             let loss = trainer.take_loss()?;
             println!("step {}: train loss {loss:.4}", step + 1);
             last = Some(loss);
+        }
+        if args.eval_every > 0 && (step + 1) % args.eval_every == 0 && step + 1 < args.steps {
+            during(step + 1, &trainer.model)?;
         }
     }
     Ok(last)

@@ -171,10 +171,22 @@ pub fn prepare(args: &Args) -> Result<Setup> {
         budget,
         fit_auto,
     } = check_flags(args)?;
-    if (args.steps > 0 || args.plan) && args.text.is_none() {
+    // With no --model, no --text and no --eval-text: the shipped model, fine-tuned on the
+    // eighth play's first part and evaluated on its held-out end.
+    let play = (args.model.is_none() && args.text.is_none() && args.eval_text.is_none())
+        .then(fitgrad::train::plays::held_out_play);
+    if (args.steps > 0 || args.plan) && args.text.is_none() && play.is_none() {
         return Err(invalid(
             "--steps and --plan fine-tune on a text: add --text FILE".into(),
         ));
+    }
+    if args.model.is_none() && !args.model_dir().join("config.json").is_file() {
+        return Err(Error::Data {
+            path: args.model_dir().display().to_string(),
+            reason: "the shipped model is missing (make it with `cargo run --release --example \
+                     make_shipped_model -- models/shakespeare-gpt2`); or give --model DIR"
+                .into(),
+        });
     }
     let folder = Folder::open(args.model_dir(), precision.param_dtype())?;
     if args.checkpoint_activations && matches!(folder, Folder::Llama(_)) {
@@ -201,8 +213,19 @@ pub fn prepare(args: &Args) -> Result<Setup> {
             ),
         });
     }
-    let eval = match &args.eval_text {
-        Some(path) => {
+    let eval = match (&args.eval_text, &play) {
+        (None, Some((p, _, held_out))) => {
+            println!(
+                "no --model: the shipped model, on play {} ({}): {} characters to fine-tune \
+                 on, the last {} held out",
+                fitgrad::train::plays::HELD_OUT_PLAY + 1,
+                p.title,
+                p.text.len() - held_out.len(),
+                held_out.len()
+            );
+            Some(tokenizer.encode(held_out)?)
+        }
+        (Some(path), _) => {
             let ids = tokenizer.encode(&read_text(path)?)?;
             if ids.len() < 2 {
                 return Err(Error::Data {
@@ -212,17 +235,18 @@ pub fn prepare(args: &Args) -> Result<Setup> {
             }
             Some(ids)
         }
-        None => None,
+        (None, None) => None,
     };
-    let train = match &args.text {
-        Some(path) => {
+    let train = match (&args.text, &play) {
+        (None, Some((_, part, _))) => Some(TextDataset::new(tokenizer.encode(part)?, context)?),
+        (Some(path), _) => {
             let ids = tokenizer.encode(&read_text(path)?)?;
             Some(TextDataset::new(ids, context).map_err(|e| Error::Data {
                 path: path.display().to_string(),
                 reason: e.to_string(),
             })?)
         }
-        None => None,
+        (None, None) => None,
     };
     let prompt = match &args.generate {
         Some(p) => {
@@ -247,6 +271,30 @@ pub fn prepare(args: &Args) -> Result<Setup> {
         budget,
         fit_auto,
         lora,
+    })
+}
+
+/// The adapters `--lora-rank`, `--lora-alpha`, `--lora-dropout` and `--lora-targets` ask for
+/// (PEFT's defaults: alpha 8, no dropout, `c_attn`).
+pub fn lora_spec(args: &Args) -> Result<LoraSpec> {
+    let r = args
+        .lora_rank
+        .ok_or_else(|| invalid("LoRA needs --lora-rank R".into()))?;
+    let targets = args
+        .lora_targets
+        .as_deref()
+        .unwrap_or("c_attn")
+        .split(',')
+        .map(|t| t.trim().to_string())
+        .filter(|t| !t.is_empty())
+        .collect();
+    Ok(LoraSpec {
+        config: LoraConfig {
+            r,
+            alpha: args.lora_alpha.unwrap_or(8.0),
+            dropout: args.lora_dropout.unwrap_or(0.0),
+        },
+        targets,
     })
 }
 
@@ -340,25 +388,7 @@ pub fn prepare_lora(
             }
             (spec, Some(a))
         }
-        None => {
-            let targets = args
-                .lora_targets
-                .as_deref()
-                .unwrap_or("c_attn")
-                .split(',')
-                .map(|t| t.trim().to_string())
-                .filter(|t| !t.is_empty())
-                .collect();
-            let spec = LoraSpec {
-                config: LoraConfig {
-                    r: args.lora_rank.expect("LoRA is on"),
-                    alpha: args.lora_alpha.unwrap_or(8.0),
-                    dropout: args.lora_dropout.unwrap_or(0.0),
-                },
-                targets,
-            };
-            (spec, None)
-        }
+        None => (lora_spec(args)?, None),
     };
     // Every target and the rank, against the model's widths.
     fitgrad::hf::resolve_targets(&folder.config, &spec)?;
