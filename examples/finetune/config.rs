@@ -20,6 +20,8 @@ pub struct ConfigReport {
     pub measured_peak: Option<u64>,
     /// The last training loss (none with --plan).
     pub train_loss: Option<f32>,
+    /// Under LoRA with `--plan`: the ladder's rungs (base, checkpointing) and planned peaks.
+    pub candidates: Vec<(String, bool, u64)>,
 }
 
 /// `--config`: the architecture built with random weights; with `--plan` on a device that only
@@ -158,6 +160,7 @@ fn config_lora_steps(
         BaseQuant::Int8,
         BaseQuant::Nf4 { double_quant: true },
     ];
+    let mut ladder = Vec::new();
     if args.plan && !flags.fit_auto {
         // The ladder without a budget: each rung's planned peak.
         let budget = device.memory_stats().budget;
@@ -166,6 +169,7 @@ fn config_lora_steps(
             "LoRA candidates (r = {}, targets {:?}):",
             spec.config.r, spec.targets
         );
+        let mut candidates = Vec::new();
         for q in bases {
             for checkpointing in [false, true] {
                 let mut trainer = build(q, checkpointing)?;
@@ -176,9 +180,11 @@ fn config_lora_steps(
                     if checkpointing { "on" } else { "off" },
                     Bytes(plan.peak)
                 );
+                candidates.push((q.to_string(), checkpointing, plan.peak));
             }
         }
         device.set_memory_budget(budget)?;
+        ladder = candidates;
     }
     let mut trainer = if flags.fit_auto && quant == BaseQuant::None {
         let (trainer, choice) = Trainer::build_fit_auto_variants(device, train, &bases, |q| {
@@ -201,7 +207,9 @@ fn config_lora_steps(
     // Loading a quantized base passes its dense weights through the device once; the step's
     // peak is what is measured from here.
     device.reset_peak();
-    trainer_steps(args, device, train, &mut trainer)
+    let mut report = trainer_steps(args, device, train, &mut trainer)?;
+    report.candidates = ladder;
+    Ok(report)
 }
 
 /// [`run_config`] once the model is built.

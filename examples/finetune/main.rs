@@ -43,7 +43,9 @@ use std::process::ExitCode;
 /// The flags.
 #[derive(Parser, Debug, Clone)]
 #[command(
-    about = "Evaluate, fine-tune and sample a Hugging Face GPT-2 or Llama folder with fitgrad"
+    about = "Evaluate, fine-tune and sample a Hugging Face GPT-2 or Llama folder with fitgrad",
+    // A flag given twice takes its last value (so [`Args::default_run`] takes overrides).
+    args_override_self = true
 )]
 pub struct Args {
     /// A Hugging Face GPT-2 or Llama folder: config.json, model.safetensors (or
