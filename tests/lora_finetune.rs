@@ -6,7 +6,7 @@
 mod common;
 
 #[allow(dead_code)] // the example's `main`
-#[path = "../examples/finetune.rs"]
+#[path = "../examples/finetune/main.rs"]
 mod finetune;
 
 use common::lora::*;

@@ -56,4 +56,4 @@ pub fn model_type(dir: &std::path::Path) -> crate::Result<String> {
             reason: "no model_type (\"gpt2\" or \"llama\")".into(),
         })
 }
-pub use tokenizer::{Tokenizer, TOKENIZER_FILE};
+pub use tokenizer::{Tokenizer, END_OF_TEXT, TOKENIZER_FILE};

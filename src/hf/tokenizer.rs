@@ -6,6 +6,9 @@ use std::path::Path;
 
 use crate::{Error, Result};
 
+/// GPT-2's one special token, which starts and ends texts.
+pub const END_OF_TEXT: &str = "<|endoftext|>";
+
 /// The tokenizer's file in a model folder.
 pub const TOKENIZER_FILE: &str = "tokenizer.json";
 
@@ -81,6 +84,58 @@ impl Tokenizer {
     /// The id of a token's text (`<|endoftext|>`), if the vocabulary has it.
     pub fn token_id(&self, token: &str) -> Option<u32> {
         self.inner.token_to_id(token)
+    }
+
+    /// A byte-level BPE tokenizer as GPT-2's is made (the ByteLevel pre-tokenizer with GPT-2's
+    /// split pattern and no prefix space, the ByteLevel decoder, all 256 bytes in the initial
+    /// alphabet, so any text encodes) trained on `texts` to at most `vocab_size` tokens, pairs
+    /// seen at least twice merged. [`END_OF_TEXT`] is its one special token, id 0. Pure Rust
+    /// (the tokenizers crate's BPE trainer), deterministic.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for a vocabulary under 257 (the bytes and the special
+    /// token) or no text.
+    pub fn train_byte_level(texts: &[&str], vocab_size: usize) -> Result<Tokenizer> {
+        use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
+        use tokenizers::models::TrainerWrapper;
+        use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+        let op = "Tokenizer::train_byte_level";
+        if vocab_size < 257 || texts.iter().all(|t| t.is_empty()) {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: format!(
+                    "a byte-level BPE needs a vocabulary of at least 257 (256 bytes and \
+                     {END_OF_TEXT}) and some text; got {vocab_size} over {} texts",
+                    texts.len()
+                ),
+            });
+        }
+        let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
+            .vocab_size(vocab_size)
+            .min_frequency(2)
+            .show_progress(false)
+            .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+            .special_tokens(vec![tokenizers::AddedToken::from(END_OF_TEXT, true)])
+            .build()
+            .into();
+        let mut inner = tokenizers::Tokenizer::new(BPE::default());
+        inner.with_pre_tokenizer(Some(ByteLevel::new(false, true, true)));
+        inner.with_decoder(Some(ByteLevel::default()));
+        inner
+            .train(&mut trainer, texts.iter())
+            .map_err(|e| Error::InvalidArgument {
+                op,
+                reason: format!("BPE training failed: {e}"),
+            })?;
+        Ok(Tokenizer {
+            inner,
+            path: "a trained tokenizer".into(),
+        })
+    }
+
+    /// The `tokenizer.json` text of this tokenizer (what transformers and [`Tokenizer::from_bytes`]
+    /// read).
+    pub fn to_json(&self) -> Result<String> {
+        self.inner.to_string(true).map_err(|e| self.err(e))
     }
 
     fn err(&self, e: tokenizers::Error) -> Error {

@@ -11,6 +11,7 @@ mod fit;
 mod model;
 mod order;
 mod plan;
+pub mod plays;
 mod rows;
 mod run_plan;
 pub mod shard;

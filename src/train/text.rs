@@ -17,7 +17,7 @@ use crate::nn::Gpt;
 use crate::{Error, Result, Tensor};
 
 /// Eight Shakespeare plays (1,055,118 characters, 76 distinct), gzipped; see data/README.md.
-const SHAKESPEARE_GZ: &[u8] = include_bytes!("../../data/shakespeare.txt.gz");
+pub(super) const SHAKESPEARE_GZ: &[u8] = include_bytes!("../../data/shakespeare.txt.gz");
 
 /// The share of a text (its last characters) held out for validation.
 pub const VALID_FRACTION: f64 = 0.1;

@@ -1,0 +1,400 @@
+//! The flags and files of a finetune run, read and checked on the host before any device work:
+//! the folder and its tokenizer, the texts, the prompt, the LoRA settings.
+
+use super::Args;
+use fitgrad::compress::BaseQuant;
+use fitgrad::hf::TOKENIZER_FILE;
+use fitgrad::hf::{Adapter, LoraSpec, ModelConfig, PretrainedGpt, PretrainedLlama, Tokenizer};
+use fitgrad::nn::LoraConfig;
+use fitgrad::train::text::TextDataset;
+use fitgrad::train::Precision;
+use fitgrad::{Bytes, Error, Result};
+use std::path::Path;
+
+/// A model folder read and checked on the host.
+pub enum Folder {
+    /// `GPT2LMHeadModel`.
+    Gpt2(PretrainedGpt),
+    /// `LlamaForCausalLM`.
+    Llama(PretrainedLlama),
+}
+
+impl Folder {
+    /// Reads `dir` with the loader its `config.json`'s model_type names.
+    pub fn open(dir: &Path, dtype: fitgrad::DType) -> Result<Folder> {
+        match fitgrad::hf::model_type(dir)?.as_str() {
+            "llama" => Ok(Folder::Llama(PretrainedLlama::open(dir, dtype)?)),
+            // GPT-2's loader names any other model_type in its refusal.
+            _ => Ok(Folder::Gpt2(PretrainedGpt::open(dir, dtype)?)),
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        match self {
+            Folder::Gpt2(f) => &f.dir,
+            Folder::Llama(f) => &f.dir,
+        }
+    }
+
+    pub fn tokenizer(&self) -> Result<Tokenizer> {
+        match self {
+            Folder::Gpt2(f) => f.tokenizer(),
+            Folder::Llama(f) => f.tokenizer(),
+        }
+    }
+
+    /// The most positions, and the config field that says so.
+    pub fn positions(&self) -> (usize, &'static str) {
+        match self {
+            Folder::Gpt2(f) => (f.config.context, "n_positions"),
+            Folder::Llama(f) => (f.config.context, "max_position_embeddings"),
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Folder::Gpt2(f) => f.config.vocab_size,
+            Folder::Llama(f) => f.config.vocab_size,
+        }
+    }
+
+    /// One line on the architecture.
+    pub fn describe(&self) -> String {
+        match self {
+            Folder::Gpt2(f) => ModelConfig::Gpt2(f.config.clone()).describe(),
+            Folder::Llama(f) => ModelConfig::Llama(f.config.clone()).describe(),
+        }
+    }
+}
+
+/// Everything the flags ask for, read and checked on the host.
+pub struct Setup {
+    pub folder: Folder,
+    pub tokenizer: Tokenizer,
+    pub context: usize,
+    pub eval: Option<Vec<u32>>,
+    pub train: Option<TextDataset>,
+    pub prompt: Option<Vec<u32>>,
+    pub precision: Precision,
+    pub budget: Option<u64>,
+    pub fit_auto: bool,
+    pub lora: Option<LoraSetup>,
+}
+
+/// The LoRA flags, checked.
+pub struct LoraSetup {
+    pub spec: LoraSpec,
+    pub resume: Option<Adapter>,
+    pub quant: BaseQuant,
+}
+
+pub fn invalid(reason: String) -> Error {
+    Error::InvalidArgument {
+        op: "finetune",
+        reason,
+    }
+}
+
+pub fn read_text(path: &std::path::Path) -> Result<String> {
+    let bytes = std::fs::read(path).map_err(|source| Error::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    String::from_utf8(bytes).map_err(|e| Error::Data {
+        path: path.display().to_string(),
+        reason: format!("not UTF-8 text: {e}"),
+    })
+}
+
+/// The training flags every mode shares, checked.
+pub struct Flags {
+    pub precision: Precision,
+    pub budget: Option<u64>,
+    pub fit_auto: bool,
+}
+
+/// Checks the flags that need no file.
+pub fn check_flags(args: &Args) -> Result<Flags> {
+    let precision: Precision = args.precision.parse()?;
+    let budget = args
+        .memory_budget
+        .as_deref()
+        .map(|b| b.parse::<Bytes>().map(|b| b.0))
+        .transpose()?;
+    if budget == Some(0) {
+        return Err(invalid("--memory-budget must be more than 0 bytes".into()));
+    }
+    let fit_auto = match args.fit.as_deref() {
+        None => false,
+        Some("auto") if budget.is_none() => {
+            return Err(invalid(
+                "--fit auto fits a budget: add --memory-budget".into(),
+            ))
+        }
+        Some("auto") => true,
+        Some(other) => return Err(invalid(format!("--fit {other}: the one mode is 'auto'"))),
+    };
+    if args.batch_size == 0 || args.accum_steps == 0 {
+        return Err(invalid(
+            "--batch-size and --accum-steps must be at least 1".into(),
+        ));
+    }
+    if !(args.lr.is_finite() && args.lr > 0.0) {
+        return Err(invalid(format!(
+            "--lr must be a number > 0, got {}",
+            args.lr
+        )));
+    }
+    if !(args.temperature.is_finite() && args.temperature > 0.0) {
+        return Err(invalid(format!(
+            "--temperature must be a number > 0, got {}",
+            args.temperature
+        )));
+    }
+    if args.top_k == Some(0) || args.top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
+        return Err(invalid(format!(
+            "--top-k must be at least 1 and --top-p in (0, 1], got {:?} and {:?}",
+            args.top_k, args.top_p
+        )));
+    }
+    Ok(Flags {
+        precision,
+        budget,
+        fit_auto,
+    })
+}
+
+/// Checks every flag, reads the folder, the tokenizer and the texts, before any device work.
+pub fn prepare(args: &Args) -> Result<Setup> {
+    let Flags {
+        precision,
+        budget,
+        fit_auto,
+    } = check_flags(args)?;
+    // With no --model, no --text and no --eval-text: the shipped model, fine-tuned on the
+    // eighth play's first part and evaluated on its held-out end.
+    let play = (args.model.is_none() && args.text.is_none() && args.eval_text.is_none())
+        .then(fitgrad::train::plays::held_out_play);
+    if (args.steps > 0 || args.plan) && args.text.is_none() && play.is_none() {
+        return Err(invalid(
+            "--steps and --plan fine-tune on a text: add --text FILE".into(),
+        ));
+    }
+    if args.model.is_none() && !args.model_dir().join("config.json").is_file() {
+        return Err(Error::Data {
+            path: args.model_dir().display().to_string(),
+            reason: "the shipped model is missing (make it with `cargo run --release --example \
+                     make_shipped_model -- models/shakespeare-gpt2`); or give --model DIR"
+                .into(),
+        });
+    }
+    let folder = Folder::open(args.model_dir(), precision.param_dtype())?;
+    if args.checkpoint_activations && matches!(folder, Folder::Llama(_)) {
+        return Err(invalid(
+            "--checkpoint-activations: a Llama's blocks are not checkpointed (yet)".into(),
+        ));
+    }
+    let lora = prepare_lora(args, &folder, precision)?;
+    let tokenizer = folder.tokenizer()?;
+    let (n_positions, field) = folder.positions();
+    let context = args.context.unwrap_or(n_positions);
+    if context == 0 || context > n_positions {
+        return Err(invalid(format!(
+            "--context {context}: between 1 and the model's {field} = {n_positions}"
+        )));
+    }
+    if tokenizer.vocab_size() > folder.vocab_size() {
+        return Err(Error::Data {
+            path: args.model_dir().join(TOKENIZER_FILE).display().to_string(),
+            reason: format!(
+                "the tokenizer's {} tokens pass the model's vocab_size of {}",
+                tokenizer.vocab_size(),
+                folder.vocab_size()
+            ),
+        });
+    }
+    let eval = match (&args.eval_text, &play) {
+        (None, Some((p, _, held_out))) => {
+            println!(
+                "no --model: the shipped model, on play {} ({}): {} characters to fine-tune \
+                 on, the last {} held out",
+                fitgrad::train::plays::HELD_OUT_PLAY + 1,
+                p.title,
+                p.text.len() - held_out.len(),
+                held_out.len()
+            );
+            Some(tokenizer.encode(held_out)?)
+        }
+        (Some(path), _) => {
+            let ids = tokenizer.encode(&read_text(path)?)?;
+            if ids.len() < 2 {
+                return Err(Error::Data {
+                    path: path.display().to_string(),
+                    reason: format!("{} tokens: the loss needs at least 2", ids.len()),
+                });
+            }
+            Some(ids)
+        }
+        (None, None) => None,
+    };
+    let train = match (&args.text, &play) {
+        (None, Some((_, part, _))) => Some(TextDataset::new(tokenizer.encode(part)?, context)?),
+        (Some(path), _) => {
+            let ids = tokenizer.encode(&read_text(path)?)?;
+            Some(TextDataset::new(ids, context).map_err(|e| Error::Data {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            })?)
+        }
+        (None, None) => None,
+    };
+    let prompt = match &args.generate {
+        Some(p) => {
+            let ids = tokenizer.encode(p)?;
+            if ids.is_empty() {
+                return Err(invalid(
+                    "--generate needs a prompt of at least one token".into(),
+                ));
+            }
+            Some(ids)
+        }
+        None => None,
+    };
+    Ok(Setup {
+        folder,
+        tokenizer,
+        context,
+        eval,
+        train,
+        prompt,
+        precision,
+        budget,
+        fit_auto,
+        lora,
+    })
+}
+
+/// The adapters `--lora-rank`, `--lora-alpha`, `--lora-dropout` and `--lora-targets` ask for
+/// (PEFT's defaults: alpha 8, no dropout, `c_attn`).
+pub fn lora_spec(args: &Args) -> Result<LoraSpec> {
+    let r = args
+        .lora_rank
+        .ok_or_else(|| invalid("LoRA needs --lora-rank R".into()))?;
+    let targets = args
+        .lora_targets
+        .as_deref()
+        .unwrap_or("c_attn")
+        .split(',')
+        .map(|t| t.trim().to_string())
+        .filter(|t| !t.is_empty())
+        .collect();
+    Ok(LoraSpec {
+        config: LoraConfig {
+            r,
+            alpha: args.lora_alpha.unwrap_or(8.0),
+            dropout: args.lora_dropout.unwrap_or(0.0),
+        },
+        targets,
+    })
+}
+
+/// Checks the LoRA flags against the folder's model, on the host.
+pub fn prepare_lora(
+    args: &Args,
+    folder: &Folder,
+    precision: Precision,
+) -> Result<Option<LoraSetup>> {
+    let quant: BaseQuant = args.quantize.parse()?;
+    let on = args.lora_rank.is_some() || args.resume_adapter.is_some();
+    if !on {
+        let given = [
+            ("--lora-alpha", args.lora_alpha.is_some()),
+            ("--lora-dropout", args.lora_dropout.is_some()),
+            ("--lora-targets", args.lora_targets.is_some()),
+            ("--quantize", quant != BaseQuant::None),
+            ("--save-adapter", args.save_adapter.is_some()),
+            ("--merge-into", args.merge_into.is_some()),
+        ];
+        if let Some((flag, _)) = given.iter().find(|(_, g)| *g) {
+            return Err(invalid(format!(
+                "{flag} is a LoRA setting: add --lora-rank R or --resume-adapter DIR"
+            )));
+        }
+        return Ok(None);
+    }
+    let Folder::Gpt2(folder) = folder else {
+        return Err(invalid(
+            "--lora-rank / --resume-adapter: LoRA adapts GPT-2 folders (a Llama's is not wired yet)"
+                .into(),
+        ));
+    };
+    if quant != BaseQuant::None && precision == Precision::F16 {
+        return Err(invalid(format!(
+            "--quantize {quant} quantizes f32 weights: use --precision f32 or mixed"
+        )));
+    }
+    if args.save.is_some() {
+        return Err(invalid(
+            "--save writes the base without its adapters: use --merge-into DIR (merged) or \
+             --save-adapter DIR (the adapters alone)"
+                .into(),
+        ));
+    }
+    for (flag, dir) in [
+        ("--save-adapter", &args.save_adapter),
+        ("--merge-into", &args.merge_into),
+    ] {
+        let Some(dir) = dir else { continue };
+        let same = |a: &std::path::Path, b: &std::path::Path| {
+            a.canonicalize()
+                .ok()
+                .is_some_and(|x| Some(x) == b.canonicalize().ok())
+        };
+        if same(dir, args.model_dir())
+            || args.resume_adapter.as_deref().is_some_and(|r| same(dir, r))
+        {
+            return Err(invalid(format!(
+                "{flag} {} would overwrite an input folder",
+                dir.display()
+            )));
+        }
+    }
+    let (spec, resume) = match &args.resume_adapter {
+        Some(dir) => {
+            let a = fitgrad::hf::read_adapter(dir, &folder.config)?;
+            let differs = [
+                (
+                    "--lora-rank",
+                    args.lora_rank.is_some_and(|r| r != a.spec.config.r),
+                ),
+                (
+                    "--lora-alpha",
+                    args.lora_alpha.is_some_and(|v| v != a.spec.config.alpha),
+                ),
+                ("--lora-targets", args.lora_targets.is_some()),
+            ];
+            if let Some((flag, _)) = differs.iter().find(|(_, d)| *d) {
+                return Err(invalid(format!(
+                    "{flag} differs from the adapter in {} (r = {}, alpha = {}, targets {:?});                      drop the flag",
+                    dir.display(),
+                    a.spec.config.r,
+                    a.spec.config.alpha,
+                    a.spec.targets
+                )));
+            }
+            let mut spec = a.spec.clone();
+            if let Some(p) = args.lora_dropout {
+                spec.config.dropout = p;
+            }
+            (spec, Some(a))
+        }
+        None => (lora_spec(args)?, None),
+    };
+    // Every target and the rank, against the model's widths.
+    fitgrad::hf::resolve_targets(&folder.config, &spec)?;
+    Ok(Some(LoraSetup {
+        spec,
+        resume,
+        quant,
+    }))
+}
