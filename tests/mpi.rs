@@ -1,8 +1,9 @@
 //! Data parallelism over MPI (the `mpi` feature), through the real examples under mpirun:
-//! `mpirun -np 2 <example> --distributed mpi` ends with the weights and optimizer state of one
-//! process with the same flags (within 1e-5 relative) for train_mlp, custom_model and
-//! train_gpt, and a rank that is killed, or stopped without dying, brings the other rank down
-//! with an error within 30 s instead of a hang.
+//! `mpirun -np 2` and `-np 4 <example> --distributed mpi` end with the weights and optimizer
+//! state of one process with the same flags (within 1e-5 relative) for train_mlp,
+//! custom_model and train_gpt at ZeRO stages 0, 1 and 2; `--fit auto` picks the first stage
+//! that fits; and a rank that is killed, or stopped without dying, brings the others down
+//! with an error within 30 s instead of a hang, at every stage.
 //!
 //! The examples must be built first with the same profile and feature:
 //! `cargo build --features mpi --example train_mlp --example custom_model --example train_gpt
@@ -82,8 +83,14 @@ fn flags(epochs: u32) -> Vec<String> {
 
 /// mpirun with 2 ranks of the example `name`; `env` reaches every rank.
 fn mpirun(name: &str, args: &[String], env: &[(&str, &str)]) -> Command {
+    mpirun_np(2, name, args, env)
+}
+
+/// mpirun with `np` ranks of the example `name`; `env` reaches every rank.
+fn mpirun_np(np: usize, name: &str, args: &[String], env: &[(&str, &str)]) -> Command {
     let mut cmd = Command::new("mpirun");
-    cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", "2"]);
+    let np = np.to_string();
+    cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", &np]);
     // Containers often forbid the cross-memory attach OpenMPI's shared-memory transport tries
     // first; copying through shared memory works everywhere.
     cmd.args(["--mca", "btl_vader_single_copy_mechanism", "none"]);
@@ -125,11 +132,12 @@ fn run_ok(mut cmd: Command, what: &str) -> String {
     text
 }
 
-/// Runs the example `name` with `args` as one process and as 2 MPI ranks at each ZeRO stage of
-/// `stages` (`--zero`), each saving a checkpoint (`--save`), and asserts that each job's file
-/// holds the tensors of one process's (model and the whole optimizer state) within 1e-5
-/// relative and the same step, and that the two ranks end with the same bits (the hashes of
-/// their weights, in rank 0's JSON).
+/// Runs the example `name` with `args` as one process and as 2 and 4 MPI ranks at each ZeRO
+/// stage of `stages` (`--zero`), each saving a checkpoint (`--save`), and asserts that each
+/// job's file holds the tensors of one process's (model and the whole optimizer state) within
+/// 1e-5 relative and the same step, that every rank ends with the same bits (the hashes of
+/// their weights, in rank 0's JSON), and that stages 1 and 2 report the bytes per step of
+/// stage 0 up to the shards' padding.
 ///
 /// `rounding_only` names elements (tensor, range) whose gradient is zero in exact arithmetic:
 /// AdamW turns their rounding, which any other order of additions changes, into updates, so
@@ -146,22 +154,69 @@ fn two_ranks_match_one_process(
     let mut one = Command::new(example(name));
     one.args(args).arg("--save").arg(&single);
     run_ok(one, &format!("{name}, one process"));
-    for &stage in stages {
-        let dist = tmp.0.join(format!("zero{stage}.safetensors"));
-        let mut job = args.to_vec();
-        job.extend(["--zero".into(), stage.to_string()]);
-        job.extend(["--json".into(), "--save".into(), dist.display().to_string()]);
-        let started = Instant::now();
-        compare_job(name, &job, &single, &dist, rounding_only, stage);
-        eprintln!(
-            "{name} --zero {stage}: mpirun -np 2 took {:.1} s",
-            started.elapsed().as_secs_f64()
-        );
+    for np in [2, 4] {
+        let mut sent = Vec::new();
+        for &stage in stages {
+            let dist = tmp.0.join(format!("np{np}-zero{stage}.safetensors"));
+            let mut job = args.to_vec();
+            job.extend(["--zero".into(), stage.to_string()]);
+            job.extend(["--json".into(), "--save".into(), dist.display().to_string()]);
+            let started = Instant::now();
+            let json = compare_job(name, &job, &single, &dist, rounding_only, stage, np);
+            eprintln!(
+                "{name} --zero {stage}: mpirun -np {np} took {:.1} s",
+                started.elapsed().as_secs_f64()
+            );
+            sent.push((stage, json_u64(&json, "bytes_sent_per_step"), json));
+        }
+        check_bytes_sent(name, np, &sent);
     }
 }
 
-/// One 2-rank job of `example_name` with `args` (which save to `dist`) against one process's file
-/// `single`.
+/// The number after `"key":` in `text` (0 when absent).
+fn json_u64(text: &str, key: &str) -> u64 {
+    let k = format!("\"{key}\":");
+    text.find(&k).map_or(0, |at| {
+        let rest = &text[at + k.len()..];
+        let end = rest
+            .find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(rest.len());
+        rest[..end].parse().unwrap_or(0)
+    })
+}
+
+/// Stages 1 and 2 send alike, and what stage 0 sends up to the padding of the shards: the
+/// difference is at most the padding's share of a reduce-scatter and an all-gather (2(N-1)/N
+/// of its f32 bytes) and the few words of the checks and flags.
+fn check_bytes_sent(name: &str, np: usize, sent: &[(u8, u64, String)]) {
+    let of = |stage: u8| sent.iter().find(|s| s.0 == stage).map(|s| s.1);
+    for (stage, bytes, _) in sent {
+        assert!(
+            *bytes > 0,
+            "{name} np {np} --zero {stage}: no bytes_sent_per_step"
+        );
+    }
+    let (Some(s0), Some(s1), Some(s2)) = (of(0), of(1), of(2)) else {
+        return;
+    };
+    assert_eq!(s1, s2, "{name} np {np}: stages 1 and 2 send alike");
+    let params = json_u64(&sent[0].2, "parameter_elements");
+    let padded = json_u64(&sent[1].2, "padded_elements");
+    assert!(
+        padded >= params && params > 0,
+        "{name}: {padded} padded, {params} parameters"
+    );
+    let n = np as u64;
+    let slack = 2 * (n - 1) * (padded - params) * 4 / n + 64 * n;
+    assert!(
+        s1 <= s0 + slack,
+        "{name} np {np}: stage 1 sends {s1} bytes per step, stage 0 {s0} (padding allows {slack})"
+    );
+    eprintln!("{name} np {np}: bytes sent per step, stage 0 {s0}, stages 1 and 2 {s1}");
+}
+
+/// One `np`-rank job of `example_name` with `args` (which save to `dist`) against one
+/// process's file `single`; returns the job's output.
 fn compare_job(
     example_name: &str,
     args: &[String],
@@ -169,27 +224,32 @@ fn compare_job(
     dist: &Path,
     rounding_only: &[(&str, Range<usize>)],
     stage: u8,
-) {
-    let name = &format!("{example_name} --zero {stage}");
+    np: usize,
+) -> String {
+    let name = &format!("{example_name} -np {np} --zero {stage}");
     // A loaded machine may keep one rank compiling kernels for a while: no timeout here.
     let text = run_ok(
-        mpirun(example_name, args, &[("FITGRAD_DIST_TIMEOUT", "300")]),
-        &format!("{name}, mpirun -np 2"),
+        mpirun_np(np, example_name, args, &[("FITGRAD_DIST_TIMEOUT", "300")]),
+        &format!("{name}, mpirun"),
     );
     eprintln!("{text}");
     assert!(
-        text.contains("\"ranks\":2"),
-        "rank 0 of {name} reports 2 ranks:\n{text}"
+        text.contains(&format!("\"ranks\":{np}")),
+        "rank 0 of {name} reports {np} ranks:\n{text}"
     );
     assert!(
         text.contains(&format!("\"zero_stage\":{stage}")),
         "rank 0 of {name} reports its stage:\n{text}"
     );
     let hashes = rank_hashes(&text);
-    assert_eq!(hashes.len(), 2, "{name}: one weight hash per rank:\n{text}");
     assert_eq!(
-        hashes[0], hashes[1],
-        "{name}: the two ranks' weights are not the same bits"
+        hashes.len(),
+        np,
+        "{name}: one weight hash per rank:\n{text}"
+    );
+    assert!(
+        hashes.iter().all(|&h| h == hashes[0]),
+        "{name}: the ranks' weights are not the same bits: {hashes:?}"
     );
 
     let a = fitgrad::checkpoint::load(dist).unwrap();
@@ -229,6 +289,7 @@ fn compare_job(
     );
     assert!(a.metadata.contains_key("step"), "{name}: no step saved");
     assert_eq!(a.metadata.get("step"), b.metadata.get("step"));
+    text
 }
 
 /// The ranks' weight hashes of rank 0's JSON line (`"rank_weight_hashes":[..]`).
@@ -244,8 +305,8 @@ fn rank_hashes(text: &str) -> Vec<u64> {
         .collect()
 }
 
-/// Two ranks and one process with the same flags save the same model and optimizer state, at
-/// ZeRO stages 0, 1 and 2.
+/// Two and four ranks and one process with the same flags save the same model and optimizer
+/// state, at ZeRO stages 0, 1 and 2.
 #[test]
 fn two_ranks_give_the_weights_of_one_process() {
     two_ranks_match_one_process("train_mlp", &flags(2), &[], &[0, 1, 2]);
@@ -332,8 +393,10 @@ struct Job {
 }
 
 impl Job {
-    fn start(env: &[(&str, &str)]) -> Job {
-        let mut child = mpirun("train_mlp", &flags(100_000), env)
+    fn start(env: &[(&str, &str)], stage: u8) -> Job {
+        let mut args = flags(100_000);
+        args.extend(["--zero".into(), stage.to_string()]);
+        let mut child = mpirun("train_mlp", &args, env)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -418,45 +481,124 @@ impl Drop for Job {
     }
 }
 
-/// SIGKILL of rank 1 mid-run: the job ends with an error within 30 s.
+/// SIGKILL of rank 1 mid-run: the job ends with an error within 30 s, at every ZeRO stage.
 #[test]
 fn a_killed_rank_stops_the_other_within_30_s() {
     let _one = one_job_at_a_time();
-    let mut job = Job::start(&[]);
-    std::thread::sleep(Duration::from_secs(2));
-    let killed = Instant::now();
-    job.signal("-KILL", 1);
-    let (status, log) = job.wait(STOP_WITHIN);
-    let status = status.unwrap_or_else(|| {
-        panic!("the job still ran {STOP_WITHIN:?} after rank 1 was killed:\n{log}")
-    });
-    assert!(!status.success(), "the job must fail:\n{log}");
-    eprintln!(
-        "the job ended {:?} after the kill ({status}):\n{log}",
-        killed.elapsed()
-    );
+    for stage in 0..=2 {
+        let mut job = Job::start(&[], stage);
+        std::thread::sleep(Duration::from_secs(2));
+        let killed = Instant::now();
+        job.signal("-KILL", 1);
+        let (status, log) = job.wait(STOP_WITHIN);
+        let status = status.unwrap_or_else(|| {
+            panic!(
+                "--zero {stage}: the job still ran {STOP_WITHIN:?} after rank 1 was killed:\n{log}"
+            )
+        });
+        assert!(
+            !status.success(),
+            "--zero {stage}: the job must fail:\n{log}"
+        );
+        eprintln!(
+            "--zero {stage}: the job ended {:?} after the kill ({status}):\n{log}",
+            killed.elapsed()
+        );
+    }
 }
 
 /// SIGSTOP of rank 1 mid-run (alive, but never answering): rank 0's collective times out, it
-/// says so and aborts every rank, within 30 s.
+/// says so and aborts every rank, within 30 s, at every ZeRO stage.
 #[test]
 fn a_stopped_rank_times_out_and_stops_every_rank() {
     let _one = one_job_at_a_time();
-    let mut job = Job::start(&[("FITGRAD_DIST_TIMEOUT", "5")]);
-    std::thread::sleep(Duration::from_secs(2));
-    let stopped = Instant::now();
-    job.signal("-STOP", 1);
-    let (status, log) = job.wait(STOP_WITHIN);
-    let status = status.unwrap_or_else(|| {
-        panic!("the job still ran {STOP_WITHIN:?} after rank 1 was stopped:\n{log}")
-    });
-    assert!(!status.success(), "the job must fail:\n{log}");
-    assert!(
-        log.contains("rank 0 of 2") && log.contains("did not complete within 5 s"),
-        "rank 0 must say which collective timed out:\n{log}"
+    for stage in 0..=2 {
+        let mut job = Job::start(&[("FITGRAD_DIST_TIMEOUT", "5")], stage);
+        std::thread::sleep(Duration::from_secs(2));
+        let stopped = Instant::now();
+        job.signal("-STOP", 1);
+        let (status, log) = job.wait(STOP_WITHIN);
+        let status = status.unwrap_or_else(|| {
+            panic!("--zero {stage}: the job still ran {STOP_WITHIN:?} after rank 1 was stopped:\n{log}")
+        });
+        assert!(
+            !status.success(),
+            "--zero {stage}: the job must fail:\n{log}"
+        );
+        assert!(
+            log.contains("rank 0 of 2") && log.contains("did not complete within 5 s"),
+            "--zero {stage}: rank 0 must say which collective timed out:\n{log}"
+        );
+        eprintln!(
+            "--zero {stage}: the job ended {:?} after the stop ({status}):\n{log}",
+            stopped.elapsed()
+        );
+    }
+}
+
+/// The largest `peak_reserved` over the ranks of a `--plan --json` job's `per_rank`.
+fn per_rank_peak_reserved(text: &str) -> (u8, u64) {
+    let line = text
+        .lines()
+        .find(|l| l.starts_with('{') && l.contains("\"per_rank\""))
+        .unwrap_or_else(|| panic!("no plan JSON with per_rank:\n{text}"));
+    let j: serde_json::Value = serde_json::from_str(line).unwrap();
+    let r = &j["per_rank"];
+    let stage = r["zero_stage"].as_u64().unwrap() as u8;
+    let peak = r["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["peak_reserved"].as_u64().unwrap())
+        .max()
+        .unwrap();
+    (stage, peak)
+}
+
+/// `--fit auto` under MPI without `--zero` takes the first stage that fits on every rank: with
+/// a budget between stage 1's planned step and stage 0's, on a model whose parameters,
+/// gradients and AdamW state outweigh its activations (so no micro-batch saves stage 0), both
+/// ranks choose stage 1. Plans only: nothing trains.
+#[test]
+fn fit_auto_under_mpi_takes_the_first_stage_that_fits() {
+    let _one = one_job_at_a_time();
+    let base = strings(&["--hidden", "512,512", "--batch-size", "16", "--seed", "5"]);
+    let plan_of = |stage: u8| {
+        let mut a = base.clone();
+        a.extend(strings(&["--plan", "--json", "--zero", &stage.to_string()]));
+        let text = run_ok(
+            mpirun("train_mlp", &a, &[]),
+            &format!("plan at --zero {stage}"),
+        );
+        per_rank_peak_reserved(&text)
+    };
+    let (s0, p0) = plan_of(0);
+    let (s1, p1) = plan_of(1);
+    assert_eq!((s0, s1), (0, 1));
+    assert!(p1 < p0, "stage 1 plans {p1} bytes, stage 0 {p0}");
+    let budget = (p0 + p1) / 2;
+    let mut a = base.clone();
+    a.extend(strings(&[
+        "--fit",
+        "auto",
+        "--memory-budget",
+        &budget.to_string(),
+        "--plan",
+        "--json",
+    ]));
+    let text = run_ok(mpirun("train_mlp", &a, &[]), "fit auto over the stages");
+    eprintln!("{text}");
+    let (chosen, peak) = per_rank_peak_reserved(&text);
+    assert_eq!(
+        chosen, 1,
+        "stage 1 fits {budget} bytes, stage 0 does not:\n{text}"
     );
-    eprintln!(
-        "the job ended {:?} after the stop ({status}):\n{log}",
-        stopped.elapsed()
+    assert!(
+        peak <= budget,
+        "the chosen plan holds {peak} bytes over {budget}"
+    );
+    assert!(
+        text.contains("ZeRO stage 0") && text.contains("does not fit"),
+        "the candidates are printed:\n{text}"
     );
 }

@@ -21,5 +21,5 @@ pub mod zero;
 pub use allreduce::{attach, AllReduceStats, GradientAllReduce};
 pub use comm::{share_of, Communicator, LocalComm, LocalGroup, LOCAL_TIMEOUT};
 pub use data_parallel::DataParallel;
-pub use job::Job;
+pub use job::{Job, StageChoice};
 pub use zero::{attach_zero, Zero};
