@@ -555,28 +555,38 @@ fn per_rank_peak_reserved(text: &str) -> (u8, u64) {
     (stage, peak)
 }
 
-/// `--fit auto` under MPI without `--zero` takes the first stage that fits on every rank: with
-/// a budget between stage 1's planned step and stage 0's, on a model whose parameters,
-/// gradients and AdamW state outweigh its activations (so no micro-batch saves stage 0), both
-/// ranks choose stage 1. Plans only: nothing trains.
+/// `--fit auto` under MPI without `--zero` takes the first stage that fits on every rank. The
+/// budget is one byte under the smallest that stage 0 works with at this model's rank share
+/// (named by stage 0's own error; the planner's minimums are exact), on a model whose
+/// parameters, gradients and AdamW state outweigh its activations: stage 0 cannot fit, a
+/// later stage does, both ranks take it and its planned step stays within the budget. Plans
+/// only: nothing trains.
 #[test]
 fn fit_auto_under_mpi_takes_the_first_stage_that_fits() {
     let _one = one_job_at_a_time();
-    let base = strings(&["--hidden", "512,512", "--batch-size", "16", "--seed", "5"]);
-    let plan_of = |stage: u8| {
-        let mut a = base.clone();
-        a.extend(strings(&["--plan", "--json", "--zero", &stage.to_string()]));
-        let text = run_ok(
-            mpirun("train_mlp", &a, &[]),
-            &format!("plan at --zero {stage}"),
-        );
-        per_rank_peak_reserved(&text)
-    };
-    let (s0, p0) = plan_of(0);
-    let (s1, p1) = plan_of(1);
-    assert_eq!((s0, s1), (0, 1));
-    assert!(p1 < p0, "stage 1 plans {p1} bytes, stage 0 {p0}");
-    let budget = (p0 + p1) / 2;
+    let base = strings(&["--hidden", "1024,1024", "--batch-size", "16", "--seed", "5"]);
+    // One process's planned step: a budget one process works with.
+    let mut one = Command::new(example("train_mlp"));
+    one.args(&base).args(["--plan", "--json"]);
+    let text = run_ok(one, "one process's plan");
+    let line = text.lines().find(|l| l.starts_with('{')).unwrap();
+    let single: serde_json::Value = serde_json::from_str(line).unwrap();
+    let roomy = single["peak_reserved"].as_u64().unwrap().to_string();
+    // Stage 0 at the ranks' shares under it (the all-reduce buffer comes on top): refused,
+    // naming its smallest budget.
+    let mut a = base.clone();
+    a.extend(strings(&["--zero", "0", "--memory-budget", &roomy, "--plan"]));
+    let out = mpirun("train_mlp", &a, &[]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "stage 0 fits {roomy} bytes:\n{err}");
+    let minimum: u64 = err
+        .split("needs at least ")
+        .nth(1)
+        .and_then(|r| r.split('(').nth(1))
+        .and_then(|r| r.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no smallest budget in:\n{err}"));
+    let budget = minimum - 1;
     let mut a = base.clone();
     a.extend(strings(&[
         "--fit",
@@ -589,16 +599,23 @@ fn fit_auto_under_mpi_takes_the_first_stage_that_fits() {
     let text = run_ok(mpirun("train_mlp", &a, &[]), "fit auto over the stages");
     eprintln!("{text}");
     let (chosen, peak) = per_rank_peak_reserved(&text);
+    assert!(chosen >= 1, "stage 0 cannot fit {budget} bytes:\n{text}");
+    assert!(peak <= budget, "the chosen plan holds {peak} bytes over {budget}");
+    for stage in 0..chosen {
+        let line = text
+            .lines()
+            .find(|l| l.contains(&format!("ZeRO stage {stage},")))
+            .unwrap_or_else(|| panic!("stage {stage} is a candidate:\n{text}"));
+        assert!(line.ends_with("does not fit"), "{line}");
+    }
+    let line = text
+        .lines()
+        .find(|l| l.contains(&format!("ZeRO stage {chosen},")))
+        .unwrap();
+    assert!(line.ends_with(" fits"), "{line}");
     assert_eq!(
-        chosen, 1,
-        "stage 1 fits {budget} bytes, stage 0 does not:\n{text}"
-    );
-    assert!(
-        peak <= budget,
-        "the chosen plan holds {peak} bytes over {budget}"
-    );
-    assert!(
-        text.contains("ZeRO stage 0") && text.contains("does not fit"),
-        "the candidates are printed:\n{text}"
+        text.matches("training on its share").count(),
+        2,
+        "both ranks joined at the stage chosen:\n{text}"
     );
 }
