@@ -396,7 +396,8 @@ fn shard_layout_covers_every_element_once() {
 }
 
 /// Stage 2 takes each bucket's gradients off the device as soon as backward has completed
-/// them: on three replicas with buckets of about 200 elements and micro-batches of 3 (summed
+/// them: on three replicas with buckets of at most 100 elements (one parameter each here) and
+/// micro-batches of 3 (summed
 /// on the host between them), the most gradient bytes a replica's device held at once stays
 /// below the full gradient set, which stage 1 holds; the weights are stage 1's bit for bit,
 /// and the planned step peak is the measured one.
@@ -413,7 +414,7 @@ fn zero_2_frees_gradients_during_backward(dev: &Device) {
             .unwrap()
     };
     let dp1 = zero_run(dev, Zero::stage(1).unwrap(), &config);
-    let zero2 = Zero::stage(2).unwrap().bucket_elements(200).unwrap();
+    let zero2 = Zero::stage(2).unwrap().bucket_elements(100).unwrap();
     let mut dp2 = zero_run(dev, zero2, &config);
     let full: u64 = dp1
         .model()
@@ -426,8 +427,8 @@ fn zero_2_frees_gradients_during_backward(dev: &Device) {
         g1 >= full,
         "stage 1 holds every gradient: {g1} of {full} bytes"
     );
-    // The first layer's weight and bias (4096 + 256 bytes) complete together; the shard's
-    // gradients (a third, in views) come after backward.
+    // The second layer's gradients are gone before the first layer's weight and bias (4096 +
+    // 256 bytes) are made; the shard's gradients (a third, in views) come after backward.
     assert!(
         g2 < full,
         "stage 2 held {g2} gradient bytes at once, the full set is {full}"
@@ -564,7 +565,7 @@ fn a_zero_checkpoint_resumes_on_other_replica_counts(dev: &Device) {
     let (path, one) = (dir.join("zero.safetensors"), dir.join("one.safetensors"));
     single.save_checkpoint(&one, 0).unwrap();
     let devices = [twin(dev, None), twin(dev, None), twin(dev, None)];
-    let zero2 = Zero::stage(2).unwrap().bucket_elements(200).unwrap();
+    let zero2 = Zero::stage(2).unwrap().bucket_elements(100).unwrap();
     let mut dp =
         DataParallel::with_zero(&devices, zero2, |d| trainer(d, &WIDTHS, config.clone())).unwrap();
     for idx in &b[..2] {

@@ -575,7 +575,13 @@ fn fit_auto_under_mpi_takes_the_first_stage_that_fits() {
     // Stage 0 at the ranks' shares under it (the all-reduce buffer comes on top): refused,
     // naming its smallest budget.
     let mut a = base.clone();
-    a.extend(strings(&["--zero", "0", "--memory-budget", &roomy, "--plan"]));
+    a.extend(strings(&[
+        "--zero",
+        "0",
+        "--memory-budget",
+        &roomy,
+        "--plan",
+    ]));
     let out = mpirun("train_mlp", &a, &[]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(!out.status.success(), "stage 0 fits {roomy} bytes:\n{err}");
@@ -600,7 +606,10 @@ fn fit_auto_under_mpi_takes_the_first_stage_that_fits() {
     eprintln!("{text}");
     let (chosen, peak) = per_rank_peak_reserved(&text);
     assert!(chosen >= 1, "stage 0 cannot fit {budget} bytes:\n{text}");
-    assert!(peak <= budget, "the chosen plan holds {peak} bytes over {budget}");
+    assert!(
+        peak <= budget,
+        "the chosen plan holds {peak} bytes over {budget}"
+    );
     for stage in 0..chosen {
         let line = text
             .lines()
