@@ -65,15 +65,15 @@ impl Zero {
     };
 
     /// Stage `stage`: 0 (replicated), 1 (optimizer state sharded) or 2 (and gradients). Stage
-    /// 3 (parameters sharded too) needs parameter units and is refused with a clear error.
+    /// 3 (parameters sharded too) is not built yet and is refused with a clear error.
     pub fn stage(stage: u8) -> Result<Zero> {
         match stage {
             0..=2 => Ok(Zero { stage, ..Zero::OFF }),
             3 => Err(Error::InvalidArgument {
                 op: "--zero",
-                reason: "stage 3 (sharded parameters) is not available yet: it needs the \
-                         parameter units that materialize one block at a time; use --zero 2, \
-                         which shards the optimizer state and the gradients"
+                reason: "stage 3 (sharded parameters, each unit gathered around its forward \
+                         and backward) is not built yet; use --zero 2, which shards the \
+                         optimizer state and the gradients"
                     .into(),
             }),
             _ => Err(Error::InvalidArgument {
