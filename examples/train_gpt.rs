@@ -500,7 +500,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
     };
     // Under MPI without --zero, fit auto first tries the stages (0, 1, 2) at this rank's share.
     let staged = match setup.fit_auto && args.zero.is_none() {
-        true => dist.fit_auto_stage(device, &setup.train, &build)?,
+        true => dist.fit_auto_stage(device, &setup.train, build)?,
         false => None,
     };
     let (mut trainer, choice, zero, all_reduce) = if let Some(s) = staged {

@@ -352,7 +352,7 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     let view = ShardedView::new(&train, args.shard_size, eff)?;
     // Under MPI without --zero, fit auto first tries the stages (0, 1, 2) at this rank's share.
     let staged = match fit_auto && args.zero.is_none() {
-        true => dist.fit_auto_stage(&device, &view, &build)?,
+        true => dist.fit_auto_stage(&device, &view, build)?,
         false => None,
     };
     let (mut trainer, choice, zero, all_reduce) = if let Some(s) = staged {
