@@ -1,7 +1,8 @@
 //! Data parallelism over MPI (the `mpi` feature), through the real examples under mpirun:
 //! `mpirun -np 2` and `-np 4 <example> --distributed mpi` end with the weights and optimizer
-//! state of one process with the same flags (within 1e-5 relative) for train_mlp,
-//! custom_model and train_gpt at ZeRO stages 0, 1 and 2; `--fit auto` picks the first stage
+//! state of one process with the same flags (within 1e-5 relative; train_gpt at 4 ranks 2e-5)
+//! for train_mlp, custom_model and train_gpt at ZeRO stages 0, 1 and 2; `--fit auto` picks
+//! the first stage
 //! that fits; and a rank that is killed, or stopped without dying, brings the others down
 //! with an error within 30 s instead of a hang, at every stage.
 //!
@@ -135,9 +136,9 @@ fn run_ok(mut cmd: Command, what: &str) -> String {
 /// Runs the example `name` with `args` as one process and as 2 and 4 MPI ranks at each ZeRO
 /// stage of `stages` (`--zero`), each saving a checkpoint (`--save`), and asserts that each
 /// job's file holds the tensors of one process's (model and the whole optimizer state) within
-/// 1e-5 relative and the same step, that every rank ends with the same bits (the hashes of
-/// their weights, in rank 0's JSON), and that stages 1 and 2 report the bytes per step of
-/// stage 0 up to the shards' padding.
+/// 1e-5 relative (4 ranks within `np4_tol`) and the same step, that every rank ends with the
+/// same bits (the hashes of their weights, in rank 0's JSON), and that stages 1 and 2 report
+/// the bytes per step of stage 0 up to the shards' padding.
 ///
 /// `rounding_only` names elements (tensor, range) whose gradient is zero in exact arithmetic:
 /// AdamW turns their rounding, which any other order of additions changes, into updates, so
@@ -147,24 +148,16 @@ fn two_ranks_match_one_process(
     args: &[String],
     rounding_only: &[(&str, Range<usize>)],
     stages: &[u8],
-    np4_args: Option<&[String]>,
+    np4_tol: f64,
 ) {
     let _one = one_job_at_a_time();
     let tmp = TempDir::new(name);
-    let run_single = |args: &[String], file: &str| {
-        let single = tmp.0.join(file);
-        let mut one = Command::new(example(name));
-        one.args(args).arg("--save").arg(&single);
-        run_ok(one, &format!("{name}, one process"));
-        single
-    };
-    let single2 = run_single(args, "single.safetensors");
+    let single = tmp.0.join("single.safetensors");
+    let mut one = Command::new(example(name));
+    one.args(args).arg("--save").arg(&single);
+    run_ok(one, &format!("{name}, one process"));
     for np in [2, 4] {
-        // `np4_args`, where given, for 4 ranks against one process with the same flags.
-        let (args, single) = match np4_args {
-            Some(a) if np == 4 => (a, run_single(a, "single4.safetensors")),
-            _ => (args, single2.clone()),
-        };
+        let tol = if np == 4 { np4_tol } else { 1e-5 };
         let mut sent = Vec::new();
         for &stage in stages {
             let dist = tmp.0.join(format!("np{np}-zero{stage}.safetensors"));
@@ -172,7 +165,7 @@ fn two_ranks_match_one_process(
             job.extend(["--zero".into(), stage.to_string()]);
             job.extend(["--json".into(), "--save".into(), dist.display().to_string()]);
             let started = Instant::now();
-            let json = compare_job(name, &job, &single, &dist, rounding_only, stage, np);
+            let json = compare_job(name, &job, &single, &dist, rounding_only, (stage, np), tol);
             eprintln!(
                 "{name} --zero {stage}: mpirun -np {np} took {:.1} s",
                 started.elapsed().as_secs_f64()
@@ -233,8 +226,8 @@ fn compare_job(
     single: &Path,
     dist: &Path,
     rounding_only: &[(&str, Range<usize>)],
-    stage: u8,
-    np: usize,
+    (stage, np): (u8, usize),
+    tol: f64,
 ) -> String {
     let name = &format!("{example_name} -np {np} --zero {stage}");
     // A loaded machine may keep one rank compiling kernels for a while: no timeout here.
@@ -284,14 +277,14 @@ fn compare_job(
         }
         let d = rel_diff(&x, &y);
         eprintln!("{name} {tensor}: {d:e}");
-        if d > 1e-5 {
+        if d > tol {
             differ.push(format!("{tensor} by {d:e}"));
         }
         worst = worst.max(d);
     }
     assert!(
         differ.is_empty(),
-        "{name}: tensors differ by more than 1e-5 relative (max |a-b| / max |b|): {differ:?}"
+        "{name}: tensors differ by more than {tol:e} relative (max |a-b| / max |b|): {differ:?}"
     );
     eprintln!(
         "{name}: worst relative difference over {} tensors of model and optimizer state: {worst:e}",
@@ -319,7 +312,7 @@ fn rank_hashes(text: &str) -> Vec<u64> {
 /// state, at ZeRO stages 0, 1 and 2.
 #[test]
 fn two_ranks_give_the_weights_of_one_process() {
-    two_ranks_match_one_process("train_mlp", &flags(2), &[], &[0, 1, 2], None);
+    two_ranks_match_one_process("train_mlp", &flags(2), &[], &[0, 1, 2], 1e-5);
 }
 
 /// The same for the residual MLP defined in custom_model: the digits' last batch of 29 gives
@@ -342,7 +335,7 @@ fn custom_model_on_two_ranks_gives_the_weights_of_one_process() {
         "--seed",
         "3",
     ]);
-    two_ranks_match_one_process("custom_model", &args, &[], &[0, 1, 2], None);
+    two_ranks_match_one_process("custom_model", &args, &[], &[0, 1, 2], 1e-5);
 }
 
 /// The same for train_gpt on a short text: clipping, an evaluation and a checkpoint mid-run
@@ -382,16 +375,12 @@ fn train_gpt_on_two_ranks_gives_the_weights_of_one_process() {
     ]);
     // dim 32: q, k and v biases are elements 0..32, 32..64 and 64..96.
     let key_bias = [("model.blocks.0.attn.qkv.bias", 32..64)];
-    // At 4 ranks each rank's micro-batch is one sample, so the batch's gradients add up in
-    // yet another order and AdamW moves rounding-sized gradients further each step: after 6
-    // steps an element of mlp.proj.weight is 1.15e-5 relative from one process's (stage 0,
-    // plain data parallelism). 3 steps, evaluating after 2, stay within 1e-5.
-    let mut np4 = args.clone();
-    let at = |flag: &str| np4.iter().position(|a| a == flag).unwrap() + 1;
-    let (steps, every) = (at("--steps"), at("--eval-every"));
-    np4[steps] = "3".into();
-    np4[every] = "2".into();
-    two_ranks_match_one_process("train_gpt", &args, &key_bias, &[0, 1, 2], Some(&np4));
+    // At 4 ranks each rank's micro-batch is one sample, so the batch's gradients add up in yet
+    // another order, and AdamW's first steps (about sign(g) lr) turn the rounding of
+    // elements whose gradients are as small as it into whole updates: with plain data
+    // parallelism (stage 0) as with ZeRO, an element of mlp.proj.weight ends 1.15e-5 relative
+    // from one process's after 6 steps (1.27e-5 after 3). So 4 ranks are held to 2e-5 here.
+    two_ranks_match_one_process("train_gpt", &args, &key_bias, &[0, 1, 2], 2e-5);
 }
 
 /// Sends `sig` to `pid` through the shell's own `kill` (no procps needed); whether it was sent.
