@@ -825,6 +825,7 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
             "samples_per_s": samples_per_s,
         });
         dist.add_to_json(&mut j, all_reduce.as_ref());
+        dist.add_traffic_to_json(&mut j, &trainer, zero)?;
         j["zero_stage"] = zero.number().into();
         j["rank_weight_hashes"] = rank_hashes.into();
         println!("{j}");

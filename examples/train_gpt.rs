@@ -499,21 +499,39 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         }
         Trainer::new(model, Box::new(optimizer), config.clone())
     };
-    let (mut trainer, choice) = if setup.fit_auto {
-        let (trainer, choice) = Trainer::build_fit_auto(device, &setup.train, build)?;
+    // Under MPI without --zero, fit auto first tries the stages (0, 1, 2) at this rank's share.
+    let staged = match setup.fit_auto && args.zero.is_none() {
+        true => dist.fit_auto_stage(device, &setup.train, build)?,
+        false => None,
+    };
+    let (mut trainer, choice, zero, all_reduce) = if let Some(s) = staged {
         if root {
-            print!("{choice}");
+            print!("{}", s.choice);
         }
-        (trainer, Some(choice))
+        (s.trainer, Some(s.choice), s.zero, Some(s.stats))
     } else {
-        (
-            Trainer::build_within_budget(device, &setup.train, build)?,
-            None,
-        )
+        let (mut trainer, choice) = if setup.fit_auto {
+            let (trainer, choice) = Trainer::build_fit_auto(device, &setup.train, build)?;
+            if root {
+                print!("{choice}");
+            }
+            (trainer, Some(choice))
+        } else {
+            (
+                Trainer::build_within_budget(device, &setup.train, build)?,
+                None,
+            )
+        };
+        // No stage fitted alone: the ladder's choice at the stage that keeps the least.
+        let zero = match setup.fit_auto && args.zero.is_none() && dist.size() > 1 {
+            true => Zero::stage(2)?,
+            false => setup.zero,
+        };
+        // Fitted to the whole batch as on one process; a rank refits to its share.
+        let all_reduce = dist.join_zero(&mut trainer, &setup.train, zero)?;
+        (trainer, choice, zero, all_reduce)
     };
     trainer.set_data_identity(setup.identity.clone());
-    // Fitted to the whole batch as on one process; a rank refits to its share.
-    let all_reduce = dist.join_zero(&mut trainer, &setup.train, setup.zero)?;
     // What `--fit auto` chose, for the JSON line (null without it).
     let fit_json = choice.as_ref().map(|c| {
         serde_json::json!({
@@ -584,13 +602,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
     drop(phases);
     let plan = run_plan.step.clone();
     if args.plan {
-        dist.print_plan(
-            &trainer,
-            &run_plan,
-            setup.zero,
-            args.json,
-            planning.elapsed(),
-        )?;
+        dist.print_plan(&trainer, &run_plan, zero, args.json, planning.elapsed())?;
         return Ok(Report {
             train_loss: f32::NAN,
             valid_loss: f32::NAN,
@@ -775,6 +787,9 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         true => Some(dist.weight_hashes(&trainer.model)?),
         false => None,
     };
+    // Each rank's parameters, gradients and optimizer state at its step's peak, planned and
+    // measured (what ZeRO spreads).
+    let rank_state = dist.rank_state_bytes(device, &plan)?;
     if !root {
         // Joins rank 0's final save, written once its validation loss is finite.
         if let Some(path) = &args.save {
@@ -916,8 +931,10 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             "tokens_per_s": tokens_per_s,
         });
         dist.add_to_json(&mut j, all_reduce.as_ref());
-        j["zero_stage"] = setup.zero.number().into();
+        dist.add_traffic_to_json(&mut j, &trainer, zero)?;
+        j["zero_stage"] = zero.number().into();
         j["rank_weight_hashes"] = rank_hashes.into();
+        j["per_rank_state_bytes"] = rank_state;
         println!("{j}");
     }
     Ok(Report {

@@ -359,18 +359,36 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     // The planner sees the training set as the run trains it: with --shard-size, with the
     // shards the epoch keeps on the device.
     let view = ShardedView::new(&train, args.shard_size, eff)?;
-    let (mut trainer, choice) = if fit_auto {
-        let (trainer, choice) = Trainer::build_fit_auto(&device, &view, build)?;
+    // Under MPI without --zero, fit auto first tries the stages (0, 1, 2) at this rank's share.
+    let staged = match fit_auto && args.zero.is_none() {
+        true => dist.fit_auto_stage(&device, &view, build)?,
+        false => None,
+    };
+    let (mut trainer, choice, zero, all_reduce) = if let Some(s) = staged {
         if root {
-            print!("{choice}");
+            print!("{}", s.choice);
         }
-        (trainer, Some(choice))
+        (s.trainer, Some(s.choice), s.zero, Some(s.stats))
     } else {
-        (Trainer::build_within_budget(&device, &view, build)?, None)
+        let (mut trainer, choice) = if fit_auto {
+            let (trainer, choice) = Trainer::build_fit_auto(&device, &view, build)?;
+            if root {
+                print!("{choice}");
+            }
+            (trainer, Some(choice))
+        } else {
+            (Trainer::build_within_budget(&device, &view, build)?, None)
+        };
+        // No stage fitted alone: the ladder's choice at the stage that keeps the least.
+        let zero = match fit_auto && args.zero.is_none() && dist.size() > 1 {
+            true => Zero::stage(2)?,
+            false => zero,
+        };
+        // Fitted to the whole batch as on one process; a rank refits to its share.
+        let all_reduce = dist.join_zero(&mut trainer, &view, zero)?;
+        (trainer, choice, zero, all_reduce)
     };
     trainer.set_data_identity(identity);
-    // Fitted to the whole batch as on one process; a rank refits to its share.
-    let all_reduce = dist.join_zero(&mut trainer, &view, zero)?;
     // The pruner's masks (as many bytes as the weights) are made now, so the plan counts them;
     // under a budget the micro-batch is chosen again with them in use.
     let mut pruner = prune
@@ -748,6 +766,7 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
             "samples_per_s": samples_per_s,
         });
         dist.add_to_json(&mut j, all_reduce.as_ref());
+        dist.add_traffic_to_json(&mut j, &trainer, zero)?;
         j["zero_stage"] = zero.number().into();
         j["rank_weight_hashes"] = rank_hashes.into();
         println!("{j}");

@@ -5,11 +5,13 @@
 
 use super::allreduce::AllReduceStats;
 use super::comm::share_of;
-use super::zero::{RankPlans, StepCollectives, Zero};
+use super::zero::{Collective, RankPlans, StepCollectives, Zero};
 use crate::cli;
 use crate::nn::Module;
-use crate::train::{BatchSource, Plan, RunPlan, TrainModel, Trainer};
-use crate::{Error, Result};
+use crate::train::{
+    BatchSource, Candidate, FitChoice, Plan, Residence, RunPlan, TrainModel, Trainer,
+};
+use crate::{Device, Error, Result};
 use std::io::Write;
 use std::ops::Range;
 use std::process::ExitCode;
@@ -150,19 +152,189 @@ impl Job {
             if let Some(budget) = trainer.device().memory_stats().budget {
                 trainer.fit_to_budget(data, budget)?;
             }
-            let line = format!(
-                "rank {} of {}: pid {}, {}, training on its share of every batch of {}\n",
-                self.rank(),
-                self.size(),
-                std::process::id(),
-                trainer.device().info().adapter.name,
-                trainer.effective_batch()
-            );
-            // One write: the ranks share the launcher's stderr, and a line written in pieces
-            // (as `eprintln!` writes its arguments) can interleave with another rank's.
-            let _ = std::io::stderr().write_all(line.as_bytes());
+            self.announce(trainer);
         }
         Ok(stats)
+    }
+
+    /// This rank's start-up line on stderr (`rank R of N: pid P, ...`).
+    fn announce<M: Module>(&self, trainer: &Trainer<M>) {
+        let line = format!(
+            "rank {} of {}: pid {}, {}, training on its share of every batch of {}\n",
+            self.rank(),
+            self.size(),
+            std::process::id(),
+            trainer.device().info().adapter.name,
+            trainer.effective_batch()
+        );
+        // One write: the ranks share the launcher's stderr, and a line written in pieces
+        // (as `eprintln!` writes its arguments) can interleave with another rank's.
+        let _ = std::io::stderr().write_all(line.as_bytes());
+    }
+
+    /// `--fit auto` over the ZeRO stages, on an MPI rank whose stage was not given: stages 0,
+    /// 1 and 2 in turn (cheapest communication first: 1 and 2 send the bytes of 0, and all
+    /// three are exact), each a trainer built by `build` (the budget lifted while it builds),
+    /// made a replica at that stage ([`Job::attach`]) and fitted to this rank's share by the
+    /// exact micro-batch search alone ([`Trainer::fit_to_budget`]). The first stage whose step
+    /// fits on every rank is the choice (one all-gather of the verdicts per stage, so every
+    /// rank takes the same). `None` for one process, or when no stage fits that way: the
+    /// caller then runs fit auto's whole ladder (checkpointing, mixed precision, ...) at
+    /// stage 2. Call it on every rank at the same point.
+    pub fn fit_auto_stage<M, D>(
+        &self,
+        device: &Device,
+        data: &D,
+        build: impl Fn() -> Result<Trainer<M>>,
+    ) -> Result<Option<StageChoice<M>>>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        if self.size() < 2 {
+            return Ok(None);
+        }
+        let Some(budget) = device.memory_stats().budget else {
+            return Err(Error::InvalidArgument {
+                op: "--fit auto",
+                reason: "fit auto needs a memory budget to fit: add --memory-budget".into(),
+            });
+        };
+        let mut candidates = Vec::new();
+        for stage in 0..=2u8 {
+            let zero = Zero::stage(stage)?;
+            device.set_memory_budget(None)?;
+            let built = build();
+            device.set_memory_budget(Some(budget))?;
+            let mut t = built?;
+            let stats = self.attach(&mut t, zero)?;
+            let fits = match t.fit_to_budget(data, budget) {
+                Ok(_) => true,
+                Err(Error::BudgetTooSmall { .. }) => false,
+                Err(e) => return Err(e),
+            };
+            let plan = match fits {
+                true => t.plan(data).unwrap_or_default(),
+                false => Plan::default(),
+            };
+            let everywhere = self.all_agree(fits)?;
+            candidates.push(Candidate {
+                description: format!(
+                    "ZeRO stage {stage}, micro-batch {} of this rank's share{}",
+                    t.micro_batch(),
+                    if fits && !everywhere {
+                        " (fits here, not on every rank)"
+                    } else {
+                        ""
+                    }
+                ),
+                micro_batch: t.micro_batch(),
+                checkpointing: false,
+                precision: t.config().precision,
+                planned_peak: plan.peak,
+                planned_reserved: plan.peak_reserved,
+                fits: everywhere,
+                residence: Residence::Device,
+                host_bytes: 0,
+                bytes_moved: 0,
+            });
+            if everywhere {
+                self.announce(&t);
+                let choice = FitChoice {
+                    budget,
+                    batch_size: t.config().batch_size,
+                    micro_batch: t.micro_batch(),
+                    checkpointing: false,
+                    precision: t.config().precision,
+                    residence: Residence::Device,
+                    candidates,
+                };
+                return Ok(stats.map(|stats| StageChoice {
+                    trainer: t,
+                    zero,
+                    choice,
+                    stats,
+                }));
+            }
+            drop(t);
+            device.empty_cache();
+        }
+        Ok(None)
+    }
+
+    /// Whether `local` holds on every rank (one small all-gather; `local` alone).
+    fn all_agree(&self, local: bool) -> Result<bool> {
+        match self {
+            Job::Single => Ok(local),
+            #[cfg(feature = "mpi")]
+            Job::Mpi(m) => {
+                use super::comm::Communicator as _;
+                let all = m.communicator()?.all_gather(&[u64::from(local)])?;
+                Ok(all.iter().all(|&v| v != 0))
+            }
+        }
+    }
+
+    /// The collectives of one step of `trainer` at stage `zero` among this job's ranks, with
+    /// the bytes each rank sends in them as a ring moves them (none for one process).
+    pub fn step_collectives<M: Module>(
+        &self,
+        trainer: &Trainer<M>,
+        zero: Zero,
+    ) -> Result<Vec<Collective>> {
+        if self.size() < 2 {
+            return Ok(Vec::new());
+        }
+        let (numels, step) = step_shape(trainer);
+        zero.collectives(&numels, self.size(), step)
+    }
+
+    /// Every rank's planned and measured device bytes of parameters, gradients and optimizer
+    /// state at its step's in-use peak, rank 0 first, as JSON objects (`rank`, `planned`,
+    /// `measured`): `plan` is this rank's step plan, the measured figure its device's in-use
+    /// peak so far (call it after training, before evaluating). One small all-gather: call
+    /// it on every rank at the same point.
+    pub fn rank_state_bytes(&self, device: &Device, plan: &Plan) -> Result<serde_json::Value> {
+        use crate::memory::Category::{Gradients, OptimizerState, Parameters};
+        let at = device.memory_stats().peak_by_category;
+        let measured = at.get(Parameters) + at.get(Gradients) + at.get(OptimizerState);
+        let planned = plan.parameters + plan.gradients + plan.optimizer_state;
+        let all = match self {
+            Job::Single => vec![planned, measured],
+            #[cfg(feature = "mpi")]
+            Job::Mpi(m) => {
+                use super::comm::Communicator as _;
+                m.communicator()?.all_gather(&[planned, measured])?
+            }
+        };
+        let ranks: Vec<serde_json::Value> = all
+            .chunks(2)
+            .enumerate()
+            .map(|(rank, w)| serde_json::json!({"rank": rank, "planned": w[0], "measured": w[1]}))
+            .collect();
+        Ok(ranks.into())
+    }
+
+    /// Adds `bytes_sent_per_step` (each rank's bytes per step, all collectives together, as
+    /// a ring moves them; 0 for one process) and `collectives` to a run's JSON object `j`.
+    pub fn add_traffic_to_json<M: Module>(
+        &self,
+        j: &mut serde_json::Value,
+        trainer: &Trainer<M>,
+        zero: Zero,
+    ) -> Result<()> {
+        let c = self.step_collectives(trainer, zero)?;
+        j["bytes_sent_per_step"] = c.iter().map(|c| c.sent_bytes).sum::<u64>().into();
+        j["collectives"] = serde_json::to_value(&c).unwrap_or_default();
+        let (numels, _) = step_shape(trainer);
+        j["parameter_elements"] = numels.iter().sum::<usize>().into();
+        // What the reduce-scatter and the all-gather carry: the shards, padding included.
+        j["padded_elements"] = match zero.number() {
+            0 => numels.iter().sum::<usize>(),
+            _ => super::zero::ShardLayout::new(&numels, self.size().max(1))?.padded_len(),
+        }
+        .into();
+        Ok(())
     }
 
     /// Saves a checkpoint of `trainer` on rank 0 ([`Trainer::save_checkpoint`]); the other
@@ -261,19 +433,7 @@ impl Job {
         plan: &Plan,
         zero: Zero,
     ) -> Result<Option<RankPlans>> {
-        let numels: Vec<usize> = trainer
-            .model
-            .parameters()
-            .iter()
-            .map(|p| p.numel())
-            .collect();
-        let step = StepCollectives {
-            clipping: trainer.config().clip_grad_norm.is_some(),
-            finite_check_every: match trainer.scaler() {
-                Some(_) => 1,
-                None => trainer.config().check_finite_every,
-            },
-        };
+        let (numels, step) = step_shape(trainer);
         match self {
             Job::Single => {
                 let _ = (plan, zero, numels, step);
@@ -336,4 +496,34 @@ impl Job {
             Job::Mpi(m) => m.abort(&format!("error: {error}; stopping every rank")),
         }
     }
+}
+
+/// What [`Job::fit_auto_stage`] chose: the trainer, already this rank's replica at `zero`.
+pub struct StageChoice<M: Module> {
+    /// The trainer, a replica at `zero`, its micro-batch fitted to this rank's share.
+    pub trainer: Trainer<M>,
+    /// The stage chosen.
+    pub zero: Zero,
+    /// The stages planned, for printing and the JSON.
+    pub choice: FitChoice,
+    /// The replica's exchange statistics.
+    pub stats: Arc<Mutex<AllReduceStats>>,
+}
+
+/// The parameters' element counts and what a step's collectives depend on besides the stage.
+fn step_shape<M: Module>(trainer: &Trainer<M>) -> (Vec<usize>, StepCollectives) {
+    let numels: Vec<usize> = trainer
+        .model
+        .parameters()
+        .iter()
+        .map(|p| p.numel())
+        .collect();
+    let step = StepCollectives {
+        clipping: trainer.config().clip_grad_norm.is_some(),
+        finite_check_every: match trainer.scaler() {
+            Some(_) => 1,
+            None => trainer.config().check_finite_every,
+        },
+    };
+    (numels, step)
 }

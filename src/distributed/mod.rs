@@ -21,6 +21,6 @@ pub mod zero;
 pub use allreduce::{attach, AllReduceStats, GradientAllReduce};
 pub use comm::{share_of, Communicator, LocalComm, LocalGroup, LOCAL_TIMEOUT};
 pub use data_parallel::DataParallel;
-pub use job::Job;
+pub use job::{Job, StageChoice};
 pub use zero::checkpoint::load_checkpoint;
 pub use zero::{attach_zero, Zero};

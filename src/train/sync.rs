@@ -35,6 +35,21 @@ pub trait GradientSync: Send {
         Ok(())
     }
 
+    /// Called before each micro-batch's backward of step `step` (`first`: the step's first
+    /// micro-batch) with the model's parameters: a hook the backward pass calls with each
+    /// leaf's id as soon as that leaf's gradient is complete for the pass, so a replica can
+    /// take gradients off the device while backward still runs (ZeRO stage 2). `None` by
+    /// default.
+    fn backward_hook(
+        &mut self,
+        step: u64,
+        params: &[Tensor],
+        first: bool,
+    ) -> Result<Option<crate::tensor::autograd::LeafHook>> {
+        let _ = (step, params, first);
+        Ok(None)
+    }
+
     /// The tensors whose gradients the rest of the step reads (unscaling, clipping, the finite
     /// check) and the optimizer updates, when they are not the model's parameters: under ZeRO,
     /// views of this replica's shard. `None` by default.

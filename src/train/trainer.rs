@@ -654,10 +654,18 @@ impl<M: Module> Trainer<M> {
                     // This micro-batch's share of the effective batch's mean.
                     loss = loss.mul_scalar(chunk.len() as f32 / n as f32)?;
                 }
+                let hook = match self.sync.as_mut() {
+                    Some(sync) => {
+                        sync.backward_hook(self.step, &self.model.parameters(), i == 0)?
+                    }
+                    None => None,
+                };
+                let hooked = hook.map(crate::tensor::autograd::LeafHookGuard::set);
                 match &self.scaler {
                     Some(sc) => sc.scale_loss(&loss)?.backward()?,
                     None => loss.backward()?,
                 }
+                drop(hooked);
                 step_loss.add_(&loss.detach())?;
                 if i == 1 {
                     second_moved = crate::residency::moved(&dev).since(moved_before);

@@ -10,14 +10,17 @@
 //! all-gathers the parameters, so every replica ends the step with the same bits.
 //!
 //! - Stage 1 reads every gradient back at once and frees them after the exchange.
-//! - Stage 2 reads them back in buckets of about [`Zero::bucket_elements`] elements, freeing
-//!   each bucket's gradients on the device as soon as they are read.
+//! - Stage 2 reads them back in buckets of about [`Zero::bucket_elements`] elements during
+//!   backward, each as soon as backward has completed its gradients, adding them to the
+//!   step's host sums and freeing them on the device (src/distributed/zero/bucket.rs), so the
+//!   full gradient set never exists on the device at once.
 //!
 //! A reduce-scatter plus an all-gather move what one all-reduce moves (a ring counts
 //! (N-1)/N of the buffer for each, 2(N-1)/N for the all-reduce), so stages 1 and 2 send the
 //! bytes of stage 0, less the loss and flags the all-reduce carries and plus the shards'
 //! padding ([`Zero::collectives`] counts each collective).
 
+mod bucket;
 pub mod checkpoint;
 mod layout;
 mod optimizer;
@@ -27,7 +30,7 @@ pub use layout::{Piece, ShardLayout, GRANULE};
 pub use optimizer::ZeroOptimizer;
 pub use plan::{Collective, CollectiveKind, RankPlan, RankPlans, StepCollectives};
 
-use super::allreduce::{broadcast_from_rank0, check_same_run, copy_from_rank0, gather};
+use super::allreduce::{broadcast_from_rank0, check_same_run, copy_from_rank0};
 use super::allreduce::{new_grad, write_into};
 use super::comm::{share_of, Communicator};
 use super::AllReduceStats;
@@ -35,6 +38,7 @@ use crate::memory::Category;
 use crate::nn::Module;
 use crate::train::{GradientSync, Trainer};
 use crate::{Device, Error, Result, Tensor};
+use bucket::{buckets, read_bucket, Pending};
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -63,15 +67,15 @@ impl Zero {
     };
 
     /// Stage `stage`: 0 (replicated), 1 (optimizer state sharded) or 2 (and gradients). Stage
-    /// 3 (parameters sharded too) needs parameter units and is refused with a clear error.
+    /// 3 (parameters sharded too) is not built yet and is refused with a clear error.
     pub fn stage(stage: u8) -> Result<Zero> {
         match stage {
             0..=2 => Ok(Zero { stage, ..Zero::OFF }),
             3 => Err(Error::InvalidArgument {
                 op: "--zero",
-                reason: "stage 3 (sharded parameters) is not available yet: it needs the \
-                         parameter units that materialize one block at a time; use --zero 2, \
-                         which shards the optimizer state and the gradients"
+                reason: "stage 3 (sharded parameters, each unit gathered around its forward \
+                         and backward) is not built yet; use --zero 2, which shards the \
+                         optimizer state and the gradients"
                     .into(),
             }),
             _ => Err(Error::InvalidArgument {
@@ -135,28 +139,9 @@ pub struct ZeroSync<C> {
     last: Option<(u64, Vec<f32>, f32, Vec<bool>)>,
     /// The model's index of each of the optimizer's parameters (the layout's order).
     order: Vec<usize>,
+    /// The step's gradients read so far (stage 2 reads them during backward).
+    pending: Arc<Mutex<Pending>>,
     stats: Arc<Mutex<AllReduceStats>>,
-}
-
-/// Consecutive parameter ranges, last parameters first (backward's order), of about `bucket`
-/// elements each (stage 2), or one range of all of them (stage 1).
-fn buckets(numels: &[usize], zero: Zero) -> Vec<Range<usize>> {
-    if zero.stage < 2 {
-        return std::iter::once(0..numels.len()).collect();
-    }
-    let mut out = Vec::new();
-    let mut end = numels.len();
-    while end > 0 {
-        let mut start = end - 1;
-        let mut n = numels[start];
-        while start > 0 && n + numels[start - 1] <= zero.bucket {
-            start -= 1;
-            n += numels[start];
-        }
-        out.push(start..end);
-        end = start;
-    }
-    out
 }
 
 impl<C: Communicator> ZeroSync<C> {
@@ -164,42 +149,38 @@ impl<C: Communicator> ZeroSync<C> {
         Error::Distributed { rank, reason }
     }
 
-    /// Reads this replica's gradients into the flat host buffer (bucket by bucket in stage 2,
-    /// freeing each bucket's gradients on the device once read), then reduce-scatters it.
+    /// Reads what is left of this replica's gradients on the device into the step's flat host
+    /// buffer (all of them in stage 1; in stage 2 the backward hook took most bucket by
+    /// bucket), freeing them, then reduce-scatters it.
     fn exchange(&mut self, step: u64, params: &[Tensor], loss: &Tensor) -> Result<()> {
         let dev = self.device.clone();
         let planning = dev.is_planning();
         let l = self.layout.clone();
-        let mut grads: Vec<Option<Tensor>> = params.iter().map(Tensor::grad).collect();
-        let has: Vec<bool> = grads.iter().map(Option::is_some).collect();
         let t0 = Instant::now();
         if !planning {
             dev.sync()?;
         }
         let t1 = Instant::now();
-        let mut flat = vec![0f32; if planning { 0 } else { l.padded_len() }];
-        for b in buckets(l.numels(), self.zero) {
-            let lo = l.offsets()[b.start];
-            let hi = l.offsets()[b.end - 1] + l.numels()[b.end - 1];
-            let rel: Vec<usize> = l.offsets()[b.clone()].iter().map(|o| o - lo).collect();
-            let values = gather(&dev, &grads[b.clone()], &rel, hi - lo, None)?;
-            if !planning {
-                flat[lo..hi].copy_from_slice(&values);
+        let (flat, has) = {
+            let mut pending = crate::device::lock(&self.pending);
+            if !planning && pending.step != Some(step) {
+                pending.reset(step, l.padded_len(), params.len());
             }
-            if self.zero.stage >= 2 {
-                for i in b {
-                    grads[i] = None;
-                    params[i].zero_grad();
-                }
+            for b in buckets(l.numels(), self.zero) {
+                read_bucket(&dev, &l, params, b, &mut pending, planning)?;
             }
-        }
-        drop(grads);
-        for p in params {
-            p.zero_grad();
-        }
-        if planning {
-            return Ok(());
-        }
+            for p in params {
+                p.zero_grad();
+            }
+            if planning {
+                return Ok(());
+            }
+            pending.step = None;
+            (
+                std::mem::take(&mut pending.flat),
+                std::mem::take(&mut pending.has),
+            )
+        };
         let t2 = Instant::now();
         let mut comm = crate::device::lock(&self.comm);
         let (rank, size) = (comm.rank(), comm.size());
@@ -299,6 +280,35 @@ impl<C: Communicator> GradientSync for ZeroSync<C> {
 
     fn sync_buffers(&mut self, buffers: &[Tensor]) -> Result<()> {
         broadcast_from_rank0(&mut *crate::device::lock(&self.comm), buffers)
+    }
+
+    /// Stage 2: a hook that reads and frees each bucket's gradients as soon as backward has
+    /// completed them (the step's host sums start at its first micro-batch).
+    fn backward_hook(
+        &mut self,
+        step: u64,
+        model_params: &[Tensor],
+        first: bool,
+    ) -> Result<Option<crate::tensor::autograd::LeafHook>> {
+        if self.zero.stage < 2 {
+            return Ok(None);
+        }
+        let params: Vec<Tensor> = self
+            .order
+            .iter()
+            .map(|&m| model_params[m].clone())
+            .collect();
+        if first && !self.device.is_planning() {
+            let l = &self.layout;
+            crate::device::lock(&self.pending).reset(step, l.padded_len(), params.len());
+        }
+        Ok(Some(bucket::hook(
+            self.device.clone(),
+            self.layout.clone(),
+            params,
+            self.zero,
+            self.pending.clone(),
+        )))
     }
 
     fn step_tensors(&self) -> Option<Vec<Tensor>> {
@@ -409,6 +419,7 @@ pub fn attach_zero<M: Module, C: Communicator + 'static>(
         rank,
         last: None,
         order,
+        pending: Arc::default(),
         stats: stats.clone(),
     })));
     Ok(stats)

@@ -11,7 +11,7 @@
 use crate::device::lock;
 use crate::kernels::elementwise::{self, BinaryOp};
 use crate::{Error, Result, Tensor};
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -20,6 +20,47 @@ pub use replay::{recomputing, replayable_seed};
 
 thread_local! {
     static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
+    /// Backward passes running on this thread (a checkpointed segment runs one inside another).
+    static DEPTH: Cell<usize> = const { Cell::new(0) };
+    static LEAF_HOOK: RefCell<Option<LeafHook>> = const { RefCell::new(None) };
+}
+
+/// Called by the outermost backward pass on this thread with a leaf's id ([`leaf_id`]) as
+/// soon as no node left in that pass adds to the leaf's gradient (ZeRO stage 2 reads and frees
+/// gradients bucket by bucket from it).
+pub type LeafHook = Box<dyn FnMut(usize) -> Result<()>>;
+
+/// Keeps a [`LeafHook`] installed on this thread until dropped.
+pub(crate) struct LeafHookGuard(());
+
+impl LeafHookGuard {
+    /// Installs `hook` for the backward passes run until the guard drops.
+    pub(crate) fn set(hook: LeafHook) -> LeafHookGuard {
+        LEAF_HOOK.with(|h| *h.borrow_mut() = Some(hook));
+        LeafHookGuard(())
+    }
+}
+
+impl Drop for LeafHookGuard {
+    fn drop(&mut self) {
+        LEAF_HOOK.with(|h| h.borrow_mut().take());
+    }
+}
+
+/// The id a [`LeafHook`] gets for `t`'s gradient: `None` unless `t` is a leaf of the graph.
+pub(crate) fn leaf_id(t: &Tensor) -> Option<usize> {
+    t.node()
+        .filter(|n| n.is_leaf)
+        .map(|n| Arc::as_ptr(n) as usize)
+}
+
+/// Decrements the backward depth when dropped.
+struct DepthGuard;
+
+impl Drop for DepthGuard {
+    fn drop(&mut self) {
+        DEPTH.with(|d| d.set(d.get() - 1));
+    }
 }
 
 /// Whether ops on this thread record a graph (false inside [`no_grad`]).
@@ -303,10 +344,37 @@ pub(crate) fn backward(root: &Arc<Node>, seed: Tensor) -> Result<()> {
         return root.accumulate(seed);
     }
     let order = reverse_topological(root);
+    let outermost = DEPTH.with(|d| d.replace(d.get() + 1)) == 0;
+    let _depth = DepthGuard;
+    // With a hook installed, the leaves whose last adding node is each node of `order`.
+    let mut done_after: Vec<Vec<usize>> = Vec::new();
+    if outermost && LEAF_HOOK.with(|h| h.borrow().is_some()) {
+        let mut last: HashMap<usize, usize> = HashMap::new();
+        for (k, node) in order.iter().enumerate() {
+            for input in node.inputs.iter().flatten().filter(|i| i.is_leaf) {
+                last.insert(Arc::as_ptr(input) as usize, k);
+            }
+        }
+        done_after = vec![Vec::new(); order.len()];
+        for (leaf, k) in last {
+            done_after[k].push(leaf);
+        }
+        done_after.iter_mut().for_each(|d| d.sort_unstable());
+    }
+    let fire = |k: usize| -> Result<()> {
+        for &leaf in done_after.get(k).map_or(&[][..], Vec::as_slice) {
+            LEAF_HOOK.with(|h| match h.borrow_mut().as_mut() {
+                Some(hook) => hook(leaf),
+                None => Ok(()),
+            })?;
+        }
+        Ok(())
+    };
     let mut pending: HashMap<*const Node, Tensor> = HashMap::new();
     pending.insert(Arc::as_ptr(root), seed);
-    for node in order {
+    for (k, node) in order.into_iter().enumerate() {
         let Some(g) = pending.remove(&Arc::as_ptr(&node)) else {
+            fire(k)?;
             continue;
         };
         let rule = lock(&node.backward).take().ok_or_else(|| {
@@ -336,6 +404,7 @@ pub(crate) fn backward(root: &Arc<Node>, seed: Tensor) -> Result<()> {
                 pending.insert(key, sum);
             }
         }
+        fire(k)?;
     }
     Ok(())
 }
