@@ -3,8 +3,12 @@
 //! fixed-range partial sums over the positions (shaders/conv2d_dw.wgsl, then the reduce kernel).
 //! Every kernel gathers its operand from the NCHW tensor itself: no column buffer exists.
 
-use super::{reduce, Operand, Storage, CONV2D_DW, CONV2D_DX, CONV2D_FWD};
+use super::{
+    assemble, reduce, specialize, Operand, ShaderFile, Storage, CONV2D_DW, CONV2D_DX, CONV2D_FWD,
+};
+use crate::device::{Device, Kernel};
 use crate::Result;
+use std::sync::Arc;
 
 /// Invocations per workgroup, as in the shaders: lanes span positions (or weight columns).
 const WG_X: usize = 64;
@@ -98,18 +102,57 @@ impl Geometry {
     }
 }
 
-/// Rows per invocation for `rows` output channels (or input channels, for dx) per group: four
-/// where a group has that many, else one (depthwise), so few lanes compute rows they drop.
+/// Rows per invocation for `rows` output channels (or input channels, for dx) per group: the
+/// largest of 16, 8, 4 that a group fills, else one (depthwise), so few lanes compute rows they
+/// drop. Each gathered input value feeds this many rows.
 fn tile_rows(rows: usize) -> usize {
-    if rows >= 4 {
-        4
-    } else {
-        1
+    match rows {
+        16.. => 16,
+        8.. => 8,
+        4.. => 4,
+        _ => 1,
     }
 }
 
-fn consts(tm: usize) -> [(&'static str, u32); 2] {
-    [("TM", tm as u32), ("TN", TN as u32)]
+/// Expands the `//@row` lines of a conv2d shader (already specialized) into one statement per
+/// row of a `tm`-row tile, `{r}` replaced by the row's index: accumulators and row offsets as
+/// plain variables, which CPU compilers keep in registers.
+pub fn expand_rows(body: &str, tm: usize) -> String {
+    let mut out = String::with_capacity(body.len() + tm * 400);
+    for line in body.lines() {
+        let t = line.trim_start();
+        match t.strip_prefix("//@row ") {
+            Some(stmt) => {
+                let pad = &line[..line.len() - t.len()];
+                for r in 0..tm {
+                    out += pad;
+                    out += &stmt.replace("{r}", &r.to_string());
+                    out.push('\n');
+                }
+            }
+            None => {
+                out += line;
+                out.push('\n');
+            }
+        }
+    }
+    out
+}
+
+/// The WGSL of a conv2d shader for a `tm`-row tile, expanded.
+pub fn source(file: &ShaderFile, storage: &[Storage], tm: usize) -> String {
+    let body = specialize(file.body, &[("TM", tm as u32), ("TN", TN as u32)]);
+    assemble(&expand_rows(&body, tm), &file.with_storage(storage))
+}
+
+/// The compiled kernel of a conv2d shader for a `tm`-row tile, cached on the device.
+fn kernel(file: &ShaderFile, dev: &Device, storage: &[Storage], tm: usize) -> Result<Arc<Kernel>> {
+    let mut key = format!("{}_rows{tm}_tn{TN}", file.name);
+    for s in storage {
+        key.push('_');
+        key.push_str(s.tag());
+    }
+    dev.kernel(&key, &[], false, || source(file, storage, tm))
 }
 
 /// y (n, oc, oh, ow) = conv2d(x, wt) + bias (oc, x's dtype, optional). y needs no f32 staging
@@ -129,7 +172,12 @@ pub(crate) fn forward<T: Operand>(
     let s = Storage::of(dev, x.dtype());
     let tm = tile_rows(geo.ocg());
     let m_blocks = geo.ocg().div_ceil(tm);
-    let k = CONV2D_FWD.kernel_with(dev, &[s, s, s, Storage::of(dev, y.dtype())], &consts(tm))?;
+    let k = kernel(
+        &CONV2D_FWD,
+        dev,
+        &[s, s, s, Storage::of(dev, y.dtype())],
+        tm,
+    )?;
     let b = bias.unwrap_or(wt);
     dev.dispatch3(
         &k,
@@ -144,7 +192,8 @@ pub(crate) fn forward<T: Operand>(
 }
 
 /// dx (n, c, h, w) = the gradient of conv2d's input from the output's gradient dy (n, oc, oh,
-/// ow) and the weight, both in x's dtype. Like y, dx needs no f32 staging (plane h w).
+/// ow) and the weight, both in x's dtype, one stride phase per grid z. dx needs f32 staging
+/// where [`dx_needs_staging`] says so.
 pub(crate) fn backward_dx<T: Operand>(dy: &T, wt: &T, geo: &Geometry, dx: &T) -> Result<()> {
     let total = geo.n * geo.h * geo.w;
     if total == 0 || geo.c == 0 {
@@ -154,17 +203,27 @@ pub(crate) fn backward_dx<T: Operand>(dy: &T, wt: &T, geo: &Geometry, dx: &T) ->
     let s = Storage::of(dev, dy.dtype());
     let tm = tile_rows(geo.cg());
     let m_blocks = geo.cg().div_ceil(tm);
-    let k = CONV2D_DX.kernel_with(dev, &[s, s, Storage::of(dev, dx.dtype())], &consts(tm))?;
+    let k = kernel(&CONV2D_DX, dev, &[s, s, Storage::of(dev, dx.dtype())], tm)?;
+    // The largest phase, (0, 0), has ceil(h / sh) ceil(w / sw) positions per sample.
+    let [sh, sw] = geo.stride;
+    let phase = geo.n * geo.h.div_ceil(sh) * geo.w.div_ceil(sw);
     dev.dispatch3(
         &k,
         &geo.params(m_blocks, false, 0, 0),
         &[dy.block(), wt.block(), dx.block()],
         [
-            total.div_ceil(TN * WG_X) as u32,
+            phase.div_ceil(TN * WG_X) as u32,
             (geo.groups * m_blocks) as u32,
-            1,
+            (sh.min(geo.h) * sw.min(geo.w)) as u32,
         ],
     )
+}
+
+/// Whether dx of dtype `dt` must be written to f32 first: packed f16 words are written whole
+/// only for unit stride and an even plane (a strided phase holds every other element).
+pub(crate) fn dx_needs_staging(dev: &Device, dt: crate::DType, geo: &Geometry) -> bool {
+    Storage::of(dev, dt) == Storage::F16Packed
+        && (!(geo.h * geo.w).is_multiple_of(2) || geo.stride != [1, 1])
 }
 
 /// The dims of the f32 partial sums [`backward_dw`] needs: (chunks, weight elements) with
@@ -198,7 +257,7 @@ pub(crate) fn backward_dw<T: Operand>(
     let s = Storage::of(dev, x.dtype());
     let tm = tile_rows(geo.ocg());
     let m_blocks = geo.ocg().div_ceil(tm);
-    let k = CONV2D_DW.kernel_with(dev, &[s, s, Storage::F32], &consts(tm))?;
+    let k = kernel(&CONV2D_DW, dev, &[s, s, Storage::F32], tm)?;
     dev.dispatch3(
         &k,
         &geo.params(m_blocks, false, chunk, chunks),
