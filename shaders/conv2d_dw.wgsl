@@ -15,16 +15,21 @@
 const WG_X: u32 = 64u;
 const TM: u32 = 4u;
 const TN: u32 = 4u;
+// True where the `//@uni` rows are loaded one per lane and handed out with subgroupBroadcast
+// (src/kernels/conv2d.rs sets it); then no invocation returns early, since a broadcast needs
+// its whole subgroup, and lanes past the end compute clamped values they do not store.
+const SUBGROUPS: bool = false;
 
 @compute @workgroup_size(WG_X)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>,
+        //@lane
         @builtin(workgroup_id) wg: vec3<u32>) {
     let hw = p.h * p.w;
     let pq = p.oh * p.ow;
     let khw = p.kh * p.kw;
     let kdim = p.cg * khw;
     let k0 = gid.x * TN;
-    if (k0 >= kdim) {
+    if (k0 >= kdim && !SUBGROUPS) {
         return;
     }
     let g = wg.y / p.m_blocks;
@@ -38,7 +43,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
     let tapy = vec4<i32>((tap / p.kw) * p.dh) - i32(p.ph);
     let tapx = vec4<i32>((tap % p.kw) * p.dw) - i32(p.pw);
     let last = p.ocg - 1u;
-    //@row let g{r} = (g * p.ocg + min(m0 + {r}u, last)) * pq;
+    //@uni g (g * p.ocg + min(m0 + {r}, last)) * pq
     let total = p.n * pq;
     let start = chunk * p.chunk;
     let end = min(start + p.chunk, total);
@@ -59,7 +64,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
         let e = xs + xoff + select(vec4<u32>(0u), vec4<u32>(iy) * p.w + vec4<u32>(ix), inside);
         let xv = select(vec4<f32>(0.0),
                         vec4<f32>(ld_x(e.x), ld_x(e.y), ld_x(e.z), ld_x(e.w)), inside);
-        //@row acc{r} = fma(vec4<f32>(ld_dy(gbase + g{r})), xv, acc{r});
+        //@get g gv ld_dy gbase
+        //@row acc{r} = fma(vec4<f32>(gv{r}), xv, acc{r});
         ox += 1u;
         if (ox == p.ow) {
             ox = 0u;
@@ -80,7 +86,9 @@ fn store_row(m: u32, g: u32, chunk: u32, k0: u32, kdim: u32, acc: vec4<f32>) {
         return;
     }
     let row = (chunk * p.oc + g * p.ocg + m) * kdim + k0;
-    st_part(row, acc.x);
+    if (k0 < kdim) {
+        st_part(row, acc.x);
+    }
     if (k0 + 1u < kdim) {
         st_part(row + 1u, acc.y);
     }

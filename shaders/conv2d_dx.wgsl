@@ -9,7 +9,9 @@
 // tap's output coordinate is whole, (iy + ph - ky dh) % sh == 0, depends on the phase alone,
 // so a phase visits only its own taps (about 1 / (sh sw) of them), uniformly across lanes, and
 // consecutive positions of a phase read consecutive dy columns. With unit stride there is one
-// phase, the whole plane.
+// phase, the whole plane. No skip depends on the invocation's own positions: control flow that
+// differs between lanes would make the loop counters, and so every weight load, per-lane on a
+// CPU adapter (which loads a uniform address once for all its SIMD lanes).
 //
 // As in conv2d_fwd.wgsl an invocation computes TM input channels of one group times 4
 // consecutive positions of the phase's flattened (n, iyq, ixq) axis, lanes spanning positions so
@@ -20,6 +22,10 @@
 const WG_X: u32 = 64u;
 const TM: u32 = 4u;
 const TN: u32 = 4u;
+// True where the `//@uni` rows are loaded one per lane and handed out with subgroupBroadcast
+// (src/kernels/conv2d.rs sets it); then no invocation returns early, since a broadcast needs
+// its whole subgroup, and lanes past the end compute clamped values they do not store.
+const SUBGROUPS: bool = false;
 
 // The flattened position q's sample and offset in its phase's plane, clamped into range
 // (positions past the end compute the last one's values and are not stored).
@@ -35,6 +41,7 @@ fn whole(t: i32, s: u32) -> bool {
 
 @compute @workgroup_size(WG_X)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>,
+        //@lane
         @builtin(workgroup_id) wg: vec3<u32>) {
     let hw = p.h * p.w;
     let pq = p.oh * p.ow;
@@ -47,8 +54,12 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
     let wq = (p.w - min(px, p.w) + p.sw - 1u) / p.sw;
     let hwq = hq * wq;
     let total = p.n * hwq;
+    if (total == 0u) {
+        // An empty phase (the same for the whole grid slice).
+        return;
+    }
     let q0 = gid.x * TN;
-    if (q0 >= total) {
+    if (q0 >= total && !SUBGROUPS) {
         return;
     }
     let g = wg.y / p.m_blocks;
@@ -70,7 +81,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
     // W is (oc, cg, kh, kw): row i's element (o, ky, kx) is at w{i} + o cg khw + tap.
     let last = p.cg - 1u;
     let wg0 = g * p.ocg * p.cg * khw;
-    //@row let w{r} = wg0 + min(m0 + {r}u, last) * khw;
+    //@uni w wg0 + min(m0 + {r}, last) * khw
     let ostride = p.cg * khw;
     //@row var acc{r} = vec4<f32>(0.0);
     let zero = vec4<i32>(0);
@@ -84,10 +95,6 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
         }
         let oy = iyq + vec4<i32>(ty / i32(p.sh));
         let in_y = (oy >= zero) & (oy < ohi);
-        if (!any(in_y)) {
-            // No position of this invocation takes the row tap (past the edge).
-            continue;
-        }
         for (var kx = 0u; kx < p.kw; kx++) {
             let tx = i32(px + p.pw) - i32(kx * p.dw);
             if (!whole(tx, p.sw)) {
@@ -95,9 +102,6 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
             }
             let ox = ixq + vec4<i32>(tx / i32(p.sw));
             let inside = in_y & (ox >= zero) & (ox < owi);
-            if (!any(inside)) {
-                continue;
-            }
             let off = dybase + select(vec4<u32>(0u), vec4<u32>(oy) * p.ow + vec4<u32>(ox), inside);
             let tap = ky * p.kw + kx;
             for (var o = 0u; o < p.ocg; o++) {
@@ -105,7 +109,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
                 let gv = select(vec4<f32>(0.0),
                                 vec4<f32>(ld_dy(e.x), ld_dy(e.y), ld_dy(e.z), ld_dy(e.w)), inside);
                 let k = o * ostride + tap;
-                //@row acc{r} = fma(vec4<f32>(ld_wt(w{r} + k)), gv, acc{r});
+                //@get w wv ld_wt k
+                //@row acc{r} = fma(vec4<f32>(wv{r}), gv, acc{r});
             }
         }
     }

@@ -114,45 +114,106 @@ fn tile_rows(rows: usize) -> usize {
     }
 }
 
-/// Expands the `//@row` lines of a conv2d shader (already specialized) into one statement per
-/// row of a `tm`-row tile, `{r}` replaced by the row's index: accumulators and row offsets as
-/// plain variables, which CPU compilers keep in registers.
-pub fn expand_rows(body: &str, tm: usize) -> String {
+/// Expands the `//@` lines of a conv2d shader (already specialized) for a `tm`-row tile:
+/// `//@row STMT` into STMT per row with `{r}` its index; `//@uni NAME EXPR` into the rows' base
+/// offsets (`{r}` in EXPR a u32 row); `//@get NAME VAR LOAD OFF` into `VAR{r}`, row r's value at
+/// `NAME{r} + OFF`; `//@lane` into the subgroup lane builtin. With `sg` (the adapter's fixed
+/// subgroup size) the uniform rows are loaded one per lane (lane l: rows l, l + sg, ...) and
+/// handed out with subgroupBroadcast; without, every lane loads each row itself. Accumulators
+/// and offsets are plain variables, which CPU compilers keep in registers.
+pub fn expand_rows(body: &str, tm: usize, sg: Option<usize>) -> String {
     let mut out = String::with_capacity(body.len() + tm * 400);
+    let loads = sg.map_or(0, |sg| tm.div_ceil(sg));
     for line in body.lines() {
         let t = line.trim_start();
-        match t.strip_prefix("//@row ") {
-            Some(stmt) => {
-                let pad = &line[..line.len() - t.len()];
-                for r in 0..tm {
-                    out += pad;
-                    out += &stmt.replace("{r}", &r.to_string());
-                    out.push('\n');
+        let pad = &line[..line.len() - t.len()];
+        let mut emit = |stmt: String| {
+            out += pad;
+            out += &stmt;
+            out.push('\n');
+        };
+        if t.starts_with("const SUBGROUPS: bool =") {
+            emit(format!("const SUBGROUPS: bool = {};", sg.is_some()));
+        } else if let Some(stmt) = t.strip_prefix("//@row ") {
+            for r in 0..tm {
+                emit(stmt.replace("{r}", &r.to_string()));
+            }
+        } else if let Some(rest) = t.strip_prefix("//@uni ") {
+            let (name, expr) = rest.split_once(' ').expect("//@uni NAME EXPR");
+            match sg {
+                Some(sg) => {
+                    for i in 0..loads {
+                        let row = format!("({}u + lane)", i * sg);
+                        emit(format!("let {name}{i} = {};", expr.replace("{r}", &row)));
+                    }
+                }
+                None => {
+                    for r in 0..tm {
+                        let row = format!("{r}u");
+                        emit(format!("let {name}{r} = {};", expr.replace("{r}", &row)));
+                    }
                 }
             }
-            None => {
-                out += line;
-                out.push('\n');
+        } else if let Some(rest) = t.strip_prefix("//@get ") {
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let [name, var, load, off] = f[..] else {
+                panic!("//@get NAME VAR LOAD OFFSET");
+            };
+            match sg {
+                Some(sg) => {
+                    for i in 0..loads {
+                        emit(format!("let {var}_l{i} = f32({load}({name}{i} + {off}));"));
+                    }
+                    for r in 0..tm {
+                        emit(format!(
+                            "let {var}{r} = subgroupBroadcast({var}_l{}, {}u);",
+                            r / sg,
+                            r % sg
+                        ));
+                    }
+                }
+                None => {
+                    for r in 0..tm {
+                        emit(format!("let {var}{r} = f32({load}({name}{r} + {off}));"));
+                    }
+                }
             }
+        } else if t.starts_with("//@lane") {
+            if sg.is_some() {
+                emit("@builtin(subgroup_invocation_id) lane: u32,".into());
+            }
+        } else {
+            out += line;
+            out.push('\n');
         }
     }
     out
 }
 
-/// The WGSL of a conv2d shader for a `tm`-row tile, expanded.
-pub fn source(file: &ShaderFile, storage: &[Storage], tm: usize) -> String {
-    let body = specialize(file.body, &[("TM", tm as u32), ("TN", TN as u32)]);
-    assemble(&expand_rows(&body, tm), &file.with_storage(storage))
+/// The WGSL of a conv2d shader for a `tm`-row tile, expanded (see [`expand_rows`]).
+pub fn source(file: &ShaderFile, storage: &[Storage], tm: usize, sg: Option<usize>) -> String {
+    let body = specialize(
+        file.body,
+        &[("TM", tm as u32), ("TN", TN as u32), ("WG_X", WG_X as u32)],
+    );
+    assemble(&expand_rows(&body, tm, sg), &file.with_storage(storage))
+}
+
+/// The adapter's fixed subgroup size, where it has subgroups and it divides the workgroup.
+fn subgroups(dev: &Device) -> Option<usize> {
+    let sg = dev.info().subgroup_size? as usize;
+    WG_X.is_multiple_of(sg).then_some(sg)
 }
 
 /// The compiled kernel of a conv2d shader for a `tm`-row tile, cached on the device.
 fn kernel(file: &ShaderFile, dev: &Device, storage: &[Storage], tm: usize) -> Result<Arc<Kernel>> {
-    let mut key = format!("{}_rows{tm}_tn{TN}", file.name);
+    let sg = subgroups(dev);
+    let mut key = format!("{}_rows{tm}_tn{TN}_wg{}_sg{sg:?}", file.name, WG_X);
     for s in storage {
         key.push('_');
         key.push_str(s.tag());
     }
-    dev.kernel(&key, &[], false, || source(file, storage, tm))
+    dev.kernel(&key, &[], false, || source(file, storage, tm, sg))
 }
 
 /// y (n, oc, oh, ow) = conv2d(x, wt) + bias (oc, x's dtype, optional). y needs no f32 staging
