@@ -4,7 +4,8 @@
 //! Every kernel gathers its operand from the NCHW tensor itself: no column buffer exists.
 
 use super::{
-    assemble, reduce, specialize, Operand, ShaderFile, Storage, CONV2D_DW, CONV2D_DX, CONV2D_FWD,
+    assemble, matmul, reduce, specialize, Operand, ShaderFile, Storage, CONV2D_DW, CONV2D_DX,
+    CONV2D_FWD,
 };
 use crate::device::{Device, Kernel};
 use crate::Result;
@@ -112,6 +113,44 @@ fn tile_rows(rows: usize) -> usize {
         4.. => 4,
         _ => 1,
     }
+}
+
+/// The rows per invocation of one conv2d kernel (`which`: fwd, dx or dw) over a GEMM of
+/// `[rows, cols, k]` per group (rows: channels per group; cols: what the lanes span; k: the
+/// terms of each sum): through the autotuner ([`matmul::select_named`], one class per kernel,
+/// storage, subgroup size, stride and power-of-two buckets of the three sizes), whose
+/// candidates are 16, 8, 4 and 1 rows up to what a group fills and whose built-in choice is
+/// [`tile_rows`]. `run` dispatches the kernel with a candidate, on the real operands.
+fn choose_rows(
+    dev: &Device,
+    which: &str,
+    s: Storage,
+    geo: &Geometry,
+    [rows, cols, k]: [usize; 3],
+    run: impl Fn(usize) -> Result<()>,
+) -> Result<usize> {
+    let cands: Vec<usize> = [16, 8, 4, 1]
+        .into_iter()
+        .filter(|&t| t <= rows.max(1))
+        .collect();
+    let fallback = cands
+        .iter()
+        .position(|&t| t == tile_rows(rows))
+        .unwrap_or(0);
+    let b = |v: usize| v.next_power_of_two();
+    let class = format!(
+        "conv2d_{which} {s:?} sg{:?} s{}x{} rows{} cols{} k{}",
+        subgroups(dev),
+        geo.stride[0],
+        geo.stride[1],
+        b(rows),
+        b(cols),
+        b(k)
+    );
+    let names: Vec<String> = cands.iter().map(|t| format!("rows{t}")).collect();
+    let flops = 2 * geo.groups * rows * cols * k;
+    let i = matmul::select_named(dev, class, flops, &names, fallback, |i| run(cands[i]))?;
+    Ok(cands[i])
 }
 
 /// Expands the `//@` lines of a conv2d shader (already specialized) for a `tm`-row tile:
@@ -231,25 +270,25 @@ pub(crate) fn forward<T: Operand>(
     }
     let dev = x.device();
     let s = Storage::of(dev, x.dtype());
-    let tm = tile_rows(geo.ocg());
-    let m_blocks = geo.ocg().div_ceil(tm);
-    let k = kernel(
-        &CONV2D_FWD,
-        dev,
-        &[s, s, s, Storage::of(dev, y.dtype())],
-        tm,
-    )?;
+    let storage = [s, s, s, Storage::of(dev, y.dtype())];
     let b = bias.unwrap_or(wt);
-    dev.dispatch3(
-        &k,
-        &geo.params(m_blocks, bias.is_some(), 0, 0),
-        &[x.block(), wt.block(), b.block(), y.block()],
-        [
-            total.div_ceil(TN * WG_X) as u32,
-            (geo.groups * m_blocks) as u32,
-            1,
-        ],
-    )
+    let run = |tm: usize| {
+        let m_blocks = geo.ocg().div_ceil(tm);
+        let k = kernel(&CONV2D_FWD, dev, &storage, tm)?;
+        dev.dispatch3(
+            &k,
+            &geo.params(m_blocks, bias.is_some(), 0, 0),
+            &[x.block(), wt.block(), b.block(), y.block()],
+            [
+                total.div_ceil(TN * WG_X) as u32,
+                (geo.groups * m_blocks) as u32,
+                1,
+            ],
+        )
+    };
+    let kdim = geo.cg() * geo.kh * geo.kw;
+    let tm = choose_rows(dev, "fwd", s, geo, [geo.ocg(), total, kdim], run)?;
+    run(tm)
 }
 
 /// dx (n, c, h, w) = the gradient of conv2d's input from the output's gradient dy (n, oc, oh,
@@ -262,22 +301,28 @@ pub(crate) fn backward_dx<T: Operand>(dy: &T, wt: &T, geo: &Geometry, dx: &T) ->
     }
     let dev = dy.device();
     let s = Storage::of(dev, dy.dtype());
-    let tm = tile_rows(geo.cg());
-    let m_blocks = geo.cg().div_ceil(tm);
-    let k = kernel(&CONV2D_DX, dev, &[s, s, Storage::of(dev, dx.dtype())], tm)?;
+    let storage = [s, s, Storage::of(dev, dx.dtype())];
     // The largest phase, (0, 0), has ceil(h / sh) ceil(w / sw) positions per sample.
     let [sh, sw] = geo.stride;
     let phase = geo.n * geo.h.div_ceil(sh) * geo.w.div_ceil(sw);
-    dev.dispatch3(
-        &k,
-        &geo.params(m_blocks, false, 0, 0),
-        &[dy.block(), wt.block(), dx.block()],
-        [
-            phase.div_ceil(TN * WG_X) as u32,
-            (geo.groups * m_blocks) as u32,
-            (sh.min(geo.h) * sw.min(geo.w)) as u32,
-        ],
-    )
+    let run = |tm: usize| {
+        let m_blocks = geo.cg().div_ceil(tm);
+        let k = kernel(&CONV2D_DX, dev, &storage, tm)?;
+        dev.dispatch3(
+            &k,
+            &geo.params(m_blocks, false, 0, 0),
+            &[dy.block(), wt.block(), dx.block()],
+            [
+                phase.div_ceil(TN * WG_X) as u32,
+                (geo.groups * m_blocks) as u32,
+                (sh.min(geo.h) * sw.min(geo.w)) as u32,
+            ],
+        )
+    };
+    // Each position takes about ocg kh kw / (sh sw) terms.
+    let kdim = (geo.ocg() * geo.kh * geo.kw).div_ceil(sh * sw);
+    let tm = choose_rows(dev, "dx", s, geo, [geo.cg(), total, kdim], run)?;
+    run(tm)
 }
 
 /// Whether dx of dtype `dt` must be written to f32 first: packed f16 words are written whole
@@ -316,19 +361,23 @@ pub(crate) fn backward_dw<T: Operand>(
     let (chunk, chunks) = geo.dw_chunks();
     let part = partials.unwrap_or(dw);
     let s = Storage::of(dev, x.dtype());
-    let tm = tile_rows(geo.ocg());
-    let m_blocks = geo.ocg().div_ceil(tm);
-    let k = kernel(&CONV2D_DW, dev, &[s, s, Storage::F32], tm)?;
-    dev.dispatch3(
-        &k,
-        &geo.params(m_blocks, false, chunk, chunks),
-        &[dy.block(), x.block(), part.block()],
-        [
-            kdim.div_ceil(TN * WG_X) as u32,
-            (geo.groups * m_blocks) as u32,
-            chunks as u32,
-        ],
-    )?;
+    let run = |tm: usize| {
+        let m_blocks = geo.ocg().div_ceil(tm);
+        let k = kernel(&CONV2D_DW, dev, &[s, s, Storage::F32], tm)?;
+        dev.dispatch3(
+            &k,
+            &geo.params(m_blocks, false, chunk, chunks),
+            &[dy.block(), x.block(), part.block()],
+            [
+                kdim.div_ceil(TN * WG_X) as u32,
+                (geo.groups * m_blocks) as u32,
+                chunks as u32,
+            ],
+        )
+    };
+    let positions = geo.n * geo.oh * geo.ow;
+    let tm = choose_rows(dev, "dw", s, geo, [geo.ocg(), kdim, positions], run)?;
+    run(tm)?;
     if let Some(p) = partials {
         reduce::reduce(p, 1, chunks, geo.weight_numel(), 1.0, dw)?;
     }
