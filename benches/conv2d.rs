@@ -2,7 +2,10 @@
 //! the matmul of the same GEMM size (W (OC, C KH KW) times a column matrix (C KH KW, N OH OW),
 //! which im2col would have to build), with throughput in FLOPs; before measuring, each shape's
 //! peak bytes in use for one forward + backward are printed beside the im2col buffer's bytes.
-//! `cargo bench --bench conv2d`; `CONV_BENCH_N` sets the batch (default 32, the issue's).
+//! The backward is also measured split: the forward and the input's gradient (`_fwd_dx`), and
+//! the forward and the weight's gradient (`_fwd_dw`), each beside the matmul's forward and the
+//! same operand's gradient. `cargo bench --bench conv2d`; `CONV_BENCH_N` sets the batch
+//! (default 32, as the ResNet shapes are usually quoted).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use fitgrad::{Conv2dOptions, DType, Device, Tensor};
@@ -106,6 +109,56 @@ fn bench(c: &mut Criterion) {
                     dev.sync().unwrap();
                 })
             });
+            // The backward split: forward + the input's gradient only, forward + the weight's
+            // gradient only, each beside the matmul's forward + the matching operand's gradient
+            // (dX = W^T dY is B's gradient, dW = dY X^T is A's).
+            g.throughput(Throughput::Elements((4 * gm * gn * gk) as u64));
+            for (what, grad_x, grad_w) in [("dx", true, false), ("dw", false, true)] {
+                g.bench_function(BenchmarkId::new(format!("conv2d_fwd_{what}"), &id), |b| {
+                    b.iter(|| {
+                        let xg = if grad_x {
+                            x.clone().with_requires_grad()
+                        } else {
+                            x.clone()
+                        };
+                        let wg = if grad_w {
+                            w.clone().with_requires_grad()
+                        } else {
+                            w.clone()
+                        };
+                        let y = xg.conv2d(&wg, None, &opts).unwrap();
+                        y.to_dtype(DType::F32)
+                            .unwrap()
+                            .sum()
+                            .unwrap()
+                            .backward()
+                            .unwrap();
+                        dev.sync().unwrap();
+                    })
+                });
+                g.bench_function(BenchmarkId::new(format!("matmul_fwd_{what}"), &id), |b| {
+                    b.iter(|| {
+                        let a = if grad_w {
+                            wm.clone().with_requires_grad()
+                        } else {
+                            wm.clone()
+                        };
+                        let bm = if grad_x {
+                            cols.clone().with_requires_grad()
+                        } else {
+                            cols.clone()
+                        };
+                        let y = a.matmul(&bm).unwrap();
+                        y.to_dtype(DType::F32)
+                            .unwrap()
+                            .sum()
+                            .unwrap()
+                            .backward()
+                            .unwrap();
+                        dev.sync().unwrap();
+                    })
+                });
+            }
         }
     }
     g.finish();

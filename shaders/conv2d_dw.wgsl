@@ -7,22 +7,29 @@
 // include/conv2d_params.wgsl.
 //
 // An invocation computes TM output channels of one group times 4 consecutive kk; lanes span
-// kk, so the dy loads are the same address in every lane and only x is gathered per lane. The
-// four kk are vector components and the rows named variables, kept in registers.
+// kk, so the dy loads are the same address in every lane and only x is gathered per lane, each
+// gathered value feeding TM rows. The four kk are vector components and the rows named
+// variables, kept in registers: the `//@row` lines, expanded by src/kernels/conv2d.rs
+// (unexpanded the kernel computes nothing).
 
 const WG_X: u32 = 64u;
 const TM: u32 = 4u;
 const TN: u32 = 4u;
+// True where the `//@uni` rows are loaded one per lane and handed out with subgroupBroadcast
+// (src/kernels/conv2d.rs sets it); then no invocation returns early, since a broadcast needs
+// its whole subgroup, and lanes past the end compute clamped values they do not store.
+const SUBGROUPS: bool = false;
 
 @compute @workgroup_size(WG_X)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>,
+        //@lane
         @builtin(workgroup_id) wg: vec3<u32>) {
     let hw = p.h * p.w;
     let pq = p.oh * p.ow;
     let khw = p.kh * p.kw;
     let kdim = p.cg * khw;
     let k0 = gid.x * TN;
-    if (k0 >= kdim) {
+    if (k0 >= kdim && !SUBGROUPS) {
         return;
     }
     let g = wg.y / p.m_blocks;
@@ -36,17 +43,11 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
     let tapy = vec4<i32>((tap / p.kw) * p.dh) - i32(p.ph);
     let tapx = vec4<i32>((tap % p.kw) * p.dw) - i32(p.pw);
     let last = p.ocg - 1u;
-    let g0 = (g * p.ocg + min(m0, last)) * pq;
-    let g1 = (g * p.ocg + min(m0 + 1u, last)) * pq;
-    let g2 = (g * p.ocg + min(m0 + 2u, last)) * pq;
-    let g3 = (g * p.ocg + min(m0 + 3u, last)) * pq;
+    //@uni g (g * p.ocg + min(m0 + {r}, last)) * pq
     let total = p.n * pq;
     let start = chunk * p.chunk;
     let end = min(start + p.chunk, total);
-    var acc0 = vec4<f32>(0.0);
-    var acc1 = vec4<f32>(0.0);
-    var acc2 = vec4<f32>(0.0);
-    var acc3 = vec4<f32>(0.0);
+    //@row var acc{r} = vec4<f32>(0.0);
     let hi = vec4<i32>(i32(p.h));
     let wi = vec4<i32>(i32(p.w));
     let zero = vec4<i32>(0);
@@ -63,12 +64,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
         let e = xs + xoff + select(vec4<u32>(0u), vec4<u32>(iy) * p.w + vec4<u32>(ix), inside);
         let xv = select(vec4<f32>(0.0),
                         vec4<f32>(ld_x(e.x), ld_x(e.y), ld_x(e.z), ld_x(e.w)), inside);
-        acc0 = fma(vec4<f32>(ld_dy(gbase + g0)), xv, acc0);
-        if (TM > 1u) {
-            acc1 = fma(vec4<f32>(ld_dy(gbase + g1)), xv, acc1);
-            acc2 = fma(vec4<f32>(ld_dy(gbase + g2)), xv, acc2);
-            acc3 = fma(vec4<f32>(ld_dy(gbase + g3)), xv, acc3);
-        }
+        //@get g gv ld_dy gbase
+        //@row acc{r} = fma(vec4<f32>(gv{r}), xv, acc{r});
         ox += 1u;
         if (ox == p.ow) {
             ox = 0u;
@@ -79,12 +76,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
             }
         }
     }
-    store_row(m0, g, chunk, k0, kdim, acc0);
-    if (TM > 1u) {
-        store_row(m0 + 1u, g, chunk, k0, kdim, acc1);
-        store_row(m0 + 2u, g, chunk, k0, kdim, acc2);
-        store_row(m0 + 3u, g, chunk, k0, kdim, acc3);
-    }
+    //@row store_row(m0 + {r}u, g, chunk, k0, kdim, acc{r});
 }
 
 // Row m of the group's output channels at the four kk of this chunk's partial; rows past the
@@ -94,7 +86,9 @@ fn store_row(m: u32, g: u32, chunk: u32, k0: u32, kdim: u32, acc: vec4<f32>) {
         return;
     }
     let row = (chunk * p.oc + g * p.ocg + m) * kdim + k0;
-    st_part(row, acc.x);
+    if (k0 < kdim) {
+        st_part(row, acc.x);
+    }
     if (k0 + 1u < kdim) {
         st_part(row + 1u, acc.y);
     }

@@ -3,18 +3,30 @@
 // build; here each X value is gathered from x when it is needed, so no column buffer exists.
 // Parameters: include/conv2d_params.wgsl.
 //
-// An invocation computes a TM x 4 block: TM (4, or 1 for small groups) output channels of one
-// group times 4 consecutive output positions of the flattened (n, oh, ow) axis. The workgroup's
-// lanes span positions and share the channels, so every weight load is the same address in
-// every lane (one scalar load on a CPU adapter) and only the input is gathered per lane. The
-// four positions are the components of vectors and the TM rows are named variables, never
-// arrays indexed in loops: CPU compilers keep those in registers (an indexed array lands in
-// memory). Sums run ci, ky, kx in order in f32: bitwise the same every run. No barriers, so
-// lanes past the end return at once.
+// An invocation computes a TM x 4 block: TM (16, 8, 4, or 1 for small groups; the tile choice
+// in src/kernels/conv2d.rs) output channels of one group times 4 consecutive output positions
+// of the flattened (n, oh, ow) axis: each gathered input value feeds TM rows. The workgroup's
+// lanes span positions and share the channels, so the TM weights of a step are the same in
+// every lane and only the input is gathered per lane. A CPU adapter (lavapipe) loads a buffer
+// element per SIMD lane in a scalar loop inside loops, even at one address, so where the
+// adapter has subgroups lane l loads rows l, l + SG, ... and subgroupBroadcast hands each row's
+// weight to every lane (a register shuffle), as the subgroup matmul does with A. The four
+// positions are the components of vectors and the TM rows are named variables, never arrays
+// indexed in loops: CPU compilers keep those in registers (an indexed array lands in memory).
+// So the `//@` lines are expanded by src/kernels/conv2d.rs: `//@row` into one statement per
+// row with `{r}` its index, `//@uni NAME EXPR` into each row's base offset EXPR (with `{r}` the
+// row, or the lane's rows), `//@get NAME VAR LOAD OFFSET` into VAR{r} = LOAD(NAME{r} + OFFSET)
+// (or the lanes' loads and the broadcasts), `//@lane` into the lane id builtin; unexpanded,
+// the file is a valid kernel that computes nothing (the naga test validates both forms). Sums
+// run ky, kx, ci in order in f32: bitwise the same every run. No barriers.
 
 const WG_X: u32 = 64u;
 const TM: u32 = 4u;
 const TN: u32 = 4u;
+// True where the `//@uni` rows are loaded one per lane and handed out with subgroupBroadcast
+// (src/kernels/conv2d.rs sets it); then no invocation returns early, since a broadcast needs
+// its whole subgroup, and lanes past the end compute clamped values they do not store.
+const SUBGROUPS: bool = false;
 
 // The flattened position q's sample and offset in its plane, clamped into range (positions
 // past the end compute the last one's values and are not stored).
@@ -25,12 +37,13 @@ fn split_q(q: u32, total: u32, pq: u32) -> vec2<u32> {
 
 @compute @workgroup_size(WG_X)
 fn main(@builtin(global_invocation_id) gid: vec3<u32>,
+        //@lane
         @builtin(workgroup_id) wg: vec3<u32>) {
     let hw = p.h * p.w;
     let pq = p.oh * p.ow;
     let total = p.n * pq;
     let q0 = gid.x * TN;
-    if (q0 >= total) {
+    if (q0 >= total && !SUBGROUPS) {
         return;
     }
     let g = wg.y / p.m_blocks;
@@ -50,14 +63,8 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
     let kdim = p.cg * khw;
     // Rows past the group's channels repeat its last one and are not stored.
     let last = p.ocg - 1u;
-    let w0 = (g * p.ocg + min(m0, last)) * kdim;
-    let w1 = (g * p.ocg + min(m0 + 1u, last)) * kdim;
-    let w2 = (g * p.ocg + min(m0 + 2u, last)) * kdim;
-    let w3 = (g * p.ocg + min(m0 + 3u, last)) * kdim;
-    var acc0 = vec4<f32>(0.0);
-    var acc1 = vec4<f32>(0.0);
-    var acc2 = vec4<f32>(0.0);
-    var acc3 = vec4<f32>(0.0);
+    //@uni w (g * p.ocg + min(m0 + {r}, last)) * kdim
+    //@row var acc{r} = vec4<f32>(0.0);
     let hi = vec4<i32>(i32(p.h));
     let wi = vec4<i32>(i32(p.w));
     for (var ky = 0u; ky < p.kh; ky++) {
@@ -75,21 +82,12 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
                 let xv = select(vec4<f32>(0.0),
                                 vec4<f32>(ld_x(o.x), ld_x(o.y), ld_x(o.z), ld_x(o.w)), inside);
                 let k = ci * khw + tap;
-                acc0 = fma(vec4<f32>(ld_wt(w0 + k)), xv, acc0);
-                if (TM > 1u) {
-                    acc1 = fma(vec4<f32>(ld_wt(w1 + k)), xv, acc1);
-                    acc2 = fma(vec4<f32>(ld_wt(w2 + k)), xv, acc2);
-                    acc3 = fma(vec4<f32>(ld_wt(w3 + k)), xv, acc3);
-                }
+                //@get w wv ld_wt k
+                //@row acc{r} = fma(vec4<f32>(wv{r}), xv, acc{r});
             }
         }
     }
-    store_row(m0, g, q0, total, pq, on, oq, acc0);
-    if (TM > 1u) {
-        store_row(m0 + 1u, g, q0, total, pq, on, oq, acc1);
-        store_row(m0 + 2u, g, q0, total, pq, on, oq, acc2);
-        store_row(m0 + 3u, g, q0, total, pq, on, oq, acc3);
-    }
+    //@row store_row(m0 + {r}u, g, q0, total, pq, on, oq, acc{r});
 }
 
 // Row m of the group's output channels at the four positions, plus the bias; rows past the

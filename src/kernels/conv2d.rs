@@ -3,8 +3,13 @@
 //! fixed-range partial sums over the positions (shaders/conv2d_dw.wgsl, then the reduce kernel).
 //! Every kernel gathers its operand from the NCHW tensor itself: no column buffer exists.
 
-use super::{reduce, Operand, Storage, CONV2D_DW, CONV2D_DX, CONV2D_FWD};
+use super::{
+    assemble, matmul, reduce, specialize, Operand, ShaderFile, Storage, CONV2D_DW, CONV2D_DX,
+    CONV2D_FWD,
+};
+use crate::device::{Device, Kernel};
 use crate::Result;
+use std::sync::Arc;
 
 /// Invocations per workgroup, as in the shaders: lanes span positions (or weight columns).
 const WG_X: usize = 64;
@@ -98,18 +103,156 @@ impl Geometry {
     }
 }
 
-/// Rows per invocation for `rows` output channels (or input channels, for dx) per group: four
-/// where a group has that many, else one (depthwise), so few lanes compute rows they drop.
+/// Rows per invocation for `rows` output channels (or input channels, for dx) per group: the
+/// largest of 16, 8, 4 that a group fills, else one (depthwise), so few lanes compute rows they
+/// drop. Each gathered input value feeds this many rows.
 fn tile_rows(rows: usize) -> usize {
-    if rows >= 4 {
-        4
-    } else {
-        1
+    match rows {
+        16.. => 16,
+        8.. => 8,
+        4.. => 4,
+        _ => 1,
     }
 }
 
-fn consts(tm: usize) -> [(&'static str, u32); 2] {
-    [("TM", tm as u32), ("TN", TN as u32)]
+/// The rows per invocation of one conv2d kernel (`which`: fwd, dx or dw) over a GEMM of
+/// `[rows, cols, k]` per group (rows: channels per group; cols: what the lanes span; k: the
+/// terms of each sum): through the autotuner ([`matmul::select_named`], one class per kernel,
+/// storage, subgroup size, stride and power-of-two buckets of the three sizes), whose
+/// candidates are 16, 8, 4 and 1 rows up to what a group fills and whose built-in choice is
+/// [`tile_rows`]. `run` dispatches the kernel with a candidate, on the real operands.
+fn choose_rows(
+    dev: &Device,
+    which: &str,
+    s: Storage,
+    geo: &Geometry,
+    [rows, cols, k]: [usize; 3],
+    run: impl Fn(usize) -> Result<()>,
+) -> Result<usize> {
+    let cands: Vec<usize> = [16, 8, 4, 1]
+        .into_iter()
+        .filter(|&t| t <= rows.max(1))
+        .collect();
+    let fallback = cands
+        .iter()
+        .position(|&t| t == tile_rows(rows))
+        .unwrap_or(0);
+    let b = |v: usize| v.next_power_of_two();
+    let class = format!(
+        "conv2d_{which} {s:?} sg{:?} s{}x{} rows{} cols{} k{}",
+        subgroups(dev),
+        geo.stride[0],
+        geo.stride[1],
+        b(rows),
+        b(cols),
+        b(k)
+    );
+    let names: Vec<String> = cands.iter().map(|t| format!("rows{t}")).collect();
+    let flops = 2 * geo.groups * rows * cols * k;
+    let i = matmul::select_named(dev, class, flops, &names, fallback, |i| run(cands[i]))?;
+    Ok(cands[i])
+}
+
+/// Expands the `//@` lines of a conv2d shader (already specialized) for a `tm`-row tile:
+/// `//@row STMT` into STMT per row with `{r}` its index; `//@uni NAME EXPR` into the rows' base
+/// offsets (`{r}` in EXPR a u32 row); `//@get NAME VAR LOAD OFF` into `VAR{r}`, row r's value at
+/// `NAME{r} + OFF`; `//@lane` into the subgroup lane builtin. With `sg` (the adapter's fixed
+/// subgroup size) the uniform rows are loaded one per lane (lane l: rows l, l + sg, ...) and
+/// handed out with subgroupBroadcast; without, every lane loads each row itself. Accumulators
+/// and offsets are plain variables, which CPU compilers keep in registers.
+pub fn expand_rows(body: &str, tm: usize, sg: Option<usize>) -> String {
+    let mut out = String::with_capacity(body.len() + tm * 400);
+    let loads = sg.map_or(0, |sg| tm.div_ceil(sg));
+    for line in body.lines() {
+        let t = line.trim_start();
+        let pad = &line[..line.len() - t.len()];
+        let mut emit = |stmt: String| {
+            out += pad;
+            out += &stmt;
+            out.push('\n');
+        };
+        if t.starts_with("const SUBGROUPS: bool =") {
+            emit(format!("const SUBGROUPS: bool = {};", sg.is_some()));
+        } else if let Some(stmt) = t.strip_prefix("//@row ") {
+            for r in 0..tm {
+                emit(stmt.replace("{r}", &r.to_string()));
+            }
+        } else if let Some(rest) = t.strip_prefix("//@uni ") {
+            let (name, expr) = rest.split_once(' ').expect("//@uni NAME EXPR");
+            match sg {
+                Some(sg) => {
+                    for i in 0..loads {
+                        let row = format!("({}u + lane)", i * sg);
+                        emit(format!("let {name}{i} = {};", expr.replace("{r}", &row)));
+                    }
+                }
+                None => {
+                    for r in 0..tm {
+                        let row = format!("{r}u");
+                        emit(format!("let {name}{r} = {};", expr.replace("{r}", &row)));
+                    }
+                }
+            }
+        } else if let Some(rest) = t.strip_prefix("//@get ") {
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let [name, var, load, off] = f[..] else {
+                panic!("//@get NAME VAR LOAD OFFSET");
+            };
+            match sg {
+                Some(sg) => {
+                    for i in 0..loads {
+                        emit(format!("let {var}_l{i} = f32({load}({name}{i} + {off}));"));
+                    }
+                    for r in 0..tm {
+                        emit(format!(
+                            "let {var}{r} = subgroupBroadcast({var}_l{}, {}u);",
+                            r / sg,
+                            r % sg
+                        ));
+                    }
+                }
+                None => {
+                    for r in 0..tm {
+                        emit(format!("let {var}{r} = f32({load}({name}{r} + {off}));"));
+                    }
+                }
+            }
+        } else if t.starts_with("//@lane") {
+            if sg.is_some() {
+                emit("@builtin(subgroup_invocation_id) lane: u32,".into());
+            }
+        } else {
+            out += line;
+            out.push('\n');
+        }
+    }
+    out
+}
+
+/// The WGSL of a conv2d shader for a `tm`-row tile, expanded (see [`expand_rows`]).
+pub fn source(file: &ShaderFile, storage: &[Storage], tm: usize, sg: Option<usize>) -> String {
+    let body = specialize(
+        file.body,
+        &[("TM", tm as u32), ("TN", TN as u32), ("WG_X", WG_X as u32)],
+    );
+    assemble(&expand_rows(&body, tm, sg), &file.with_storage(storage))
+}
+
+/// The adapter's fixed subgroup size, where it has subgroups and it divides the workgroup.
+fn subgroups(dev: &Device) -> Option<usize> {
+    let sg = dev.info().subgroup_size? as usize;
+    WG_X.is_multiple_of(sg).then_some(sg)
+}
+
+/// The compiled kernel of a conv2d shader for a `tm`-row tile, cached on the device.
+fn kernel(file: &ShaderFile, dev: &Device, storage: &[Storage], tm: usize) -> Result<Arc<Kernel>> {
+    let sg = subgroups(dev);
+    let mut key = format!("{}_rows{tm}_tn{TN}_wg{}_sg{sg:?}", file.name, WG_X);
+    for s in storage {
+        key.push('_');
+        key.push_str(s.tag());
+    }
+    dev.kernel(&key, &[], false, || source(file, storage, tm, sg))
 }
 
 /// y (n, oc, oh, ow) = conv2d(x, wt) + bias (oc, x's dtype, optional). y needs no f32 staging
@@ -127,24 +270,30 @@ pub(crate) fn forward<T: Operand>(
     }
     let dev = x.device();
     let s = Storage::of(dev, x.dtype());
-    let tm = tile_rows(geo.ocg());
-    let m_blocks = geo.ocg().div_ceil(tm);
-    let k = CONV2D_FWD.kernel_with(dev, &[s, s, s, Storage::of(dev, y.dtype())], &consts(tm))?;
+    let storage = [s, s, s, Storage::of(dev, y.dtype())];
     let b = bias.unwrap_or(wt);
-    dev.dispatch3(
-        &k,
-        &geo.params(m_blocks, bias.is_some(), 0, 0),
-        &[x.block(), wt.block(), b.block(), y.block()],
-        [
-            total.div_ceil(TN * WG_X) as u32,
-            (geo.groups * m_blocks) as u32,
-            1,
-        ],
-    )
+    let run = |tm: usize| {
+        let m_blocks = geo.ocg().div_ceil(tm);
+        let k = kernel(&CONV2D_FWD, dev, &storage, tm)?;
+        dev.dispatch3(
+            &k,
+            &geo.params(m_blocks, bias.is_some(), 0, 0),
+            &[x.block(), wt.block(), b.block(), y.block()],
+            [
+                total.div_ceil(TN * WG_X) as u32,
+                (geo.groups * m_blocks) as u32,
+                1,
+            ],
+        )
+    };
+    let kdim = geo.cg() * geo.kh * geo.kw;
+    let tm = choose_rows(dev, "fwd", s, geo, [geo.ocg(), total, kdim], run)?;
+    run(tm)
 }
 
 /// dx (n, c, h, w) = the gradient of conv2d's input from the output's gradient dy (n, oc, oh,
-/// ow) and the weight, both in x's dtype. Like y, dx needs no f32 staging (plane h w).
+/// ow) and the weight, both in x's dtype, one stride phase per grid z. dx needs f32 staging
+/// where [`dx_needs_staging`] says so.
 pub(crate) fn backward_dx<T: Operand>(dy: &T, wt: &T, geo: &Geometry, dx: &T) -> Result<()> {
     let total = geo.n * geo.h * geo.w;
     if total == 0 || geo.c == 0 {
@@ -152,19 +301,35 @@ pub(crate) fn backward_dx<T: Operand>(dy: &T, wt: &T, geo: &Geometry, dx: &T) ->
     }
     let dev = dy.device();
     let s = Storage::of(dev, dy.dtype());
-    let tm = tile_rows(geo.cg());
-    let m_blocks = geo.cg().div_ceil(tm);
-    let k = CONV2D_DX.kernel_with(dev, &[s, s, Storage::of(dev, dx.dtype())], &consts(tm))?;
-    dev.dispatch3(
-        &k,
-        &geo.params(m_blocks, false, 0, 0),
-        &[dy.block(), wt.block(), dx.block()],
-        [
-            total.div_ceil(TN * WG_X) as u32,
-            (geo.groups * m_blocks) as u32,
-            1,
-        ],
-    )
+    let storage = [s, s, Storage::of(dev, dx.dtype())];
+    // The largest phase, (0, 0), has ceil(h / sh) ceil(w / sw) positions per sample.
+    let [sh, sw] = geo.stride;
+    let phase = geo.n * geo.h.div_ceil(sh) * geo.w.div_ceil(sw);
+    let run = |tm: usize| {
+        let m_blocks = geo.cg().div_ceil(tm);
+        let k = kernel(&CONV2D_DX, dev, &storage, tm)?;
+        dev.dispatch3(
+            &k,
+            &geo.params(m_blocks, false, 0, 0),
+            &[dy.block(), wt.block(), dx.block()],
+            [
+                phase.div_ceil(TN * WG_X) as u32,
+                (geo.groups * m_blocks) as u32,
+                (sh.min(geo.h) * sw.min(geo.w)) as u32,
+            ],
+        )
+    };
+    // Each position takes about ocg kh kw / (sh sw) terms.
+    let kdim = (geo.ocg() * geo.kh * geo.kw).div_ceil(sh * sw);
+    let tm = choose_rows(dev, "dx", s, geo, [geo.cg(), total, kdim], run)?;
+    run(tm)
+}
+
+/// Whether dx of dtype `dt` must be written to f32 first: packed f16 words are written whole
+/// only for unit stride and an even plane (a strided phase holds every other element).
+pub(crate) fn dx_needs_staging(dev: &Device, dt: crate::DType, geo: &Geometry) -> bool {
+    Storage::of(dev, dt) == Storage::F16Packed
+        && (!(geo.h * geo.w).is_multiple_of(2) || geo.stride != [1, 1])
 }
 
 /// The dims of the f32 partial sums [`backward_dw`] needs: (chunks, weight elements) with
@@ -196,19 +361,23 @@ pub(crate) fn backward_dw<T: Operand>(
     let (chunk, chunks) = geo.dw_chunks();
     let part = partials.unwrap_or(dw);
     let s = Storage::of(dev, x.dtype());
-    let tm = tile_rows(geo.ocg());
-    let m_blocks = geo.ocg().div_ceil(tm);
-    let k = CONV2D_DW.kernel_with(dev, &[s, s, Storage::F32], &consts(tm))?;
-    dev.dispatch3(
-        &k,
-        &geo.params(m_blocks, false, chunk, chunks),
-        &[dy.block(), x.block(), part.block()],
-        [
-            kdim.div_ceil(TN * WG_X) as u32,
-            (geo.groups * m_blocks) as u32,
-            chunks as u32,
-        ],
-    )?;
+    let run = |tm: usize| {
+        let m_blocks = geo.ocg().div_ceil(tm);
+        let k = kernel(&CONV2D_DW, dev, &[s, s, Storage::F32], tm)?;
+        dev.dispatch3(
+            &k,
+            &geo.params(m_blocks, false, chunk, chunks),
+            &[dy.block(), x.block(), part.block()],
+            [
+                kdim.div_ceil(TN * WG_X) as u32,
+                (geo.groups * m_blocks) as u32,
+                chunks as u32,
+            ],
+        )
+    };
+    let positions = geo.n * geo.oh * geo.ow;
+    let tm = choose_rows(dev, "dw", s, geo, [geo.ocg(), kdim, positions], run)?;
+    run(tm)?;
     if let Some(p) = partials {
         reduce::reduce(p, 1, chunks, geo.weight_numel(), 1.0, dw)?;
     }

@@ -222,7 +222,7 @@ impl Tensor {
                 let dev = x.device();
                 let dx = autograd::grad_if(need[0], || {
                     let dx = Tensor::uninit(dev, x.shape().clone(), dtype)?;
-                    let staged = needs_f32_staging(dev, dtype, geo.h * geo.w);
+                    let staged = conv2d::dx_needs_staging(dev, dtype, &geo);
                     staged_f32(&dx, staged, |dx| conv2d::backward_dx(g, &w, &geo, dx))?;
                     Ok(dx)
                 })?;

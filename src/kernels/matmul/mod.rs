@@ -25,7 +25,7 @@ mod tune;
 
 pub use codegen::expand_subgroup;
 pub use policy::{candidates, default_variant, supported};
-pub(crate) use tune::{env_settings, select};
+pub(crate) use tune::{env_settings, select, select_named};
 
 use super::{Operand, Storage};
 use crate::{DType, Device, Result};

@@ -15,7 +15,9 @@
 //! that cannot be written at `warn`.
 //!
 //! The tuner knows no tensors: the caller hands it a closure that runs a variant on the real
-//! operands, and the winners live in the device's extension slot of type [`TuneCache`].
+//! operands, and the winners live in the device's extension slot of type [`TuneCache`]. Other
+//! kernels with a tile to choose (conv2d's rows per invocation) tune through [`select_named`]:
+//! their classes share the file, each prefixed with its kernel's name.
 
 use super::{candidates, default_variant, Problem, Variant};
 use crate::kernels::Storage;
@@ -59,27 +61,13 @@ pub(crate) fn select(
     }
     let class = class_key(dev, pb, dtype);
     let path = cache_path(dev.info());
-    if let Some(v) = dev.with_ext(|c: &mut TuneCache| c.get(path.as_ref(), &class)) {
+    if let Some(v) = dev
+        .with_ext(|c: &mut TuneCache| c.get(path.as_ref(), &class))
+        .and_then(|v| Variant::parse(&v))
+    {
         return Ok(v);
     }
-    if dev.is_planning() {
-        // No timing while planning: a cached winner or the built-in choice.
-        return Ok(fallback);
-    }
-    let budget = budget_seconds(dev);
-    let spent = dev.with_ext(|c: &mut TuneCache| c.spent);
-    if spent >= budget {
-        // The budget is spent: the built-in choice, and the class is tuned in a later run.
-        dev.with_ext(|c: &mut TuneCache| {
-            if !c.budget_logged {
-                c.budget_logged = true;
-                log::info!(
-                    "matmul autotune: this run's tuning budget ({budget:.0} s, \
-                     FITGRAD_AUTOTUNE_BUDGET) is spent; further shape classes use the built-in \
-                     kernel choice now and are tuned in later runs"
-                );
-            }
-        });
+    if !may_tune(dev) {
         return Ok(fallback);
     }
     // A class is tuned whole once started (a cut-short result would be no better next run),
@@ -96,9 +84,76 @@ pub(crate) fn select(
     let took = start.elapsed().as_secs_f64();
     dev.with_ext(|c: &mut TuneCache| {
         c.spent += took;
-        c.put(path.as_ref(), class, best.1);
+        c.put(path.as_ref(), class, best.1.name());
     });
     Ok(best.1)
+}
+
+/// The autotuner for a kernel other than the matmul: `class` is its shape class (prefixed with
+/// the kernel's name, so classes of different kernels never meet), `names` its candidates as
+/// the cache file spells them, `fallback` the index of the built-in choice and `flops` the
+/// problem's size. Returns the index of the cached winner, of the fastest candidate timed now
+/// by `run` (which runs candidate i on the real operands into the real output), or the
+/// fallback (tuning off, a small problem, a planning device, the budget spent).
+pub(crate) fn select_named(
+    dev: &Device,
+    class: String,
+    flops: usize,
+    names: &[String],
+    fallback: usize,
+    mut run: impl FnMut(usize) -> Result<()>,
+) -> Result<usize> {
+    if names.len() < 2 || flops < TUNE_MIN_FLOPS || !enabled() {
+        return Ok(fallback);
+    }
+    let path = cache_path(dev.info());
+    let cached = dev.with_ext(|c: &mut TuneCache| c.get(path.as_ref(), &class));
+    if let Some(i) = cached.and_then(|v| names.iter().position(|n| *n == v)) {
+        return Ok(i);
+    }
+    if !may_tune(dev) {
+        return Ok(fallback);
+    }
+    let start = std::time::Instant::now();
+    let mut best = (f64::INFINITY, fallback);
+    for i in 0..names.len() {
+        if let Ok(t) = time_variant(dev, || run(i)) {
+            if t < best.0 {
+                best = (t, i);
+            }
+        }
+    }
+    let took = start.elapsed().as_secs_f64();
+    dev.with_ext(|c: &mut TuneCache| {
+        c.spent += took;
+        c.put(path.as_ref(), class, names[best.1].clone());
+    });
+    Ok(best.1)
+}
+
+/// Whether a class may be timed now: not while planning (a cached winner or the built-in
+/// choice then), and not once this run's budget is spent (logged once).
+fn may_tune(dev: &Device) -> bool {
+    if dev.is_planning() {
+        return false;
+    }
+    let budget = budget_seconds(dev);
+    let spent = dev.with_ext(|c: &mut TuneCache| c.spent);
+    if spent >= budget {
+        // The budget is spent: the built-in choice, and the class is tuned in a later run.
+        dev.with_ext(|c: &mut TuneCache| {
+            if !c.budget_logged {
+                c.budget_logged = true;
+                log::info!(
+                    "autotune: this run's tuning budget ({budget:.0} s, \
+                     FITGRAD_AUTOTUNE_BUDGET) is spent; further shape classes use the built-in \
+                     kernel choice now and are tuned in later runs"
+                );
+            }
+        });
+        return false;
+    }
+    true
 }
 
 /// Seconds of autotuning one device may spend per process before it stops starting new shape
@@ -149,8 +204,8 @@ pub fn time_variant(dev: &Device, mut run: impl FnMut() -> Result<()>) -> Result
 /// from the disk cache on first use.
 #[derive(Default)]
 struct TuneCache {
-    /// class -> winner; `None` until the disk file was read.
-    entries: Option<HashMap<String, Variant>>,
+    /// class -> the winner's name; `None` until the disk file was read.
+    entries: Option<HashMap<String, String>>,
     /// Seconds spent tuning on this device in this process.
     spent: f64,
     /// Whether the spent budget was reported.
@@ -242,7 +297,7 @@ fn cache_path(info: &crate::DeviceInfo) -> Option<PathBuf> {
 }
 
 impl TuneCache {
-    fn load(&mut self, path: Option<&PathBuf>) -> &mut HashMap<String, Variant> {
+    fn load(&mut self, path: Option<&PathBuf>) -> &mut HashMap<String, String> {
         self.entries.get_or_insert_with(|| {
             let text = path
                 .and_then(|p| std::fs::read_to_string(p).ok())
@@ -250,28 +305,25 @@ impl TuneCache {
             text.lines()
                 .filter_map(|l| {
                     let (k, v) = l.split_once('\t')?;
-                    Some((k.to_string(), Variant::parse(v)?))
+                    Some((k.to_string(), v.to_string()))
                 })
                 .collect()
         })
     }
 
     /// The winner of `class`, reading the file at `path` first if this cache has not yet.
-    pub fn get(&mut self, path: Option<&PathBuf>, class: &str) -> Option<Variant> {
-        self.load(path).get(class).copied()
+    pub fn get(&mut self, path: Option<&PathBuf>, class: &str) -> Option<String> {
+        self.load(path).get(class).cloned()
     }
 
     /// Records the winner of a class just tuned and rewrites the file. A cache that cannot be
     /// written only costs a re-tune next time, so a write error is logged, not returned.
-    pub fn put(&mut self, path: Option<&PathBuf>, class: String, v: Variant) {
-        log::info!("matmul autotune: shape class {class}: {} wins", v.name());
+    pub fn put(&mut self, path: Option<&PathBuf>, class: String, v: String) {
+        log::info!("autotune: shape class {class}: {v} wins");
         let map = self.load(path);
         map.insert(class, v);
         let Some(path) = path else { return };
-        let mut lines: Vec<String> = map
-            .iter()
-            .map(|(k, v)| format!("{k}\t{}", v.name()))
-            .collect();
+        let mut lines: Vec<String> = map.iter().map(|(k, v)| format!("{k}\t{v}")).collect();
         lines.sort();
         if let Err(e) = crate::fsutil::write_atomic(path, (lines.join("\n") + "\n").as_bytes()) {
             log::warn!(
