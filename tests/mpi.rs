@@ -489,7 +489,8 @@ impl Drop for Job {
     }
 }
 
-/// SIGKILL of rank 1 mid-run: the job ends with an error within 30 s, at every ZeRO stage.
+/// SIGKILL of rank 1 mid-run: the job ends with an error within 30 s and the log names the
+/// rank, at every ZeRO stage.
 #[test]
 fn a_killed_rank_stops_the_other_within_30_s() {
     let _one = one_job_at_a_time();
@@ -498,7 +499,9 @@ fn a_killed_rank_stops_the_other_within_30_s() {
         std::thread::sleep(Duration::from_secs(2));
         let killed = Instant::now();
         job.signal("-KILL", 1);
+        let before = job.log.len();
         let (status, log) = job.wait(STOP_WITHIN);
+        let after = job.log[before..].join("\n");
         let status = status.unwrap_or_else(|| {
             panic!(
                 "--zero {stage}: the job still ran {STOP_WITHIN:?} after rank 1 was killed:\n{log}"
@@ -507,6 +510,11 @@ fn a_killed_rank_stops_the_other_within_30_s() {
         assert!(
             !status.success(),
             "--zero {stage}: the job must fail:\n{log}"
+        );
+        // Said after the kill (the start-up lines name every rank too).
+        assert!(
+            after.contains("rank 1"),
+            "--zero {stage}: the log names the killed rank after the kill:\n{log}"
         );
         eprintln!(
             "--zero {stage}: the job ended {:?} after the kill ({status}):\n{log}",
