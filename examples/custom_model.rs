@@ -480,15 +480,22 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
     // The model is built inside the budget logic: a budget too small for the model itself
     // gets the smallest budget that works, as one too small for a step does.
     let build = || {
-        let model = ResMlp::new(
-            &device,
-            train.dim,
-            args.width,
-            args.blocks,
-            train.classes,
-            args.dropout as f32,
-            args.seed,
-        )?;
+        let make = || {
+            ResMlp::new(
+                &device,
+                train.dim,
+                args.width,
+                args.blocks,
+                train.classes,
+                args.dropout as f32,
+                args.seed,
+            )
+        };
+        // Streamed: each block goes to host memory as it is made, never all on the device.
+        let model = match offload.1 {
+            true => fitgrad::residency::born_on_host(&device, make)?,
+            false => make()?,
+        };
         let adamw = AdamW::new(model.parameters(), lr)?;
         let optimizer: Box<dyn Optimizer> = if args.optimizer == "adamw8bit" {
             Box::new(adamw.eight_bit())

@@ -490,7 +490,12 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
     (config.offload_optimizer, config.offload_parameters) = setup.offload;
     config.clip_grad_norm = (args.clip_grad_norm > 0.0).then_some(args.clip_grad_norm);
     let build = || {
-        let model = Gpt::new(device, setup.cfg.clone())?;
+        let make = || Gpt::new(device, setup.cfg.clone());
+        // Streamed: each block goes to host memory as it is made, never all on the device.
+        let model = match setup.offload.1 {
+            true => fitgrad::residency::born_on_host(device, make)?,
+            false => make()?,
+        };
         // No weight decay on biases, LayerNorms and embeddings' rank-1 parameters.
         let groups = decay_groups(model.named_parameters(), 0.1);
         let mut optimizer = AdamW::with_groups(groups, args.lr)?.betas(0.9, 0.95)?;

@@ -315,8 +315,8 @@ fn streamed_checkpoints_resume_exactly() {
 /// Fit auto's ladder past mixed precision: with a budget no on-device strategy meets, a
 /// 4-block GPT without clipping ends on streamed parameters. A budget of 1 byte names the
 /// smallest budget with every strategy on; given exactly that budget, fit auto picks streamed
-/// parameters, prints each candidate's device peak, host bytes and bytes moved, and a step
-/// run under it stays within it with the planned peak.
+/// parameters, prints each candidate's device peak, host bytes and bytes moved, makes the
+/// model again in host memory, and a step run under it stays within it with the planned peak.
 #[test]
 fn fit_auto_ends_on_streamed_parameters() {
     let data = data();
@@ -336,8 +336,22 @@ fn fit_auto_ends_on_streamed_parameters() {
     let Some(dev) = fresh_device(Default::default()) else {
         return;
     };
-    let mut t = gpt_trainer_wide(&dev);
-    let choice = t.fit_auto(&data, minimum).unwrap();
+    // The model fits whole under the budget, the step only streamed: the ladder plans it
+    // whole, then it is made again in host memory.
+    dev.set_memory_budget(Some(minimum)).unwrap();
+    let (mut t, choice) =
+        Trainer::build_fit_auto(&dev, &data, || Ok(gpt_trainer_wide(&dev))).unwrap();
+    let whole: u64 = t
+        .model
+        .parameters()
+        .iter()
+        .map(|p| p.allocated_bytes())
+        .sum();
+    let made = dev.memory_stats().peak_bytes_in_use;
+    assert!(
+        made < whole,
+        "{made} in use since it was made again; {whole} whole"
+    );
     let shown = choice.to_string();
     note(&format!("smallest budget {minimum}:\n{shown}"));
     assert_eq!(choice.residence, Residence::StreamedParameters, "{shown}");
@@ -352,7 +366,6 @@ fn fit_auto_ends_on_streamed_parameters() {
         last.fits && last.host_bytes > 0 && last.bytes_moved > 0,
         "{last:?}"
     );
-    dev.set_memory_budget(Some(minimum)).unwrap();
     dev.reset_peak();
     run(&mut t, &data, 0, 2);
     dev.sync().unwrap();
@@ -360,6 +373,91 @@ fn fit_auto_ends_on_streamed_parameters() {
     assert!(stats.peak_bytes_reserved <= minimum, "{stats:?}");
     assert_eq!(
         stats.peak_bytes_in_use, last.planned_peak,
+        "planned vs measured device peak"
+    );
+}
+
+/// A 10-block GPT of width 128 (7.9 MB of parameters, nearly all in its blocks).
+fn deep_gpt(dev: &Device) -> fitgrad::Result<Trainer<Gpt>> {
+    let mut cfg = GptConfig::new(23, 16, 10, 4, 128);
+    cfg.seed = 9;
+    let model = Gpt::new(dev, cfg)?;
+    let opt = Box::new(AdamW::new(model.parameters(), 3e-3)?);
+    Trainer::new(model, opt, TrainerConfig::default().batch_size(8).lr(3e-3))
+}
+
+/// A model made inside `born_on_host` is never whole on the device: while it is made the device
+/// holds the parameters in no unit and one block at most. Given to a trainer it streams, and it
+/// trains to the same losses and weights, bit for bit, as the same model made whole and then
+/// streamed.
+#[test]
+fn a_model_made_in_host_memory_is_never_whole_on_the_device() {
+    let data = data();
+    let trained = |on_host: bool| {
+        let dev = fresh_device(Default::default())?;
+        dev.reset_peak();
+        let build = || gpt_trainer_of(&dev, Mode::Streamed, 3, false, 4, None);
+        let mut t = match on_host {
+            true => fitgrad::residency::born_on_host(&dev, || Ok(build())).unwrap(),
+            false => build(),
+        };
+        let made_peak = dev.memory_stats().peak_bytes_in_use;
+        assert!(t.streams_parameters());
+        let losses = run(&mut t, &data, 0, 3);
+        Some((made_peak, losses, param_values(&t.model), t))
+    };
+    let Some((whole_peak, la, wa, _)) = trained(false) else {
+        return;
+    };
+    let Some((made_peak, lb, wb, t)) = trained(true) else {
+        return;
+    };
+    assert_eq!(la, lb, "losses");
+    assert_eq!(wa, wb, "weights");
+    let held = |ps: &[fitgrad::Tensor]| ps.iter().map(|p| p.allocated_bytes()).sum::<u64>();
+    let units = t.model.units();
+    let in_units: Vec<fitgrad::Tensor> = units.iter().flat_map(|(_, p)| p.clone()).collect();
+    let outside = held(&t.model.parameters()) - held(&in_units);
+    let largest = units.iter().map(|(_, p)| held(p)).max().unwrap();
+    note(&format!(
+        "peak while made: {made_peak} in host memory, {whole_peak} whole"
+    ));
+    assert!(
+        made_peak <= outside + largest,
+        "{made_peak} > {outside} + {largest}"
+    );
+    assert!(whole_peak >= held(&t.model.parameters()), "{whole_peak}");
+}
+
+/// Fit auto with a model whose f32 parameters (7.9 MB) pass the budget (6 MiB): the model is
+/// made in host memory from the start, streamed, and its steps stay within the budget, at the
+/// planned peak.
+#[test]
+fn fit_auto_makes_a_model_over_the_budget_in_host_memory() {
+    let data = data();
+    let Some(dev) = fresh_device(Default::default()) else {
+        return;
+    };
+    let budget = 6 << 20;
+    dev.set_memory_budget(Some(budget)).unwrap();
+    let (mut t, choice) = Trainer::build_fit_auto(&dev, &data, || deep_gpt(&dev)).unwrap();
+    let whole: u64 = t
+        .model
+        .parameters()
+        .iter()
+        .map(|p| p.numel() as u64 * 4)
+        .sum();
+    assert!(whole > budget, "{whole}");
+    assert_eq!(choice.residence, Residence::StreamedParameters, "{choice}");
+    let planned = choice.candidates.iter().rev().find(|c| c.fits).unwrap();
+    assert!(dev.memory_stats().peak_bytes_reserved <= budget);
+    dev.reset_peak();
+    run(&mut t, &data, 0, 2);
+    dev.sync().unwrap();
+    let stats = dev.memory_stats();
+    assert!(stats.peak_bytes_reserved <= budget, "{stats:?}");
+    assert_eq!(
+        stats.peak_bytes_in_use, planned.planned_peak,
         "planned vs measured device peak"
     );
 }

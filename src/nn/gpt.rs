@@ -249,12 +249,15 @@ impl Gpt {
                 proj: linear(4 * c, c, resid_std, seed())?,
                 drop: Dropout::new(cfg.dropout, seed())?,
             };
-            blocks.push(Arc::new(GptBlock {
+            let block = Arc::new(GptBlock {
                 ln1: norm()?,
                 attn,
                 ln2: norm()?,
                 mlp,
-            }));
+            });
+            // Inside residency::born_on_host each block goes to host memory once made.
+            crate::residency::born(&block.parameters());
+            blocks.push(block);
         }
         Ok(Gpt {
             wte,

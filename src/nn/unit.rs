@@ -25,8 +25,13 @@ pub struct Unit<M> {
 }
 
 impl<M> Unit<M> {
-    /// Marks `module` as one unit.
-    pub fn new(module: M) -> Unit<M> {
+    /// Marks `module` as one unit (inside [`born_on_host`](crate::residency::born_on_host)
+    /// its parameters go to host memory now).
+    pub fn new(module: M) -> Unit<M>
+    where
+        M: Module,
+    {
+        crate::residency::born(&module.parameters());
         Unit {
             inner: Arc::new(module),
         }

@@ -16,6 +16,9 @@
 //!   unit's weights and the backward fetches each unit again for its recomputation;
 //! - [`finish`] ends a step: every unit's gradients go to the host and no unit stays.
 //!
+//! A model built inside [`born_on_host`] has its units in host memory from the start (never
+//! whole on the device); streaming numbers them when it starts.
+//!
 //! Where a unit's data comes from is a [`UnitSource`]: host memory here ([`HostSource`]); a
 //! sharded source (ZeRO stage 3) would gather it from the ranks instead.
 //!
@@ -26,6 +29,9 @@
 use crate::memory::Category;
 use crate::{Device, Error, Result, Tensor};
 use std::sync::{Arc, Mutex, MutexGuard};
+
+mod birth;
+pub use birth::{born, born_on_host, made_on_host};
 
 /// Units on the device at once: the one computing and the next one's upload.
 pub const MAX_RESIDENT: usize = 2;

@@ -19,7 +19,7 @@ mod random;
 mod rope;
 mod select;
 mod softmax;
-mod streamed;
+pub(crate) mod streamed;
 
 pub use crate::dtype::{DType, Element};
 pub use crate::kernels::matmul::Variant as MatmulVariant;

@@ -11,7 +11,7 @@
 use super::{Allocation, Tensor};
 use crate::memory::{Block, Redirect};
 use crate::{DType, Error, Result};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Stand-in blocks are told apart by offset in a segment no arena has.
@@ -33,9 +33,13 @@ pub(crate) struct Streamed {
     pub block: Block,
     redirect: Arc<Redirect>,
     host: Mutex<HostSide>,
-    /// The residency layer's number for the unit this tensor belongs to.
-    pub unit: usize,
+    /// The residency layer's number for the unit this tensor belongs to ([`UNASSIGNED`] for a
+    /// parameter made in host memory before streaming starts).
+    unit: AtomicUsize,
 }
+
+/// The unit number of a streamed tensor that no streaming has numbered yet.
+pub(crate) const UNASSIGNED: usize = usize::MAX;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -66,17 +70,22 @@ impl Tensor {
         self.streamed().is_some()
     }
 
-    /// The residency layer's unit number of a streamed tensor.
+    /// The residency layer's unit number of a streamed tensor ([`UNASSIGNED`] before
+    /// streaming numbers it).
     pub(crate) fn stream_unit(&self) -> Option<usize> {
-        self.streamed().map(|s| s.unit)
+        self.streamed().map(|s| s.unit.load(Ordering::Relaxed))
     }
 
     /// Moves this tensor's home to host memory, as part of unit `unit`: its values are read
     /// back, its device block is freed, and from now on it is on the device only between
     /// [`Tensor::stream_in`] and [`Tensor::stream_out`]. f32 only (the host copy is the f32
     /// truth an offloaded optimizer updates). Not while planning.
+    /// A tensor already in host memory under [`UNASSIGNED`] takes `unit` as its number.
     pub(crate) fn stream_to_host(&self, unit: usize) -> Result<()> {
-        if self.is_streamed() {
+        if let Some(s) = self.streamed() {
+            let _ = s
+                .unit
+                .compare_exchange(UNASSIGNED, unit, Ordering::Relaxed, Ordering::Relaxed);
             return Ok(());
         }
         if self.dtype != DType::F32 {
@@ -103,7 +112,7 @@ impl Tensor {
             block,
             redirect,
             host: Mutex::new(HostSide { values, grad: None }),
-            unit,
+            unit: AtomicUsize::new(unit),
         };
         if self.alloc.streamed.set(s).is_err() {
             return Ok(()); // another clone got there first

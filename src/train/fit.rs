@@ -476,14 +476,20 @@ impl<M: Module> Trainer<M> {
 
     /// Builds the trainer with `build` on `device` and runs [`Trainer::fit_auto`] under the
     /// device's budget ([`Error::InvalidArgument`] when it has none): what
-    /// [`Trainer::build_within_budget`] is for a micro-batch alone. The model is built with the
-    /// budget lifted, so a model over the budget is one more configuration that does not fit and
-    /// the error names the smallest budget for the model and a step together; the budget is set
-    /// again before returning, error or not.
+    /// [`Trainer::build_within_budget`] is for a micro-batch alone.
+    ///
+    /// The model is first made whole on the device, under the budget. When the ladder picks
+    /// streamed parameters, it is made again inside
+    /// [`born_on_host`](crate::residency::born_on_host), so the run never holds it whole;
+    /// when its parameters alone pass the budget, it is made that way from the start (a model
+    /// with units). When nothing fits, the model is made with the budget lifted, so a model
+    /// over the budget is one more configuration that does not fit and the error names the
+    /// smallest budget for the model and a step together. The budget is set again before
+    /// returning, error or not.
     pub fn build_fit_auto<D>(
         device: &crate::Device,
         data: &D,
-        build: impl FnOnce() -> Result<Trainer<M>>,
+        build: impl Fn() -> Result<Trainer<M>>,
     ) -> Result<(Trainer<M>, FitChoice)>
     where
         D: BatchSource,
@@ -495,17 +501,54 @@ impl<M: Module> Trainer<M> {
                 reason: "fit auto needs a memory budget to fit (set one on the device)".into(),
             });
         };
-        device.set_memory_budget(None)?;
-        let built = build().and_then(|mut t| {
-            let choice = t.fit_auto(data, budget)?;
-            Ok((t, choice))
-        });
-        if built.is_err() {
-            // The failed trainer is dropped: give its segments back before the budget returns.
-            device.empty_cache();
+        // The ladder plans against `budget` itself; the device's own is lifted while it runs.
+        let fit = |mut t: Trainer<M>| -> Result<(Trainer<M>, FitChoice)> {
+            device.set_memory_budget(None)?;
+            let choice = t.fit_auto(data, budget);
+            device.set_memory_budget(Some(budget))?;
+            Ok((t, choice?))
+        };
+        let born = || crate::residency::born_on_host(device, &build);
+        let made = match build() {
+            Ok(t) => Ok((t, false)),
+            // The parameters alone pass the budget: only streaming can hold them.
+            Err(Error::OutOfMemory { .. }) => {
+                device.empty_cache();
+                match born() {
+                    Ok(t) => Ok((t, true)),
+                    // Not even so: made (in host memory where it can be) with the budget
+                    // lifted, so the ladder's error says how far off the budget is.
+                    Err(_) => {
+                        device.empty_cache();
+                        device.set_memory_budget(None)?;
+                        let t = born();
+                        device.set_memory_budget(Some(budget))?;
+                        t.map(|t| (t, true))
+                    }
+                }
+            }
+            Err(e) => Err(e),
+        };
+        let fitted = made.and_then(|(t, made_born)| Ok((fit(t)?, made_born)));
+        let ((t, choice), made_born) = match fitted {
+            Ok(f) => f,
+            Err(e) => {
+                // The failed trainer is dropped: give its segments back.
+                device.empty_cache();
+                return Err(e);
+            }
+        };
+        if choice.residence != Residence::StreamedParameters || made_born {
+            return Ok((t, choice));
         }
-        device.set_memory_budget(Some(budget))?;
-        built
+        // Streamed from a model made whole: made again in host memory, with the same choice.
+        drop(t);
+        device.empty_cache();
+        device.reset_peak();
+        let mut t = born()?;
+        t.use_strategy(choice.checkpointing, choice.precision);
+        t.set_micro_batch(choice.micro_batch)?;
+        Ok((t, choice))
     }
 
     /// Sets the model's checkpointing and the trainer's precision (F32 and Mixed only differ in

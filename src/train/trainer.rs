@@ -200,7 +200,14 @@ pub struct Trainer<M> {
 impl<M: Module> Trainer<M> {
     /// A trainer for `model`, whose parameters `optimizer` updates. The parameters' dtype must
     /// be the precision's (f16 for [`Precision::F16`], else f32).
-    pub fn new(model: M, mut optimizer: Box<dyn Optimizer>, config: TrainerConfig) -> Result<Self> {
+    ///
+    /// A model made inside [`born_on_host`](crate::residency::born_on_host) (its units in host
+    /// memory) is streamed: `offload_parameters` (and so `offload_optimizer`) is turned on.
+    pub fn new(
+        model: M,
+        mut optimizer: Box<dyn Optimizer>,
+        mut config: TrainerConfig,
+    ) -> Result<Self> {
         let invalid = |reason: String| {
             Err(Error::InvalidArgument {
                 op: "Trainer::new",
@@ -229,6 +236,10 @@ impl<M: Module> Trainer<M> {
             return invalid("the model has no parameters".into());
         };
         let device = first.device().clone();
+        if crate::residency::made_on_host(&params) {
+            config.offload_parameters = true;
+            config.offload_optimizer = true;
+        }
         let want = config.precision.param_dtype();
         if let Some(p) = params.iter().find(|p| p.dtype() != want) {
             return Err(Error::DType {
