@@ -430,8 +430,8 @@ fn a_model_made_in_host_memory_is_never_whole_on_the_device() {
 }
 
 /// Fit auto with a model whose f32 parameters (7.9 MB) pass the budget (6 MiB): the model is
-/// made in host memory from the start, streamed, and its steps stay within the budget, at the
-/// planned peak.
+/// made in host memory, streamed, and from its making on the device stays within the budget,
+/// at the planned peak.
 #[test]
 fn fit_auto_makes_a_model_over_the_budget_in_host_memory() {
     let data = data();
@@ -450,8 +450,7 @@ fn fit_auto_makes_a_model_over_the_budget_in_host_memory() {
     assert!(whole > budget, "{whole}");
     assert_eq!(choice.residence, Residence::StreamedParameters, "{choice}");
     let planned = choice.candidates.iter().rev().find(|c| c.fits).unwrap();
-    assert!(dev.memory_stats().peak_bytes_reserved <= budget);
-    dev.reset_peak();
+    // Peaks from the trainer's making on (the attempt to make it whole is gone).
     run(&mut t, &data, 0, 2);
     dev.sync().unwrap();
     let stats = dev.memory_stats();

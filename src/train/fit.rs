@@ -485,7 +485,8 @@ impl<M: Module> Trainer<M> {
     /// with units). When nothing fits, the model is made with the budget lifted, so a model
     /// over the budget is one more configuration that does not fit and the error names the
     /// smallest budget for the model and a step together. The budget is set again before
-    /// returning, error or not.
+    /// returning, error or not. A model made again starts the device's peaks afresh: what an
+    /// attempt held (within the budget) is gone.
     pub fn build_fit_auto<D>(
         device: &crate::Device,
         data: &D,
@@ -513,7 +514,9 @@ impl<M: Module> Trainer<M> {
             Ok(t) => Ok((t, false)),
             // The parameters alone pass the budget: only streaming can hold them.
             Err(Error::OutOfMemory { .. }) => {
+                // Nothing of the attempt stays, and its peak is not the run's.
                 device.empty_cache();
+                device.reset_peak();
                 match born() {
                     Ok(t) => Ok((t, true)),
                     // Not even so: made (in host memory where it can be) with the budget
