@@ -45,11 +45,6 @@ pub fn run_config(args: &Args) -> Result<ConfigReport> {
             "--config builds a model with random weights: add --plan, or --steps N".into(),
         ));
     }
-    if args.checkpoint_activations && matches!(model, ModelConfig::Llama(_)) {
-        return Err(invalid(
-            "--checkpoint-activations: a Llama's blocks are not checkpointed (yet)".into(),
-        ));
-    }
     let lora = config_lora(args, &model)?;
     // Windows enough for one effective batch, of seeded random ids.
     let windows = args.batch_size * args.accum_steps;

@@ -189,11 +189,6 @@ pub fn prepare(args: &Args) -> Result<Setup> {
         });
     }
     let folder = Folder::open(args.model_dir(), precision.param_dtype())?;
-    if args.checkpoint_activations && matches!(folder, Folder::Llama(_)) {
-        return Err(invalid(
-            "--checkpoint-activations: a Llama's blocks are not checkpointed (yet)".into(),
-        ));
-    }
     let lora = prepare_lora(args, &folder, precision)?;
     let tokenizer = folder.tokenizer()?;
     let (n_positions, field) = folder.positions();

@@ -10,6 +10,7 @@ use super::{Embedding, Linear, Module};
 use crate::tensor::{Rng, Rope};
 use crate::{Activation, AttentionKind, DType, Device, Error, MatmulOptions, Result, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 /// The init of a model built from a configuration alone: N(0, 0.02), as transformers'
 /// `initializer_range` default.
@@ -285,11 +286,51 @@ impl LlamaBlock {
         let a = self
             .self_attn
             .forward_in(&self.input_layernorm.forward(x)?, rope, kv, dtype)?;
-        let h = x.add(&a)?;
+        self.mlp_half(&x.add(&a)?, dtype)
+    }
+
+    /// The first residual half: x + attention(norm(x)), no cache.
+    fn attention_half(&self, x: &Tensor, rope: &Rope, dtype: DType) -> Result<Tensor> {
+        let a = self
+            .self_attn
+            .forward_in(&self.input_layernorm.forward(x)?, rope, None, dtype)?;
+        x.add(&a)
+    }
+
+    /// The second residual half: h + mlp(norm(h)).
+    fn mlp_half(&self, h: &Tensor, dtype: DType) -> Result<Tensor> {
         let m = self
             .mlp
-            .forward_in(&self.post_attention_layernorm.forward(&h)?, dtype)?;
+            .forward_in(&self.post_attention_layernorm.forward(h)?, dtype)?;
         h.add(&m)
+    }
+
+    /// The parameters of each half, the inputs of its checkpointed segment.
+    fn half_parameters(&self) -> [Vec<Tensor>; 2] {
+        let mut attn = self.input_layernorm.parameters();
+        attn.extend(self.self_attn.parameters());
+        let mut mlp = self.post_attention_layernorm.parameters();
+        mlp.extend(self.mlp.parameters());
+        [attn, mlp]
+    }
+
+    /// x -> the block's output with each half under
+    /// [`checkpoint`](crate::tensor::autograd::checkpoint): only each half's input is kept,
+    /// and backward reruns one half at a time (inside the unit's residency, when streamed).
+    fn checkpointed(self: &Arc<Self>, x: &Tensor, rope: &Rope, dtype: DType) -> Result<Tensor> {
+        use crate::tensor::autograd::checkpoint;
+        let unit = self.input_layernorm.weight.clone();
+        let [attn_params, mlp_params] = self.half_parameters();
+        let refs: Vec<&Tensor> = attn_params.iter().collect();
+        let (b, u, r) = (self.clone(), unit.clone(), rope.clone());
+        let h = checkpoint(&[x], &refs, move |xs| {
+            crate::residency::within(&u, || b.attention_half(&xs[0], &r, dtype))
+        })?;
+        let refs: Vec<&Tensor> = mlp_params.iter().collect();
+        let b = self.clone();
+        checkpoint(&[&h], &refs, move |xs| {
+            crate::residency::within(&unit, || b.mlp_half(&xs[0], dtype))
+        })
     }
 }
 
@@ -347,12 +388,14 @@ crate::module! {
 /// `lm_head.weight`; every Linear weight is (out, in) as torch stores it.
 pub struct Llama {
     embed_tokens: Embedding,
-    layers: Vec<LlamaBlock>,
+    /// Shared with the closures of checkpointed segments, which recompute a block in backward.
+    layers: Vec<Arc<LlamaBlock>>,
     norm: RmsNorm,
     /// None when tied to the embedding.
     lm_head: Option<Linear>,
     cfg: LlamaConfig,
     training: AtomicBool,
+    checkpoint_blocks: AtomicBool,
 }
 
 impl Llama {
@@ -414,12 +457,15 @@ impl Llama {
                 up_proj: linear(c, cfg.intermediate, mb)?,
                 down_proj: linear(cfg.intermediate, c, mb)?,
             };
-            layers.push(LlamaBlock {
+            let block = Arc::new(LlamaBlock {
                 input_layernorm: norm()?,
                 self_attn,
                 post_attention_layernorm: norm()?,
                 mlp,
             });
+            // Inside residency::born_on_host each block goes to host memory once made.
+            crate::residency::born(&block.parameters());
+            layers.push(block);
         }
         let lm_head = if cfg.tie_embeddings {
             None
@@ -432,8 +478,20 @@ impl Llama {
             norm: norm()?,
             lm_head,
             training: AtomicBool::new(true),
+            checkpoint_blocks: AtomicBool::new(false),
             cfg,
         })
+    }
+
+    /// Whether each block runs under gradient checkpointing (two segments, one per residual
+    /// half, as [`Gpt`](super::Gpt)'s).
+    pub fn checkpoint_blocks(&self) -> bool {
+        self.checkpoint_blocks.load(Ordering::Relaxed)
+    }
+
+    /// Turns block checkpointing on or off for the next forwards.
+    pub fn set_checkpoint_blocks(&self, on: bool) {
+        self.checkpoint_blocks.store(on, Ordering::Relaxed);
     }
 
     /// The configuration.
@@ -515,8 +573,21 @@ impl Llama {
         let mut x = cast(&self.embed_tokens.forward_ids(ids, &[batch, t])?, dtype)?;
         match cache {
             None => {
+                // Streamed blocks train checkpointed: the forward keeps no reference to a
+                // block's weights, which leave the device after it (src/residency/).
+                let streamed = self
+                    .layers
+                    .first()
+                    .is_some_and(|b| b.input_layernorm.weight.is_streamed());
+                let checkpointed =
+                    self.checkpoint_blocks() || (streamed && crate::is_grad_enabled());
                 for block in &self.layers {
-                    x = block.forward_in(&x, &rope, None, dtype)?;
+                    x = if checkpointed {
+                        block.checkpointed(&x, &rope, dtype)?
+                    } else {
+                        let unit = &block.input_layernorm.weight;
+                        crate::residency::within(unit, || block.forward_in(&x, &rope, None, dtype))?
+                    };
                 }
             }
             Some(cache) => {
@@ -595,7 +666,7 @@ impl Module for Llama {
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
         let mut out = prefixed("model.embed_tokens", &self.embed_tokens);
         for (i, b) in self.layers.iter().enumerate() {
-            out.extend(prefixed(&format!("model.layers.{i}"), b));
+            out.extend(prefixed(&format!("model.layers.{i}"), b.as_ref()));
         }
         out.extend(prefixed("model.norm", &self.norm));
         if let Some(head) = &self.lm_head {
@@ -606,5 +677,14 @@ impl Module for Llama {
 
     fn set_training(&self, training: bool) {
         self.training.store(training, Ordering::Relaxed);
+    }
+
+    /// Each block is a unit (`model.layers.{i}`); the embedding, the final norm and the head
+    /// are in none.
+    fn units(&self) -> Vec<(String, Vec<Tensor>)> {
+        let layers = self.layers.iter().enumerate();
+        layers
+            .map(|(i, b)| (format!("model.layers.{i}"), b.parameters()))
+            .collect()
     }
 }

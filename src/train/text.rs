@@ -423,6 +423,12 @@ impl TrainModel<TokenBatch> for crate::nn::Llama {
     fn forward_loss(&self, b: &TokenBatch, ctx: &StepContext) -> Result<Tensor> {
         self.loss_in(&b.ids, &b.targets, b.batch, b.t, ctx.dtype)
     }
+
+    /// Sets [`Llama::set_checkpoint_blocks`](crate::nn::Llama::set_checkpoint_blocks).
+    fn set_checkpointing(&mut self, on: bool) -> bool {
+        self.set_checkpoint_blocks(on);
+        true
+    }
 }
 
 impl TrainModel<TokenBatch> for Gpt {
