@@ -18,6 +18,8 @@ pub struct ConfigReport {
     pub plan: Plan,
     /// The measured peak in use over the steps (none with --plan).
     pub measured_peak: Option<u64>,
+    /// The measured peak in use of the first step (none with --plan).
+    pub measured_first_step_peak: Option<u64>,
     /// The last training loss (none with --plan).
     pub train_loss: Option<f32>,
     /// Under LoRA with `--plan`: the ladder's rungs (base, checkpointing) and planned peaks.
@@ -253,14 +255,29 @@ where
     };
     print!("{}", report.plan);
     if !args.plan {
-        report.train_loss = train_steps(args, trainer, train, &mut |_, _| Ok(()))?;
+        let mut first = 0;
+        report.train_loss = train_steps(args, trainer, train, &mut |step, _| {
+            if step == 1 {
+                first = device.memory_stats().peak_bytes_in_use;
+            }
+            Ok(())
+        })?;
         let measured = device.memory_stats().peak_bytes_in_use;
-        println!(
-            "planned peak in use {} / measured {} ({:+.2}%)",
-            Bytes(report.plan.peak),
-            Bytes(measured),
-            (measured as f64 / report.plan.peak as f64 - 1.0) * 100.0
-        );
+        // The first step holds no optimizer state before its update: its peak is the plan's
+        // first step's; the steps after it reach the plan's peak.
+        let line = |what: &str, planned: u64, measured: u64| {
+            println!(
+                "planned peak in use{what} {} / measured {} ({:+.2}%)",
+                Bytes(planned),
+                Bytes(measured),
+                (measured as f64 / planned as f64 - 1.0) * 100.0
+            )
+        };
+        line(" of the first step", report.plan.first_step_peak, first);
+        if args.steps > 1 {
+            line("", report.plan.peak, measured);
+        }
+        report.measured_first_step_peak = Some(first);
         report.measured_peak = Some(measured);
     }
     if args.json {
@@ -271,6 +288,7 @@ where
                 "planned_peak_bytes": report.plan.peak,
                 "plan": report.plan,
                 "measured_peak_bytes": report.measured_peak,
+                "measured_first_step_peak_bytes": report.measured_first_step_peak,
                 "train_loss": report.train_loss,
             })
         );
