@@ -13,8 +13,12 @@
 // A is (M, K) for TRANS = 0 and (M, R) for TRANS = 1; bias (R) f32 is added when p.bias is 1
 // (forward only); C is (M, R) or (M, K). A and C are f32.
 //
-// One invocation per element of C, the sum over the reduction axis in order (a fixed order:
-// bitwise repeatable). Rows of C are spread over y and z (65535 workgroups per dimension).
+// One invocation per TM rows of one column of C: each weight is dequantized once for the TM
+// rows (rows past M read row M - 1 and are not stored). In the forward, an NF4 code word is
+// read once per 8 elements and a block's absmax once per 64 along the invocation's row of W.
+// Each element's sum runs over the reduction axis in order with one fma per term (a fixed
+// order: bitwise repeatable, and the same bits whatever TM is). Row groups are spread over y
+// and z (65535 workgroups per dimension).
 
 struct Params {
     m: u32,     // rows of A and C
@@ -34,8 +38,10 @@ const TRANS: u32 = 0u;
 const FMT: u32 = 1u;
 // Invocations per workgroup, along the columns of C.
 const WG: u32 = 64u;
-// Rows of C per y slice of the grid.
+// Row groups (TM rows of C each) per y slice of the grid.
 const ROWS_Y: u32 = 65535u;
+// Rows of C per invocation.
+const TM: u32 = 4u;
 
 // QLoRA's NormalFloat4 code values (bitsandbytes' get_4bit_type("nf4")).
 var<private> NF4: array<f32, 16> = array<f32, 16>(
@@ -64,27 +70,67 @@ fn deq(r: u32, k: u32) -> f32 {
     return NF4[nib] * block_absmax(i >> 6u);
 }
 
+// W[r, k] of an NF4 weight at flattened index i = r * K + k, reusing `word` and `amax` (the
+// code word and block absmax of the previous index) where i is not the first of its word or
+// block and `fresh` is false.
+fn deq_nf4_run(i: u32, fresh: bool, word: ptr<function, u32>, amax: ptr<function, f32>) -> f32 {
+    if (fresh || (i & 7u) == 0u) {
+        *word = w[i >> 3u];
+    }
+    if (fresh || (i & 63u) == 0u) {
+        *amax = block_absmax(i >> 6u);
+    }
+    return NF4[(*word >> (4u * (i & 7u))) & 15u] * *amax;
+}
+
 @compute @workgroup_size(WG, 1, 1)
 fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
-    let row = wg.z * ROWS_Y + wg.y;
+    let row = (wg.z * ROWS_Y + wg.y) * TM;
     let col = wg.x * WG + lid.x;
     // No barriers: an invocation outside C simply has nothing to do.
     if (row >= p.m || col >= p.n) {
         return;
     }
+    let last = p.m - 1u;
     let a0 = row * p.red;
-    var s = 0.0;
+    let a1 = min(row + 1u, last) * p.red;
+    let a2 = min(row + 2u, last) * p.red;
+    let a3 = min(row + 3u, last) * p.red;
+    var s0 = 0.0;
+    var s1 = 0.0;
+    var s2 = 0.0;
+    var s3 = 0.0;
+    var word = 0u;
+    var amax = 0.0;
     for (var j = 0u; j < p.red; j++) {
         var v: f32;
-        if (TRANS == 0u) {
+        if (TRANS == 0u && FMT != 0u) {
+            v = deq_nf4_run(col * p.cols + j, j == 0u, &word, &amax);
+        } else if (TRANS == 0u) {
             v = deq(col, j);
         } else {
             v = deq(j, col);
         }
-        s = fma(ld_a(a0 + j), v, s);
+        s0 = fma(ld_a(a0 + j), v, s0);
+        s1 = fma(ld_a(a1 + j), v, s1);
+        s2 = fma(ld_a(a2 + j), v, s2);
+        s3 = fma(ld_a(a3 + j), v, s3);
     }
     if (p.bias == 1u) {
-        s += bias[col];
+        let b = bias[col];
+        s0 += b;
+        s1 += b;
+        s2 += b;
+        s3 += b;
     }
-    st_c(row * p.n + col, s);
+    st_c(row * p.n + col, s0);
+    if (row + 1u < p.m) {
+        st_c((row + 1u) * p.n + col, s1);
+    }
+    if (row + 2u < p.m) {
+        st_c((row + 2u) * p.n + col, s2);
+    }
+    if (row + 3u < p.m) {
+        st_c((row + 3u) * p.n + col, s3);
+    }
 }

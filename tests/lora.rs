@@ -366,17 +366,24 @@ fn quantized(
 }
 
 /// y = x · dequant(W)ᵀ + b and dx = dy · dequant(W) against f64 plain loops, for int8, NF4
-/// and double-quantized NF4, on shapes with 1s, odd sizes, blocks of 64 crossing rows, sizes
-/// past the 64-wide workgroup, and more than 256 blocks (second-level statistics).
+/// and double-quantized NF4, on shapes with 1s, odd sizes, no rows, row counts around the
+/// kernel's 4 rows per invocation, blocks of 64 crossing rows, sizes past the 64-wide
+/// workgroup, and more than 256 blocks (second-level statistics). Each row's output is the
+/// same bits computed alone as within the batch (the sums' order does not depend on where
+/// a row falls in the kernel's tile).
 fn dqmatmul_matches_plain_loops(dev: &Device) {
     let shapes = [
         (1, 1, 1),
+        (0, 5, 7),
         (1, 7, 3),
         (3, 64, 65),
         (5, 130, 17),
         (2, 63, 129),
         (4, 33, 70),
         (2, 131, 141),
+        (8, 64, 64),
+        (9, 24, 72),
+        (7, 128, 3),
     ];
     let formats = [
         BaseQuant::Int8,
@@ -401,6 +408,17 @@ fn dqmatmul_matches_plain_loops(dev: &Device) {
             let y = q.linear(&xt, Some(&bt), Activation::None).unwrap();
             assert_eq!(y.dims(), [m, r]);
             let got = y.to_vec_f32().unwrap();
+            for i in 0..m {
+                let xi = Tensor::from_slice(dev, &x[i * k..(i + 1) * k], &[1, k]).unwrap();
+                let alone = q.linear(&xi, Some(&bt), Activation::None).unwrap();
+                let alone = alone.to_vec_f32().unwrap();
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&alone),
+                    bits(&got[i * r..(i + 1) * r]),
+                    "{f} forward ({m}, {k}, {r}): row {i} alone"
+                );
+            }
             for i in 0..m {
                 for o in 0..r {
                     let (mut s, mut mag) = (b[o] as f64, b[o].abs() as f64);

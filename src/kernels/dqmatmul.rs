@@ -1,6 +1,6 @@
 //! Dispatch of shaders/dqmatmul.wgsl: the matmuls of a frozen quantized weight W (R, K), int8
 //! per row or NF4 in blocks of 64 (optionally with double-quantized statistics), dequantized
-//! per element in the shader. The forward C = A · Wᵀ (+ bias) and the input gradient
+//! in the shader once per element of W and [`TM`] rows of the output. The forward C = A · Wᵀ (+ bias) and the input gradient
 //! C = A · W; the layouts are described in the shader.
 
 use super::{specialize, Operand, Storage, DQMATMUL};
@@ -8,8 +8,10 @@ use crate::{Error, Result};
 
 /// Invocations per workgroup (WG in the shader).
 const WG: usize = 64;
-/// Rows of C per y slice of the grid (ROWS_Y in the shader).
+/// Row groups per y slice of the grid (ROWS_Y in the shader).
 const ROWS_Y: usize = 65535;
+/// Rows of C per invocation (TM in the shader).
+const TM: usize = 4;
 
 /// The weight format, FMT in the shader.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -103,10 +105,11 @@ pub(crate) fn dqmatmul<T: Operand>(
     ];
     // bias is bound even when unused (bindings are fixed); the statistics stand in for it.
     let bias = bias.unwrap_or(wt.scale);
+    let row_groups = m.div_ceil(TM);
     let groups = [
         n.div_ceil(WG) as u32,
-        m.min(ROWS_Y) as u32,
-        m.div_ceil(ROWS_Y) as u32,
+        row_groups.min(ROWS_Y) as u32,
+        row_groups.div_ceil(ROWS_Y) as u32,
     ];
     dev.dispatch3(
         &kern,
