@@ -681,6 +681,14 @@ fn config_plans_the_lora_ladder() {
     }
     assert_eq!(planned.plan.peak, peak("nf4", false));
     assert_eq!(planned.plan.gradients, 0, "{:?}", planned.plan);
+    // The full fine-tune printed beside: every weight with its two moments.
+    let full = planned.full_plan.as_ref().unwrap();
+    let weights = 4 * 22_944u64;
+    assert!(
+        full.parameters >= weights && full.optimizer_state >= 2 * weights,
+        "{full:?}"
+    );
+    assert!(full.peak > peak("none", false), "{full:?}");
     // Every rung run for real: the first step peaks at the plan's first step (the optimizer
     // makes its moments in the update, after the forward and backward), the second at the
     // plan's peak (its forward and backward hold them), both to the byte.

@@ -24,6 +24,8 @@ pub struct ConfigReport {
     pub train_loss: Option<f32>,
     /// Under LoRA with `--plan`: the ladder's rungs (base, checkpointing) and planned peaks.
     pub candidates: Vec<(String, bool, u64)>,
+    /// Under LoRA: the plan of a step fine-tuning the whole model instead, for comparison.
+    pub full_plan: Option<Plan>,
 }
 
 /// `--config`: the architecture built with random weights; with `--plan` on a device that only
@@ -211,7 +213,29 @@ fn config_lora_steps(
     device.reset_peak();
     let mut report = trainer_steps(args, device, train, &mut trainer)?;
     report.candidates = ladder;
+    let full = full_finetune_plan(args, flags, train, cfg)?;
+    println!("for comparison, the full fine-tune (every weight trained, no adapters):");
+    print!("{full}");
+    report.full_plan = Some(full);
     Ok(report)
+}
+
+/// The step's plan of the same model fine-tuned whole (no adapters, dense, every weight
+/// trained by the same optimizer, checkpointed as the flags ask), on a device of its own that
+/// only plans, without a budget.
+fn full_finetune_plan(
+    args: &Args,
+    flags: &Flags,
+    train: &TextDataset,
+    cfg: &GptConfig,
+) -> Result<Plan> {
+    let mut options = DeviceOptions::default().plan_only(true);
+    options.adapter = args.adapter.clone();
+    let device = Device::with_options(options)?;
+    let mut gpt = Gpt::new(&device, cfg.clone())?;
+    gpt.set_checkpointing(args.checkpoint_activations);
+    let optimizer = optimizer_for(args, &gpt)?;
+    Trainer::new(gpt, optimizer, trainer_config(args, flags.precision))?.plan(train)
 }
 
 /// [`run_config`] once the model is built.
