@@ -16,9 +16,18 @@
 // One invocation per TM rows of one column of C: each weight is dequantized once for the TM
 // rows (rows past M read row M - 1 and are not stored). In the forward, an NF4 code word is
 // read once per 8 elements and a block's absmax once per 64 along the invocation's row of W.
-// Each element's sum runs over the reduction axis in order with one fma per term (a fixed
-// order: bitwise repeatable, and the same bits whatever TM is). Row groups are spread over y
-// and z (65535 workgroups per dimension).
+// Where the adapter has a fixed subgroup size SG dividing WG (src/kernels/dqmatmul.rs expands
+// the `//@` lines), lane l loads A's rows at j0 + l for SG terms and subgroupBroadcast hands
+// term j0 + t to every lane (on lavapipe a buffer load is a loop over the lanes, even at one
+// address); no invocation returns early then, and columns past N compute the last column's
+// values without storing them. Without subgroups each invocation loads A itself. Each
+// element's sum runs over the reduction axis in order with one fma per term (a fixed order:
+// bitwise repeatable, and the same bits whatever TM, SG or the expansion). Row groups are
+// spread over y and z (65535 workgroups per dimension). The `//@` lines, per row r of TM:
+//   //@row TEXT    TEXT with {r} replaced, for every row;
+//   //@lane        the subgroup lane builtin parameter (with subgroups);
+//   //@load        lane l's values of A at j0 + l, x{r} (with subgroups);
+//   //@terms       the SG terms j0 .. j0 + SG, in order.
 
 struct Params {
     m: u32,     // rows of A and C
@@ -40,8 +49,10 @@ const FMT: u32 = 1u;
 const WG: u32 = 64u;
 // Row groups (TM rows of C each) per y slice of the grid.
 const ROWS_Y: u32 = 65535u;
-// Rows of C per invocation.
-const TM: u32 = 4u;
+// Rows of C per invocation (the `//@row` lines' count).
+const TM: u32 = 8u;
+// Terms per step of the reduction loop: the subgroup size with subgroups.
+const SG: u32 = 8u;
 
 // QLoRA's NormalFloat4 code values (bitsandbytes' get_4bit_type("nf4")).
 var<private> NF4: array<f32, 16> = array<f32, 16>(
@@ -83,54 +94,42 @@ fn deq_nf4_run(i: u32, fresh: bool, word: ptr<function, u32>, amax: ptr<function
     return NF4[(*word >> (4u * (i & 7u))) & 15u] * *amax;
 }
 
+// W[r, k] with (r, k) = (col, j) in the forward, (j, col) in the input gradient.
+fn weight(col: u32, j: u32, word: ptr<function, u32>, amax: ptr<function, f32>) -> f32 {
+    if (TRANS == 0u && FMT != 0u) {
+        return deq_nf4_run(col * p.cols + j, j == 0u, word, amax);
+    }
+    if (TRANS == 0u) {
+        return deq(col, j);
+    }
+    return deq(j, col);
+}
+
 @compute @workgroup_size(WG, 1, 1)
-fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>) {
+fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid: vec3<u32>,
+        //@lane
+        ) {
     let row = (wg.z * ROWS_Y + wg.y) * TM;
-    let col = wg.x * WG + lid.x;
-    // No barriers: an invocation outside C simply has nothing to do.
-    if (row >= p.m || col >= p.n) {
+    let col_in = wg.x * WG + lid.x;
+    // Uniform over the workgroup. No barriers.
+    if (row >= p.m) {
         return;
     }
+    let col = min(col_in, p.n - 1u);
     let last = p.m - 1u;
-    let a0 = row * p.red;
-    let a1 = min(row + 1u, last) * p.red;
-    let a2 = min(row + 2u, last) * p.red;
-    let a3 = min(row + 3u, last) * p.red;
-    var s0 = 0.0;
-    var s1 = 0.0;
-    var s2 = 0.0;
-    var s3 = 0.0;
+    //@row let a{r} = min(row + {r}u, last) * p.red;
+    //@row var s{r} = 0.0;
     var word = 0u;
     var amax = 0.0;
-    for (var j = 0u; j < p.red; j++) {
-        var v: f32;
-        if (TRANS == 0u && FMT != 0u) {
-            v = deq_nf4_run(col * p.cols + j, j == 0u, &word, &amax);
-        } else if (TRANS == 0u) {
-            v = deq(col, j);
-        } else {
-            v = deq(j, col);
-        }
-        s0 = fma(ld_a(a0 + j), v, s0);
-        s1 = fma(ld_a(a1 + j), v, s1);
-        s2 = fma(ld_a(a2 + j), v, s2);
-        s3 = fma(ld_a(a3 + j), v, s3);
+    for (var j0 = 0u; j0 < p.red; j0 += SG) {
+        //@load
+        //@terms
     }
     if (p.bias == 1u) {
         let b = bias[col];
-        s0 += b;
-        s1 += b;
-        s2 += b;
-        s3 += b;
+        //@row s{r} += b;
     }
-    st_c(row * p.n + col, s0);
-    if (row + 1u < p.m) {
-        st_c((row + 1u) * p.n + col, s1);
-    }
-    if (row + 2u < p.m) {
-        st_c((row + 2u) * p.n + col, s2);
-    }
-    if (row + 3u < p.m) {
-        st_c((row + 3u) * p.n + col, s3);
+    if (col_in < p.n) {
+        //@row if (row + {r}u < p.m) { st_c((row + {r}u) * p.n + col, s{r}); }
     }
 }

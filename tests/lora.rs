@@ -367,8 +367,9 @@ fn quantized(
 
 /// y = x · dequant(W)ᵀ + b and dx = dy · dequant(W) against f64 plain loops, for int8, NF4
 /// and double-quantized NF4, on shapes with 1s, odd sizes, no rows, row counts around the
-/// kernel's 4 rows per invocation, blocks of 64 crossing rows, sizes past the 64-wide
-/// workgroup, and more than 256 blocks (second-level statistics). Each row's output is the
+/// kernel's 8 rows per invocation, reductions that are not a multiple of its 8-term steps,
+/// blocks of 64 crossing rows, sizes past the 64-wide workgroup, and more than 256 blocks
+/// (second-level statistics). Each row's output is the
 /// same bits computed alone as within the batch (the sums' order does not depend on where
 /// a row falls in the kernel's tile).
 fn dqmatmul_matches_plain_loops(dev: &Device) {
@@ -384,6 +385,7 @@ fn dqmatmul_matches_plain_loops(dev: &Device) {
         (8, 64, 64),
         (9, 24, 72),
         (7, 128, 3),
+        (17, 9, 5),
     ];
     let formats = [
         BaseQuant::Int8,
