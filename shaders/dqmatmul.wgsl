@@ -61,6 +61,19 @@ var<private> NF4: array<f32, 16> = array<f32, 16>(
     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0);
 
+// NF4[c] by selects on c's bits (a private array indexed per lane is a memory gather on CPU
+// adapters; this is four levels of vector selects).
+fn nf4(c: u32) -> f32 {
+    let b0 = (c & 1u) != 0u;
+    let b1 = (c & 2u) != 0u;
+    let b2 = (c & 4u) != 0u;
+    let q0 = select(select(NF4[0], NF4[1], b0), select(NF4[2], NF4[3], b0), b1);
+    let q1 = select(select(NF4[4], NF4[5], b0), select(NF4[6], NF4[7], b0), b1);
+    let q2 = select(select(NF4[8], NF4[9], b0), select(NF4[10], NF4[11], b0), b1);
+    let q3 = select(select(NF4[12], NF4[13], b0), select(NF4[14], NF4[15], b0), b1);
+    return select(select(q0, q1, b2), select(q2, q3, b2), (c & 8u) != 0u);
+}
+
 fn block_absmax(b: u32) -> f32 {
     if (FMT == 2u) {
         let code = (qa[b >> 2u] >> (8u * (b & 3u))) & 255u;
@@ -78,7 +91,7 @@ fn deq(r: u32, k: u32) -> f32 {
     }
     let i = r * p.cols + k;
     let nib = (w[i >> 3u] >> (4u * (i & 7u))) & 15u;
-    return NF4[nib] * block_absmax(i >> 6u);
+    return nf4(nib) * block_absmax(i >> 6u);
 }
 
 // W[r, k] of an NF4 weight at flattened index i = r * K + k, reusing `word` and `amax` (the
@@ -91,7 +104,7 @@ fn deq_nf4_run(i: u32, fresh: bool, word: ptr<function, u32>, amax: ptr<function
     if (fresh || (i & 63u) == 0u) {
         *amax = block_absmax(i >> 6u);
     }
-    return NF4[(*word >> (4u * (i & 7u))) & 15u] * *amax;
+    return nf4((*word >> (4u * (i & 7u))) & 15u) * *amax;
 }
 
 // W[r, k] with (r, k) = (col, j) in the forward, (j, col) in the input gradient.
