@@ -717,6 +717,47 @@ fn config_plans_the_lora_ladder() {
     }
 }
 
+/// `--config` LoRA on a Llama (grouped-query attention): the ladder plans the dense, int8 and
+/// NF4 bases (a Llama does not checkpoint, so three rungs), quantized below dense, and an NF4
+/// run's two steps measure the plan's first-step and steady peaks to the byte.
+#[test]
+fn config_plans_a_llama_lora_step() {
+    let dir = fixtures().join("llama-tiny-gqa");
+    let base = [
+        "--config",
+        dir.to_str().unwrap(),
+        "--context",
+        "16",
+        "--batch-size",
+        "2",
+        "--lora-rank",
+        "2",
+        "--lora-targets",
+        "q_proj,v_proj,down_proj",
+        "--quantize",
+        "nf4",
+    ];
+    let planned = config_run(&[&base[..], &["--plan"]].concat()).unwrap();
+    let rungs = &planned.candidates;
+    let names: Vec<(&str, bool)> = rungs.iter().map(|r| (r.0.as_str(), r.1)).collect();
+    assert_eq!(names, [("none", false), ("int8", false), ("nf4", false)]);
+    assert!(
+        rungs[1].2 < rungs[0].2 && rungs[2].2 < rungs[0].2,
+        "{rungs:?}"
+    );
+    assert_eq!(planned.plan.peak, rungs[2].2);
+    assert_eq!(planned.plan.gradients, 0, "{:?}", planned.plan);
+    let run = config_run(&[&base[..], &["--steps", "2"]].concat()).unwrap();
+    assert_eq!(run.plan, planned.plan);
+    assert_eq!(
+        (run.measured_first_step_peak, run.measured_peak),
+        (Some(run.plan.first_step_peak), Some(run.plan.peak)),
+        "{:?}",
+        run.plan
+    );
+    assert!(run.full_plan.unwrap().peak > rungs[0].2);
+}
+
 /// Bad `--config` values are typed errors before any device work.
 #[test]
 fn bad_configs_are_refused() {
