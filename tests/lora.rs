@@ -88,7 +88,7 @@ fn lora_on_one_device() {
     let mut o = fitgrad::DeviceOptions::default();
     o.backend = Some("vulkan".into());
     let Some(dev) = fresh_device(o) else { return };
-    let checks: [Check; 8] = [
+    let checks: [Check; 9] = [
         (
             "step_zero_equals_the_base_bitwise",
             step_zero_equals_the_base_bitwise,
@@ -103,6 +103,7 @@ fn lora_on_one_device() {
             nf4_on_the_device_is_table_times_absmax,
         ),
         ("nf4_base_bytes", nf4_base_bytes),
+        ("llama_adapters", llama_adapters),
     ];
     for (name, check) in checks {
         let t = Instant::now();
@@ -366,17 +367,26 @@ fn quantized(
 }
 
 /// y = x · dequant(W)ᵀ + b and dx = dy · dequant(W) against f64 plain loops, for int8, NF4
-/// and double-quantized NF4, on shapes with 1s, odd sizes, blocks of 64 crossing rows, sizes
-/// past the 64-wide workgroup, and more than 256 blocks (second-level statistics).
+/// and double-quantized NF4, on shapes with 1s, odd sizes, no rows, row counts around the
+/// kernel's 8 rows per invocation, reductions that are not a multiple of its 8-term steps,
+/// blocks of 64 crossing rows, sizes past the 64-wide workgroup, and more than 256 blocks
+/// (second-level statistics). Each row's output is the
+/// same bits computed alone as within the batch (the sums' order does not depend on where
+/// a row falls in the kernel's tile).
 fn dqmatmul_matches_plain_loops(dev: &Device) {
     let shapes = [
         (1, 1, 1),
+        (0, 5, 7),
         (1, 7, 3),
         (3, 64, 65),
         (5, 130, 17),
         (2, 63, 129),
         (4, 33, 70),
         (2, 131, 141),
+        (8, 64, 64),
+        (9, 24, 72),
+        (7, 128, 3),
+        (17, 9, 5),
     ];
     let formats = [
         BaseQuant::Int8,
@@ -401,6 +411,17 @@ fn dqmatmul_matches_plain_loops(dev: &Device) {
             let y = q.linear(&xt, Some(&bt), Activation::None).unwrap();
             assert_eq!(y.dims(), [m, r]);
             let got = y.to_vec_f32().unwrap();
+            for i in 0..m {
+                let xi = Tensor::from_slice(dev, &x[i * k..(i + 1) * k], &[1, k]).unwrap();
+                let alone = q.linear(&xi, Some(&bt), Activation::None).unwrap();
+                let alone = alone.to_vec_f32().unwrap();
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&alone),
+                    bits(&got[i * r..(i + 1) * r]),
+                    "{f} forward ({m}, {k}, {r}): row {i} alone"
+                );
+            }
             for i in 0..m {
                 for o in 0..r {
                     let (mut s, mut mag) = (b[o] as f64, b[o].abs() as f64);
@@ -625,4 +646,101 @@ fn bad_settings_are_refused_before_device_work() {
         read_adapter(dir.path(), cfg),
         Err(Error::Data { .. })
     ));
+}
+
+/// A Llama (random, grouped-query attention, untied head) under LoRA on all seven projection
+/// kinds: a fresh adapter changes no bit of the logits; only the adapters get gradients; the
+/// saved file has PEFT's Llama names and shapes; read back and applied to a fresh base, it
+/// gives the trained model's logits bitwise. A GPT-2 name is refused, naming Llama's.
+fn llama_adapters(dev: &Device) {
+    use fitgrad::hf::{read_llama_adapter, resolve_llama_targets};
+    use fitgrad::nn::{Llama, LlamaConfig};
+    let mut cfg = LlamaConfig::new(64, 16, 24, 2, 4, 2, 16);
+    cfg.tie_embeddings = false;
+    let ids: Vec<u32> = (0..9).map(|i| (i * 7 + 3) % 64).collect();
+    let logits = |m: &Llama| {
+        m.forward_ids(&ids, 1, ids.len())
+            .unwrap()
+            .to_vec_f32()
+            .unwrap()
+    };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let all = [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    ];
+    let s = spec(2, 4.0, &all);
+    let mut m = Llama::new(dev, cfg.clone()).unwrap();
+    let base = logits(&m);
+    let targets = add_lora(&mut m, &s, 5).unwrap();
+    assert_eq!(targets.len(), 14, "two layers, seven modules each");
+    assert_eq!(
+        bits(&logits(&m)),
+        bits(&base),
+        "a fresh adapter changed the logits"
+    );
+    m.forward_ids(&ids, 1, ids.len())
+        .unwrap()
+        .mean()
+        .unwrap()
+        .backward()
+        .unwrap();
+    for (name, p) in m.named_parameters() {
+        let lora = name.contains(".lora_");
+        assert_eq!(p.grad().is_some(), lora, "{name}");
+    }
+    m.zero_grad();
+    {
+        let _g = fitgrad::no_grad();
+        for (i, (_, l)) in m.linears_mut().unwrap().into_iter().enumerate() {
+            let lora = l.lora.as_ref().unwrap();
+            let dims = lora.b.dims().to_vec();
+            let r = Tensor::rand_uniform(dev, &dims, -0.5, 0.5, 40 + i as u64, DType::F32).unwrap();
+            lora.b.detach().add_(&r).unwrap();
+        }
+    }
+    let trained = logits(&m);
+    assert_ne!(bits(&trained), bits(&base));
+    let dir = tempfile::tempdir().unwrap();
+    save_adapter(&m, &s, dir.path(), "llama-tiny").unwrap();
+    let bytes = std::fs::read(dir.path().join("adapter_model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(st.names().len(), 28);
+    let shape = |n: &str| st.tensor(n).unwrap().shape().to_vec();
+    let key =
+        |l: usize, m: &str, f: &str| format!("base_model.model.model.layers.{l}.{m}.{f}.weight");
+    assert_eq!(shape(&key(0, "self_attn.q_proj", "lora_A")), [2, 16]);
+    assert_eq!(shape(&key(1, "self_attn.k_proj", "lora_B")), [8, 2]);
+    assert_eq!(shape(&key(1, "mlp.down_proj", "lora_A")), [2, 24]);
+    assert_eq!(shape(&key(0, "mlp.gate_proj", "lora_B")), [24, 2]);
+    let a = read_llama_adapter(dir.path(), &cfg).unwrap();
+    assert_eq!(a.spec, s);
+    let mut again = Llama::new(dev, cfg.clone()).unwrap();
+    a.apply(&mut again, 0).unwrap();
+    assert_eq!(
+        bits(&logits(&again)),
+        bits(&trained),
+        "the adapter read back"
+    );
+    // Another base's widths are refused.
+    let mut wider = cfg.clone();
+    wider.intermediate = 32;
+    assert!(matches!(
+        read_llama_adapter(dir.path(), &wider),
+        Err(Error::Data { .. })
+    ));
+    match resolve_llama_targets(&cfg, &spec(2, 4.0, &["c_attn"])) {
+        Err(Error::InvalidArgument { reason, .. }) => {
+            assert!(
+                reason.contains("Llama") && reason.contains("q_proj"),
+                "{reason}"
+            )
+        }
+        other => panic!("{:?}", other.err()),
+    }
 }

@@ -4,9 +4,9 @@
 use super::run::{make_trainer, optimizer_for, train_steps, trainer_config};
 use super::setup::{check_flags, invalid, lora_spec, Flags};
 use super::Args;
-use fitgrad::compress::{quantize_gpt_base, BaseQuant};
-use fitgrad::hf::{add_lora, resolve_targets, LoraSpec, ModelConfig};
-use fitgrad::nn::{Gpt, GptConfig, LanguageModel, Llama};
+use fitgrad::compress::{quantize_gpt_base, quantize_llama_base, BaseQuant};
+use fitgrad::hf::{add_lora, resolve_llama_targets, resolve_targets, LoraSpec, ModelConfig};
+use fitgrad::nn::{Gpt, LanguageModel, Llama};
 use fitgrad::train::text::{TextDataset, TokenBatch};
 use fitgrad::train::{Plan, TrainModel, Trainer};
 use fitgrad::{Bytes, Device, DeviceOptions, Result};
@@ -18,10 +18,14 @@ pub struct ConfigReport {
     pub plan: Plan,
     /// The measured peak in use over the steps (none with --plan).
     pub measured_peak: Option<u64>,
+    /// The measured peak in use of the first step (none with --plan).
+    pub measured_first_step_peak: Option<u64>,
     /// The last training loss (none with --plan).
     pub train_loss: Option<f32>,
     /// Under LoRA with `--plan`: the ladder's rungs (base, checkpointing) and planned peaks.
     pub candidates: Vec<(String, bool, u64)>,
+    /// Under LoRA: the plan of a step fine-tuning the whole model instead, for comparison.
+    pub full_plan: Option<Plan>,
 }
 
 /// `--config`: the architecture built with random weights; with `--plan` on a device that only
@@ -68,16 +72,34 @@ pub fn run_config(args: &Args) -> Result<ConfigReport> {
         model.describe(),
         model.num_parameters()
     );
-    match &model {
-        ModelConfig::Gpt2(c) if lora.is_some() => {
-            let (spec, quant) = lora.expect("matched");
-            config_lora_steps(args, &flags, &device, &train, c, &spec, quant)
+    match (&model, lora) {
+        (ModelConfig::Gpt2(c), Some((spec, quant))) => {
+            let build = |d: &Device, q: Option<BaseQuant>| -> Result<Gpt> {
+                let mut gpt = Gpt::new(d, c.clone())?;
+                if let Some(q) = q {
+                    add_lora(&mut gpt, &spec, args.seed)?;
+                    quantize_gpt_base(&mut gpt, q)?;
+                }
+                Ok(gpt)
+            };
+            config_lora_steps(args, &flags, &device, &train, &spec, quant, &build)
         }
-        ModelConfig::Gpt2(c) => {
+        (ModelConfig::Llama(c), Some((spec, quant))) => {
+            let build = |d: &Device, q: Option<BaseQuant>| -> Result<Llama> {
+                let mut llama = Llama::new(d, c.clone())?;
+                if let Some(q) = q {
+                    add_lora(&mut llama, &spec, args.seed)?;
+                    quantize_llama_base(&mut llama, q)?;
+                }
+                Ok(llama)
+            };
+            config_lora_steps(args, &flags, &device, &train, &spec, quant, &build)
+        }
+        (ModelConfig::Gpt2(c), None) => {
             let build = || Gpt::new(&device, c.clone());
             config_steps(args, &flags, &device, &train, build()?, &build)
         }
-        ModelConfig::Llama(c) => {
+        (ModelConfig::Llama(c), None) => {
             let build = || Llama::new(&device, c.clone());
             config_steps(args, &flags, &device, &train, build()?, &build)
         }
@@ -114,41 +136,47 @@ fn config_lora(args: &Args, model: &ModelConfig) -> Result<Option<(LoraSpec, Bas
     if args.lora_rank.is_none() {
         return Ok(None);
     }
-    let ModelConfig::Gpt2(c) = model else {
-        return Err(invalid(
-            "--lora-rank: LoRA adapts GPT-2 models (a Llama's is not wired yet)".into(),
-        ));
-    };
     if quant != BaseQuant::None && args.precision == "f16" {
         return Err(invalid(format!(
             "--quantize {quant} quantizes f32 weights: use --precision f32 or mixed"
         )));
     }
     let spec = lora_spec(args)?;
-    resolve_targets(c, &spec)?;
+    match model {
+        ModelConfig::Gpt2(c) => resolve_targets(c, &spec)?,
+        ModelConfig::Llama(c) => resolve_llama_targets(c, &spec)?,
+    };
     Ok(Some((spec, quant)))
 }
 
-/// A `--config` GPT-2 under LoRA: the frozen base held as `quant`. With `--plan`, every rung of
-/// `--fit auto`'s LoRA ladder (dense, int8 and NF4 bases, each without and with checkpointing)
-/// is planned and printed; with `--fit auto` and no `--quantize` the budget chooses among them.
-fn config_lora_steps(
+/// A `--config` model under LoRA: the frozen base held as `quant`. `model` builds it on a
+/// device, with the adapters and the base held as given, or dense and whole with `None`. With
+/// `--plan`, every rung of `--fit auto`'s LoRA ladder (dense, int8 and NF4 bases, each without
+/// and, where the model checkpoints, with checkpointing) is planned and printed; with `--fit
+/// auto` and no `--quantize` the budget chooses among them.
+fn config_lora_steps<M>(
     args: &Args,
     flags: &Flags,
     device: &Device,
     train: &TextDataset,
-    cfg: &GptConfig,
     spec: &LoraSpec,
     quant: BaseQuant,
-) -> Result<ConfigReport> {
+    model: &dyn Fn(&Device, Option<BaseQuant>) -> Result<M>,
+) -> Result<ConfigReport>
+where
+    M: LanguageModel + TrainModel<TokenBatch>,
+{
     let config = trainer_config(args, flags.precision);
-    let build = |q: BaseQuant, checkpointing: bool| -> Result<Trainer<Gpt>> {
-        let mut gpt = Gpt::new(device, cfg.clone())?;
-        add_lora(&mut gpt, spec, args.seed)?;
-        quantize_gpt_base(&mut gpt, q)?;
-        gpt.set_checkpointing(checkpointing);
-        let optimizer = optimizer_for(args, &gpt)?;
-        Trainer::new(gpt, optimizer, config.clone())
+    let build = |q: BaseQuant, checkpointing: bool| -> Result<Option<Trainer<M>>> {
+        let mut m = model(device, Some(q))?;
+        if !m.set_checkpointing(checkpointing) && checkpointing {
+            return Ok(None);
+        }
+        let optimizer = optimizer_for(args, &m)?;
+        Trainer::new(m, optimizer, config.clone()).map(Some)
+    };
+    let some = |t: Result<Option<Trainer<M>>>| {
+        t?.ok_or_else(|| invalid("--checkpoint-activations: this model does not checkpoint".into()))
     };
     let bases = [
         BaseQuant::None,
@@ -167,7 +195,9 @@ fn config_lora_steps(
         let mut candidates = Vec::new();
         for q in bases {
             for checkpointing in [false, true] {
-                let mut trainer = build(q, checkpointing)?;
+                let Some(mut trainer) = build(q, checkpointing)? else {
+                    continue;
+                };
                 let plan = trainer.plan(train)?;
                 println!(
                     "  base {:<10} checkpointing {:<3}  planned peak {}",
@@ -183,18 +213,19 @@ fn config_lora_steps(
     }
     let mut trainer = if flags.fit_auto && quant == BaseQuant::None {
         let (trainer, choice) = Trainer::build_fit_auto_variants(device, train, &bases, |q| {
-            build(*q, args.checkpoint_activations)
+            some(build(*q, args.checkpoint_activations))
         })?;
         print!("{choice}");
         trainer
     } else if flags.fit_auto {
-        let (trainer, choice) =
-            Trainer::build_fit_auto(device, train, || build(quant, args.checkpoint_activations))?;
+        let (trainer, choice) = Trainer::build_fit_auto(device, train, || {
+            some(build(quant, args.checkpoint_activations))
+        })?;
         print!("{choice}");
         trainer
     } else {
         let mut trainer = Trainer::build_within_budget(device, train, || {
-            build(quant, args.checkpoint_activations)
+            some(build(quant, args.checkpoint_activations))
         })?;
         trainer.check_device_memory(train)?;
         trainer
@@ -204,7 +235,32 @@ fn config_lora_steps(
     device.reset_peak();
     let mut report = trainer_steps(args, device, train, &mut trainer)?;
     report.candidates = ladder;
+    let full = full_finetune_plan(args, flags, train, model)?;
+    println!("for comparison, the full fine-tune (every weight trained, no adapters):");
+    print!("{full}");
+    report.full_plan = Some(full);
     Ok(report)
+}
+
+/// The step's plan of the same model fine-tuned whole (no adapters, dense, every weight
+/// trained by the same optimizer, checkpointed as the flags ask), on a device of its own that
+/// only plans, without a budget.
+fn full_finetune_plan<M>(
+    args: &Args,
+    flags: &Flags,
+    train: &TextDataset,
+    model: &dyn Fn(&Device, Option<BaseQuant>) -> Result<M>,
+) -> Result<Plan>
+where
+    M: LanguageModel + TrainModel<TokenBatch>,
+{
+    let mut options = DeviceOptions::default().plan_only(true);
+    options.adapter = args.adapter.clone();
+    let device = Device::with_options(options)?;
+    let mut m = model(&device, None)?;
+    m.set_checkpointing(args.checkpoint_activations);
+    let optimizer = optimizer_for(args, &m)?;
+    Trainer::new(m, optimizer, trainer_config(args, flags.precision))?.plan(train)
 }
 
 /// [`run_config`] once the model is built.
@@ -248,14 +304,29 @@ where
     };
     print!("{}", report.plan);
     if !args.plan {
-        report.train_loss = train_steps(args, trainer, train, &mut |_, _| Ok(()))?;
+        let mut first = 0;
+        report.train_loss = train_steps(args, trainer, train, &mut |step, _| {
+            if step == 1 {
+                first = device.memory_stats().peak_bytes_in_use;
+            }
+            Ok(())
+        })?;
         let measured = device.memory_stats().peak_bytes_in_use;
-        println!(
-            "planned peak in use {} / measured {} ({:+.2}%)",
-            Bytes(report.plan.peak),
-            Bytes(measured),
-            (measured as f64 / report.plan.peak as f64 - 1.0) * 100.0
-        );
+        // The first step holds no optimizer state before its update: its peak is the plan's
+        // first step's; the steps after it reach the plan's peak.
+        let line = |what: &str, planned: u64, measured: u64| {
+            println!(
+                "planned peak in use{what} {} / measured {} ({:+.2}%)",
+                Bytes(planned),
+                Bytes(measured),
+                (measured as f64 / planned as f64 - 1.0) * 100.0
+            )
+        };
+        line(" of the first step", report.plan.first_step_peak, first);
+        if args.steps > 1 {
+            line("", report.plan.peak, measured);
+        }
+        report.measured_first_step_peak = Some(first);
         report.measured_peak = Some(measured);
     }
     if args.json {
@@ -266,6 +337,7 @@ where
                 "planned_peak_bytes": report.plan.peak,
                 "plan": report.plan,
                 "measured_peak_bytes": report.measured_peak,
+                "measured_first_step_peak_bytes": report.measured_first_step_peak,
                 "train_loss": report.train_loss,
             })
         );

@@ -228,6 +228,10 @@ where
         }
         let mut during = Vec::new();
         report.train_loss = train_steps(args, &mut trainer, train, &mut |step, model| {
+            let every = args.eval_every;
+            if every == 0 || step % every != 0 || step == args.steps {
+                return Ok(());
+            }
             if let Some(e) = evaluate(model, setup)? {
                 println!("eval loss after step {step}: {:.6} nats/token", e.loss);
                 during.push((step, e));
@@ -353,12 +357,13 @@ where
 }
 
 /// Runs `--steps` optimizer steps over the seeded epoch orders of `train`, printing the loss
-/// every 10; returns the last printed loss.
+/// every 10 and calling `after` with the step's number (from 1) and the model after each;
+/// returns the last printed loss.
 pub fn train_steps<M>(
     args: &Args,
     trainer: &mut Trainer<M>,
     train: &TextDataset,
-    during: &mut dyn FnMut(u64, &M) -> Result<()>,
+    after: &mut dyn FnMut(u64, &M) -> Result<()>,
 ) -> Result<Option<f32>>
 where
     M: LanguageModel + TrainModel<TokenBatch>,
@@ -384,9 +389,7 @@ where
             println!("step {}: train loss {loss:.4}", step + 1);
             last = Some(loss);
         }
-        if args.eval_every > 0 && (step + 1) % args.eval_every == 0 && step + 1 < args.steps {
-            during(step + 1, &trainer.model)?;
-        }
+        after(step + 1, &trainer.model)?;
     }
     Ok(last)
 }

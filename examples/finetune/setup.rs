@@ -319,7 +319,8 @@ pub fn prepare_lora(
     }
     let Folder::Gpt2(folder) = folder else {
         return Err(invalid(
-            "--lora-rank / --resume-adapter: LoRA adapts GPT-2 folders (a Llama's is not wired yet)"
+            "--lora-rank / --resume-adapter: LoRA runs on GPT-2 folders (a Llama folder's is not \
+             wired yet; --config plans and runs a Llama's)"
                 .into(),
         ));
     };

@@ -16,7 +16,7 @@ mod quantized_model;
 pub use distill::{distillation_loss, Distill, DistillConfig, Labeled, Logits};
 pub use nf4::{
     dequantize_nf4, double_dequantize, double_quantize, quantize_gpt_base, quantize_linear,
-    quantize_nf4, quantize_weight, BaseQuant, NF4,
+    quantize_llama_base, quantize_nf4, quantize_weight, BaseQuant, NF4,
 };
 pub use prune::{
     prunable, LayerSparsity, ParamFilter, PruneConfig, PruneSchedule, PruneScope, Pruner,

@@ -10,7 +10,7 @@
 //! quantization 0.5 + 1 / 64 + 4 / (64 · 256) ≈ 0.516 (0.129x); int8 1 + 4 / in (about 0.25x).
 
 use super::quantize::quantize_rows;
-use crate::nn::{Gpt, Linear};
+use crate::nn::{Gpt, Linear, Llama};
 use crate::optim::quant8::dynamic_map;
 use crate::tensor::{DoubleQuant, QuantWeight, NF4_BLOCK, NF4_DQ_BLOCK};
 use crate::{DType, Error, Result, Tensor};
@@ -256,9 +256,21 @@ pub fn quantize_linear(name: &str, linear: &mut Linear, quant: BaseQuant) -> Res
 /// count. The dense weights' memory goes back to the driver (the device's free segments are
 /// released), so what the arena holds after is what the quantized model needs.
 pub fn quantize_gpt_base(gpt: &mut Gpt, quant: BaseQuant) -> Result<(u64, usize)> {
+    quantize_linears(gpt.linears_mut()?, quant)
+}
+
+/// [`quantize_gpt_base`] for a Llama: every Linear of its decoder layers (the embedding, norms
+/// and head stay dense).
+pub fn quantize_llama_base(llama: &mut Llama, quant: BaseQuant) -> Result<(u64, usize)> {
+    quantize_linears(llama.linears_mut()?, quant)
+}
+
+/// Quantizes `linears` (named for errors) and releases the device's free segments; the
+/// quantized weights' bytes and parameter count.
+fn quantize_linears(linears: Vec<(String, &mut Linear)>, quant: BaseQuant) -> Result<(u64, usize)> {
     let (mut bytes, mut params) = (0u64, 0usize);
     let mut device = None;
-    for (name, l) in gpt.linears_mut()? {
+    for (name, l) in linears {
         device.get_or_insert_with(|| l.weight.device().clone());
         quantize_linear(&name, l, quant)?;
         if let Some(q) = &l.quantized {

@@ -1,6 +1,7 @@
-//! LoRA adapters in PEFT's format, for GPT-2: `adapter_config.json` (PEFT's `LoraConfig`
-//! fields) and `adapter_model.safetensors` with `base_model.model.transformer.h.{i}.<module>.
-//! lora_A.weight` (r, in) and `lora_B.weight` (out, r) tensors. GPT-2's layers are Conv1D,
+//! LoRA adapters in PEFT's format, for GPT-2 and Llama: `adapter_config.json` (PEFT's
+//! `LoraConfig` fields) and `adapter_model.safetensors` with `base_model.model.<module>.
+//! lora_A.weight` (r, in) and `lora_B.weight` (out, r) tensors, `<module>` transformers' name
+//! (`transformer.h.{i}.attn.c_attn`, `model.layers.{i}.self_attn.q_proj`, ...). GPT-2's layers are Conv1D,
 //! which PEFT handles with `fan_in_fan_out = true`: that only transposes its merged update,
 //! the factors keep nn.Linear's layouts, so they are [`Lora`](crate::nn::Lora)'s as they are.
 //! Targets are matched as PEFT matches a list: a module whose full name is the target or ends
@@ -17,7 +18,7 @@ use super::config::read_json;
 use super::files::convert;
 use super::gpt2::{save_host, PretrainedGpt, LINEARS};
 use crate::checkpoint::{parse_safetensors, HostTensor};
-use crate::nn::{Gpt, GptConfig, Lora, LoraConfig, Module};
+use crate::nn::{Gpt, GptConfig, Linear, Llama, LlamaConfig, Lora, LoraConfig, Module};
 use crate::{DType, Error, Result, Tensor};
 
 /// The adapter's weights in its folder.
@@ -28,6 +29,51 @@ pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 const PREFIX: &str = "base_model.model.";
 /// The module names a GPT-2 target may be.
 const MODULES: &str = "c_attn, c_proj, c_fc (or attn.c_proj, mlp.c_proj, h.0.attn.c_attn, ...)";
+/// The module names a Llama target may be.
+const LLAMA_MODULES: &str =
+    "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (or layers.0.self_attn.q_proj, ...)";
+
+/// A model whose Linears take LoRA adapters under transformers' module names.
+pub trait LoraBase: Module {
+    /// Every Linear that can take an adapter, in [`LoraBase::lora_linears`]' order.
+    fn lora_modules(&self) -> Vec<Target>;
+    /// The architecture's name and its module names, for errors.
+    fn lora_names(&self) -> (&'static str, &'static str);
+    /// The Linears by [`Target::ours`].
+    fn lora_linears(&mut self) -> Result<Vec<(String, &mut Linear)>>;
+    /// Detaches every parameter of the base (adapters stay trainable).
+    fn freeze_base(&mut self) -> Result<()>;
+}
+
+impl LoraBase for Gpt {
+    fn lora_modules(&self) -> Vec<Target> {
+        all_modules(&self.gpt_config())
+    }
+    fn lora_names(&self) -> (&'static str, &'static str) {
+        ("GPT-2", MODULES)
+    }
+    fn lora_linears(&mut self) -> Result<Vec<(String, &mut Linear)>> {
+        self.linears_mut()
+    }
+    fn freeze_base(&mut self) -> Result<()> {
+        self.freeze()
+    }
+}
+
+impl LoraBase for Llama {
+    fn lora_modules(&self) -> Vec<Target> {
+        llama_modules(self.llama_config())
+    }
+    fn lora_names(&self) -> (&'static str, &'static str) {
+        ("Llama", LLAMA_MODULES)
+    }
+    fn lora_linears(&mut self) -> Result<Vec<(String, &mut Linear)>> {
+        self.linears_mut()
+    }
+    fn freeze_base(&mut self) -> Result<()> {
+        self.freeze()
+    }
+}
 
 /// A LoRA adapter's settings in PEFT's terms.
 #[derive(Clone, Debug, PartialEq)]
@@ -48,7 +94,7 @@ impl Default for LoraSpec {
     }
 }
 
-/// One adapted layer: transformers' module name, the Linear's prefix in [`Gpt`], (in, out).
+/// One adapted layer: transformers' module name, the Linear's prefix in the model, (in, out).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Target {
     /// `transformer.h.{i}.attn.c_attn`, ...
@@ -78,6 +124,37 @@ fn all_modules(cfg: &GptConfig) -> Vec<Target> {
     out
 }
 
+/// Every Linear of a Llama of `cfg`'s decoder layers as a [`Target`] (the model's names are
+/// transformers'), in [`Llama::linears_mut`]'s order.
+fn llama_modules(cfg: &LlamaConfig) -> Vec<Target> {
+    let (c, hd, kvd) = (
+        cfg.dim,
+        cfg.heads * cfg.head_dim,
+        cfg.kv_heads * cfg.head_dim,
+    );
+    let mut out = Vec::new();
+    for i in 0..cfg.layers {
+        for (name, inp, o) in [
+            ("self_attn.q_proj", c, hd),
+            ("self_attn.k_proj", c, kvd),
+            ("self_attn.v_proj", c, kvd),
+            ("self_attn.o_proj", hd, c),
+            ("mlp.gate_proj", c, cfg.intermediate),
+            ("mlp.up_proj", c, cfg.intermediate),
+            ("mlp.down_proj", cfg.intermediate, c),
+        ] {
+            let module = format!("model.layers.{i}.{name}");
+            out.push(Target {
+                ours: module.clone(),
+                module,
+                in_features: inp,
+                out_features: o,
+            });
+        }
+    }
+    out
+}
+
 fn matches(module: &str, target: &str) -> bool {
     module == target || module.ends_with(&format!(".{target}"))
 }
@@ -87,19 +164,35 @@ fn matches(module: &str, target: &str) -> bool {
 /// module (naming it and the names there are), and those of [`LoraConfig::check`] for each
 /// matched layer (a rank of 0 or above its smaller width).
 pub fn resolve_targets(cfg: &GptConfig, spec: &LoraSpec) -> Result<Vec<Target>> {
+    resolve(all_modules(cfg), ("GPT-2", MODULES), spec)
+}
+
+/// [`resolve_targets`] for a Llama of `cfg` (targets q_proj, ..., down_proj).
+pub fn resolve_llama_targets(cfg: &LlamaConfig, spec: &LoraSpec) -> Result<Vec<Target>> {
+    resolve(llama_modules(cfg), ("Llama", LLAMA_MODULES), spec)
+}
+
+/// [`resolve_targets`] for the model `m`.
+pub fn resolve_model_targets<M: LoraBase>(m: &M, spec: &LoraSpec) -> Result<Vec<Target>> {
+    resolve(m.lora_modules(), m.lora_names(), spec)
+}
+
+/// The modules of `modules` that `spec` targets, checked; `names`: the architecture and its
+/// module names, for errors.
+fn resolve(modules: Vec<Target>, names: (&str, &str), spec: &LoraSpec) -> Result<Vec<Target>> {
+    let (arch, hint) = names;
     let bad = |reason: String| Error::InvalidArgument {
         op: "LoRA targets",
         reason,
     };
     if spec.targets.is_empty() {
-        return Err(bad(format!("no target modules: name some of {MODULES}")));
+        return Err(bad(format!("no target modules: name some of {hint}")));
     }
-    let modules = all_modules(cfg);
     for t in &spec.targets {
         if !modules.iter().any(|m| matches(&m.module, t)) {
             return Err(bad(format!(
-                "target '{t}' matches no module of this GPT-2; its LoRA-able modules are \
-                 {MODULES}"
+                "target '{t}' matches no module of this {arch}; its LoRA-able modules are \
+                 {hint}"
             )));
         }
     }
@@ -114,13 +207,13 @@ pub fn resolve_targets(cfg: &GptConfig, spec: &LoraSpec) -> Result<Vec<Target>> 
     Ok(chosen)
 }
 
-/// Freezes `gpt` and adds a fresh adapter (A from `seed` and the layer's index, B zero) to
-/// every layer `spec` targets; returns them. Errors: those of [`resolve_targets`] (before any
-/// device work) and of [`Gpt::linears_mut`].
-pub fn add_lora(gpt: &mut Gpt, spec: &LoraSpec, seed: u64) -> Result<Vec<Target>> {
-    let targets = resolve_targets(&gpt.gpt_config(), spec)?;
-    gpt.freeze()?;
-    for (i, (name, linear)) in gpt.linears_mut()?.into_iter().enumerate() {
+/// Freezes `gpt` (a GPT-2 or a Llama) and adds a fresh adapter (A from `seed` and the layer's
+/// index, B zero) to every layer `spec` targets; returns them. Errors: those of
+/// [`resolve_targets`] (before any device work) and of [`Gpt::linears_mut`].
+pub fn add_lora<M: LoraBase>(gpt: &mut M, spec: &LoraSpec, seed: u64) -> Result<Vec<Target>> {
+    let targets = resolve_model_targets(gpt, spec)?;
+    gpt.freeze_base()?;
+    for (i, (name, linear)) in gpt.lora_linears()?.into_iter().enumerate() {
         if targets.iter().any(|t| t.ours == name) {
             let s = crate::tensor::Rng::new(seed ^ (i as u64).wrapping_mul(0x9e37_79b9)).next_u64();
             linear.add_lora(&spec.config, s)?;
@@ -160,8 +253,13 @@ fn config_json(spec: &LoraSpec, base_model: &str) -> Value {
 /// `adapter_config.json`, each atomically; `dir` is created if missing. `base_model` goes in
 /// the configuration's `base_model_name_or_path`. An [`Error::InvalidArgument`] when `gpt`
 /// lacks an adapter `spec` targets.
-pub fn save_adapter(gpt: &Gpt, spec: &LoraSpec, dir: &Path, base_model: &str) -> Result<()> {
-    let targets = resolve_targets(&gpt.gpt_config(), spec)?;
+pub fn save_adapter<M: LoraBase>(
+    gpt: &M,
+    spec: &LoraSpec,
+    dir: &Path,
+    base_model: &str,
+) -> Result<()> {
+    let targets = resolve_model_targets(gpt, spec)?;
     let params: BTreeMap<String, Tensor> = gpt.named_parameters().into_iter().collect();
     let mut host = Vec::new();
     for t in &targets {
@@ -267,6 +365,16 @@ fn spec_from_json(cfg: &Map<String, Value>, source: &str) -> Result<LoraSpec> {
 /// (an adapter of another base's modules) or of another shape (another base's widths, or
 /// another rank), a dtype other than F32 / F16 / BF16; the errors of [`resolve_targets`].
 pub fn read_adapter(dir: &Path, cfg: &GptConfig) -> Result<Adapter> {
+    read_adapter_of(dir, all_modules(cfg), ("GPT-2", MODULES))
+}
+
+/// [`read_adapter`] checked against a Llama of `cfg`.
+pub fn read_llama_adapter(dir: &Path, cfg: &LlamaConfig) -> Result<Adapter> {
+    read_adapter_of(dir, llama_modules(cfg), ("Llama", LLAMA_MODULES))
+}
+
+/// [`read_adapter`] against a base of `modules` (`names` for errors).
+fn read_adapter_of(dir: &Path, modules: Vec<Target>, names: (&str, &str)) -> Result<Adapter> {
     let cfg_path = dir.join(ADAPTER_CONFIG);
     if !cfg_path.is_file() {
         return Err(Error::Data {
@@ -275,7 +383,7 @@ pub fn read_adapter(dir: &Path, cfg: &GptConfig) -> Result<Adapter> {
         });
     }
     let spec = spec_from_json(&read_json(&cfg_path)?, &cfg_path.display().to_string())?;
-    let targets = resolve_targets(cfg, &spec)?;
+    let targets = resolve(modules, names, &spec)?;
     let path = dir.join(ADAPTER_WEIGHTS);
     let source = path.display().to_string();
     let bytes = std::fs::read(&path).map_err(|e| Error::Io {
@@ -333,22 +441,25 @@ impl Adapter {
     /// Freezes `gpt` and adds these factors (trainable, in the parameters' dtype) to its
     /// target layers. Errors: [`Error::InvalidArgument`] for a model of another shape than the
     /// one the adapter was read for, or a layer that has an adapter.
-    pub fn apply(&self, gpt: &mut Gpt, seed: u64) -> Result<()> {
-        let targets = resolve_targets(&gpt.gpt_config(), &self.spec)?;
+    pub fn apply<M: LoraBase>(&self, gpt: &mut M, seed: u64) -> Result<()> {
+        let targets = resolve_model_targets(gpt, &self.spec)?;
         if targets != self.targets {
             return Err(Error::InvalidArgument {
                 op: "Adapter::apply",
-                reason: "the adapter was read for a GPT-2 of another shape".into(),
+                reason: format!(
+                    "the adapter was read for a {} of another shape",
+                    gpt.lora_names().0
+                ),
             });
         }
-        gpt.freeze()?;
+        gpt.freeze_base()?;
         let mut by_name: BTreeMap<&str, &(HostTensor, HostTensor)> = self
             .targets
             .iter()
             .map(|t| t.ours.as_str())
             .zip(&self.factors)
             .collect();
-        for (i, (name, linear)) in gpt.linears_mut()?.into_iter().enumerate() {
+        for (i, (name, linear)) in gpt.lora_linears()?.into_iter().enumerate() {
             let Some((a, b)) = by_name.remove(name.as_str()) else {
                 continue;
             };
@@ -436,8 +547,8 @@ pub fn merge_adapter(base: &PretrainedGpt, adapter: &Adapter, dir: &Path) -> Res
 
 /// Reads back the adapters of `gpt` for `spec`'s targets as an [`Adapter`] (to merge them into
 /// a folder after training).
-pub fn adapter_of(gpt: &Gpt, spec: &LoraSpec) -> Result<Adapter> {
-    let targets = resolve_targets(&gpt.gpt_config(), spec)?;
+pub fn adapter_of<M: LoraBase>(gpt: &M, spec: &LoraSpec) -> Result<Adapter> {
+    let targets = resolve_model_targets(gpt, spec)?;
     let params: BTreeMap<String, Tensor> = gpt.named_parameters().into_iter().collect();
     let mut factors = Vec::new();
     for t in &targets {

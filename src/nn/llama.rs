@@ -494,6 +494,53 @@ impl Llama {
         self.checkpoint_blocks.store(on, Ordering::Relaxed);
     }
 
+    /// Every Linear of the decoder layers by its transformers module name
+    /// (`model.layers.{i}.self_attn.q_proj`, ...): q, k, v, o, gate, up, down per layer, in
+    /// order (the head, when untied, is not among them).
+    /// An [`Error::InvalidArgument`] while a recorded graph (a checkpointed forward that has
+    /// not run backward) still holds a block.
+    pub fn linears_mut(&mut self) -> Result<Vec<(String, &mut Linear)>> {
+        let mut out = Vec::new();
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let l = Arc::get_mut(l).ok_or_else(|| Error::InvalidArgument {
+                op: "Llama::linears_mut",
+                reason: format!("block {i} is held by a recorded graph; run backward or drop it"),
+            })?;
+            let p = format!("model.layers.{i}");
+            let a = &mut l.self_attn;
+            out.push((format!("{p}.self_attn.q_proj"), &mut a.q_proj));
+            out.push((format!("{p}.self_attn.k_proj"), &mut a.k_proj));
+            out.push((format!("{p}.self_attn.v_proj"), &mut a.v_proj));
+            out.push((format!("{p}.self_attn.o_proj"), &mut a.o_proj));
+            let m = &mut l.mlp;
+            out.push((format!("{p}.mlp.gate_proj"), &mut m.gate_proj));
+            out.push((format!("{p}.mlp.up_proj"), &mut m.up_proj));
+            out.push((format!("{p}.mlp.down_proj"), &mut m.down_proj));
+        }
+        Ok(out)
+    }
+
+    /// Detaches every parameter from autograd (embedding, norms, every Linear's weight and
+    /// bias, the untied head): no gradients, no optimizer state. Adapters stay trainable.
+    /// Errors as [`Llama::linears_mut`].
+    pub fn freeze(&mut self) -> Result<()> {
+        for (_, l) in self.linears_mut()? {
+            l.freeze();
+        }
+        for l in &mut self.layers {
+            let l = Arc::get_mut(l).expect("checked by linears_mut");
+            for n in [&mut l.input_layernorm, &mut l.post_attention_layernorm] {
+                n.weight = n.weight.detach();
+            }
+        }
+        self.norm.weight = self.norm.weight.detach();
+        self.embed_tokens.weight = self.embed_tokens.weight.detach();
+        if let Some(h) = &mut self.lm_head {
+            h.freeze();
+        }
+        Ok(())
+    }
+
     /// The configuration.
     pub fn llama_config(&self) -> &LlamaConfig {
         &self.cfg

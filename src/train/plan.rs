@@ -44,6 +44,12 @@ pub struct Plan {
     pub all_reduce_buffer: u64,
     /// Peak bytes in use: the sum of the above at the worst point of the step.
     pub peak: u64,
+    /// Peak bytes in use of a step whose optimizer holds no state yet (a run's first step, or
+    /// the only one): the optimizer makes its state during that step's update, so the
+    /// forward and backward run without it. At most `peak`; equal when the state is made
+    /// before the step's worst point or there is none.
+    #[serde(default)]
+    pub first_step_peak: u64,
     /// Peak bytes the arena holds from the driver (segments, with rounding and free ranges).
     pub peak_reserved: u64,
     /// Segments (wgpu buffers) the step would create.
@@ -80,6 +86,13 @@ impl fmt::Display for Plan {
             writeln!(f, "  communication     {:>12}", Bytes(self.communication))?;
         }
         writeln!(f, "  = peak in use     {:>12}", Bytes(self.peak))?;
+        if self.first_step_peak != self.peak {
+            writeln!(
+                f,
+                "  first step        {:>12} in use (before the optimizer state exists)",
+                Bytes(self.first_step_peak)
+            )?;
+        }
         writeln!(f, "  peak reserved     {:>12}", Bytes(self.peak_reserved))?;
         if let Some(op) = &self.peak_op {
             writeln!(f, "  peak reached at   {op}")?;
@@ -201,41 +214,47 @@ impl<M: Module> Trainer<M> {
             if record {
                 dev.start_timeline()?;
             }
-            let result = t.two_planned_steps(data, indices, !record);
+            let result = t.two_planned_steps(data, indices, !record, scope);
             let timeline = if record { dev.take_timeline() } else { None };
-            let moved = result?;
+            let (moved, first_step_peak) = result?;
             drop(resident);
             t.optimizer.zero_grad();
             let stats = scope.stats();
             let mut plan = t.step_plan(&stats, &before, indices.len());
             plan.bytes_moved += moved;
+            plan.first_step_peak = first_step_peak;
             Ok((plan, timeline))
         })
     }
 
     /// Two planned steps over `indices` (the first makes the optimizer's lazy state; `skip`:
-    /// only the micro-batches that can set the peak); the bytes streaming moved in the second.
-    /// The real run's counters are kept.
+    /// only the micro-batches that can set the peak) on `scope`, whose peak was reset before;
+    /// the bytes streaming moved in the second, and the peak in use of the first. The real
+    /// run's counters are kept.
     pub(super) fn two_planned_steps<D>(
         &mut self,
         data: &D,
         indices: &[usize],
         skip: bool,
-    ) -> Result<u64>
+        scope: &PlanScope,
+    ) -> Result<(u64, u64)>
     where
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
         let real = self.take_bytes_moved();
-        let mut moved = 0;
-        let result = (0..2).try_for_each(|_| {
+        let (mut moved, mut first_peak) = (0, 0);
+        let result = (0..2).try_for_each(|i| {
             self.take_bytes_moved();
             self.try_step(data, indices, skip)?;
             moved = self.take_bytes_moved().total();
+            if i == 0 {
+                first_peak = scope.stats().peak_bytes_in_use;
+            }
             Ok(())
         });
         crate::residency::add_moved(&self.device, real);
-        result.map(|()| moved)
+        result.map(|()| (moved, first_peak))
     }
 
     /// The plan of a step from the planning arena's statistics at its end (`before`: at its
@@ -256,6 +275,7 @@ impl<M: Module> Trainer<M> {
             communication: at(Category::Communication),
             all_reduce_buffer: stats.category_peaks.get(Category::Communication),
             peak: stats.peak_bytes_in_use,
+            first_step_peak: stats.peak_bytes_in_use,
             peak_reserved: stats.peak_bytes_reserved,
             new_buffers: stats.buffers_created - before.buffers_created,
             peak_op: stats.peak_op.clone(),

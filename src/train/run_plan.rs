@@ -164,11 +164,12 @@ impl<M: Module> Trainer<M> {
             let dev = t.device.clone();
             let before = scope.stats();
             let resident = data.resident(&dev)?;
-            let moved = t.two_planned_steps(data, idx, true)?;
+            let (moved, first_step_peak) = t.two_planned_steps(data, idx, true, scope)?;
             drop(resident);
             t.optimizer.zero_grad();
             let mut step = t.step_plan(&scope.stats(), &before, idx.len());
             step.bytes_moved += moved;
+            step.first_step_peak = first_step_peak;
             let mut run = RunPlan {
                 peak: step.peak,
                 peak_reserved: step.peak_reserved,
