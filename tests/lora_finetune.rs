@@ -108,9 +108,17 @@ fn lora_flags_are_refused_before_device_work() {
         ]),
         "--lora-rank differs",
     );
+    // A Llama folder: its own module names, and no merge into a folder yet.
     let llama = fixtures().join("hf/llama-tiny-gqa");
-    let args = finetune_args(&["--model", llama.to_str().unwrap(), "--lora-rank", "4"]);
-    inval(finetune::prepare(&args).err().unwrap(), "GPT-2");
+    let llama = llama.to_str().unwrap();
+    for (extra, says) in [
+        (["--lora-targets", "c_attn"], "'c_attn'"),
+        (["--merge-into", "/nonexistent/merged"], "--merge-into"),
+    ] {
+        let mut all = vec!["--model", llama, "--lora-rank", "4"];
+        all.extend(extra);
+        inval(finetune::prepare(&finetune_args(&all)).err().unwrap(), says);
+    }
 }
 
 /// The finetune example: LoRA and QLoRA (NF4 base) runs on the eval text each lower its
@@ -202,6 +210,71 @@ fn finetune_lora_and_qlora_lower_the_loss() {
     );
     let m = eval_only(merged.to_str().unwrap(), &[]);
     assert!((m - after).abs() <= 1e-4, "merged {m} vs {after}");
+}
+
+/// LoRA on a Llama folder (grouped-query attention), on an NF4 base, with PEFT's default
+/// targets (q_proj, v_proj): the held-out loss falls and the saved adapter (PEFT's names)
+/// resumes to the same loss.
+#[test]
+fn finetune_lora_on_a_llama_folder() {
+    let Some(dev) = vulkan() else { return };
+    let base = fixtures().join("hf/llama-tiny-gqa");
+    let eval = fixtures().join("hf/eval.txt");
+    let (base, eval) = (base.to_str().unwrap(), eval.to_str().unwrap());
+    let dir = tempfile::tempdir().unwrap();
+    let adapter = dir.path().join("adapter");
+    let run = |extra: &[&str]| {
+        let mut all = vec!["--model", base, "--eval-text", eval, "--context", "16"];
+        all.extend(extra);
+        let args = finetune_args(&all);
+        let setup = finetune::prepare(&args)?;
+        finetune::run(&args, setup, &dev)
+    };
+    let trained = run(&[
+        "--text",
+        eval,
+        "--steps",
+        "4",
+        "--lr",
+        "2e-2",
+        "--lora-rank",
+        "4",
+        "--quantize",
+        "nf4",
+        "--save-adapter",
+        adapter.to_str().unwrap(),
+    ])
+    .unwrap();
+    let (before, after) = (
+        trained.eval_before.unwrap().loss,
+        trained.eval.unwrap().loss,
+    );
+    assert!(after < before - 0.05, "Llama QLoRA: {before} -> {after}");
+    let bytes = std::fs::read(adapter.join("adapter_model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let names: Vec<String> = st.names().into_iter().map(|n| n.to_string()).collect();
+    assert!(
+        names
+            .iter()
+            .all(|n| n.starts_with("base_model.model.model.layers."))
+            && names.iter().any(|n| n.contains("self_attn.q_proj.lora_A"))
+            && names.iter().any(|n| n.contains("self_attn.v_proj.lora_B")),
+        "{names:?}"
+    );
+    let resumed = run(&[
+        "--resume-adapter",
+        adapter.to_str().unwrap(),
+        "--quantize",
+        "nf4",
+    ])
+    .unwrap()
+    .eval
+    .unwrap()
+    .loss;
+    assert!(
+        (resumed - after).abs() <= 1e-5,
+        "resumed {resumed} vs {after}"
+    );
 }
 
 /// Writes the PEFT fixture's adapter and fitgrad's logits with it (run by hand with

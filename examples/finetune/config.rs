@@ -141,7 +141,11 @@ fn config_lora(args: &Args, model: &ModelConfig) -> Result<Option<(LoraSpec, Bas
             "--quantize {quant} quantizes f32 weights: use --precision f32 or mixed"
         )));
     }
-    let spec = lora_spec(args)?;
+    let defaults = match model {
+        ModelConfig::Gpt2(_) => super::setup::GPT2_LORA_TARGETS,
+        ModelConfig::Llama(_) => super::setup::LLAMA_LORA_TARGETS,
+    };
+    let spec = lora_spec(args, defaults)?;
     match model {
         ModelConfig::Gpt2(c) => resolve_targets(c, &spec)?,
         ModelConfig::Llama(c) => resolve_llama_targets(c, &spec)?,

@@ -3,8 +3,10 @@
 
 use super::setup::{Folder, Setup};
 use super::Args;
-use fitgrad::compress::{quantize_gpt_base, BaseQuant};
-use fitgrad::hf::{save_gpt2, save_llama, PretrainedGpt, TOKENIZER_FILE};
+use fitgrad::compress::{quantize_gpt_base, quantize_llama_base, BaseQuant};
+use fitgrad::hf::{
+    save_gpt2, save_llama, LoraBase, PretrainedGpt, PretrainedLlama, TOKENIZER_FILE,
+};
 use fitgrad::nn::{trainable_parameters, Gpt, LanguageModel, Module, Sampling};
 use fitgrad::optim::{decay_groups, AdamW, Optimizer, Sgd};
 use fitgrad::train::text::{TextDataset, TokenBatch};
@@ -46,18 +48,46 @@ pub fn build_gpt(
     device: &Device,
     quant: BaseQuant,
 ) -> Result<(Gpt, Option<(u64, usize)>)> {
-    let mut gpt = folder.build(device)?;
+    with_lora(args, setup, folder.build(device)?, quant, quantize_gpt_base)
+}
+
+/// [`build_gpt`] for a Llama folder.
+pub fn build_llama(
+    args: &Args,
+    setup: &Setup,
+    folder: &PretrainedLlama,
+    device: &Device,
+    quant: BaseQuant,
+) -> Result<(fitgrad::nn::Llama, Option<(u64, usize)>)> {
+    with_lora(
+        args,
+        setup,
+        folder.build(device)?,
+        quant,
+        quantize_llama_base,
+    )
+}
+
+/// `model` with the run's adapters (new, or the resumed ones) and its frozen base held as
+/// `quant` by `quantize`; unchanged without LoRA.
+fn with_lora<M: LoraBase>(
+    args: &Args,
+    setup: &Setup,
+    mut model: M,
+    quant: BaseQuant,
+    quantize: fn(&mut M, BaseQuant) -> Result<(u64, usize)>,
+) -> Result<Built<M>> {
     let Some(lora) = &setup.lora else {
-        return Ok((gpt, None));
+        return Ok((model, None));
     };
     match &lora.resume {
-        Some(a) => a.apply(&mut gpt, args.seed)?,
+        Some(a) => a.apply(&mut model, args.seed)?,
         None => {
-            fitgrad::hf::add_lora(&mut gpt, &lora.spec, args.seed)?;
+            fitgrad::hf::add_lora(&mut model, &lora.spec, args.seed)?;
         }
     }
-    let base = quantize_gpt_base(&mut gpt, quant)?;
-    Ok((gpt, (quant != BaseQuant::None).then_some(base)))
+    let base = quantize(&mut model, quant)?;
+    Ok((model, (quant != BaseQuant::None).then_some(base)))
 }
 
 /// Opens the device the flags ask for.
@@ -95,35 +125,42 @@ pub fn run(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
             device,
             &|q| build_gpt(args, setup, f, device, q),
             &save_gpt2,
-            &|gpt| save_lora(args, setup, f, gpt),
+            &|gpt| save_lora(args, setup, Some(f), gpt),
         ),
         Folder::Llama(f) => run_model(
             args,
             setup,
             device,
-            &|_| Ok((f.build(device)?, None)),
+            &|q| build_llama(args, setup, f, device, q),
             &save_llama,
-            &|_| Ok(()),
+            &|m| save_lora(args, setup, None, m),
         ),
     }
 }
 
 /// Writes the adapters of a LoRA run as the flags ask: `--save-adapter`, `--merge-into`.
-pub fn save_lora(args: &Args, setup: &Setup, folder: &PretrainedGpt, gpt: &Gpt) -> Result<()> {
+/// `folder`: a GPT-2 base to merge into (`--merge-into`, GPT-2 folders only: checked by the
+/// setup).
+pub fn save_lora<M: LoraBase>(
+    args: &Args,
+    setup: &Setup,
+    folder: Option<&PretrainedGpt>,
+    model: &M,
+) -> Result<()> {
     let Some(lora) = &setup.lora else {
         return Ok(());
     };
     if let Some(dir) = &args.save_adapter {
         fitgrad::hf::save_adapter(
-            gpt,
+            model,
             &lora.spec,
             dir,
             &args.model_dir().display().to_string(),
         )?;
         println!("saved adapter {}", dir.display());
     }
-    if let Some(dir) = &args.merge_into {
-        let adapter = fitgrad::hf::adapter_of(gpt, &lora.spec)?;
+    if let (Some(dir), Some(folder)) = (&args.merge_into, folder) {
+        let adapter = fitgrad::hf::adapter_of(model, &lora.spec)?;
         fitgrad::hf::merge_adapter(folder, &adapter, dir)?;
         println!("merged into {}", dir.display());
     }

@@ -19,7 +19,19 @@ pub enum Folder {
     Llama(PretrainedLlama),
 }
 
+/// PEFT's default `target_modules` for GPT-2 and for Llama.
+pub const GPT2_LORA_TARGETS: &str = "c_attn";
+pub const LLAMA_LORA_TARGETS: &str = "q_proj,v_proj";
+
 impl Folder {
+    /// PEFT's default LoRA targets for the folder's architecture.
+    pub fn default_lora_targets(&self) -> &'static str {
+        match self {
+            Folder::Gpt2(_) => GPT2_LORA_TARGETS,
+            Folder::Llama(_) => LLAMA_LORA_TARGETS,
+        }
+    }
+
     /// Reads `dir` with the loader its `config.json`'s model_type names.
     pub fn open(dir: &Path, dtype: fitgrad::DType) -> Result<Folder> {
         match fitgrad::hf::model_type(dir)?.as_str() {
@@ -271,14 +283,16 @@ pub fn prepare(args: &Args) -> Result<Setup> {
 
 /// The adapters `--lora-rank`, `--lora-alpha`, `--lora-dropout` and `--lora-targets` ask for
 /// (PEFT's defaults: alpha 8, no dropout, `c_attn`).
-pub fn lora_spec(args: &Args) -> Result<LoraSpec> {
+/// The LoRA flags' adapter settings; `default_targets` (PEFT's default for the architecture)
+/// without `--lora-targets`.
+pub fn lora_spec(args: &Args, default_targets: &str) -> Result<LoraSpec> {
     let r = args
         .lora_rank
         .ok_or_else(|| invalid("LoRA needs --lora-rank R".into()))?;
     let targets = args
         .lora_targets
         .as_deref()
-        .unwrap_or("c_attn")
+        .unwrap_or(default_targets)
         .split(',')
         .map(|t| t.trim().to_string())
         .filter(|t| !t.is_empty())
@@ -317,13 +331,13 @@ pub fn prepare_lora(
         }
         return Ok(None);
     }
-    let Folder::Gpt2(folder) = folder else {
+    if args.merge_into.is_some() && matches!(folder, Folder::Llama(_)) {
         return Err(invalid(
-            "--lora-rank / --resume-adapter: LoRA runs on GPT-2 folders (a Llama folder's is not \
-             wired yet; --config plans and runs a Llama's)"
+            "--merge-into writes GPT-2 folders (a Llama's merge is not wired yet): use \
+             --save-adapter DIR, which PEFT loads over the base"
                 .into(),
         ));
-    };
+    }
     if quant != BaseQuant::None && precision == Precision::F16 {
         return Err(invalid(format!(
             "--quantize {quant} quantizes f32 weights: use --precision f32 or mixed"
@@ -357,7 +371,10 @@ pub fn prepare_lora(
     }
     let (spec, resume) = match &args.resume_adapter {
         Some(dir) => {
-            let a = fitgrad::hf::read_adapter(dir, &folder.config)?;
+            let a = match folder {
+                Folder::Gpt2(f) => fitgrad::hf::read_adapter(dir, &f.config)?,
+                Folder::Llama(f) => fitgrad::hf::read_llama_adapter(dir, &f.config)?,
+            };
             let differs = [
                 (
                     "--lora-rank",
@@ -384,10 +401,13 @@ pub fn prepare_lora(
             }
             (spec, Some(a))
         }
-        None => (lora_spec(args)?, None),
+        None => (lora_spec(args, folder.default_lora_targets())?, None),
     };
     // Every target and the rank, against the model's widths.
-    fitgrad::hf::resolve_targets(&folder.config, &spec)?;
+    match folder {
+        Folder::Gpt2(f) => fitgrad::hf::resolve_targets(&f.config, &spec)?,
+        Folder::Llama(f) => fitgrad::hf::resolve_llama_targets(&f.config, &spec)?,
+    };
     Ok(Some(LoraSetup {
         spec,
         resume,
