@@ -260,3 +260,38 @@ fn planned_peak_equals_the_measured_one() {
         assert!(o.test_accuracy.is_finite());
     }
 }
+
+/// Batch norm under half the unbudgeted peak (the embedded digits, three steps of 64): the
+/// micro-batch the budget fit chose runs every step without running out. The third step is
+/// the one that needs it: a finely split budget arena still changes its free ranges in the
+/// second, so the plan runs steps until they repeat.
+#[test]
+fn batch_norm_under_half_the_peak_runs_the_fitted_micro_batch() {
+    if common::fresh_with_budget(None).is_none() {
+        return;
+    }
+    let digits = |extra: &[&str]| {
+        let mut argv = vec![
+            "train_cnn",
+            "--dataset",
+            "digits",
+            "--train-samples",
+            "192",
+            "--epochs",
+            "1",
+        ];
+        argv.extend_from_slice(extra);
+        let args = train_cnn::Args::try_parse_from(argv).unwrap();
+        train_cnn::run(args, &Job::Single).unwrap()
+    };
+    let whole = digits(&[]);
+    let budget = (whole.measured_peak / 2).to_string();
+    let budgeted = digits(&["--memory-budget", &budget]);
+    assert!(budgeted.micro_batch < 64, "{}", budgeted.micro_batch);
+    assert_eq!(
+        budgeted.oom_retries, 0,
+        "micro-batch {}",
+        budgeted.micro_batch
+    );
+    assert!(budgeted.measured_peak <= whole.measured_peak / 2);
+}

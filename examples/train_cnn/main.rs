@@ -30,7 +30,7 @@ use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
 use fitgrad::report::{check_output_path, StepCapture, TrainingReport};
 use fitgrad::train::data::{self, Dataset};
 use fitgrad::train::Precision;
-use fitgrad::train::{Trainer, TrainerConfig};
+use fitgrad::train::{TrainEvent, Trainer, TrainerConfig};
 use fitgrad::{Bytes, Device, DeviceOptions};
 use fitgrad::{Error, Result};
 use model::ResNet;
@@ -153,6 +153,8 @@ pub struct Outcome {
     pub planned_peak: u64,
     pub measured_peak: u64,
     pub micro_batch: usize,
+    /// Steps that ran out of memory and were redone at a smaller micro-batch.
+    pub oom_retries: usize,
     pub test_accuracy: f32,
     pub tensors: Vec<(String, Vec<f32>)>,
 }
@@ -361,6 +363,7 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
     let started = Instant::now();
     let mut final_loss = f32::NAN;
     let mut capture = StepCapture::new();
+    let mut oom_retries = 0;
     for epoch in first_epoch..epochs {
         let epoch_start = Instant::now();
         trainer.train_epoch(&images, args.seed, epoch, |t, done, total| {
@@ -385,6 +388,9 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         })?;
         let secs = epoch_start.elapsed().as_secs_f64();
         for e in trainer.take_events() {
+            if matches!(e, TrainEvent::OomRetry { .. }) {
+                oom_retries += 1;
+            }
             say!("  {e}");
         }
         report.log_epoch(
@@ -405,6 +411,7 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         planned_peak: plan.peak,
         measured_peak: measured,
         micro_batch: trainer.micro_batch(),
+        oom_retries,
         test_accuracy: f32::NAN,
         tensors: tensors_of(&trainer.model)?,
     };

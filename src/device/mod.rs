@@ -404,6 +404,13 @@ impl Device {
         lock(&self.inner.arena).stats()
     }
 
+    /// The layout (segments and their free ranges) of the arena allocations go to now: the
+    /// planning one inside a plan. Equal at the end of two steps means every later step
+    /// repeats the last one.
+    pub(crate) fn arena_layout(&self) -> crate::memory::Layout {
+        self.with_arena(|a| a.layout())
+    }
+
     /// A readable table of the arena's state.
     pub fn memory_report(&self) -> String {
         format!(

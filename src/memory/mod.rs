@@ -29,6 +29,9 @@ use crate::{Error, Result};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+/// An arena's layout: each live segment's slot, size and free ranges (offset, length).
+pub(crate) type Layout = Vec<(usize, u64, Vec<(u64, u64)>)>;
+
 /// Offsets and sizes of blocks are multiples of this (wgpu's maximum storage offset alignment).
 pub const BLOCK_ALIGN: u64 = 256;
 /// Requests up to this size share segments.
@@ -495,6 +498,20 @@ impl Arena {
             plan_id: self.plan_id,
             redirect: None,
         }
+    }
+
+    /// The arena's layout: each live segment's slot, size and free ranges. Two arenas with the
+    /// same layout serve the same sequence of requests with the same blocks and segments, so a
+    /// step that ends with the layout it began with repeats itself exactly.
+    pub fn layout(&self) -> Layout {
+        self.segments
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                s.as_ref()
+                    .map(|s| (i, s.size, s.free.iter().map(|(&o, &l)| (o, l)).collect()))
+            })
+            .collect()
     }
 
     /// (size, bytes in use) of every live segment.

@@ -1,7 +1,8 @@
 //! The planner: a step's peak memory, known before the step runs, for any model.
 //!
 //! It does not model anything. It runs the trainer's own step code — forward, backward, loss
-//! scaling, the optimizer step, twice so lazily created optimizer state counts — on the
+//! scaling, the optimizer step, at least twice so lazily created optimizer state counts, and
+//! until the arena's layout repeats so later steps need nothing more — on the
 //! device's planning mode ([`Device::planning`]), where every allocation goes through a copy of
 //! the real arena (same segments, rounding, reuse and budget) but no buffer is created and
 //! nothing runs. The peak it reports is the peak that step reaches, by construction; when an
@@ -21,6 +22,10 @@ use crate::memory::{Category, Timeline};
 use crate::nn::Module;
 use crate::{Device, Error, Result, Tensor};
 use std::fmt;
+
+/// The most steps a plan runs while waiting for the arena's layout to repeat (a plan that
+/// reaches it without a repeat reports the peaks of those steps).
+pub(super) const MAX_PLANNED_STEPS: usize = 8;
 
 /// The planned peak of a training step and what it is made of.
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -214,7 +219,7 @@ impl<M: Module> Trainer<M> {
             if record {
                 dev.start_timeline()?;
             }
-            let result = t.two_planned_steps(data, indices, !record, scope);
+            let result = t.planned_steps(data, indices, !record, scope);
             let timeline = if record { dev.take_timeline() } else { None };
             let (moved, first_step_peak) = result?;
             drop(resident);
@@ -227,11 +232,12 @@ impl<M: Module> Trainer<M> {
         })
     }
 
-    /// Two planned steps over `indices` (the first makes the optimizer's lazy state; `skip`:
-    /// only the micro-batches that can set the peak) on `scope`, whose peak was reset before;
-    /// the bytes streaming moved in the second, and the peak in use of the first. The real
-    /// run's counters are kept.
-    pub(super) fn two_planned_steps<D>(
+    /// Planned steps over `indices` (the first makes the optimizer's lazy state; `skip`: only
+    /// the micro-batches that can set the peak) on `scope`, whose peak was reset before, at
+    /// least two, until the arena's layout stops changing (at most [`MAX_PLANNED_STEPS`]); the
+    /// bytes streaming moved in the last, and the peak in use of the first. The real run's
+    /// counters are kept.
+    pub(super) fn planned_steps<D>(
         &mut self,
         data: &D,
         indices: &[usize],
@@ -244,15 +250,25 @@ impl<M: Module> Trainer<M> {
     {
         let real = self.take_bytes_moved();
         let (mut moved, mut first_peak) = (0, 0);
-        let result = (0..2).try_for_each(|i| {
+        // The arena's free ranges after a step decide where the next one's blocks go, so a
+        // step after the second may still need a segment the first two did not (a tight
+        // budget splits the segments finely). Steps go on until one ends with the layout the
+        // step before it ended with: from there every step repeats it exactly.
+        let mut previous = None;
+        let mut result = Ok(());
+        for i in 0..MAX_PLANNED_STEPS {
             self.take_bytes_moved();
-            self.try_step(data, indices, skip)?;
+            result = self.try_step(data, indices, skip);
             moved = self.take_bytes_moved().total();
             if i == 0 {
                 first_peak = scope.stats().peak_bytes_in_use;
             }
-            Ok(())
-        });
+            let layout = self.device.arena_layout();
+            if result.is_err() || previous.as_ref() == Some(&layout) {
+                break;
+            }
+            previous = Some(layout);
+        }
         crate::residency::add_moved(&self.device, real);
         result.map(|()| (moved, first_peak))
     }

@@ -147,7 +147,8 @@ impl<M: Module> Trainer<M> {
         }
     }
 
-    /// Two planned steps over `idx` at `micro`, then the phases, under `budget`.
+    /// Planned steps over `idx` at `micro` until the arena settles, then the phases, under
+    /// `budget`.
     fn run_plan_at<D>(
         &mut self,
         data: &D,
@@ -164,7 +165,7 @@ impl<M: Module> Trainer<M> {
             let dev = t.device.clone();
             let before = scope.stats();
             let resident = data.resident(&dev)?;
-            let (moved, first_step_peak) = t.two_planned_steps(data, idx, true, scope)?;
+            let (moved, first_step_peak) = t.planned_steps(data, idx, true, scope)?;
             drop(resident);
             t.optimizer.zero_grad();
             let mut step = t.step_plan(&scope.stats(), &before, idx.len());
