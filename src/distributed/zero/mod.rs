@@ -25,10 +25,12 @@ pub mod checkpoint;
 mod layout;
 mod optimizer;
 mod plan;
+mod stage3;
 
 pub use layout::{Piece, ShardLayout, GRANULE};
 pub use optimizer::ZeroOptimizer;
 pub use plan::{Collective, CollectiveKind, RankPlan, RankPlans, StepCollectives};
+pub use stage3::{start_stage3, ShardedSource, UnitShards};
 
 use super::allreduce::{broadcast_from_rank0, check_same_run, copy_from_rank0};
 use super::allreduce::{new_grad, write_into};
