@@ -28,6 +28,11 @@ pub struct ZeroOptimizer<C> {
     hyperparameters: Vec<(String, String)>,
     lr: f32,
     steps: u64,
+    /// Every parameter of the model (`params` less the units' at stage 3).
+    all_params: Vec<Tensor>,
+    /// Stage 3's sharded units: their pieces are updated with the rest, then become the
+    /// shard the next fetch gathers.
+    stage3: Option<Arc<super::stage3::Stage3>>,
 }
 
 impl<C: Communicator> ZeroOptimizer<C> {
@@ -56,6 +61,31 @@ impl<C: Communicator> ZeroOptimizer<C> {
             hyperparameters: original.hyperparameters(),
             lr: original.lr(),
             steps: 0,
+            all_params: params.clone(),
+            stage3: None,
+        }
+    }
+
+    /// At stage 3: `all` the model's parameters and the sharded units.
+    pub(super) fn with_stage3(
+        mut self,
+        all: Vec<Tensor>,
+        stage3: Option<Arc<super::stage3::Stage3>>,
+    ) -> ZeroOptimizer<C> {
+        self.all_params = all;
+        self.stage3 = stage3;
+        self
+    }
+
+    fn refuse_stage3(&self, op: &'static str) -> Result<()> {
+        match self.stage3 {
+            Some(_) => Err(Error::InvalidArgument {
+                op,
+                reason: "checkpoints of ZeRO stage 3 (sharded parameters) are not built yet; \
+                         save at stage 2"
+                    .into(),
+            }),
+            None => Ok(()),
         }
     }
 
@@ -215,6 +245,13 @@ impl<C: Communicator + 'static> Optimizer for ZeroOptimizer<C> {
             inner.step()?;
         }
         self.all_gather_parameters()?;
+        if let Some(s3) = &self.stage3 {
+            let planning = self
+                .all_params
+                .first()
+                .is_some_and(|p| p.device().is_planning());
+            s3.write_back(planning)?;
+        }
         self.steps += 1;
         Ok(())
     }
@@ -222,6 +259,9 @@ impl<C: Communicator + 'static> Optimizer for ZeroOptimizer<C> {
     fn zero_grad(&mut self) {
         for t in self.params.iter().chain(&self.views) {
             t.zero_grad();
+        }
+        if let Some(s3) = &self.stage3 {
+            s3.tensors().iter().for_each(Tensor::zero_grad);
         }
     }
 
@@ -236,7 +276,7 @@ impl<C: Communicator + 'static> Optimizer for ZeroOptimizer<C> {
     /// The model's parameters (every replica updates all of them: its shard by the update,
     /// the rest by the all-gather).
     fn params(&self) -> &[Tensor] {
-        &self.params
+        &self.all_params
     }
 
     fn step_count(&self) -> u64 {
@@ -265,12 +305,14 @@ impl<C: Communicator + 'static> Optimizer for ZeroOptimizer<C> {
     }
 
     fn checkpoint_state(&self) -> Result<OptimizerState> {
+        self.refuse_stage3("ZeroOptimizer::checkpoint_state")?;
         self.consolidated()
     }
 
     /// Takes a whole state ([`Optimizer::checkpoint_state`]'s, from any number of replicas or
     /// one process) and keeps this replica's pieces of it.
     fn load_state(&mut self, state: OptimizerState) -> Result<()> {
+        self.refuse_stage3("ZeroOptimizer::load_state")?;
         let state = self.shard_of(state)?;
         let steps = state.step_count;
         match self.inner.as_mut() {
@@ -300,6 +342,8 @@ impl<C: Communicator + 'static> Optimizer for ZeroOptimizer<C> {
             hyperparameters: self.hyperparameters.clone(),
             lr: self.lr,
             steps: 0,
+            all_params: self.all_params.clone(),
+            stage3: self.stage3.clone(),
         })
     }
 }

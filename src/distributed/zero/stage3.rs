@@ -228,3 +228,127 @@ pub fn start_stage3<C: Communicator + 'static>(
     let streaming = Streaming::start_with(device, units, Box::new(source))?;
     Ok((streaming, shards))
 }
+
+/// What a trainer's ZeRO stage 3 holds besides stage 2's: the streaming of the model's units
+/// from the ranks, their shards, and this rank's pieces of each unit as device tensors (what
+/// the shard optimizer updates in place; their gradients are the reduce-scattered sums).
+pub(super) struct Stage3 {
+    _streaming: Streaming,
+    shards: Arc<Mutex<UnitShards>>,
+    /// Per unit: each piece of this rank's shard and its device tensor.
+    pieces: Vec<Vec<(super::Piece, Tensor)>>,
+}
+
+impl Stage3 {
+    /// Shards `units` over the ranks of `comm` and streams them from there; returns the stage
+    /// and, per piece tensor in [`Stage3::tensors`] order, its index in `opt_params`.
+    pub fn start<C: Communicator + 'static>(
+        device: &Device,
+        units: Vec<(String, Vec<Tensor>)>,
+        comm: Arc<Mutex<C>>,
+        opt_params: &[Tensor],
+    ) -> Result<(Stage3, Vec<usize>)> {
+        let unit_params: Vec<Vec<Tensor>> = units.iter().map(|(_, p)| p.clone()).collect();
+        let mut of = Vec::new();
+        for p in unit_params.iter().flatten() {
+            if p.dtype() != crate::DType::F32 {
+                return Err(Error::InvalidArgument {
+                    op: "--zero 3",
+                    reason: format!(
+                        "sharded unit parameters are f32; {p:?} is {} (use mixed precision: \
+                         f32 parameters, f16 compute)",
+                        p.dtype()
+                    ),
+                });
+            }
+        }
+        let (streaming, shards) = start_stage3(device, units, comm)?;
+        let s = lock(&shards);
+        let _c = device.category_scope(crate::memory::Category::Parameters);
+        let mut pieces = Vec::with_capacity(unit_params.len());
+        for (u, ps) in unit_params.iter().enumerate() {
+            let mut mine = Vec::new();
+            for pc in s.layout(u).pieces(s.rank()) {
+                let len = pc.within.len();
+                let v = &s.values(u)[pc.at..pc.at + len];
+                let t = Tensor::from_slice(device, v, &[len])?.with_requires_grad();
+                let at = opt_params
+                    .iter()
+                    .position(|o| o.is_same(&ps[pc.param]))
+                    .ok_or_else(|| Error::InvalidArgument {
+                        op: "--zero 3",
+                        reason: "a unit's parameter is not one the optimizer updates".into(),
+                    })?;
+                of.push(at);
+                mine.push((pc, t));
+            }
+            pieces.push(mine);
+        }
+        drop(s);
+        let stage = Stage3 {
+            _streaming: streaming,
+            shards,
+            pieces,
+        };
+        Ok((stage, of))
+    }
+
+    /// This rank's piece tensors, unit by unit.
+    pub fn tensors(&self) -> Vec<Tensor> {
+        self.pieces
+            .iter()
+            .flatten()
+            .map(|(_, t)| t.clone())
+            .collect()
+    }
+
+    /// Drops the reduce-scattered sums a failed step may have left (a step starts from zero).
+    pub fn clear_grads(&self) {
+        let mut s = lock(&self.shards);
+        for u in 0..s.units() {
+            s.take_grad(u);
+        }
+    }
+
+    /// Gives each piece tensor its part of the step's reduce-scattered sum (zeros of its size
+    /// while planning), or none when no retirement reached its unit.
+    pub fn set_grads(&self, planning: bool) -> Result<()> {
+        let mut s = lock(&self.shards);
+        for (u, mine) in self.pieces.iter().enumerate() {
+            let g = s.take_grad(u);
+            for (pc, t) in mine {
+                let len = pc.within.len();
+                let grad = match (&g, planning) {
+                    (_, true) => {
+                        let dev = t.device();
+                        let _c = dev.category_scope(crate::memory::Category::Gradients);
+                        Some(Tensor::zeros(dev, &[len], crate::DType::F32)?)
+                    }
+                    (Some(g), false) => Some(crate::distributed::allreduce::new_grad(
+                        t,
+                        &g[pc.at..pc.at + len],
+                    )?),
+                    (None, false) => None,
+                };
+                t.set_grad(grad)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// After the update: the piece tensors' values become the shard the next fetch gathers
+    /// (read back; nothing is read while planning).
+    pub fn write_back(&self, planning: bool) -> Result<()> {
+        if planning {
+            return Ok(());
+        }
+        let mut s = lock(&self.shards);
+        for (u, mine) in self.pieces.iter().enumerate() {
+            for (pc, t) in mine {
+                let v = t.to_vec_f32()?;
+                s.values_mut(u)[pc.at..pc.at + v.len()].copy_from_slice(&v);
+            }
+        }
+        Ok(())
+    }
+}
