@@ -45,6 +45,7 @@ impl<C: Communicator> ZeroOptimizer<C> {
         rank: usize,
         comm: Arc<Mutex<C>>,
     ) -> ZeroOptimizer<C> {
+        let all_params = params.clone();
         ZeroOptimizer {
             inner,
             params,
@@ -61,7 +62,7 @@ impl<C: Communicator> ZeroOptimizer<C> {
             hyperparameters: original.hyperparameters(),
             lr: original.lr(),
             steps: 0,
-            all_params: params.clone(),
+            all_params,
             stage3: None,
         }
     }
