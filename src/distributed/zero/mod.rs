@@ -317,6 +317,13 @@ impl<C: Communicator> GradientSync for ZeroSync<C> {
         )))
     }
 
+    fn gather_parameters(&mut self) -> Result<()> {
+        match &self.stage3 {
+            Some(s3) => s3.gather_host(&mut *crate::device::lock(&self.comm)),
+            None => Ok(()),
+        }
+    }
+
     fn step_tensors(&self) -> Option<Vec<Tensor>> {
         let mut all = self.views.clone();
         if let Some(s3) = &self.stage3 {

@@ -237,6 +237,8 @@ pub(super) struct Stage3 {
     shards: Arc<Mutex<UnitShards>>,
     /// Per unit: each piece of this rank's shard and its device tensor.
     pieces: Vec<Vec<(super::Piece, Tensor)>>,
+    /// Each unit's parameters.
+    units: Vec<Vec<Tensor>>,
 }
 
 impl Stage3 {
@@ -289,8 +291,24 @@ impl Stage3 {
             _streaming: streaming,
             shards,
             pieces,
+            units: unit_params,
         };
         Ok((stage, of))
+    }
+
+    /// Every unit all-gathered from the ranks into its parameters' host copies (what reading
+    /// the model returns); every rank calls it at once.
+    pub fn gather_host<C: Communicator>(&self, comm: &mut C) -> Result<()> {
+        let s = lock(&self.shards);
+        for (u, params) in self.units.iter().enumerate() {
+            let l = s.layout(u);
+            let mut flat = vec![0f32; l.padded_len()];
+            comm.all_gather_f32(s.values(u), &mut flat)?;
+            for (p, &o) in params.iter().zip(l.offsets()) {
+                p.with_host(|h| h.values.copy_from_slice(&flat[o..o + p.numel()]));
+            }
+        }
+        Ok(())
     }
 
     /// This rank's piece tensors, unit by unit.
