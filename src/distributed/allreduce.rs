@@ -376,8 +376,18 @@ pub(crate) fn parameter_values(model: &dyn Module) -> Result<Vec<f32>> {
         return Ok(Vec::new());
     };
     let (offsets, total) = layout(&params);
-    let present: Vec<Option<Tensor>> = params.iter().map(|p| Some(p.detach())).collect();
-    gather(first.device(), &present, &offsets, total, None)
+    // Streamed parameters (ZeRO stage 3's units) are read from their host copies.
+    let present: Vec<Option<Tensor>> = params
+        .iter()
+        .map(|p| (!p.is_streamed()).then(|| p.detach()))
+        .collect();
+    let mut values = gather(first.device(), &present, &offsets, total, None)?;
+    for (p, &o) in params.iter().zip(&offsets) {
+        if p.is_streamed() {
+            values[o..o + p.numel()].copy_from_slice(&p.to_vec_f32()?);
+        }
+    }
+    Ok(values)
 }
 
 /// Replaces every member's parameters by rank 0's.

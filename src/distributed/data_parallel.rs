@@ -252,6 +252,14 @@ impl<M: Module + Send> DataParallel<M> {
         Ok(loss)
     }
 
+    /// Every replica's sharded parameters gathered into its model (ZeRO stage 3; see
+    /// [`Trainer::gather_parameters`]).
+    pub fn gather_parameters(&mut self) -> Result<()> {
+        on_threads(&mut self.replicas, &self.group, |_, t| {
+            t.gather_parameters()
+        })
+    }
+
     /// Reads every replica's parameters back and compares their bits with replica 0's; an
     /// [`Error::Distributed`] names the first replica and parameter that differ.
     pub fn check_identical(&self) -> Result<()> {

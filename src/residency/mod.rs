@@ -19,8 +19,10 @@
 //! A model built inside [`born_on_host`] has its units in host memory from the start (never
 //! whole on the device); streaming numbers them when it starts.
 //!
-//! Where a unit's data comes from is a [`UnitSource`]: host memory here ([`HostSource`]); a
-//! sharded source (ZeRO stage 3) would gather it from the ranks instead.
+//! Where a unit's data comes from is a [`UnitSource`]: host memory here ([`HostSource`]), or
+//! the ranks of a data-parallel group ([`Streaming::start_with`] with ZeRO stage 3's source,
+//! src/distributed/zero/stage3.rs, which all-gathers a unit's shards into the host copy before
+//! the upload and reduce-scatters its gradients when it is retired).
 //!
 //! Everything runs the same while planning (the device's planning mode): fetches allocate from
 //! the planning arena and count their bytes, nothing is transferred, so the planner's device
@@ -165,6 +167,16 @@ impl Streaming {
     /// `units` are (name, parameters) as [`Module::units`](crate::nn::Module::units) lists
     /// them; an empty list is an [`Error::InvalidArgument`] that says how to mark units.
     pub fn start(device: &Device, units: Vec<(String, Vec<Tensor>)>) -> Result<Streaming> {
+        Streaming::start_with(device, units, Box::new(HostSource))
+    }
+
+    /// As [`Streaming::start`], with `source` fetching each unit and retiring its gradients
+    /// (a unit's number is its position in `units`).
+    pub fn start_with(
+        device: &Device,
+        units: Vec<(String, Vec<Tensor>)>,
+        source: Box<dyn UnitSource>,
+    ) -> Result<Streaming> {
         if units.iter().all(|(_, p)| p.is_empty()) {
             return Err(no_units());
         }
@@ -184,7 +196,7 @@ impl Streaming {
         let u = Units {
             units,
             resident: Vec::new(),
-            source: Box::new(HostSource),
+            source,
             moved: Moved::default(),
         };
         device.with_ext(|s: &mut Slot| s.0 = Some(Arc::new(Mutex::new(u))));

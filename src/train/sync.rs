@@ -50,6 +50,13 @@ pub trait GradientSync: Send {
         Ok(None)
     }
 
+    /// Brings every parameter of the model to this replica's host copies where they are
+    /// sharded (ZeRO stage 3: each unit all-gathered from the ranks), so reading the model sees
+    /// the trained values; every replica calls it at once. Nothing by default.
+    fn gather_parameters(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// The tensors whose gradients the rest of the step reads (unscaling, clipping, the finite
     /// check) and the optimizer updates, when they are not the model's parameters: under ZeRO,
     /// views of this replica's shard. `None` by default.

@@ -307,7 +307,16 @@ impl<M: Module> Trainer<M> {
         self.sync = sync;
     }
 
-    /// Whether a [`GradientSync`] is installed (the trainer is a data-parallel replica).
+    /// Brings sharded parameters to the model (ZeRO stage 3: every unit gathered from the
+    /// ranks) so reading it sees the trained values; every replica calls it at once.
+    pub fn gather_parameters(&mut self) -> Result<()> {
+        match self.sync.as_mut() {
+            Some(s) => s.gather_parameters(),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether a [`GradientSync`] is installed.
     pub fn has_gradient_sync(&self) -> bool {
         self.sync.is_some()
     }

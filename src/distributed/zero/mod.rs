@@ -25,10 +25,12 @@ pub mod checkpoint;
 mod layout;
 mod optimizer;
 mod plan;
+mod stage3;
 
 pub use layout::{Piece, ShardLayout, GRANULE};
 pub use optimizer::ZeroOptimizer;
 pub use plan::{Collective, CollectiveKind, RankPlan, RankPlans, StepCollectives};
+pub use stage3::{start_stage3, ShardedSource, UnitShards};
 
 use super::allreduce::{broadcast_from_rank0, check_same_run, copy_from_rank0};
 use super::allreduce::{new_grad, write_into};
@@ -66,34 +68,35 @@ impl Zero {
         bucket: DEFAULT_BUCKET,
     };
 
-    /// Stage `stage`: 0 (replicated), 1 (optimizer state sharded) or 2 (and gradients). Stage
-    /// 3 (parameters sharded too) is not built yet and is refused with a clear error.
+    /// Stage `stage`: 0 (replicated), 1 (optimizer state sharded), 2 (and gradients) or 3 (and
+    /// the parameters of the model's units, each gathered around its forward and backward).
     pub fn stage(stage: u8) -> Result<Zero> {
         match stage {
-            0..=2 => Ok(Zero { stage, ..Zero::OFF }),
-            3 => Err(Error::InvalidArgument {
-                op: "--zero",
-                reason: "stage 3 (sharded parameters, each unit gathered around its forward \
-                         and backward) is not built yet; use --zero 2, which shards the \
-                         optimizer state and the gradients"
-                    .into(),
-            }),
+            0..=3 => Ok(Zero { stage, ..Zero::OFF }),
             _ => Err(Error::InvalidArgument {
                 op: "--zero",
-                reason: format!("there is no ZeRO stage {stage} (0, 1 or 2)"),
+                reason: format!("there is no ZeRO stage {stage} (0, 1, 2 or 3)"),
             }),
         }
     }
 
-    /// The stage a `--zero` flag names (none is 0).
+    /// The stage a `--zero` flag names (none is 0; the examples do not take stage 3 yet).
     pub fn from_flag(flag: Option<&str>) -> Result<Zero> {
         match flag {
             None => Ok(Zero::OFF),
             Some(s) => match s.parse::<u8>() {
+                Ok(3) => Err(Error::InvalidArgument {
+                    op: "--zero",
+                    reason: "stage 3 (sharded parameters) runs in one process through \
+                             DataParallel::with_zero; the examples' --zero 3 under MPI (its \
+                             per-rank plan and checkpoints) is not built yet; use --zero 2, which \
+                             shards the optimizer state and the gradients"
+                        .into(),
+                }),
                 Ok(n) => Zero::stage(n),
                 Err(_) => Err(Error::InvalidArgument {
                     op: "--zero",
-                    reason: format!("'{s}' is not a ZeRO stage (0, 1 or 2)"),
+                    reason: format!("'{s}' is not a ZeRO stage (0, 1, 2 or 3)"),
                 }),
             },
         }
@@ -142,6 +145,9 @@ pub struct ZeroSync<C> {
     /// The step's gradients read so far (stage 2 reads them during backward).
     pending: Arc<Mutex<Pending>>,
     stats: Arc<Mutex<AllReduceStats>>,
+    /// Stage 3: the units sharded over the ranks (the layout above covers the other
+    /// parameters).
+    stage3: Option<Arc<stage3::Stage3>>,
 }
 
 impl<C: Communicator> ZeroSync<C> {
@@ -269,6 +275,9 @@ impl<C: Communicator> GradientSync for ZeroSync<C> {
             };
             view.set_grad(g)?;
         }
+        if let Some(s3) = &self.stage3 {
+            s3.set_grads(planning)?;
+        }
         if let Some((_, _, loss_sum, _)) = &self.last {
             if !planning {
                 write_into(loss, &[*loss_sum])?;
@@ -298,6 +307,11 @@ impl<C: Communicator> GradientSync for ZeroSync<C> {
             .iter()
             .map(|&m| model_params[m].clone())
             .collect();
+        if first {
+            if let Some(s3) = &self.stage3 {
+                s3.clear_grads();
+            }
+        }
         if first && !self.device.is_planning() {
             let l = &self.layout;
             crate::device::lock(&self.pending).reset(step, l.padded_len(), params.len());
@@ -311,8 +325,19 @@ impl<C: Communicator> GradientSync for ZeroSync<C> {
         )))
     }
 
+    fn gather_parameters(&mut self) -> Result<()> {
+        match &self.stage3 {
+            Some(s3) => s3.gather_host(&mut *crate::device::lock(&self.comm)),
+            None => Ok(()),
+        }
+    }
+
     fn step_tensors(&self) -> Option<Vec<Tensor>> {
-        Some(self.views.clone())
+        let mut all = self.views.clone();
+        if let Some(s3) = &self.stage3 {
+            all.extend(s3.tensors());
+        }
+        Some(all)
     }
 
     fn any(&mut self, local: bool) -> Result<bool> {
@@ -380,9 +405,53 @@ pub fn attach_zero<M: Module, C: Communicator + 'static>(
                      the parameters the optimizer updates"
                 .into(),
         })?;
+    let device = trainer.device().clone();
+    let comm = Arc::new(Mutex::new(comm));
+    // Stage 3: the units' parameters go to the ranks' shards; the layout covers the rest.
+    let (stage3, unit_of) = match zero.stage {
+        3 => {
+            let units = trainer.model.units();
+            if units.iter().all(|(_, p)| p.is_empty()) {
+                return Err(Error::InvalidArgument {
+                    op: "--zero 3",
+                    reason: crate::residency::HOW_TO_MARK_UNITS.into(),
+                });
+            }
+            if trainer.streams_parameters() {
+                return Err(Error::InvalidArgument {
+                    op: "--zero 3",
+                    reason: "the trainer streams its units from host memory already; stage 3 \
+                             streams them from the ranks (turn parameter offload off)"
+                        .into(),
+                });
+            }
+            let (s3, of) = stage3::Stage3::start(&device, units, comm.clone(), &params)?;
+            (Some(Arc::new(s3)), of)
+        }
+        _ => (None, Vec::new()),
+    };
+    let in_units: Vec<bool> = match &stage3 {
+        Some(_) => {
+            let units = trainer.model.units();
+            let unit_params: Vec<&Tensor> = units.iter().flat_map(|(_, p)| p.iter()).collect();
+            params
+                .iter()
+                .map(|p| unit_params.iter().any(|u| u.is_same(p)))
+                .collect()
+        }
+        None => vec![false; params.len()],
+    };
+    let flat_idx: Vec<usize> = (0..params.len()).filter(|&k| !in_units[k]).collect();
+    let all_params = params.clone();
+    let params: Vec<Tensor> = flat_idx.iter().map(|&k| all_params[k].clone()).collect();
+    let order: Vec<usize> = flat_idx.iter().map(|&k| order[k]).collect();
+    let (rank, size) = {
+        let c = crate::device::lock(&comm);
+        (c.rank(), c.size())
+    };
     let numels: Vec<usize> = params.iter().map(Tensor::numel).collect();
-    let layout = Arc::new(ShardLayout::new(&numels, comm.size())?);
-    let pieces = layout.pieces(comm.rank());
+    let layout = Arc::new(ShardLayout::new(&numels, size)?);
+    let pieces = layout.pieces(rank);
     let views = pieces
         .iter()
         .map(|pc| {
@@ -390,14 +459,16 @@ pub fn attach_zero<M: Module, C: Communicator + 'static>(
             Ok(v.with_requires_grad())
         })
         .collect::<Result<Vec<Tensor>>>()?;
-    let of: Vec<usize> = pieces.iter().map(|pc| pc.param).collect();
-    let inner = match views.is_empty() {
+    let mut of: Vec<usize> = pieces.iter().map(|pc| flat_idx[pc.param]).collect();
+    let mut parts = views.clone();
+    if let Some(s3) = &stage3 {
+        parts.extend(s3.tensors());
+        of.extend(unit_of);
+    }
+    let inner = match parts.is_empty() {
         true => None,
-        false => Some(trainer.optimizer.over_parts(views.clone(), &of)?),
+        false => Some(trainer.optimizer.over_parts(parts, &of)?),
     };
-    let device = trainer.device().clone();
-    let rank = comm.rank();
-    let comm = Arc::new(Mutex::new(comm));
     let stats = Arc::new(Mutex::new(AllReduceStats::default()));
     let opt = ZeroOptimizer::new(
         trainer.optimizer.as_ref(),
@@ -407,7 +478,8 @@ pub fn attach_zero<M: Module, C: Communicator + 'static>(
         layout.clone(),
         rank,
         comm.clone(),
-    );
+    )
+    .with_stage3(all_params, stage3.clone());
     trainer.optimizer = Box::new(opt);
     trainer.set_gradient_sync(Some(Box::new(ZeroSync {
         comm,
@@ -421,6 +493,7 @@ pub fn attach_zero<M: Module, C: Communicator + 'static>(
         order,
         pending: Arc::default(),
         stats: stats.clone(),
+        stage3,
     })));
     Ok(stats)
 }

@@ -15,8 +15,9 @@ use std::sync::{Arc, Mutex};
 pub struct ZeroOptimizer<C> {
     /// The optimizer over this replica's pieces; `None` when its shard is only padding.
     inner: Option<Box<dyn Optimizer>>,
-    /// The model's parameters, all-gathered after each update.
-    params: Vec<Tensor>,
+    /// The parameters all-gathered after each update (all of them below stage 3, the ones in
+    /// no unit at stage 3).
+    gathered: Vec<Tensor>,
     /// The views the inner optimizer updates, one per piece of this replica's shard.
     views: Vec<Tensor>,
     layout: Arc<ShardLayout>,
@@ -28,6 +29,11 @@ pub struct ZeroOptimizer<C> {
     hyperparameters: Vec<(String, String)>,
     lr: f32,
     steps: u64,
+    /// Every parameter of the model.
+    params: Vec<Tensor>,
+    /// Stage 3's sharded units: their pieces are updated with the rest, then become the
+    /// shard the next fetch gathers.
+    stage3: Option<Arc<super::stage3::Stage3>>,
 }
 
 impl<C: Communicator> ZeroOptimizer<C> {
@@ -40,9 +46,10 @@ impl<C: Communicator> ZeroOptimizer<C> {
         rank: usize,
         comm: Arc<Mutex<C>>,
     ) -> ZeroOptimizer<C> {
+        let all_params = params.clone();
         ZeroOptimizer {
             inner,
-            params,
+            gathered: params,
             views,
             layout,
             rank,
@@ -56,6 +63,31 @@ impl<C: Communicator> ZeroOptimizer<C> {
             hyperparameters: original.hyperparameters(),
             lr: original.lr(),
             steps: 0,
+            params: all_params,
+            stage3: None,
+        }
+    }
+
+    /// At stage 3: `all` the model's parameters and the sharded units.
+    pub(super) fn with_stage3(
+        mut self,
+        all: Vec<Tensor>,
+        stage3: Option<Arc<super::stage3::Stage3>>,
+    ) -> ZeroOptimizer<C> {
+        self.params = all;
+        self.stage3 = stage3;
+        self
+    }
+
+    fn refuse_stage3(&self, op: &'static str) -> Result<()> {
+        match self.stage3 {
+            Some(_) => Err(Error::InvalidArgument {
+                op,
+                reason: "checkpoints of ZeRO stage 3 (sharded parameters) are not built yet; \
+                         save at stage 2"
+                    .into(),
+            }),
+            None => Ok(()),
         }
     }
 
@@ -72,7 +104,7 @@ impl<C: Communicator> ZeroOptimizer<C> {
     /// Reads this replica's updated shard back (one buffer, counted as communication),
     /// all-gathers every replica's, and writes the parameters.
     fn all_gather_parameters(&mut self) -> Result<()> {
-        let Some(first) = self.params.first() else {
+        let Some(first) = self.gathered.first() else {
             return Ok(());
         };
         let dev = first.device().clone();
@@ -89,7 +121,7 @@ impl<C: Communicator> ZeroOptimizer<C> {
         }
         let mut flat = vec![0f32; l.padded_len()];
         crate::device::lock(&self.comm).all_gather_f32(&shard, &mut flat)?;
-        for (p, &o) in self.params.iter().zip(l.offsets()) {
+        for (p, &o) in self.gathered.iter().zip(l.offsets()) {
             if p.numel() > 0 {
                 write_into(p, &flat[o..o + p.numel()])?;
             }
@@ -108,13 +140,13 @@ impl<C: Communicator> ZeroOptimizer<C> {
             .inner
             .as_ref()
             .map_or_else(OptimizerState::default, |o| o.state());
-        let mut steps = vec![0u64; self.params.len()];
+        let mut steps = vec![0u64; self.gathered.len()];
         for (pc, &s) in pieces.iter().zip(&shard_state.param_steps) {
             steps[pc.param] = s;
         }
         let mut comm = crate::device::lock(&self.comm);
         let all = comm.all_gather(&steps)?;
-        let n = self.params.len();
+        let n = self.gathered.len();
         let param_steps: Vec<u64> = (0..n)
             .map(|i| (0..comm.size()).map(|r| all[r * n + i]).max().unwrap_or(0))
             .collect();
@@ -130,7 +162,7 @@ impl<C: Communicator> ZeroOptimizer<C> {
             }
             let mut flat = vec![0f32; l.padded_len()];
             comm.all_gather_f32(&shard, &mut flat)?;
-            for (i, p) in self.params.iter().enumerate() {
+            for (i, p) in self.gathered.iter().enumerate() {
                 if param_steps[i] > 0 {
                     let o = l.offsets()[i];
                     let t = Tensor::from_slice(p.device(), &flat[o..o + p.numel()], p.dims())?;
@@ -156,11 +188,11 @@ impl<C: Communicator> ZeroOptimizer<C> {
         if !state.codes.is_empty() || !state.host.is_empty() {
             return Err(invalid("8-bit or host state does not shard".into()));
         }
-        if state.param_steps.len() != self.params.len() {
+        if state.param_steps.len() != self.gathered.len() {
             return Err(invalid(format!(
                 "the state has steps for {} parameters, the model has {}",
                 state.param_steps.len(),
-                self.params.len()
+                self.gathered.len()
             )));
         }
         let pieces = self.layout.pieces(self.rank);
@@ -169,14 +201,14 @@ impl<C: Communicator> ZeroOptimizer<C> {
             let Some((i, name)) = key
                 .split_once('.')
                 .and_then(|(i, n)| Some((i.parse::<usize>().ok()?, n)))
-                .filter(|(i, _)| *i < self.params.len())
+                .filter(|(i, _)| *i < self.gathered.len())
             else {
                 return Err(invalid(format!("unknown state tensor '{key}'")));
             };
-            if t.numel() != self.params[i].numel() {
+            if t.numel() != self.gathered[i].numel() {
                 return Err(Error::Shape {
                     op: "ZeroOptimizer::load_state",
-                    lhs: self.params[i].dims().to_vec(),
+                    lhs: self.gathered[i].dims().to_vec(),
                     rhs: t.dims().to_vec(),
                     reason: format!("state tensor '{key}' does not fit its parameter"),
                 });
@@ -215,13 +247,23 @@ impl<C: Communicator + 'static> Optimizer for ZeroOptimizer<C> {
             inner.step()?;
         }
         self.all_gather_parameters()?;
+        if let Some(s3) = &self.stage3 {
+            let planning = self
+                .params
+                .first()
+                .is_some_and(|p| p.device().is_planning());
+            s3.write_back(planning)?;
+        }
         self.steps += 1;
         Ok(())
     }
 
     fn zero_grad(&mut self) {
-        for t in self.params.iter().chain(&self.views) {
+        for t in self.gathered.iter().chain(&self.views) {
             t.zero_grad();
+        }
+        if let Some(s3) = &self.stage3 {
+            s3.tensors().iter().for_each(Tensor::zero_grad);
         }
     }
 
@@ -265,12 +307,14 @@ impl<C: Communicator + 'static> Optimizer for ZeroOptimizer<C> {
     }
 
     fn checkpoint_state(&self) -> Result<OptimizerState> {
+        self.refuse_stage3("ZeroOptimizer::checkpoint_state")?;
         self.consolidated()
     }
 
     /// Takes a whole state ([`Optimizer::checkpoint_state`]'s, from any number of replicas or
     /// one process) and keeps this replica's pieces of it.
     fn load_state(&mut self, state: OptimizerState) -> Result<()> {
+        self.refuse_stage3("ZeroOptimizer::load_state")?;
         let state = self.shard_of(state)?;
         let steps = state.step_count;
         match self.inner.as_mut() {
@@ -290,7 +334,7 @@ impl<C: Communicator + 'static> Optimizer for ZeroOptimizer<C> {
     fn fresh(&self) -> Box<dyn Optimizer> {
         Box::new(ZeroOptimizer {
             inner: self.inner.as_ref().map(|o| o.fresh()),
-            params: self.params.clone(),
+            gathered: self.gathered.clone(),
             views: self.views.clone(),
             layout: self.layout.clone(),
             rank: self.rank,
@@ -300,6 +344,8 @@ impl<C: Communicator + 'static> Optimizer for ZeroOptimizer<C> {
             hyperparameters: self.hyperparameters.clone(),
             lr: self.lr,
             steps: 0,
+            params: self.params.clone(),
+            stage3: self.stage3.clone(),
         })
     }
 }
