@@ -6,6 +6,8 @@
 //! `cargo bench --bench attention`; set FITGRAD_BACKEND / FITGRAD_ADAPTER to pick another adapter
 //! and `FITGRAD_ATTENTION_SHAPES="f32:1x8x512x64,f16:1x4x1024x64"` to run only those shapes.
 
+mod common;
+
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use fitgrad::{AttentionKind, AttentionOptions, Bytes, DType, Device, Tensor};
 use std::time::Instant;
@@ -54,14 +56,9 @@ fn shapes() -> Vec<(DType, [usize; 4])> {
 }
 
 fn bench(c: &mut Criterion) {
-    let dev = match Device::new() {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("no adapter, nothing to measure: {e}");
-            return;
-        }
+    let Some(dev) = common::device() else {
+        return;
     };
-    eprintln!("{}", dev.info());
     for (dtype, dims) in shapes() {
         let [b, h, t, d] = dims;
         let qkv = [1, 2, 3].map(|seed| {

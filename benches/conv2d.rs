@@ -7,8 +7,10 @@
 //! same operand's gradient. `cargo bench --bench conv2d`; `CONV_BENCH_N` sets the batch
 //! (default 32, as the ResNet shapes are usually quoted).
 
+mod common;
+
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use fitgrad::{Conv2dOptions, DType, Device, Tensor};
+use fitgrad::{Conv2dOptions, DType, Tensor};
 
 /// (name, C, OC, H = W, kernel, stride, padding).
 const SHAPES: [(&str, usize, usize, usize, usize, usize, usize); 3] = [
@@ -18,14 +20,9 @@ const SHAPES: [(&str, usize, usize, usize, usize, usize, usize); 3] = [
 ];
 
 fn bench(c: &mut Criterion) {
-    let dev = match Device::new() {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("no adapter, nothing to measure: {e}");
-            return;
-        }
+    let Some(dev) = common::device() else {
+        return;
     };
-    eprintln!("{}", dev.info());
     let n: usize = std::env::var("CONV_BENCH_N")
         .ok()
         .and_then(|v| v.parse().ok())

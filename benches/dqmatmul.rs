@@ -6,9 +6,11 @@
 //! 124M's adapted layers (c_attn, c_fc, c_proj) at 256 tokens, and a small layer.
 //! `cargo bench --bench dqmatmul`; `DQ_BENCH_M` sets the tokens (default 256).
 
+mod common;
+
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use fitgrad::compress::{quantize_weight, BaseQuant};
-use fitgrad::{Activation, DType, Device, MatmulOptions, Tensor};
+use fitgrad::{Activation, DType, MatmulOptions, Tensor};
 use std::sync::Arc;
 
 /// (name, in features K, out features R).
@@ -20,14 +22,9 @@ const SHAPES: [(&str, usize, usize); 4] = [
 ];
 
 fn bench(c: &mut Criterion) {
-    let dev = match Device::new() {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("no adapter, nothing to measure: {e}");
-            return;
-        }
+    let Some(dev) = common::device() else {
+        return;
     };
-    eprintln!("{}", dev.info());
     let m: usize = std::env::var("DQ_BENCH_M")
         .ok()
         .and_then(|v| v.parse().ok())

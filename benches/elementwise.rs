@@ -1,18 +1,15 @@
 //! Elementwise and reduction throughput (GB/s of memory touched) on the default adapter.
 //! `cargo bench --bench elementwise`; set FITGRAD_BACKEND / FITGRAD_ADAPTER to pick another.
 
+mod common;
+
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use fitgrad::{DType, Device, Tensor};
+use fitgrad::{DType, Tensor};
 
 fn bench(c: &mut Criterion) {
-    let dev = match Device::new() {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("no adapter, nothing to measure: {e}");
-            return;
-        }
+    let Some(dev) = common::device() else {
+        return;
     };
-    eprintln!("{}", dev.info());
     let n = 1 << 20;
     for dtype in [DType::F32, DType::F16] {
         let a = Tensor::randn(&dev, &[n], 0.0, 1.0, 1, dtype).unwrap();

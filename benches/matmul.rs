@@ -2,18 +2,15 @@
 //! 784-512-512-10 training step at batch 128 (forward, dW = XᵀdY, dX = dYWᵀ), f32 and f16.
 //! `cargo bench --bench matmul`; `cargo xtask bench` adds the naive and CPU references.
 
+mod common;
+
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use fitgrad::{DType, Device, MatmulOptions, Tensor};
+use fitgrad::{DType, MatmulOptions, Tensor};
 
 fn bench(c: &mut Criterion) {
-    let dev = match Device::new() {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("no adapter, nothing to measure: {e}");
-            return;
-        }
+    let Some(dev) = common::device() else {
+        return;
     };
-    eprintln!("{}", dev.info());
     // (name, m, n, k, trans_a, trans_b)
     let mut shapes = vec![];
     for s in [256, 512, 1024, 2048] {

@@ -7,6 +7,8 @@
 //! update, parameters uploaded), as elements per second.
 //! `cargo bench --bench offload`; FITGRAD_BACKEND / FITGRAD_ADAPTER pick another adapter.
 
+mod common;
+
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use fitgrad::nn::{cross_entropy, Activation, Gpt, GptConfig, Mlp, Module};
 use fitgrad::optim::{AdamW, Optimizer};
@@ -127,14 +129,9 @@ fn updates(c: &mut Criterion, dev: &Device) -> fitgrad::Result<()> {
 }
 
 fn bench(c: &mut Criterion) {
-    let dev = match Device::new() {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("no adapter, nothing to measure: {e}");
-            return;
-        }
+    let Some(dev) = common::device() else {
+        return;
     };
-    eprintln!("{}", dev.info());
     if let Err(e) = steps(c, &dev).and_then(|_| updates(c, &dev)) {
         eprintln!("offload bench: {e}");
         std::process::exit(1);

@@ -4,19 +4,16 @@
 //! batch 256, and matrix-vector products where reading the weights dominates.
 //! `cargo bench --bench qmatmul`.
 
+mod common;
+
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use fitgrad::compress::QuantizedLinear;
-use fitgrad::{DType, Device, MatmulOptions, Tensor};
+use fitgrad::{DType, MatmulOptions, Tensor};
 
 fn bench(c: &mut Criterion) {
-    let dev = match Device::new() {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("no adapter, nothing to measure: {e}");
-            return;
-        }
+    let Some(dev) = common::device() else {
+        return;
     };
-    eprintln!("{}", dev.info());
     // (m, n, k): x is (m, k), W is (n, k).
     let shapes = [
         (1024, 256, 64),

@@ -3,18 +3,15 @@
 //! copy kernel), which is the bar: softmax should cost a small multiple of the copy.
 //! `cargo bench --bench softmax`; set FITGRAD_BACKEND / FITGRAD_ADAPTER to pick another adapter.
 
+mod common;
+
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use fitgrad::{DType, Device, SoftmaxOptions, Tensor};
+use fitgrad::{DType, SoftmaxOptions, Tensor};
 
 fn bench(c: &mut Criterion) {
-    let dev = match Device::new() {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("no adapter, nothing to measure: {e}");
-            return;
-        }
+    let Some(dev) = common::device() else {
+        return;
     };
-    eprintln!("{}", dev.info());
     let (rows, cols) = (4096usize, 1024usize);
     for dtype in [DType::F32, DType::F16] {
         let x = Tensor::randn(&dev, &[rows, cols], 0.0, 3.0, 1, dtype).unwrap();

@@ -2,19 +2,15 @@
 //! the same step's matmuls alone: the difference is what the rest of the step costs.
 //! `cargo bench --bench train_step`; FITGRAD_BACKEND / FITGRAD_ADAPTER pick another adapter.
 
+mod common;
+
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use fitgrad::train::bench::{step_fixture, StepMatmuls};
-use fitgrad::Device;
 
 fn bench(c: &mut Criterion) {
-    let dev = match Device::new() {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("no adapter, nothing to measure: {e}");
-            return;
-        }
+    let Some(dev) = common::device() else {
+        return;
     };
-    eprintln!("{}", dev.info());
     const B: usize = 128;
     let widths = [784, 512, 512, 10];
     let (mut trainer, x, y) = step_fixture(&dev, &widths, B).unwrap();
