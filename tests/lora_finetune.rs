@@ -11,8 +11,8 @@ mod finetune;
 
 use common::lora::*;
 use common::*;
-use fitgrad::hf::{read_adapter, save_gpt2, PretrainedGpt};
-use fitgrad::nn::{Gpt, GptConfig, Module};
+use fitgrad::hf::{read_adapter, read_llama_adapter, save_gpt2, PretrainedGpt, PretrainedLlama};
+use fitgrad::nn::{Gpt, GptConfig, Llama, Module};
 use fitgrad::{DType, Device, Error};
 use std::path::Path;
 use std::time::Instant;
@@ -108,17 +108,15 @@ fn lora_flags_are_refused_before_device_work() {
         ]),
         "--lora-rank differs",
     );
-    // A Llama folder: its own module names, and no merge into a folder yet.
+    // A Llama folder: its own module names.
     let llama = fixtures().join("hf/llama-tiny-gqa");
-    let llama = llama.to_str().unwrap();
-    for (extra, says) in [
-        (["--lora-targets", "c_attn"], "'c_attn'"),
-        (["--merge-into", "/nonexistent/merged"], "--merge-into"),
-    ] {
-        let mut all = vec!["--model", llama, "--lora-rank", "4"];
-        all.extend(extra);
-        inval(finetune::prepare(&finetune_args(&all)).err().unwrap(), says);
-    }
+    let args = ["--model", llama.to_str().unwrap(), "--lora-rank", "4"];
+    let mut all = args.to_vec();
+    all.extend(["--lora-targets", "c_attn"]);
+    inval(
+        finetune::prepare(&finetune_args(&all)).err().unwrap(),
+        "'c_attn'",
+    );
 }
 
 /// The finetune example: LoRA and QLoRA (NF4 base) runs on the eval text each lower its
@@ -213,8 +211,9 @@ fn finetune_lora_and_qlora_lower_the_loss() {
 }
 
 /// LoRA on a Llama folder (grouped-query attention), on an NF4 base, with PEFT's default
-/// targets (q_proj, v_proj): the held-out loss falls and the saved adapter (PEFT's names)
-/// resumes to the same loss.
+/// targets (q_proj, v_proj): the held-out loss falls, the saved adapter (PEFT's names)
+/// resumes to the same loss, and `--merge-into` writes a Llama folder whose logits are the
+/// base's with the adapter applied.
 #[test]
 fn finetune_lora_on_a_llama_folder() {
     let Some(dev) = vulkan() else { return };
@@ -223,6 +222,7 @@ fn finetune_lora_on_a_llama_folder() {
     let (base, eval) = (base.to_str().unwrap(), eval.to_str().unwrap());
     let dir = tempfile::tempdir().unwrap();
     let adapter = dir.path().join("adapter");
+    let merged = dir.path().join("merged");
     let run = |extra: &[&str]| {
         let mut all = vec!["--model", base, "--eval-text", eval, "--context", "16"];
         all.extend(extra);
@@ -243,6 +243,8 @@ fn finetune_lora_on_a_llama_folder() {
         "nf4",
         "--save-adapter",
         adapter.to_str().unwrap(),
+        "--merge-into",
+        merged.to_str().unwrap(),
     ])
     .unwrap();
     let (before, after) = (
@@ -275,6 +277,41 @@ fn finetune_lora_on_a_llama_folder() {
         (resumed - after).abs() <= 1e-5,
         "resumed {resumed} vs {after}"
     );
+    // The merged folder (the adapter added into the folder's own f32 weights, not the NF4
+    // copy trained over) is the base with the adapter applied.
+    let logits = |m: &Llama, ids: &[u32]| {
+        m.set_training(false);
+        m.forward_ids(ids, 1, ids.len())
+            .unwrap()
+            .to_vec_f32()
+            .unwrap()
+    };
+    let folder = PretrainedLlama::open(Path::new(base), DType::F32).unwrap();
+    let ids: Vec<u32> = (0..12)
+        .map(|i| (i * 7 % folder.config.vocab_size) as u32)
+        .collect();
+    let plain = logits(&folder.build(&dev).unwrap(), &ids);
+    let mut adapted = folder.build(&dev).unwrap();
+    read_llama_adapter(&adapter, &folder.config)
+        .unwrap()
+        .apply(&mut adapted, 0)
+        .unwrap();
+    let want = logits(&adapted, &ids);
+    let m = PretrainedLlama::open(&merged, DType::F32).unwrap();
+    assert!(merged.join("tokenizer.json").is_file());
+    let got = logits(&m.build(&dev).unwrap(), &ids);
+    let diff = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    };
+    assert!(
+        diff(&got, &want) <= 1e-5,
+        "merged vs adapted: {}",
+        diff(&got, &want)
+    );
+    assert!(diff(&want, &plain) > 1e-3, "the adapter changes the logits");
 }
 
 /// Writes the PEFT fixture's adapter and fitgrad's logits with it (run by hand with

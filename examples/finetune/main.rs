@@ -13,8 +13,8 @@
 //! model back as a folder transformers loads; `--json` ends stdout with one JSON object. Every
 //! flag and file is checked before any device work.
 //!
-//! LoRA (GPT-2 folders): `--lora-rank R` (with `--lora-alpha`, `--lora-dropout`,
-//! `--lora-targets c_attn,...`) freezes the model and trains adapters in PEFT's layout only;
+//! LoRA (GPT-2 and Llama folders): `--lora-rank R` (with `--lora-alpha`, `--lora-dropout`,
+//! `--lora-targets c_attn,...`; PEFT's default targets when none are given) freezes the model and trains adapters in PEFT's layout only;
 //! `--quantize int8|nf4` keeps the frozen base quantized on the device (QLoRA);
 //! `--resume-adapter DIR` starts from a PEFT adapter folder, `--save-adapter DIR` writes one,
 //! `--merge-into DIR` writes the model with the adapter merged. With `--fit auto` the budget

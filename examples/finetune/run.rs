@@ -5,7 +5,7 @@ use super::setup::{Folder, Setup};
 use super::Args;
 use fitgrad::compress::{quantize_gpt_base, quantize_llama_base, BaseQuant};
 use fitgrad::hf::{
-    save_gpt2, save_llama, LoraBase, PretrainedGpt, PretrainedLlama, TOKENIZER_FILE,
+    save_gpt2, save_llama, LoraBase, MergeBase, PretrainedGpt, PretrainedLlama, TOKENIZER_FILE,
 };
 use fitgrad::nn::{trainable_parameters, Gpt, LanguageModel, Module, Sampling};
 use fitgrad::optim::{decay_groups, AdamW, Optimizer, Sgd};
@@ -125,7 +125,7 @@ pub fn run(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
             device,
             &|q| build_gpt(args, setup, f, device, q),
             &save_gpt2,
-            &|gpt| save_lora(args, setup, Some(f), gpt),
+            &|gpt| save_lora(args, setup, f, gpt),
         ),
         Folder::Llama(f) => run_model(
             args,
@@ -133,18 +133,17 @@ pub fn run(args: &Args, setup: Setup, device: &Device) -> Result<Report> {
             device,
             &|q| build_llama(args, setup, f, device, q),
             &save_llama,
-            &|m| save_lora(args, setup, None, m),
+            &|m| save_lora(args, setup, f, m),
         ),
     }
 }
 
 /// Writes the adapters of a LoRA run as the flags ask: `--save-adapter`, `--merge-into`.
-/// `folder`: a GPT-2 base to merge into (`--merge-into`, GPT-2 folders only: checked by the
-/// setup).
+/// `folder`: the base folder `--merge-into` merges into.
 pub fn save_lora<M: LoraBase>(
     args: &Args,
     setup: &Setup,
-    folder: Option<&PretrainedGpt>,
+    folder: &dyn MergeBase,
     model: &M,
 ) -> Result<()> {
     let Some(lora) = &setup.lora else {
@@ -159,7 +158,7 @@ pub fn save_lora<M: LoraBase>(
         )?;
         println!("saved adapter {}", dir.display());
     }
-    if let (Some(dir), Some(folder)) = (&args.merge_into, folder) {
+    if let Some(dir) = &args.merge_into {
         let adapter = fitgrad::hf::adapter_of(model, &lora.spec)?;
         fitgrad::hf::merge_adapter(folder, &adapter, dir)?;
         println!("merged into {}", dir.display());

@@ -331,13 +331,6 @@ pub fn prepare_lora(
         }
         return Ok(None);
     }
-    if args.merge_into.is_some() && matches!(folder, Folder::Llama(_)) {
-        return Err(invalid(
-            "--merge-into writes GPT-2 folders (a Llama's merge is not wired yet): use \
-             --save-adapter DIR, which PEFT loads over the base"
-                .into(),
-        ));
-    }
     if quant != BaseQuant::None && precision == Precision::F16 {
         return Err(invalid(format!(
             "--quantize {quant} quantizes f32 weights: use --precision f32 or mixed"

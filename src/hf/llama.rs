@@ -3,6 +3,7 @@
 //! layouts (rotate-half RoPE needs no permutation of q and k), the head tied or not, and the
 //! checks (missing, extra, wrong shape) that come before any device work.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
@@ -354,6 +355,16 @@ impl PretrainedLlama {
         Ok(model)
     }
 
+    /// The weights on the host, by [`Llama`]'s parameter names (transformers' own), in the
+    /// dtype they were read as.
+    pub fn host_weights(&self) -> BTreeMap<String, HostTensor> {
+        self.weights
+            .tensors
+            .iter()
+            .filter_map(|(k, t)| Some((k.strip_prefix(MODEL_PREFIX)?.to_string(), t.clone())))
+            .collect()
+    }
+
     /// The folder's `tokenizer.json`, or an [`Error::Data`] naming the folder if it has none.
     pub fn tokenizer(&self) -> Result<super::Tokenizer> {
         super::tokenizer::folder_tokenizer(&self.dir)
@@ -376,14 +387,25 @@ pub fn save_llama(model: &Llama, dir: &Path, tokenizer: Option<&Path>) -> Result
             })
         })
         .transpose()?;
-    let hosts: Vec<(String, HostTensor)> = model
+    let host: BTreeMap<String, HostTensor> = model
         .named_parameters()
         .into_iter()
         .map(|(name, p)| Ok((name, HostTensor::read(&p)?)))
         .collect::<Result<_>>()?;
-    super::files::write_safetensors(dir, WEIGHTS_FILE, &hosts)?;
-    let text =
-        serde_json::to_string_pretty(&llama_json(model.llama_config())).expect("JSON serializes");
+    save_host(model.llama_config(), &host, dir, tokenizer)
+}
+
+/// [`save_llama`] of weights on the host, by [`Llama`]'s names, with the tokenizer's bytes.
+pub(crate) fn save_host(
+    cfg: &LlamaConfig,
+    host: &BTreeMap<String, HostTensor>,
+    dir: &Path,
+    tokenizer: Option<Vec<u8>>,
+) -> Result<()> {
+    let tensors: Vec<(String, HostTensor)> =
+        host.iter().map(|(k, t)| (k.clone(), t.clone())).collect();
+    super::files::write_safetensors(dir, WEIGHTS_FILE, &tensors)?;
+    let text = serde_json::to_string_pretty(&llama_json(cfg)).expect("JSON serializes");
     crate::write_atomic(&dir.join("config.json"), text.as_bytes())?;
     if let Some(bytes) = tokenizer {
         crate::write_atomic(&dir.join(TOKENIZER_FILE), &bytes)?;

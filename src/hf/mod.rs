@@ -33,8 +33,8 @@ pub use gpt2::{save_gpt2, PretrainedGpt};
 pub use llama::{llama_config_from_json, save_llama, PretrainedLlama};
 pub use peft::{
     adapter_of, add_lora, merge_adapter, read_adapter, read_llama_adapter, resolve_llama_targets,
-    resolve_model_targets, resolve_targets, save_adapter, Adapter, LoraBase, LoraSpec, Target,
-    ADAPTER_CONFIG, ADAPTER_WEIGHTS,
+    resolve_model_targets, resolve_targets, save_adapter, Adapter, LoraBase, LoraSpec, MergeBase,
+    Target, ADAPTER_CONFIG, ADAPTER_WEIGHTS,
 };
 
 /// The `model_type` of the folder `dir`'s `config.json` ("gpt2", "llama", ...), read before

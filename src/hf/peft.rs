@@ -17,6 +17,7 @@ use serde_json::{json, Map, Value};
 use super::config::read_json;
 use super::files::convert;
 use super::gpt2::{save_host, PretrainedGpt, LINEARS};
+use super::llama::{save_host as save_llama_host, PretrainedLlama};
 use crate::checkpoint::{parse_safetensors, HostTensor};
 use crate::nn::{Gpt, GptConfig, Linear, Llama, LlamaConfig, Lora, LoraConfig, Module};
 use crate::{DType, Error, Result, Tensor};
@@ -493,9 +494,12 @@ impl Adapter {
     }
 
     /// The base's weights with `scaling · B A` added to every target (f32 on the host, in
-    /// f64 sums), by [`Gpt`]'s names.
-    pub fn merged_weights(&self, base: &PretrainedGpt) -> Result<BTreeMap<String, HostTensor>> {
-        let mut w = base.host_weights().clone();
+    /// f64 sums), by the model's names.
+    pub fn merged_weights<B: MergeBase + ?Sized>(
+        &self,
+        base: &B,
+    ) -> Result<BTreeMap<String, HostTensor>> {
+        let mut w = base.base_weights();
         let s = self.spec.config.scaling() as f64;
         for (t, (a, b)) in self.targets.iter().zip(&self.factors) {
             let key = format!("{}.weight", t.ours);
@@ -528,21 +532,52 @@ impl Adapter {
     }
 }
 
-/// Writes `base` with `adapter` merged into its weights to `dir` as a GPT-2 folder
-/// transformers loads (as [`save_gpt2`](super::save_gpt2) writes one), with the base's
-/// tokenizer when it has one. Host only.
-pub fn merge_adapter(base: &PretrainedGpt, adapter: &Adapter, dir: &Path) -> Result<()> {
-    let w = adapter.merged_weights(base)?;
-    let tok = base.dir.join(super::TOKENIZER_FILE);
-    let tok = if tok.is_file() {
-        Some(std::fs::read(&tok).map_err(|source| Error::Io {
-            path: tok.display().to_string(),
-            source,
-        })?)
-    } else {
-        None
-    };
-    save_host(&base.config, &w, dir, tok)
+/// A model folder an adapter merges into: its weights on the host by the model's parameter
+/// names, and a writer of a folder of its kind (a GPT-2's or a Llama's) that transformers
+/// loads, with the base's tokenizer when it has one.
+pub trait MergeBase {
+    /// The base's weights on the host, by the model's parameter names.
+    fn base_weights(&self) -> BTreeMap<String, HostTensor>;
+    /// Writes `weights` (the base's names and shapes) to `dir` as a folder of the base's kind.
+    fn write_folder(&self, weights: &BTreeMap<String, HostTensor>, dir: &Path) -> Result<()>;
+}
+
+impl MergeBase for PretrainedGpt {
+    fn base_weights(&self) -> BTreeMap<String, HostTensor> {
+        self.host_weights().clone()
+    }
+    fn write_folder(&self, weights: &BTreeMap<String, HostTensor>, dir: &Path) -> Result<()> {
+        save_host(&self.config, weights, dir, tokenizer_bytes(&self.dir)?)
+    }
+}
+
+impl MergeBase for PretrainedLlama {
+    fn base_weights(&self) -> BTreeMap<String, HostTensor> {
+        self.host_weights()
+    }
+    fn write_folder(&self, weights: &BTreeMap<String, HostTensor>, dir: &Path) -> Result<()> {
+        save_llama_host(&self.config, weights, dir, tokenizer_bytes(&self.dir)?)
+    }
+}
+
+/// The bytes of `dir`'s `tokenizer.json`, if it has one.
+fn tokenizer_bytes(dir: &Path) -> Result<Option<Vec<u8>>> {
+    let tok = dir.join(super::TOKENIZER_FILE);
+    if !tok.is_file() {
+        return Ok(None);
+    }
+    std::fs::read(&tok).map(Some).map_err(|source| Error::Io {
+        path: tok.display().to_string(),
+        source,
+    })
+}
+
+/// Writes `base` with `adapter` merged into its weights to `dir` as a folder of the base's
+/// kind that transformers loads (as [`save_gpt2`](super::save_gpt2) or
+/// [`save_llama`](super::save_llama) writes one), with the base's tokenizer when it has one.
+/// Host only: the merge is into the folder's weights as read, never into a quantized copy.
+pub fn merge_adapter<B: MergeBase + ?Sized>(base: &B, adapter: &Adapter, dir: &Path) -> Result<()> {
+    base.write_folder(&adapter.merged_weights(base)?, dir)
 }
 
 /// Reads back the adapters of `gpt` for `spec`'s targets as an [`Adapter`] (to merge them into
