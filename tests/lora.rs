@@ -15,10 +15,10 @@ use fitgrad::compress::{
     quantize_rows, BaseQuant, NF4,
 };
 use fitgrad::hf::{
-    adapter_of, add_lora, merge_adapter, read_adapter, resolve_targets, save_adapter, LoraSpec,
-    PretrainedGpt,
+    adapter_of, add_lora, merge_adapter, read_adapter, read_llama_adapter, resolve_targets,
+    save_adapter, LoraSpec, PretrainedGpt, PretrainedLlama,
 };
-use fitgrad::nn::{trainable_parameters, Gpt, GptConfig, LoraConfig, Module};
+use fitgrad::nn::{trainable_parameters, Gpt, GptConfig, Llama, LoraConfig, Module};
 use fitgrad::optim::{decay_groups, AdamW};
 use fitgrad::tensor::QuantWeight;
 use fitgrad::train::text::TextDataset;
@@ -309,24 +309,55 @@ fn adapter_files_round_trip(dev: &Device) {
     assert_eq!(bits(logits(&again, &ids)), bits(logits(&gpt, &ids)));
 }
 
-/// The committed adapter (trained by fitgrad's finetune), loaded by PEFT over the same base:
-/// fitgrad's logits with it equal PEFT's within 1e-4.
+/// The committed adapters (trained by fitgrad's finetune), loaded by PEFT over the same
+/// bases: fitgrad's logits with each equal PEFT's within 1e-4 (GPT-2's Conv1D layers, and a
+/// Llama's seven projections under grouped-query attention).
 fn peft_logits_match(dev: &Device) {
     let ids = logits_ids();
     let (folder, mut gpt) = tiny(dev);
     let a = read_adapter(&adapter_dir(), &folder.config).unwrap();
     a.apply(&mut gpt, 0).unwrap();
-    let got = logits(&gpt, &ids);
-    let bytes = std::fs::read(fixtures().join("lora/expected_peft.safetensors")).unwrap();
+    let (_, plain) = tiny(dev);
+    let vocab = folder.config.vocab_size;
+    let got = [logits(&gpt, &ids), logits(&plain, &ids)];
+    check_peft_logits("expected_peft", ids.len(), vocab, &got);
+
+    let ids = llama_logits_ids();
+    let folder = PretrainedLlama::open(&llama_base_dir(), DType::F32).unwrap();
+    let mut m = folder.build(dev).unwrap();
+    let plain = logits_of(&m, &ids);
+    read_llama_adapter(&llama_adapter_dir(), &folder.config)
+        .unwrap()
+        .apply(&mut m, 0)
+        .unwrap();
+    let vocab = folder.config.vocab_size;
+    let got = [logits_of(&m, &ids), plain];
+    check_peft_logits("expected_peft_llama", ids.len(), vocab, &got);
+}
+
+/// A Llama's logits of `ids` in evaluation mode.
+fn logits_of(m: &Llama, ids: &[u32]) -> Vec<f32> {
+    m.set_training(false);
+    let l = m
+        .forward_ids(ids, 1, ids.len())
+        .unwrap()
+        .to_vec_f32()
+        .unwrap();
+    m.set_training(true);
+    l
+}
+
+/// `[adapted, base]` logits (n, vocab) against PEFT's in the fixture file `name`: the adapted
+/// within 1e-4, the base's more than 1e-2 away (the adapter is not a no-op).
+fn check_peft_logits(name: &str, n: usize, vocab: usize, [got, plain]: &[Vec<f32>; 2]) {
+    let bytes = std::fs::read(fixtures().join(format!("lora/{name}.safetensors"))).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let want = st.tensor("logits").unwrap();
-    assert_eq!(want.shape(), [ids.len(), folder.config.vocab_size]);
+    assert_eq!(want.shape(), [n, vocab], "{name}");
     let want: Vec<f32> = bytemuck::pod_collect_to_vec(want.data());
-    let d = max_abs_diff(&got, &want);
-    assert!(d <= 1e-4, "fitgrad vs PEFT logits: {d}");
-    // The adapter is not a no-op: the base's logits differ.
-    let (_, plain) = tiny(dev);
-    assert!(max_abs_diff(&logits(&plain, &ids), &want) > 1e-2);
+    let d = max_abs_diff(got, &want);
+    assert!(d <= 1e-4, "{name}: fitgrad vs PEFT logits: {d}");
+    assert!(max_abs_diff(plain, &want) > 1e-2, "{name}");
 }
 
 /// The quantized weight of `w` (r, k) on `dev` in `format`, with its dequantized values on
@@ -654,7 +685,7 @@ fn bad_settings_are_refused_before_device_work() {
 /// gives the trained model's logits bitwise. A GPT-2 name is refused, naming Llama's.
 fn llama_adapters(dev: &Device) {
     use fitgrad::hf::{read_llama_adapter, resolve_llama_targets};
-    use fitgrad::nn::{Llama, LlamaConfig};
+    use fitgrad::nn::LlamaConfig;
     let mut cfg = LlamaConfig::new(64, 16, 24, 2, 4, 2, 16);
     cfg.tie_embeddings = false;
     let ids: Vec<u32> = (0..9).map(|i| (i * 7 + 3) % 64).collect();
@@ -708,6 +739,12 @@ fn llama_adapters(dev: &Device) {
     assert_ne!(bits(&trained), bits(&base));
     let dir = tempfile::tempdir().unwrap();
     save_adapter(&m, &s, dir.path(), "llama-tiny").unwrap();
+    let written: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("adapter_config.json")).unwrap(),
+    )
+    .unwrap();
+    let fan_in_fan_out = &written["fan_in_fan_out"];
+    assert_eq!(fan_in_fan_out, false, "a Llama's projections are nn.Linear");
     let bytes = std::fs::read(dir.path().join("adapter_model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     assert_eq!(st.names().len(), 28);

@@ -17,21 +17,30 @@ use fitgrad::{DType, Device, Error};
 use std::path::Path;
 use std::time::Instant;
 
-/// The tiny GPT-2 fixture's logits of `ids` with its adapter applied (evaluation mode).
-fn adapted_logits(dev: &Device, adapter: &Path, ids: &[u32]) -> (usize, Vec<f32>) {
-    let folder = PretrainedGpt::open(&base_dir(), DType::F32).unwrap();
+/// The logits of `ids` (evaluation mode) of the GPT-2 or Llama folder `base` with the adapter
+/// in `adapter` applied, and the vocabulary's size.
+fn adapted_logits(dev: &Device, base: &Path, adapter: &Path, ids: &[u32]) -> (usize, Vec<f32>) {
+    fn of<M: Module>(m: &M, f: impl Fn(&M) -> fitgrad::Result<fitgrad::Tensor>) -> Vec<f32> {
+        m.set_training(false);
+        f(m).unwrap().to_vec_f32().unwrap()
+    }
+    let n = ids.len();
+    if fitgrad::hf::model_type(base).unwrap() == "llama" {
+        let folder = PretrainedLlama::open(base, DType::F32).unwrap();
+        let mut m = folder.build(dev).unwrap();
+        let a = read_llama_adapter(adapter, &folder.config).unwrap();
+        a.apply(&mut m, 0).unwrap();
+        let l = of(&m, |m| m.forward_ids(ids, 1, n));
+        return (folder.config.vocab_size, l);
+    }
+    let folder = PretrainedGpt::open(base, DType::F32).unwrap();
     let mut gpt = folder.build(dev).unwrap();
-    read_adapter(adapter, &folder.config)
-        .unwrap()
-        .apply(&mut gpt, 0)
-        .unwrap();
-    gpt.set_training(false);
-    let l = gpt
-        .forward_ids(ids, 1, ids.len())
-        .unwrap()
-        .to_vec_f32()
-        .unwrap();
-    (folder.config.vocab_size, l)
+    let a = read_adapter(adapter, &folder.config).unwrap();
+    a.apply(&mut gpt, 0).unwrap();
+    (
+        folder.config.vocab_size,
+        of(&gpt, |m| m.forward_ids(ids, 1, n)),
+    )
 }
 
 #[allow(clippy::field_reassign_with_default)]
@@ -314,15 +323,49 @@ fn finetune_lora_on_a_llama_folder() {
     assert!(diff(&want, &plain) > 1e-3, "the adapter changes the logits");
 }
 
-/// Writes the PEFT fixture's adapter and fitgrad's logits with it (run by hand with
-/// `cargo test --test lora -- --ignored`, then scripts/peft_fixture.py).
+/// Writes the PEFT fixtures' adapters (GPT-2's and Llama's) and fitgrad's logits with them
+/// (run by hand with `cargo test --test lora_finetune make_peft_fixture -- --ignored`, then
+/// scripts/peft_fixture.py).
 #[test]
 #[ignore]
 fn make_peft_fixture_adapter() {
+    make_peft_fixture(
+        &base_dir(),
+        "c_attn,c_proj,c_fc",
+        &adapter_dir(),
+        "tests/fixtures/hf/gpt2-tiny",
+        &logits_ids(),
+        "lora/fitgrad_logits.safetensors",
+    );
+}
+
+/// [`make_peft_fixture_adapter`] for the Llama fixture, its adapter on every projection.
+#[test]
+#[ignore]
+fn make_peft_fixture_llama_adapter() {
+    make_peft_fixture(
+        &llama_base_dir(),
+        "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        &llama_adapter_dir(),
+        "tests/fixtures/hf/llama-tiny-gqa",
+        &llama_logits_ids(),
+        "lora/fitgrad_llama_logits.safetensors",
+    );
+}
+
+/// Fine-tunes adapters on `targets` of the folder `base` with finetune, saves them to `out`
+/// (the base named `base_name`, as the repository does, not by this machine's path) and
+/// writes fitgrad's logits of `ids` with them to the fixture file `logits`.
+fn make_peft_fixture(
+    base: &Path,
+    targets: &str,
+    out: &Path,
+    base_name: &str,
+    ids: &[u32],
+    logits: &str,
+) {
     let dev = vulkan().unwrap();
-    let base = base_dir();
     let eval = fixtures().join("hf/eval.txt");
-    let out = adapter_dir();
     let args = finetune_args(&[
         "--model",
         base.to_str().unwrap(),
@@ -339,27 +382,25 @@ fn make_peft_fixture_adapter() {
         "--lora-alpha",
         "16",
         "--lora-targets",
-        "c_attn,c_proj,c_fc",
+        targets,
         "--save-adapter",
         out.to_str().unwrap(),
     ]);
     let setup = finetune::prepare(&args).unwrap();
     finetune::run(&args, setup, &dev).unwrap();
-    // The base named as the repository does, not by this machine's path.
     let cfg_path = out.join("adapter_config.json");
     let mut j: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
-    j["base_model_name_or_path"] = "tests/fixtures/hf/gpt2-tiny".into();
+    j["base_model_name_or_path"] = base_name.into();
     std::fs::write(&cfg_path, serde_json::to_string_pretty(&j).unwrap()).unwrap();
-    let ids = logits_ids();
-    let (vocab, l) = adapted_logits(&dev, &out, &ids);
+    let (vocab, l) = adapted_logits(&dev, base, out, ids);
     let h = fitgrad::checkpoint::HostTensor::new(
         DType::F32,
         &[ids.len(), vocab],
         bytemuck::cast_slice(&l).to_vec(),
     )
     .unwrap();
-    let path = fixtures().join("lora/fitgrad_logits.safetensors");
+    let path = fixtures().join(logits);
     safetensors::serialize_to_file([("logits", &h)], None, &path).unwrap();
 }
 

@@ -44,6 +44,9 @@ pub trait LoraBase: Module {
     fn lora_linears(&mut self) -> Result<Vec<(String, &mut Linear)>>;
     /// Detaches every parameter of the base (adapters stay trainable).
     fn freeze_base(&mut self) -> Result<()>;
+    /// PEFT's `fan_in_fan_out`: whether transformers stores the targets' weights as (in, out)
+    /// (GPT-2's Conv1D) rather than nn.Linear's (out, in).
+    fn fan_in_fan_out(&self) -> bool;
 }
 
 impl LoraBase for Gpt {
@@ -59,6 +62,9 @@ impl LoraBase for Gpt {
     fn freeze_base(&mut self) -> Result<()> {
         self.freeze()
     }
+    fn fan_in_fan_out(&self) -> bool {
+        true
+    }
 }
 
 impl LoraBase for Llama {
@@ -73,6 +79,9 @@ impl LoraBase for Llama {
     }
     fn freeze_base(&mut self) -> Result<()> {
         self.freeze()
+    }
+    fn fan_in_fan_out(&self) -> bool {
+        false
     }
 }
 
@@ -223,14 +232,15 @@ pub fn add_lora<M: LoraBase>(gpt: &mut M, spec: &LoraSpec, seed: u64) -> Result<
     Ok(targets)
 }
 
-/// `adapter_config.json` for `spec` over the base `base_model` (a path or hub name).
-fn config_json(spec: &LoraSpec, base_model: &str) -> Value {
+/// `adapter_config.json` for `spec` over the base `base_model` (a path or hub name), whose
+/// weights are stored (in, out) when `fan_in_fan_out`.
+fn config_json(spec: &LoraSpec, base_model: &str, fan_in_fan_out: bool) -> Value {
     json!({
         "alpha_pattern": {},
         "auto_mapping": null,
         "base_model_name_or_path": base_model,
         "bias": "none",
-        "fan_in_fan_out": true,
+        "fan_in_fan_out": fan_in_fan_out,
         "inference_mode": true,
         "init_lora_weights": true,
         "layers_pattern": null,
@@ -278,7 +288,7 @@ pub fn save_adapter<M: LoraBase>(
         }
     }
     super::files::write_safetensors(dir, ADAPTER_WEIGHTS, &host)?;
-    let text = serde_json::to_string_pretty(&config_json(spec, base_model))
+    let text = serde_json::to_string_pretty(&config_json(spec, base_model, gpt.fan_in_fan_out()))
         .expect("a JSON value serializes");
     crate::write_atomic(&dir.join(ADAPTER_CONFIG), text.as_bytes())
 }
