@@ -332,6 +332,18 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
     }
     let precision: Precision = args.precision.parse()?;
     let zero = Zero::from_flag(args.zero.as_deref())?;
+    if zero.number() == 3 && args.blocks == 0 {
+        return Err(invalid(format!(
+            "--zero 3 shards the blocks (each an nn::Unit), and --blocks 0 has none: {}",
+            fitgrad::residency::HOW_TO_MARK_UNITS
+        )));
+    }
+    dist.check_zero(
+        zero,
+        args.resume.is_some(),
+        args.save_sharded.is_some(),
+        &[("--prune", args.prune.is_some())],
+    )?;
     if precision == Precision::F16 {
         return Err(invalid(
             "this example keeps f32 master weights: --precision f32 or mixed".into(),
@@ -700,6 +712,8 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
             train.len() as f64 / epoch_secs,
             epoch_secs,
         );
+        // ZeRO stage 3: the blocks gathered on every rank, so one rank evaluates alone.
+        trainer.gather_parameters()?;
         if reporting {
             let eval_start = Instant::now();
             let e = trainer

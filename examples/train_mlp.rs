@@ -159,6 +159,17 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     // Every argument is checked before any device work.
     let precision: Precision = args.precision.parse()?;
     let zero = Zero::from_flag(args.zero.as_deref())?;
+    if zero.number() == 3 {
+        // Stage 3 shards the parameters of a model's units; this MLP names none.
+        return Err(fitgrad::Error::InvalidArgument {
+            op: "--zero 3",
+            reason: format!(
+                "train_mlp's MLP has no units for stage 3 to shard ({}); custom_model and \
+                 train_gpt do, or use --zero 2",
+                fitgrad::residency::HOW_TO_MARK_UNITS
+            ),
+        });
+    }
     let act: Activation = args.activation.parse()?;
     let budget = args
         .memory_budget
