@@ -147,8 +147,9 @@ pub struct Args {
     distributed: Option<String>,
     /// ZeRO stage under --distributed mpi: 0 replicates everything (plain data parallelism),
     /// 1 keeps each rank's shard of the optimizer state only, 2 also its shard of the summed
-    /// gradients; the weights are those of stage 0. 3 (sharded parameters) is not available
-    /// yet. One process holds every shard, so the stage changes nothing there.
+    /// gradients, 3 also its shard of each block's parameters (gathered around its forward and
+    /// backward); the weights are those of stage 0. One process holds every shard, so the stage
+    /// changes nothing there.
     #[arg(long)]
     zero: Option<String>,
 }

@@ -130,8 +130,9 @@ pub struct Args {
     distributed: Option<String>,
     /// ZeRO stage under --distributed mpi: 0 replicates everything (plain data parallelism),
     /// 1 keeps each rank's shard of the optimizer state only, 2 also its shard of the summed
-    /// gradients; the weights are those of stage 0. 3 (sharded parameters) is not available
-    /// yet. One process holds every shard, so the stage changes nothing there.
+    /// gradients; the weights are those of stage 0. 3 (sharded parameters) is refused: this
+    /// MLP has no units to shard. One process holds every shard, so the stage changes nothing
+    /// there.
     #[arg(long)]
     zero: Option<String>,
     /// Prune the weights by magnitude to this sparsity in [0, 1) during training (cubic
