@@ -349,6 +349,36 @@ fn train_mlp_refuses_zero_3() {
     }
 }
 
+/// What stage 3 does not do yet (resuming, sharded checkpoints) is refused on custom_model's
+/// ranks with a typed error before any device work, as a model without units (`--blocks 0`).
+#[test]
+fn custom_model_zero_3_refusals_come_before_device_work() {
+    let _one = one_job_at_a_time();
+    let base = strings(&["--dataset", "digits", "--width", "16", "--zero", "3"]);
+    for (extra, says) in [
+        (
+            &["--resume", "no-such-checkpoint"][..],
+            "--resume is not built yet",
+        ),
+        (
+            &["--save-sharded", "no-such-folder"][..],
+            "--save-sharded is not built yet",
+        ),
+        (&["--blocks", "0"][..], "nn::Unit"),
+    ] {
+        let mut args = base.clone();
+        args.extend(strings(extra));
+        let out = mpirun("custom_model", &args, &[]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success(), "{extra:?} ran:\n{err}");
+        assert!(err.contains(says), "{extra:?}: not the refusal:\n{err}");
+        assert!(
+            !err.contains("adapter"),
+            "{extra:?}: device work first:\n{err}"
+        );
+    }
+}
+
 /// The same for the residual MLP defined in custom_model: the digits' last batch of 29 gives
 /// uneven shares (15 and 14); dropout 0, since each rank draws its own masks. Stages 0, 1 and
 /// 2, and 3 at 2 ranks (its block an `nn::Unit` sharded over the ranks).
