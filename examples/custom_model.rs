@@ -147,8 +147,9 @@ pub struct Args {
     distributed: Option<String>,
     /// ZeRO stage under --distributed mpi: 0 replicates everything (plain data parallelism),
     /// 1 keeps each rank's shard of the optimizer state only, 2 also its shard of the summed
-    /// gradients; the weights are those of stage 0. 3 (sharded parameters) is not available
-    /// yet. One process holds every shard, so the stage changes nothing there.
+    /// gradients, 3 also its shard of each block's parameters (gathered around its forward and
+    /// backward); the weights are those of stage 0. One process holds every shard, so the stage
+    /// changes nothing there.
     #[arg(long)]
     zero: Option<String>,
 }
@@ -332,6 +333,18 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
     }
     let precision: Precision = args.precision.parse()?;
     let zero = Zero::from_flag(args.zero.as_deref())?;
+    if zero.number() == 3 && args.blocks == 0 {
+        return Err(invalid(format!(
+            "--zero 3 shards the blocks (each an nn::Unit), and --blocks 0 has none: {}",
+            fitgrad::residency::HOW_TO_MARK_UNITS
+        )));
+    }
+    dist.check_zero(
+        zero,
+        args.resume.is_some(),
+        args.save_sharded.is_some(),
+        &[("--prune", args.prune.is_some())],
+    )?;
     if precision == Precision::F16 {
         return Err(invalid(
             "this example keeps f32 master weights: --precision f32 or mixed".into(),
@@ -700,6 +713,8 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
             train.len() as f64 / epoch_secs,
             epoch_secs,
         );
+        // ZeRO stage 3: the blocks gathered on every rank, so one rank evaluates alone.
+        trainer.gather_parameters()?;
         if reporting {
             let eval_start = Instant::now();
             let e = trainer

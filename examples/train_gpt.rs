@@ -153,8 +153,9 @@ pub struct Args {
     pub distributed: Option<String>,
     /// ZeRO stage under --distributed mpi: 0 replicates everything (plain data parallelism),
     /// 1 keeps each rank's shard of the optimizer state only, 2 also its shard of the summed
-    /// gradients; the weights are those of stage 0. 3 (sharded parameters) is not available
-    /// yet. One process holds every shard, so the stage changes nothing there.
+    /// gradients, 3 also its shard of each block's parameters (gathered around its forward and
+    /// backward); the weights are those of stage 0. One process holds every shard, so the stage
+    /// changes nothing there.
     #[arg(long)]
     pub zero: Option<String>,
 }
@@ -752,7 +753,12 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
             bar.set_message(format!("loss {train_loss:.3}, {rate:.0} tokens/s"));
             report.log_step(done, loss, Some(rate));
         }
-        if root && args.eval_every > 0 && done % args.eval_every == 0 && done < args.steps {
+        let evaluating = args.eval_every > 0 && done % args.eval_every == 0 && done < args.steps;
+        if evaluating {
+            // ZeRO stage 3: the blocks gathered on every rank, so rank 0 evaluates alone.
+            trainer.gather_parameters()?;
+        }
+        if root && evaluating {
             let eval_start = Instant::now();
             // At the training micro-batch: evaluation keeps no graph, so it stays below the
             // step's peak, and the summary's peak stays the training step's (the planned one).
@@ -787,6 +793,9 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
     }
     bar.finish();
     device.sync()?;
+    // ZeRO stage 3: the trained blocks gathered on every rank (read by the hashes, rank 0's
+    // evaluation, sample and save, which then need no collective).
+    trainer.gather_parameters()?;
     // Each rank's weights, hashed: the report shows whether the replicas hold the same bits.
     let rank_hashes = match dist.size() > 1 {
         true => Some(dist.weight_hashes(&trainer.model)?),
@@ -956,6 +965,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
 /// [`prepare`], [`open_device`], [`train`].
 pub fn run(args: &Args, dist: &Job) -> Result<Report> {
     let setup = prepare(args)?;
+    dist.check_zero(setup.zero, args.resume.is_some(), false, &[])?;
     let device = open_device(args, &setup)?;
     train(args, setup, &device, dist).map_err(|e| {
         cli::name_flags(

@@ -130,8 +130,9 @@ pub struct Args {
     distributed: Option<String>,
     /// ZeRO stage under --distributed mpi: 0 replicates everything (plain data parallelism),
     /// 1 keeps each rank's shard of the optimizer state only, 2 also its shard of the summed
-    /// gradients; the weights are those of stage 0. 3 (sharded parameters) is not available
-    /// yet. One process holds every shard, so the stage changes nothing there.
+    /// gradients; the weights are those of stage 0. 3 (sharded parameters) is refused: this
+    /// MLP has no units to shard. One process holds every shard, so the stage changes nothing
+    /// there.
     #[arg(long)]
     zero: Option<String>,
     /// Prune the weights by magnitude to this sparsity in [0, 1) during training (cubic
@@ -159,6 +160,17 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     // Every argument is checked before any device work.
     let precision: Precision = args.precision.parse()?;
     let zero = Zero::from_flag(args.zero.as_deref())?;
+    if zero.number() == 3 {
+        // Stage 3 shards the parameters of a model's units; this MLP names none.
+        return Err(fitgrad::Error::InvalidArgument {
+            op: "--zero 3",
+            reason: format!(
+                "train_mlp's MLP has no units for stage 3 to shard ({}); custom_model and \
+                 train_gpt do, or use --zero 2",
+                fitgrad::residency::HOW_TO_MARK_UNITS
+            ),
+        });
+    }
     let act: Activation = args.activation.parse()?;
     let budget = args
         .memory_budget

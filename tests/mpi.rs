@@ -1,7 +1,9 @@
 //! Data parallelism over MPI (the `mpi` feature), through the real examples under mpirun:
 //! `mpirun -np 2` and `-np 4 <example> --distributed mpi` end with the weights and optimizer
 //! state of one process with the same flags (within 1e-5 relative; train_gpt at 4 ranks 2e-5)
-//! for train_mlp, custom_model and train_gpt at ZeRO stages 0, 1 and 2; `--fit auto` picks
+//! for train_mlp, custom_model and train_gpt at ZeRO stages 0, 1 and 2 (custom_model and
+//! train_gpt also at stage 3 on 2 ranks, train_gpt's stage 3 plan against its run, train_mlp's
+//! `--zero 3` refused: it has no units); `--fit auto` picks
 //! the first stage
 //! that fits; and a rank that is killed, or stopped without dying, brings the others down
 //! with an error within 30 s instead of a hang, at every stage.
@@ -134,7 +136,8 @@ fn run_ok(mut cmd: Command, what: &str) -> String {
 }
 
 /// Runs the example `name` with `args` as one process and as 2 and 4 MPI ranks at each ZeRO
-/// stage of `stages` (`--zero`), each saving a checkpoint (`--save`), and asserts that each
+/// stage of `stages` (`--zero`; stage 3 at 2 ranks only, to keep the test short), each saving
+/// a checkpoint (`--save`), and asserts that each
 /// job's file holds the tensors of one process's (model and the whole optimizer state) within
 /// 1e-5 relative (4 ranks within `np4_tol`) and the same step, that every rank ends with the
 /// same bits (the hashes of their weights, in rank 0's JSON), and that stages 1 and 2 report
@@ -143,23 +146,25 @@ fn run_ok(mut cmd: Command, what: &str) -> String {
 /// `rounding_only` names elements (tensor, range) whose gradient is zero in exact arithmetic:
 /// AdamW turns their rounding, which any other order of additions changes, into updates, so
 /// they are not compared; each run must keep them below 1% of their tensor's largest value.
+/// Returns each job's ranks, stage and output.
 fn two_ranks_match_one_process(
     name: &str,
     args: &[String],
     rounding_only: &[(&str, Range<usize>)],
     stages: &[u8],
     np4_tol: f64,
-) {
+) -> Vec<(usize, u8, String)> {
     let _one = one_job_at_a_time();
     let tmp = TempDir::new(name);
     let single = tmp.0.join("single.safetensors");
     let mut one = Command::new(example(name));
     one.args(args).arg("--save").arg(&single);
     run_ok(one, &format!("{name}, one process"));
+    let mut jobs = Vec::new();
     for np in [2, 4] {
         let tol = if np == 4 { np4_tol } else { 1e-5 };
         let mut sent = Vec::new();
-        for &stage in stages {
+        for &stage in stages.iter().filter(|&&s| np == 2 || s < 3) {
             let dist = tmp.0.join(format!("np{np}-zero{stage}.safetensors"));
             let mut job = args.to_vec();
             job.extend(["--zero".into(), stage.to_string()]);
@@ -173,7 +178,9 @@ fn two_ranks_match_one_process(
             sent.push((stage, json_u64(&json, "bytes_sent_per_step"), json));
         }
         check_bytes_sent(name, np, &sent);
+        jobs.extend(sent.into_iter().map(|(stage, _, json)| (np, stage, json)));
     }
+    jobs
 }
 
 /// The number after `"key":` in `text` (0 when absent).
@@ -315,8 +322,66 @@ fn two_ranks_give_the_weights_of_one_process() {
     two_ranks_match_one_process("train_mlp", &flags(2), &[], &[0, 1, 2], 1e-5);
 }
 
+/// train_mlp's MLP names no units, so `--zero 3` is refused with the error that says how to
+/// mark them, before any device work, under MPI as in one process.
+#[test]
+fn train_mlp_refuses_zero_3() {
+    let _one = one_job_at_a_time();
+    let mut args = flags(1);
+    args.extend(strings(&["--zero", "3"]));
+    let mut one = Command::new(example("train_mlp"));
+    one.args(&args);
+    for (what, mut cmd) in [
+        ("one process", one),
+        ("mpirun", mpirun("train_mlp", &args, &[])),
+    ] {
+        let out = cmd.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success(), "{what}: --zero 3 ran:\n{err}");
+        assert!(
+            err.contains("--zero 3") && err.contains("nn::Unit") && !err.contains("panicked"),
+            "{what}: not the units error:\n{err}"
+        );
+        assert!(
+            !err.contains("adapter"),
+            "{what}: device work before the error:\n{err}"
+        );
+    }
+}
+
+/// What stage 3 does not do yet (resuming, sharded checkpoints) is refused on custom_model's
+/// ranks with a typed error before any device work, as a model without units (`--blocks 0`).
+#[test]
+fn custom_model_zero_3_refusals_come_before_device_work() {
+    let _one = one_job_at_a_time();
+    let base = strings(&["--dataset", "digits", "--width", "16", "--zero", "3"]);
+    for (extra, says) in [
+        (
+            &["--resume", "no-such-checkpoint"][..],
+            "--resume is not built yet",
+        ),
+        (
+            &["--save-sharded", "no-such-folder"][..],
+            "--save-sharded is not built yet",
+        ),
+        (&["--blocks", "0"][..], "nn::Unit"),
+    ] {
+        let mut args = base.clone();
+        args.extend(strings(extra));
+        let out = mpirun("custom_model", &args, &[]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success(), "{extra:?} ran:\n{err}");
+        assert!(err.contains(says), "{extra:?}: not the refusal:\n{err}");
+        assert!(
+            !err.contains("adapter"),
+            "{extra:?}: device work first:\n{err}"
+        );
+    }
+}
+
 /// The same for the residual MLP defined in custom_model: the digits' last batch of 29 gives
-/// uneven shares (15 and 14); dropout 0, since each rank draws its own masks. Stages 0, 1 and 2.
+/// uneven shares (15 and 14); dropout 0, since each rank draws its own masks. Stages 0, 1 and
+/// 2, and 3 at 2 ranks (its block an `nn::Unit` sharded over the ranks).
 #[test]
 fn custom_model_on_two_ranks_gives_the_weights_of_one_process() {
     let args = strings(&[
@@ -335,7 +400,7 @@ fn custom_model_on_two_ranks_gives_the_weights_of_one_process() {
         "--seed",
         "3",
     ]);
-    two_ranks_match_one_process("custom_model", &args, &[], &[0, 1, 2], 1e-5);
+    two_ranks_match_one_process("custom_model", &args, &[], &[0, 1, 2, 3], 1e-5);
 }
 
 /// The same for train_gpt on a short text: clipping, an evaluation and a checkpoint mid-run
@@ -380,7 +445,57 @@ fn train_gpt_on_two_ranks_gives_the_weights_of_one_process() {
     // elements whose gradients are as small as it into whole updates: with plain data
     // parallelism (stage 0) as with ZeRO, an element of mlp.proj.weight ends 1.15e-5 relative
     // from one process's after 6 steps (1.27e-5 after 3). So 4 ranks are held to 2e-5 here.
-    two_ranks_match_one_process("train_gpt", &args, &key_bias, &[0, 1, 2], 2e-5);
+    let jobs = two_ranks_match_one_process("train_gpt", &args, &key_bias, &[0, 1, 2, 3], 2e-5);
+    // Stage 3's plan: every rank's planned peak, and the collectives as its run made them.
+    let (_, _, run) = jobs.iter().find(|(np, s, _)| (*np, *s) == (2, 3)).unwrap();
+    let mut plan = args.clone();
+    plan.extend(strings(&["--zero", "3", "--plan", "--json"]));
+    let text = run_ok(mpirun("train_gpt", &plan, &[]), "train_gpt --zero 3 --plan");
+    check_stage_3_plan(&text, run);
+}
+
+/// A stage 3 job's `--plan --json` (`plan`) against its run's JSON (`run`, 2 ranks): a planned
+/// peak per rank, the units' all-gathers and reduce-scatters among the collectives, and the
+/// bytes sent per step and each rank's planned state bytes those of the run.
+fn check_stage_3_plan(plan: &str, run: &str) {
+    let line = |t: &str, key: &str| {
+        let l = t
+            .lines()
+            .find(|l| l.starts_with('{') && l.contains(key))
+            .unwrap_or_else(|| panic!("no JSON line with {key}:\n{t}"));
+        serde_json::from_str::<serde_json::Value>(l).unwrap()
+    };
+    let p = line(plan, "\"per_rank\"")["per_rank"].clone();
+    let r = line(run, "\"rank_weight_hashes\"");
+    eprintln!("stage 3 plan: {p}\nrun: {r}");
+    assert_eq!(p["zero_stage"], 3);
+    let ranks = p["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 2);
+    let kinds: Vec<String> = p["collectives"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["what"].as_str().unwrap().starts_with("units"))
+        .map(|c| format!("{} {}", c["kind"], c["buffer_bytes"]))
+        .collect();
+    assert_eq!(kinds.len(), 2, "the units' collectives: {p}");
+    assert!(!kinds.iter().any(|k| k.ends_with(" 0")), "{kinds:?}");
+    assert_eq!(
+        p["bytes_sent_per_step"], r["bytes_sent_per_step"],
+        "planned and run bytes per step"
+    );
+    assert_eq!(p["collectives"], r["collectives"]);
+    for (planned, run) in ranks
+        .iter()
+        .zip(r["per_rank_state_bytes"].as_array().unwrap())
+    {
+        assert!(planned["peak"].as_u64().unwrap() > 0);
+        let state = ["parameters", "gradients", "optimizer_state"]
+            .iter()
+            .map(|k| planned[*k].as_u64().unwrap())
+            .sum::<u64>();
+        assert_eq!(state, run["planned"].as_u64().unwrap(), "{planned} {run}");
+    }
 }
 
 /// Sends `sig` to `pid` through the shell's own `kill` (no procps needed); whether it was sent.

@@ -208,8 +208,9 @@ fn stage_3_matches_one_process(dev: &Device) {
 
 fn stage_3_without_units_is_refused(dev: &Device) {
     assert_eq!(Zero::stage(3).unwrap().number(), 3);
+    assert_eq!(Zero::from_flag(Some("3")).unwrap().number(), 3);
     assert!(matches!(
-        Zero::from_flag(Some("3")),
+        Zero::from_flag(Some("4")),
         Err(Error::InvalidArgument { .. })
     ));
     let (_group, mut comms) = LocalGroup::new(1, Duration::from_secs(5)).unwrap();

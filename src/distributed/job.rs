@@ -71,6 +71,35 @@ impl Job {
         }
     }
 
+    /// Refuses, before any device work, what ZeRO stage 3 does not do yet on this job's ranks:
+    /// `resuming` (a stage 3 run's checkpoint resumes at stages 0 to 2), `sharded_save`
+    /// (`--save-sharded`; `--save` writes one consolidated file) and `others` (a flag, and
+    /// whether it is given). One process holds every shard, so nothing is refused there.
+    pub fn check_zero(
+        &self,
+        zero: Zero,
+        resuming: bool,
+        sharded_save: bool,
+        others: &[(&str, bool)],
+    ) -> Result<()> {
+        if zero.number() < 3 || self.size() < 2 {
+            return Ok(());
+        }
+        let mut given = vec![("--resume", resuming), ("--save-sharded", sharded_save)];
+        given.extend_from_slice(others);
+        match given.iter().find(|(_, on)| *on) {
+            Some((flag, _)) => Err(Error::InvalidArgument {
+                op: "--zero 3",
+                reason: format!(
+                    "{flag} is not built yet at ZeRO stage 3 (sharded parameters); use --zero \
+                     2, or leave {flag} out (--save writes one consolidated checkpoint at \
+                     stage 3, which resumes at stages 0 to 2 or in one process)"
+                ),
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// This process's rank (0 alone); rank 0 prints, evaluates and writes checkpoints.
     pub fn rank(&self) -> usize {
         match self {
@@ -285,8 +314,8 @@ impl Job {
         if self.size() < 2 {
             return Ok(Vec::new());
         }
-        let (numels, step) = step_shape(trainer);
-        zero.collectives(&numels, self.size(), step)
+        let (numels, step) = step_shape(trainer, zero);
+        zero.collectives_with_units(&numels, self.size(), step, trainer.unit_traffic())
     }
 
     /// Every rank's planned and measured device bytes of parameters, gradients and optimizer
@@ -326,26 +355,30 @@ impl Job {
         let c = self.step_collectives(trainer, zero)?;
         j["bytes_sent_per_step"] = c.iter().map(|c| c.sent_bytes).sum::<u64>().into();
         j["collectives"] = serde_json::to_value(&c).unwrap_or_default();
-        let (numels, _) = step_shape(trainer);
+        let (numels, _) = step_shape(trainer, Zero::OFF);
         j["parameter_elements"] = numels.iter().sum::<usize>().into();
-        // What the reduce-scatter and the all-gather carry: the shards, padding included.
+        // What the reduce-scatter and the all-gather carry: the shards, padding included (at
+        // stage 3, of the parameters in no unit).
+        let (flat, _) = step_shape(trainer, zero);
         j["padded_elements"] = match zero.number() {
             0 => numels.iter().sum::<usize>(),
-            _ => super::zero::ShardLayout::new(&numels, self.size().max(1))?.padded_len(),
+            _ => super::zero::ShardLayout::new(&flat, self.size().max(1))?.padded_len(),
         }
         .into();
         Ok(())
     }
 
     /// Saves a checkpoint of `trainer` on rank 0 ([`Trainer::save_checkpoint`]); the other
-    /// ranks join in putting a sharded optimizer state together (ZeRO), so the file holds the
-    /// whole state, loadable by one process or any number of ranks. Call it on every rank.
+    /// ranks join in putting a sharded optimizer state together (ZeRO), and at stage 3 the
+    /// sharded units' parameters ([`Trainer::gather_parameters`]), so the file holds the whole
+    /// model and state, loadable by one process or any number of ranks. Call it on every rank.
     pub fn save_checkpoint<M: Module>(
         &self,
         trainer: &Trainer<M>,
         path: &std::path::Path,
         epochs_done: u64,
     ) -> Result<()> {
+        trainer.gather_parameters()?;
         if self.is_root() {
             trainer.save_checkpoint(path, epochs_done)
         } else {
@@ -373,6 +406,13 @@ impl Job {
                     false,
                 )
             }
+            #[cfg(feature = "mpi")]
+            Job::Mpi(_) if zero.number() == 3 => Err(Error::InvalidArgument {
+                op: "--save-sharded",
+                reason: "sharded checkpoints of ZeRO stage 3 (sharded parameters) are not \
+                         built yet; --save writes one consolidated file at stage 3"
+                    .into(),
+            }),
             #[cfg(feature = "mpi")]
             Job::Mpi(m) => super::zero::checkpoint::save_sharded(
                 trainer,
@@ -433,16 +473,16 @@ impl Job {
         plan: &Plan,
         zero: Zero,
     ) -> Result<Option<RankPlans>> {
-        let (numels, step) = step_shape(trainer);
         match self {
             Job::Single => {
-                let _ = (plan, zero, numels, step);
+                let _ = (plan, zero, trainer);
                 Ok(None)
             }
             #[cfg(feature = "mpi")]
             Job::Mpi(m) => {
+                let collectives = self.step_collectives(trainer, zero)?;
                 let mut comm = m.communicator()?;
-                RankPlans::gather(&mut comm, plan, &numels, zero, step).map(Some)
+                RankPlans::gather_with(&mut comm, plan, zero, collectives).map(Some)
             }
         }
     }
@@ -510,12 +550,19 @@ pub struct StageChoice<M: Module> {
     pub stats: Arc<Mutex<AllReduceStats>>,
 }
 
-/// The parameters' element counts and what a step's collectives depend on besides the stage.
-fn step_shape<M: Module>(trainer: &Trainer<M>) -> (Vec<usize>, StepCollectives) {
+/// The element counts of the parameters the flat shards hold at `zero` (all of them; at
+/// stage 3 those in no unit) and what a step's collectives depend on besides the stage.
+fn step_shape<M: Module>(trainer: &Trainer<M>, zero: Zero) -> (Vec<usize>, StepCollectives) {
+    let units = match zero.number() {
+        3 => trainer.model.units(),
+        _ => Vec::new(),
+    };
+    let in_unit = |p: &crate::Tensor| units.iter().flat_map(|(_, u)| u).any(|u| u.is_same(p));
     let numels: Vec<usize> = trainer
         .model
         .parameters()
         .iter()
+        .filter(|p| !in_unit(p))
         .map(|p| p.numel())
         .collect();
     let step = StepCollectives {

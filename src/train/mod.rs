@@ -34,7 +34,7 @@ pub use plan::Plan;
 pub use rows::{HostRows, ShardedView};
 pub use run_plan::{Phase, PhasePlan, RunPlan};
 pub use summary::{Evaluation, MemorySummary};
-pub use sync::GradientSync;
+pub use sync::{GradientSync, UnitTraffic};
 pub use trainer::{Trainer, TrainerConfig};
 pub use window_loss::{window_loss, WindowLoss};
 

@@ -344,6 +344,10 @@ impl<M: Module> Trainer<M> {
         );
         self.micro = micro.min(self.config.batch_size).max(1);
         let result = reserved.and_then(|()| body(self, &scope));
+        // No unit stays resident from the plan (a planned phase such as generation ends with
+        // its units on the planning device): the run fetches its own, as every rank does.
+        let ended = crate::residency::finish(&dev, false);
+        let result = result.and_then(|r| ended.map(|()| r));
         self.optimizer.zero_grad();
         let planned_optimizer = std::mem::replace(&mut self.optimizer, real_optimizer);
         (self.scaler, self.step, self.loss_steps) = (saved.0, saved.1, saved.2);

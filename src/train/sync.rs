@@ -53,8 +53,15 @@ pub trait GradientSync: Send {
     /// Brings every parameter of the model to this replica's host copies where they are
     /// sharded (ZeRO stage 3: each unit all-gathered from the ranks), so reading the model sees
     /// the trained values; every replica calls it at once. Nothing by default.
-    fn gather_parameters(&mut self) -> Result<()> {
+    fn gather_parameters(&self) -> Result<()> {
         Ok(())
+    }
+
+    /// The collectives its last step made for parameters sharded by unit (ZeRO stage 3: the
+    /// units' all-gathers and reduce-scatters, as the step ran them, planned or real); `None`
+    /// where nothing is sharded by unit.
+    fn unit_traffic(&self) -> Option<UnitTraffic> {
+        None
     }
 
     /// The tensors whose gradients the rest of the step reads (unscaling, clipping, the finite
@@ -75,5 +82,31 @@ pub trait GradientSync: Send {
     /// norms when the gradients are sharded, `local` when they are replicated.
     fn global_norm(&mut self, local: f32) -> Result<f32> {
         Ok(local)
+    }
+}
+
+/// What the collectives of sharded units moved (ZeRO stage 3): counts, and the bytes of their
+/// results (the padded units, gathered or reduce-scattered), added up over a span of time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UnitTraffic {
+    /// All-gathers of a unit (before its forward, or its recomputation).
+    pub gathers: u64,
+    /// Bytes of the gathered units.
+    pub gathered_bytes: u64,
+    /// Reduce-scatters of a unit's gradients.
+    pub scatters: u64,
+    /// Bytes of the reduce-scattered gradients.
+    pub scattered_bytes: u64,
+}
+
+impl UnitTraffic {
+    /// What was moved between `earlier` and `self` (both cumulative).
+    pub fn since(&self, earlier: &UnitTraffic) -> UnitTraffic {
+        UnitTraffic {
+            gathers: self.gathers - earlier.gathers,
+            gathered_bytes: self.gathered_bytes - earlier.gathered_bytes,
+            scatters: self.scatters - earlier.scatters,
+            scattered_bytes: self.scattered_bytes - earlier.scattered_bytes,
+        }
     }
 }

@@ -309,11 +309,17 @@ impl<M: Module> Trainer<M> {
 
     /// Brings sharded parameters to the model (ZeRO stage 3: every unit gathered from the
     /// ranks) so reading it sees the trained values; every replica calls it at once.
-    pub fn gather_parameters(&mut self) -> Result<()> {
-        match self.sync.as_mut() {
+    pub fn gather_parameters(&self) -> Result<()> {
+        match self.sync.as_ref() {
             Some(s) => s.gather_parameters(),
             None => Ok(()),
         }
+    }
+
+    /// What its last step's collectives moved for parameters sharded by unit (ZeRO stage 3),
+    /// planned or run; `None` without such sharding.
+    pub fn unit_traffic(&self) -> Option<crate::train::UnitTraffic> {
+        self.sync.as_ref().and_then(|s| s.unit_traffic())
     }
 
     /// Whether a [`GradientSync`] is installed.

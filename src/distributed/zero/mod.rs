@@ -80,19 +80,11 @@ impl Zero {
         }
     }
 
-    /// The stage a `--zero` flag names (none is 0; the examples do not take stage 3 yet).
+    /// The stage a `--zero` flag names (none is 0).
     pub fn from_flag(flag: Option<&str>) -> Result<Zero> {
         match flag {
             None => Ok(Zero::OFF),
             Some(s) => match s.parse::<u8>() {
-                Ok(3) => Err(Error::InvalidArgument {
-                    op: "--zero",
-                    reason: "stage 3 (sharded parameters) runs in one process through \
-                             DataParallel::with_zero; the examples' --zero 3 under MPI (its \
-                             per-rank plan and checkpoints) is not built yet; use --zero 2, which \
-                             shards the optimizer state and the gradients"
-                        .into(),
-                }),
                 Ok(n) => Zero::stage(n),
                 Err(_) => Err(Error::InvalidArgument {
                     op: "--zero",
@@ -148,6 +140,9 @@ pub struct ZeroSync<C> {
     /// Stage 3: the units sharded over the ranks (the layout above covers the other
     /// parameters).
     stage3: Option<Arc<stage3::Stage3>>,
+    /// Stage 3: the units' traffic when the last step ended (cumulative), and that step's.
+    units_seen: crate::train::UnitTraffic,
+    units_step: Option<crate::train::UnitTraffic>,
 }
 
 impl<C: Communicator> ZeroSync<C> {
@@ -277,6 +272,11 @@ impl<C: Communicator> GradientSync for ZeroSync<C> {
         }
         if let Some(s3) = &self.stage3 {
             s3.set_grads(planning)?;
+            // Every unit's gradients were retired before the exchange; the next step's first
+            // gather comes after it.
+            let now = s3.shards().traffic();
+            self.units_step = Some(now.since(&self.units_seen));
+            self.units_seen = now;
         }
         if let Some((_, _, loss_sum, _)) = &self.last {
             if !planning {
@@ -325,11 +325,15 @@ impl<C: Communicator> GradientSync for ZeroSync<C> {
         )))
     }
 
-    fn gather_parameters(&mut self) -> Result<()> {
+    fn gather_parameters(&self) -> Result<()> {
         match &self.stage3 {
             Some(s3) => s3.gather_host(&mut *crate::device::lock(&self.comm)),
             None => Ok(()),
         }
+    }
+
+    fn unit_traffic(&self) -> Option<crate::train::UnitTraffic> {
+        self.units_step
     }
 
     fn step_tensors(&self) -> Option<Vec<Tensor>> {
@@ -349,6 +353,10 @@ impl<C: Communicator> GradientSync for ZeroSync<C> {
     }
 
     fn global_norm(&mut self, local: f32) -> Result<f32> {
+        // While planning nothing is sent: ranks may plan different numbers of steps.
+        if self.device.is_planning() {
+            return Ok(local);
+        }
         let all = crate::device::lock(&self.comm).all_gather(&[u64::from(local.to_bits())])?;
         // Rank order in f64: the same norm on every replica.
         let sq: f64 = all
@@ -494,6 +502,8 @@ pub fn attach_zero<M: Module, C: Communicator + 'static>(
         pending: Arc::default(),
         stats: stats.clone(),
         stage3,
+        units_seen: Default::default(),
+        units_step: None,
     })));
     Ok(stats)
 }

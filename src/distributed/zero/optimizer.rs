@@ -83,8 +83,9 @@ impl<C: Communicator> ZeroOptimizer<C> {
         match self.stage3 {
             Some(_) => Err(Error::InvalidArgument {
                 op,
-                reason: "checkpoints of ZeRO stage 3 (sharded parameters) are not built yet; \
-                         save at stage 2"
+                reason: "resuming at ZeRO stage 3 (sharded parameters) is not built yet; a \
+                         stage 3 run's consolidated checkpoint resumes at stages 0, 1 or 2, or \
+                         in one process"
                     .into(),
             }),
             None => Ok(()),
@@ -132,7 +133,8 @@ impl<C: Communicator> ZeroOptimizer<C> {
 
 impl<C: Communicator> ZeroOptimizer<C> {
     /// The whole state, as one optimizer over all the parameters holds it: every replica's
-    /// shard of each state tensor all-gathered (every replica calls it at once).
+    /// shard of each state tensor all-gathered (every replica calls it at once). At stage 3
+    /// each unit's shard is gathered the same way, by the unit's own layout.
     fn consolidated(&self) -> Result<OptimizerState> {
         let l = &self.layout;
         let pieces = l.pieces(self.rank);
@@ -140,33 +142,68 @@ impl<C: Communicator> ZeroOptimizer<C> {
             .inner
             .as_ref()
             .map_or_else(OptimizerState::default, |o| o.state());
-        let mut steps = vec![0u64; self.gathered.len()];
-        for (pc, &s) in pieces.iter().zip(&shard_state.param_steps) {
-            steps[pc.param] = s;
+        let index = |t: &Tensor| self.params.iter().position(|p| p.is_same(t));
+        let flat_at: Vec<usize> = self.gathered.iter().filter_map(index).collect();
+        // Stage 3: per unit, its layout and each parameter's index; its pieces follow the
+        // flat layout's in the inner optimizer's parts.
+        let units: Vec<(ShardLayout, Vec<usize>)> = match &self.stage3 {
+            Some(s3) => {
+                let sh = s3.shards();
+                s3.unit_params()
+                    .iter()
+                    .enumerate()
+                    .map(|(u, ps)| (sh.layout(u).clone(), ps.iter().filter_map(index).collect()))
+                    .collect()
+            }
+            None => Vec::new(),
+        };
+        let n = self.params.len();
+        let mut steps = vec![0u64; n];
+        let mut j = 0;
+        for pc in &pieces {
+            steps[flat_at[pc.param]] = shard_state.param_steps.get(j).copied().unwrap_or(0);
+            j += 1;
+        }
+        for (ul, at) in &units {
+            for pc in ul.pieces(self.rank) {
+                steps[at[pc.param]] = shard_state.param_steps.get(j).copied().unwrap_or(0);
+                j += 1;
+            }
         }
         let mut comm = crate::device::lock(&self.comm);
         let all = comm.all_gather(&steps)?;
-        let n = self.gathered.len();
         let param_steps: Vec<u64> = (0..n)
             .map(|i| (0..comm.size()).map(|r| all[r * n + i]).max().unwrap_or(0))
             .collect();
+        let find = |j: usize, name: &str| {
+            let key = format!("{j}.{name}");
+            shard_state.tensors.iter().find(|(k, _)| *k == key)
+        };
         let mut tensors = Vec::new();
         for name in &self.state_names {
-            let mut shard = vec![0f32; l.shard_len()];
-            for (j, pc) in pieces.iter().enumerate() {
-                let key = format!("{j}.{name}");
-                if let Some((_, t)) = shard_state.tensors.iter().find(|(k, _)| *k == key) {
-                    let v = t.to_vec_f32()?;
-                    shard[pc.at..pc.at + v.len()].copy_from_slice(&v);
-                }
+            // (the layout, this rank's pieces' first index among the parts, the parameters)
+            let mut groups = vec![(ShardLayout::clone(l), 0, flat_at.clone())];
+            let mut j = pieces.len();
+            for (ul, at) in &units {
+                groups.push((ul.clone(), j, at.clone()));
+                j += ul.pieces(self.rank).len();
             }
-            let mut flat = vec![0f32; l.padded_len()];
-            comm.all_gather_f32(&shard, &mut flat)?;
-            for (i, p) in self.gathered.iter().enumerate() {
-                if param_steps[i] > 0 {
-                    let o = l.offsets()[i];
-                    let t = Tensor::from_slice(p.device(), &flat[o..o + p.numel()], p.dims())?;
-                    tensors.push((format!("{i}.{name}"), t));
+            for (gl, first, at) in groups {
+                let mut shard = vec![0f32; gl.shard_len()];
+                for (k, pc) in gl.pieces(self.rank).iter().enumerate() {
+                    if let Some((_, t)) = find(first + k, name) {
+                        let v = t.to_vec_f32()?;
+                        shard[pc.at..pc.at + v.len()].copy_from_slice(&v);
+                    }
+                }
+                let mut flat = vec![0f32; gl.padded_len()];
+                comm.all_gather_f32(&shard, &mut flat)?;
+                for (&i, &o) in at.iter().zip(gl.offsets()) {
+                    if param_steps[i] > 0 {
+                        let p = &self.params[i];
+                        let t = Tensor::from_slice(p.device(), &flat[o..o + p.numel()], p.dims())?;
+                        tensors.push((format!("{i}.{name}"), t));
+                    }
                 }
             }
         }
@@ -307,7 +344,6 @@ impl<C: Communicator + 'static> Optimizer for ZeroOptimizer<C> {
     }
 
     fn checkpoint_state(&self) -> Result<OptimizerState> {
-        self.refuse_stage3("ZeroOptimizer::checkpoint_state")?;
         self.consolidated()
     }
 

@@ -127,6 +127,42 @@ impl Zero {
     }
 }
 
+impl Zero {
+    /// [`Zero::collectives`] of the parameters in the flat shards (`numels`; at stage 3 those
+    /// in no unit, exchanged as at stage 2), and at stage 3 the units' all-gathers and
+    /// reduce-scatters of a step as the trainer's last step, planned or run, made them
+    /// (`units`; counted by the fetches and retirements themselves, since how many gathers a
+    /// step needs depends on which units stay resident).
+    pub fn collectives_with_units(
+        &self,
+        numels: &[usize],
+        ranks: usize,
+        step: StepCollectives,
+        units: Option<crate::train::UnitTraffic>,
+    ) -> Result<Vec<Collective>> {
+        if self.stage < 3 {
+            return self.collectives(numels, ranks, step);
+        }
+        let mut out = Zero::stage(2)?.collectives(numels, ranks, step)?;
+        let u = units.unwrap_or_default();
+        let n = ranks.max(1);
+        use CollectiveKind::*;
+        out.push(Collective::new(
+            "units (forward, recomputation)",
+            AllGather,
+            u.gathered_bytes,
+            n,
+        ));
+        out.push(Collective::new(
+            "units' gradients",
+            ReduceScatter,
+            u.scattered_bytes,
+            n,
+        ));
+        Ok(out)
+    }
+}
+
 /// One rank's planned device bytes at its step's peak.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct RankPlan {
@@ -204,18 +240,24 @@ impl RankPlans {
         zero: Zero,
         step: StepCollectives,
     ) -> Result<RankPlans> {
-        let size = comm.size();
+        let collectives = zero.collectives(numels, comm.size(), step)?;
+        RankPlans::gather_with(comm, plan, zero, collectives)
+    }
+
+    /// [`RankPlans::gather`] with the step's collectives given.
+    pub fn gather_with<C: Communicator + ?Sized>(
+        comm: &mut C,
+        plan: &Plan,
+        zero: Zero,
+        collectives: Vec<Collective>,
+    ) -> Result<RankPlans> {
         let all = comm.all_gather(&RankPlan::words(plan))?;
         let ranks = all
             .chunks(5)
             .enumerate()
             .map(|(r, w)| RankPlan::from_words(r, w))
             .collect();
-        Ok(RankPlans::new(
-            zero,
-            ranks,
-            zero.collectives(numels, size, step)?,
-        ))
+        Ok(RankPlans::new(zero, ranks, collectives))
     }
 }
 

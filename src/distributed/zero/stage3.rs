@@ -23,6 +23,8 @@ use crate::residency::{HostSource, Streaming, UnitSource};
 use crate::{Device, Error, Result, Tensor};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+pub use crate::train::UnitTraffic;
+
 /// One rank's shards of every unit: values, summed gradients and the bytes sent for them.
 pub struct UnitShards {
     layouts: Vec<ShardLayout>,
@@ -32,6 +34,13 @@ pub struct UnitShards {
     sent: u64,
     gathers: u64,
     scatters: u64,
+    /// Bytes of the results of the gathers and the reduce-scatters made (padded units).
+    gathered: u64,
+    scattered: u64,
+    /// Per unit: its parameters' host copies hold this rank's current values (gathered by
+    /// [`Stage3::gather_host`] since the last update), so a fetch uploads them without a
+    /// collective and a rank may run the model alone (evaluation, sampling on rank 0).
+    current: Vec<bool>,
 }
 
 impl UnitShards {
@@ -80,10 +89,24 @@ impl UnitShards {
         (self.gathers, self.scatters)
     }
 
+    /// What the units' collectives moved so far (cumulative; a step's is a difference).
+    pub fn traffic(&self) -> UnitTraffic {
+        UnitTraffic {
+            gathers: self.gathers,
+            gathered_bytes: self.gathered,
+            scatters: self.scatters,
+            scattered_bytes: self.scattered,
+        }
+    }
+
     /// Elements this rank keeps per unit kind of buffer (values or gradients): the sum of the
     /// units' shard lengths.
     pub fn shard_elements(&self) -> u64 {
         self.layouts.iter().map(|l| l.shard_len() as u64).sum()
+    }
+
+    fn padded_bytes(&self, unit: usize) -> u64 {
+        (self.layouts[unit].padded_len() * 4) as u64
     }
 
     fn ring_bytes(&self, unit: usize) -> u64 {
@@ -125,7 +148,13 @@ impl<C: Communicator> UnitSource for ShardedSource<C> {
         let planning = params[0].device().is_planning();
         {
             let mut s = lock(&self.shards);
+            if s.current[i] && !planning {
+                // Gathered already and not updated since: the host copies are the values.
+                drop(s);
+                return HostSource.fetch(params);
+            }
             s.sent += s.ring_bytes(i);
+            s.gathered += s.padded_bytes(i);
             s.gathers += 1;
             if !planning {
                 let l = &s.layouts[i];
@@ -162,6 +191,7 @@ impl<C: Communicator> UnitSource for ShardedSource<C> {
             p.set_grad(None)?;
         }
         s.sent += s.ring_bytes(i);
+        s.scattered += s.padded_bytes(i);
         s.scatters += 1;
         if !planning {
             let mut shard = vec![0f32; l.shard_len()];
@@ -220,6 +250,9 @@ pub fn start_stage3<C: Communicator + 'static>(
         sent: 0,
         gathers: 0,
         scatters: 0,
+        gathered: 0,
+        scattered: 0,
+        current: vec![false; n],
     }));
     let source = ShardedSource {
         shards: shards.clone(),
@@ -299,16 +332,30 @@ impl Stage3 {
     /// Every unit all-gathered from the ranks into its parameters' host copies (what reading
     /// the model returns); every rank calls it at once.
     pub fn gather_host<C: Communicator>(&self, comm: &mut C) -> Result<()> {
-        let s = lock(&self.shards);
+        let mut s = lock(&self.shards);
         for (u, params) in self.units.iter().enumerate() {
+            if s.current[u] {
+                continue;
+            }
             let l = s.layout(u);
             let mut flat = vec![0f32; l.padded_len()];
             comm.all_gather_f32(s.values(u), &mut flat)?;
             for (p, &o) in params.iter().zip(l.offsets()) {
                 p.with_host(|h| h.values.copy_from_slice(&flat[o..o + p.numel()]));
             }
+            s.current[u] = true;
         }
         Ok(())
+    }
+
+    /// The units' parameters (per unit, in [`Module::units`](crate::nn::Module::units) order).
+    pub fn unit_params(&self) -> &[Vec<Tensor>] {
+        &self.units
+    }
+
+    /// The units' shards (layouts, values) of this rank.
+    pub fn shards(&self) -> MutexGuard<'_, UnitShards> {
+        lock(&self.shards)
     }
 
     /// This rank's piece tensors, unit by unit.
@@ -361,6 +408,7 @@ impl Stage3 {
             return Ok(());
         }
         let mut s = lock(&self.shards);
+        s.current.iter_mut().for_each(|c| *c = false);
         for (u, mine) in self.pieces.iter().enumerate() {
             for (pc, t) in mine {
                 let v = t.to_vec_f32()?;
