@@ -369,23 +369,16 @@ pub(super) fn check_same_run<M: Module>(
     })
 }
 
-/// The parameters' values in one host buffer (one readback), in `named_parameters` order.
+/// The parameters' values in one host buffer, in `named_parameters` order, read tensor by
+/// tensor so the device never holds a second copy of the model (one flat staging buffer would
+/// double the parameters' bytes at a replica's start and whenever the weights are hashed).
+/// Streamed parameters (ZeRO stage 3's units) are read from their host copies.
 pub(crate) fn parameter_values(model: &dyn Module) -> Result<Vec<f32>> {
     let params = model.parameters();
-    let Some(first) = params.first() else {
-        return Ok(Vec::new());
-    };
     let (offsets, total) = layout(&params);
-    // Streamed parameters (ZeRO stage 3's units) are read from their host copies.
-    let present: Vec<Option<Tensor>> = params
-        .iter()
-        .map(|p| (!p.is_streamed()).then(|| p.detach()))
-        .collect();
-    let mut values = gather(first.device(), &present, &offsets, total, None)?;
+    let mut values = vec![0f32; total];
     for (p, &o) in params.iter().zip(&offsets) {
-        if p.is_streamed() {
-            values[o..o + p.numel()].copy_from_slice(&p.to_vec_f32()?);
-        }
+        values[o..o + p.numel()].copy_from_slice(&p.to_vec_f32()?);
     }
     Ok(values)
 }
