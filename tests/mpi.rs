@@ -516,10 +516,31 @@ struct Job {
 }
 
 impl Job {
+    /// train_mlp at stages 0-2; custom_model (one block, an `nn::Unit`) at stage 3, whose
+    /// units train_mlp's MLP does not have.
     fn start(env: &[(&str, &str)], stage: u8) -> Job {
-        let mut args = flags(100_000);
+        let (name, mut args) = match stage {
+            3 => (
+                "custom_model",
+                strings(&[
+                    "--dataset",
+                    "digits",
+                    "--width",
+                    "16",
+                    "--blocks",
+                    "1",
+                    "--epochs",
+                    "100000",
+                    "--batch-size",
+                    "64",
+                    "--seed",
+                    "5",
+                ]),
+            ),
+            _ => ("train_mlp", flags(100_000)),
+        };
         args.extend(["--zero".into(), stage.to_string()]);
-        let mut child = mpirun("train_mlp", &args, env)
+        let mut child = mpirun(name, &args, env)
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
@@ -609,7 +630,7 @@ impl Drop for Job {
 #[test]
 fn a_killed_rank_stops_the_other_within_30_s() {
     let _one = one_job_at_a_time();
-    for stage in 0..=2 {
+    for stage in 0..=3 {
         let mut job = Job::start(&[], stage);
         std::thread::sleep(Duration::from_secs(2));
         let killed = Instant::now();
@@ -643,7 +664,7 @@ fn a_killed_rank_stops_the_other_within_30_s() {
 #[test]
 fn a_stopped_rank_times_out_and_stops_every_rank() {
     let _one = one_job_at_a_time();
-    for stage in 0..=2 {
+    for stage in 0..=3 {
         let mut job = Job::start(&[("FITGRAD_DIST_TIMEOUT", "5")], stage);
         std::thread::sleep(Duration::from_secs(2));
         let stopped = Instant::now();
