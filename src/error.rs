@@ -154,7 +154,8 @@ pub enum Error {
     /// A memory budget too small for even the smallest configuration (a micro-batch of one).
     #[error(
         "the memory budget of {} is too small: {what} needs at least {}. \
-         Raise the budget, or lower what a step keeps (mixed precision, activation checkpointing, a smaller model)",
+         Raise the budget, lower what a step keeps (mixed precision, activation checkpointing, a smaller model), \
+         or what the device holds (8-bit optimizer state, the optimizer offloaded to host memory, parameters streamed by unit)",
         Bytes(*.budget), AtLeast(*.minimum)
     )]
     BudgetTooSmall {
