@@ -529,20 +529,14 @@ impl Gpt {
         for block in &self.blocks {
             let unit = block.ln1.weight.clone();
             x = if checkpointed {
-                // Two segments per block: only the input of each residual half (B, T, C) is
-                // kept, and backward reruns one half at a time (same dropout masks), so the
-                // recomputed activations at any moment are half a block's, not a whole one's.
-                let [attn_params, mlp_params] = block.half_parameters();
-                let refs: Vec<&Tensor> = attn_params.iter().collect();
-                let (b, u) = (block.clone(), unit.clone());
-                let h = crate::tensor::autograd::checkpoint(&[&x], &refs, move |xs| {
-                    crate::residency::within(&u, || b.attention_half(&xs[0], dtype))
-                })?;
-                let refs: Vec<&Tensor> = mlp_params.iter().collect();
-                let b = block.clone();
-                crate::tensor::autograd::checkpoint(&[&h], &refs, move |xs| {
-                    crate::residency::within(&unit, || b.mlp_half(&xs[0], dtype))
-                })?
+                let (a, m) = (block.clone(), block.clone());
+                super::unit::checkpoint_halves(
+                    &x,
+                    &unit,
+                    block.half_parameters(),
+                    move |h| a.attention_half(h, dtype),
+                    move |h| m.mlp_half(h, dtype),
+                )?
             } else {
                 crate::residency::within(&unit, || block.forward_in(&x, dtype))?
             };

@@ -314,23 +314,17 @@ impl LlamaBlock {
         [attn, mlp]
     }
 
-    /// x -> the block's output with each half under
-    /// [`checkpoint`](crate::tensor::autograd::checkpoint): only each half's input is kept,
-    /// and backward reruns one half at a time (inside the unit's residency, when streamed).
+    /// x -> the block's output with each half checkpointed
+    /// ([`checkpoint_halves`](super::unit::checkpoint_halves)).
     fn checkpointed(self: &Arc<Self>, x: &Tensor, rope: &Rope, dtype: DType) -> Result<Tensor> {
-        use crate::tensor::autograd::checkpoint;
-        let unit = self.input_layernorm.weight.clone();
-        let [attn_params, mlp_params] = self.half_parameters();
-        let refs: Vec<&Tensor> = attn_params.iter().collect();
-        let (b, u, r) = (self.clone(), unit.clone(), rope.clone());
-        let h = checkpoint(&[x], &refs, move |xs| {
-            crate::residency::within(&u, || b.attention_half(&xs[0], &r, dtype))
-        })?;
-        let refs: Vec<&Tensor> = mlp_params.iter().collect();
-        let b = self.clone();
-        checkpoint(&[&h], &refs, move |xs| {
-            crate::residency::within(&unit, || b.mlp_half(&xs[0], dtype))
-        })
+        let (a, m, r) = (self.clone(), self.clone(), rope.clone());
+        super::unit::checkpoint_halves(
+            x,
+            &self.input_layernorm.weight,
+            self.half_parameters(),
+            move |h| a.attention_half(h, &r, dtype),
+            move |h| m.mlp_half(h, dtype),
+        )
     }
 }
 

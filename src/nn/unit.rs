@@ -43,6 +43,34 @@ impl<M> Unit<M> {
     }
 }
 
+/// A block of two residual halves (`first`, then `second` on its output), each under
+/// [`checkpoint`](crate::tensor::autograd::checkpoint) with `params` its parameters: only each
+/// half's input is kept, and backward reruns one half at a time, inside the residency of the
+/// unit `unit` belongs to (when streamed), so the recomputed activations at any moment are
+/// half a block's. GPT's and Llama's blocks train this way.
+pub(crate) fn checkpoint_halves<A, B>(
+    x: &Tensor,
+    unit: &Tensor,
+    params: [Vec<Tensor>; 2],
+    first: A,
+    second: B,
+) -> Result<Tensor>
+where
+    A: Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
+    B: Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
+{
+    use crate::tensor::autograd::checkpoint;
+    let [first_params, second_params] = params;
+    let (u, refs) = (unit.clone(), first_params.iter().collect::<Vec<_>>());
+    let h = checkpoint(&[x], &refs, move |xs| {
+        crate::residency::within(&u, || first(&xs[0]))
+    })?;
+    let (u, refs) = (unit.clone(), second_params.iter().collect::<Vec<_>>());
+    checkpoint(&[&h], &refs, move |xs| {
+        crate::residency::within(&u, || second(&xs[0]))
+    })
+}
+
 impl<M: Module + Send + Sync + 'static> Module for Unit<M> {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let params = self.inner.parameters();
