@@ -31,12 +31,8 @@ pub struct UnitShards {
     values: Vec<Vec<f32>>,
     grads: Vec<Option<Vec<f32>>>,
     rank: usize,
-    sent: u64,
-    gathers: u64,
-    scatters: u64,
-    /// Bytes of the results of the gathers and the reduce-scatters made (padded units).
-    gathered: u64,
-    scattered: u64,
+    /// The all-gathers and reduce-scatters made so far, and their results' bytes.
+    traffic: UnitTraffic,
     /// Per unit: its parameters' host copies hold this rank's current values (gathered by
     /// [`Stage3::gather_host`] since the last update), so a fetch uploads them without a
     /// collective and a rank may run the model alone (evaluation, sampling on rank 0).
@@ -81,22 +77,20 @@ impl UnitShards {
     /// Bytes this rank has sent for the units, counted as a ring moves them: (N-1)/N of the
     /// padded unit for each all-gather and each reduce-scatter.
     pub fn bytes_sent(&self) -> u64 {
-        self.sent
+        // Every unit's padded length is the ranks times its shard's.
+        let t = &self.traffic;
+        let ranks = self.layouts.first().map_or(1, |l| l.ranks()) as u64;
+        (t.gathered_bytes + t.scattered_bytes) / ranks * (ranks - 1)
     }
 
     /// All-gathers and reduce-scatters made.
     pub fn collectives(&self) -> (u64, u64) {
-        (self.gathers, self.scatters)
+        (self.traffic.gathers, self.traffic.scatters)
     }
 
     /// What the units' collectives moved so far (cumulative; a step's is a difference).
     pub fn traffic(&self) -> UnitTraffic {
-        UnitTraffic {
-            gathers: self.gathers,
-            gathered_bytes: self.gathered,
-            scatters: self.scatters,
-            scattered_bytes: self.scattered,
-        }
+        self.traffic
     }
 
     /// Elements this rank keeps per unit kind of buffer (values or gradients): the sum of the
@@ -107,11 +101,6 @@ impl UnitShards {
 
     fn padded_bytes(&self, unit: usize) -> u64 {
         (self.layouts[unit].padded_len() * 4) as u64
-    }
-
-    fn ring_bytes(&self, unit: usize) -> u64 {
-        let l = &self.layouts[unit];
-        ((l.ranks() - 1) * l.shard_len() * 4) as u64
     }
 }
 
@@ -153,9 +142,8 @@ impl<C: Communicator> UnitSource for ShardedSource<C> {
                 drop(s);
                 return HostSource.fetch(params);
             }
-            s.sent += s.ring_bytes(i);
-            s.gathered += s.padded_bytes(i);
-            s.gathers += 1;
+            s.traffic.gathered_bytes += s.padded_bytes(i);
+            s.traffic.gathers += 1;
             if !planning {
                 let l = &s.layouts[i];
                 let mut flat = vec![0f32; l.padded_len()];
@@ -190,9 +178,8 @@ impl<C: Communicator> UnitSource for ShardedSource<C> {
             moved += (g.numel() * g.dtype().size()) as u64;
             p.set_grad(None)?;
         }
-        s.sent += s.ring_bytes(i);
-        s.scattered += s.padded_bytes(i);
-        s.scatters += 1;
+        s.traffic.scattered_bytes += s.padded_bytes(i);
+        s.traffic.scatters += 1;
         if !planning {
             let mut shard = vec![0f32; l.shard_len()];
             lock(&self.comm).reduce_scatter(&flat, &mut shard)?;
@@ -247,11 +234,7 @@ pub fn start_stage3<C: Communicator + 'static>(
         values,
         grads: vec![None; n],
         rank,
-        sent: 0,
-        gathers: 0,
-        scatters: 0,
-        gathered: 0,
-        scattered: 0,
+        traffic: UnitTraffic::default(),
         current: vec![false; n],
     }));
     let source = ShardedSource {
