@@ -1,10 +1,9 @@
 // Batch norm's input gradient in training (include/batch_norm_channels.wgsl), from the batch
 // statistics and the channel sums of batch_norm_sums.wgsl:
 //   dx = rstd w (dy - sum(dy) / count - xhat sum(dy xhat) / count),  xhat = (x - mean) rstd.
-// Two outputs per invocation through include/pairs.wgsl.
+// Two outputs per invocation through include/batch_norm_pairs.wgsl.
 
-fn value(i: u32) -> f32 {
-    let c = (i / p.hw) % p.c;
+fn value(i: u32, c: u32) -> f32 {
     let r = ld_stats(p.c + c);
     let xhat = (ld_x(i) - ld_stats(c)) * r;
     let n = f32(p.count);

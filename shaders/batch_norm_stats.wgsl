@@ -4,7 +4,7 @@
 //   running_mean = (1 - momentum) running_mean + momentum mean,
 //   running_var  = (1 - momentum) running_var  + momentum var count / (count - 1)   (unbiased).
 
-@compute @workgroup_size(WG)
+@compute @workgroup_size(CH_WG)
 fn main(@builtin(workgroup_id) wg: vec3<u32>,
         @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
@@ -12,14 +12,18 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     let c = min(wg.y * nwg.x + wg.x, p.c - 1u);
     let live = wg.y * nwg.x + wg.x < p.c;
     var s = 0.0;
-    for (var e = lid; e < p.count; e += WG) {
-        s += ld_x(channel_elem(c, e));
+    var at = first(lid);
+    for (var e = lid; e < p.count; e += CH_WG) {
+        s += ld_x(channel_elem(c, at));
+        at = next(at);
     }
     let mean_v = channel_sum(lid, vec2<f32>(s, 0.0)).x / f32(p.count);
     var ss = 0.0;
-    for (var e = lid; e < p.count; e += WG) {
-        let d = ld_x(channel_elem(c, e)) - mean_v;
+    at = first(lid);
+    for (var e = lid; e < p.count; e += CH_WG) {
+        let d = ld_x(channel_elem(c, at)) - mean_v;
         ss += d * d;
+        at = next(at);
     }
     let var_v = channel_sum(lid, vec2<f32>(ss, 0.0)).x / f32(p.count);
     if (!live || lid != 0u) {

@@ -2,7 +2,7 @@
 // sums (f32, (2, C)) = (sum dy, sum dy xhat) with xhat = (x - mean) rstd: the bias's and the
 // weight's gradients, and what the input's gradient subtracts.
 
-@compute @workgroup_size(WG)
+@compute @workgroup_size(CH_WG)
 fn main(@builtin(workgroup_id) wg: vec3<u32>,
         @builtin(num_workgroups) nwg: vec3<u32>,
         @builtin(local_invocation_index) lid: u32) {
@@ -11,8 +11,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     let mean_v = ld_stats(c);
     let r = ld_stats(p.c + c);
     var s = vec2<f32>(0.0);
-    for (var e = lid; e < p.count; e += WG) {
-        let i = channel_elem(c, e);
+    var at = first(lid);
+    for (var e = lid; e < p.count; e += CH_WG) {
+        let i = channel_elem(c, at);
+        at = next(at);
         let g = ld_dy(i);
         s += vec2<f32>(g, g * (ld_x(i) - mean_v) * r);
     }

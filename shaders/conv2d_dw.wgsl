@@ -6,9 +6,12 @@
 // repeatable, no atomics. With one chunk part is the gradient itself. Parameters:
 // include/conv2d_params.wgsl.
 //
-// An invocation computes TM output channels of one group times 4 consecutive kk; lanes span
-// kk, so the dy loads are the same address in every lane and only x is gathered per lane, each
-// gathered value feeding TM rows. The four kk are vector components and the rows named
+// An invocation computes TM output channels of one group times 4 consecutive kk of one chunk.
+// A workgroup's lanes are k_lanes runs of kk times WG_X / k_lanes chunks (lane l: kk block
+// l % k_lanes, chunk l / k_lanes), k_lanes chosen in src/kernels/conv2d.rs so that few lanes
+// fall past kdim: a small kdim (a 1x1 conv, or one input channel) fills the workgroup with
+// chunks instead. Lanes of one chunk load dy at the same address, and only x is gathered per
+// lane, each gathered value feeding TM rows. The four kk are vector components and the rows named
 // variables, kept in registers: the `//@row` lines, expanded by src/kernels/conv2d.rs
 // (unexpanded the kernel computes nothing).
 
@@ -16,25 +19,27 @@ const WG_X: u32 = 64u;
 const TM: u32 = 4u;
 const TN: u32 = 4u;
 // True where the `//@uni` rows are loaded one per lane and handed out with subgroupBroadcast
-// (src/kernels/conv2d.rs sets it); then no invocation returns early, since a broadcast needs
-// its whole subgroup, and lanes past the end compute clamped values they do not store.
+// (src/kernels/conv2d.rs sets it, only where a subgroup lies within one chunk: k_lanes a
+// multiple of its size); then no invocation returns early, since a broadcast needs its whole
+// subgroup, and lanes past the end compute clamped values they do not store.
 const SUBGROUPS: bool = false;
 
 @compute @workgroup_size(WG_X)
-fn main(@builtin(global_invocation_id) gid: vec3<u32>,
+fn main(
         //@lane
-        @builtin(workgroup_id) wg: vec3<u32>) {
+        @builtin(workgroup_id) wg: vec3<u32>,
+        @builtin(local_invocation_index) lid: u32) {
     let hw = p.h * p.w;
     let pq = p.oh * p.ow;
     let khw = p.kh * p.kw;
     let kdim = p.cg * khw;
-    let k0 = gid.x * TN;
-    if (k0 >= kdim && !SUBGROUPS) {
+    let k0 = (wg.x * p.k_lanes + lid % p.k_lanes) * TN;
+    let chunk = wg.z * (WG_X / p.k_lanes) + lid / p.k_lanes;
+    if ((k0 >= kdim || chunk >= p.chunks) && !SUBGROUPS) {
         return;
     }
     let g = wg.y / p.m_blocks;
     let m0 = (wg.y % p.m_blocks) * TM;
-    let chunk = wg.z;
     // Per kk: its channel's offset in a sample's plane stack and its tap's displacement.
     let kk = min(vec4<u32>(k0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(kdim - 1u));
     let ci = kk / khw;
@@ -45,7 +50,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
     let last = p.ocg - 1u;
     //@uni g (g * p.ocg + min(m0 + {r}, last)) * pq
     let total = p.n * pq;
-    let start = chunk * p.chunk;
+    let start = min(chunk * p.chunk, total);
     let end = min(start + p.chunk, total);
     //@row var acc{r} = vec4<f32>(0.0);
     let hi = vec4<i32>(i32(p.h));
@@ -82,7 +87,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>,
 // Row m of the group's output channels at the four kk of this chunk's partial; rows past the
 // group and kk past the end are not stored.
 fn store_row(m: u32, g: u32, chunk: u32, k0: u32, kdim: u32, acc: vec4<f32>) {
-    if (m >= p.ocg) {
+    if (m >= p.ocg || chunk >= p.chunks) {
         return;
     }
     let row = (chunk * p.oc + g * p.ocg + m) * kdim + k0;

@@ -282,6 +282,12 @@ fn fixed_cases() -> Vec<Conv> {
         conv(0, 3, [4, 4], 2, [3, 3], 1, 1, 1, 1, true),
         // 288 positions: the weight gradient in several chunks.
         conv(2, 3, [12, 12], 8, [3, 3], 1, 1, 1, 1, true),
+        // The weight gradient's lanes spanning chunks: one input channel (3 blocks of weight
+        // columns, each lane its own chunk, 8 chunks); 32 channels 1x1 stride 2 and 16 channels
+        // 3x3 (8 lanes of columns per chunk, fewer chunks than a workgroup has room for).
+        conv(2, 1, [16, 16], 4, [3, 3], 1, 1, 1, 1, false),
+        conv(4, 32, [12, 12], 4, [1, 1], 2, 0, 1, 1, false),
+        conv(2, 16, [10, 10], 8, [3, 3], 1, 1, 1, 1, true),
     ]
 }
 

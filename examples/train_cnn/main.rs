@@ -52,9 +52,14 @@ pub struct Args {
     /// batch (BatchNorm2d) or group (GroupNorm, groups of 4 channels).
     #[arg(long, default_value = "batch")]
     norm: String,
-    /// Channels of the first stage (the second and third have 2x and 4x).
-    #[arg(long, default_value_t = 16)]
-    width: usize,
+    /// Channels of the first stage (the second and third have 2x and 4x); default 32 for
+    /// images of 16 pixels a side or more (Fashion-MNIST), 16 for smaller ones (the digits).
+    #[arg(long)]
+    width: Option<usize>,
+    /// The stem conv's stride: default 2 for images of 16 pixels a side or more (28x28 ->
+    /// 14x14 before the first stage), 1 for smaller ones.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=4))]
+    stem_stride: Option<u64>,
     /// Residual blocks per stage after its first.
     #[arg(long, default_value_t = 0)]
     blocks: usize,
@@ -73,7 +78,11 @@ pub struct Args {
     /// The learning rate.
     #[arg(long, default_value_t = 2e-3, allow_negative_numbers = true)]
     lr: f64,
-    /// Cosine decay of the learning rate to 0 over the run, after a warm-up of 5% of the steps.
+    /// constant, or cosine (decay to 0 over the run after a warm-up of 5% of the steps);
+    /// default cosine for images of 16 pixels a side or more, constant for smaller ones.
+    #[arg(long, value_parser = ["constant", "cosine"])]
+    schedule: Option<String>,
+    /// The same as --schedule cosine.
     #[arg(long)]
     cosine: bool,
     /// Seeds the weights, the data split and order, and the augmentation.
@@ -182,10 +191,13 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         "group" => true,
         n => return Err(invalid(format!("--norm batch or group, got '{n}'"))),
     };
-    if args.width == 0 || args.batch_size == 0 || args.accum_steps == 0 {
+    if args.width == Some(0) || args.batch_size == 0 || args.accum_steps == 0 {
         return Err(invalid(
             "--width, --batch-size and --accum-steps must be positive".into(),
         ));
+    }
+    if args.cosine && args.schedule.as_deref() == Some("constant") {
+        return Err(invalid("--cosine and --schedule constant disagree".into()));
     }
     if !(args.lr.is_finite() && args.lr > 0.0) {
         return Err(invalid(format!("--lr must be positive, got {}", args.lr)));
@@ -229,6 +241,17 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
     let epochs = args
         .epochs
         .unwrap_or(if train.len() <= 10_000 { 10 } else { 2 });
+    // Defaults by image size: 28x28 (Fashion-MNIST) gets a strided stem, a wider network and
+    // cosine decay; the 8x8 digits keep every pixel, width 16 and a constant rate.
+    let large = side >= 16;
+    let width = args.width.unwrap_or(if large { 32 } else { 16 });
+    let stem_stride = args
+        .stem_stride
+        .map_or(1 + usize::from(large), |s| s as usize);
+    let cosine = match args.schedule.as_deref() {
+        Some(s) => s == "cosine",
+        None => args.cosine || large,
+    };
     let aug = Augment {
         pad: if args.augment { 2 } else { args.crop_pad },
         flip: args.flip || args.augment,
@@ -247,7 +270,8 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         train.classes
     );
     let shape = model::Shape {
-        width: args.width,
+        width,
+        stem_stride,
         blocks: args.blocks,
         group_norm: group,
         seed: args.seed,
@@ -263,7 +287,7 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         Box::new(AdamW::new(model.parameters(), lr)?)
     };
     let total_steps = train.len().div_ceil(args.batch_size * args.accum_steps) as u64 * epochs;
-    let schedule = if args.cosine {
+    let schedule = if cosine {
         LrSchedule::WarmupCosine {
             warmup_steps: total_steps / 20,
             total_steps,
@@ -277,11 +301,11 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         .precision(precision);
     let mut trainer = Trainer::new(model, optimizer, config)?;
     say!(
-        "model: ResNet {} stages of width {}, {}, {} ({} blocks, {} norm, {} parameters), {} lr {}, {}, batch {} x {}",
+        "model: ResNet, stem stride {stem_stride}, {} stages of width {}, {}, {} ({} blocks, {} norm, {} parameters), {} lr {}, {}, batch {} x {}",
         3,
-        args.width,
-        2 * args.width,
-        4 * args.width,
+        width,
+        2 * width,
+        4 * width,
         trainer.model.blocks.len(),
         args.norm,
         trainer.model.num_parameters(),
@@ -302,7 +326,7 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
             }
         );
     }
-    if args.cosine {
+    if cosine {
         say!(
             "learning rate: cosine to 0 over {total_steps} steps, warm-up {}",
             total_steps / 20
@@ -448,7 +472,8 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         let mut j = serde_json::json!({
             "dataset": train.name,
             "norm": args.norm,
-            "width": args.width,
+            "width": width,
+            "stem_stride": stem_stride,
             "parameters": trainer.model.num_parameters(),
             "epochs": epochs,
             "batch_size": args.batch_size,
@@ -457,7 +482,7 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
             "checkpoint_activations": args.checkpoint_activations,
             "crop_pad": aug.pad,
             "flip": aug.flip,
-            "cosine": args.cosine,
+            "cosine": cosine,
             "memory_budget": budget,
             "planned_peak_bytes": plan.peak,
             "peak_bytes_in_use": measured,

@@ -9,11 +9,12 @@ use fitgrad::{Result, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-/// The shape of the ResNet: channels of the first stage, blocks per stage after its first, the
-/// norm, and the seed of its weights.
+/// The shape of the ResNet: channels of the first stage, the stem's stride, blocks per stage
+/// after its first, the norm, and the seed of its weights.
 #[derive(Clone, Copy, Debug)]
 pub struct Shape {
     pub width: usize,
+    pub stem_stride: usize,
     pub blocks: usize,
     pub group_norm: bool,
     pub seed: u64,
@@ -142,6 +143,7 @@ pub struct ResNet {
     pool: AvgPool2d,
     pub head: Linear,
     side: usize,
+    stem_stride: usize,
     pub checkpoint: AtomicBool,
 }
 
@@ -167,12 +169,21 @@ impl ResNet {
             cin = cout;
         }
         Ok(ResNet {
-            stem: Conv2d::new(dev, 1, w, 3, Conv2dOptions::new().padding(1), false, s(1))?,
+            stem: Conv2d::new(
+                dev,
+                1,
+                w,
+                3,
+                Conv2dOptions::new().padding(1).stride(shape.stem_stride),
+                false,
+                s(1),
+            )?,
             stem_norm: Norm::new(dev, group, w)?,
             blocks,
             pool: AvgPool2d::global(),
             head: Linear::new(dev, 4 * w, classes, s(2))?,
             side,
+            stem_stride: shape.stem_stride,
             checkpoint: AtomicBool::new(false),
         })
     }
@@ -218,6 +229,7 @@ fitgrad::module! {
             vec![
                 ("kind".into(), "resnet".into()),
                 ("width".into(), self.stem.weight.dims()[0].to_string()),
+                ("stem_stride".into(), self.stem_stride.to_string()),
                 ("blocks".into(), self.blocks.len().to_string()),
                 ("classes".into(), self.head.out_features.to_string()),
             ]

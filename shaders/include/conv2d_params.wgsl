@@ -27,7 +27,7 @@ struct Params {
     has_bias: u32, // conv2d_fwd: the bias binding holds one value per output channel
     chunk: u32,   // conv2d_dw: positions (n, oh, ow) summed per partial
     chunks: u32,  // conv2d_dw: partial sums per weight element
-    pad0: u32,
+    k_lanes: u32, // conv2d_dw: lanes of a workgroup spanning the weight columns (a power of 2)
     pad1: u32,
 }
 @group(0) @binding(0) var<uniform> p: Params;

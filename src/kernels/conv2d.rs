@@ -62,6 +62,18 @@ impl Geometry {
     /// The uniform words of include/conv2d_params.wgsl, with `m_blocks` blocks of rows per
     /// group and the weight gradient's chunking.
     fn params(&self, m_blocks: usize, has_bias: bool, chunk: usize, chunks: usize) -> [u32; 24] {
+        self.params_dw(m_blocks, has_bias, chunk, chunks, 1)
+    }
+
+    /// [`params`](Self::params) with the weight gradient's `k_lanes` (see [`dw_k_lanes`]).
+    fn params_dw(
+        &self,
+        m_blocks: usize,
+        has_bias: bool,
+        chunk: usize,
+        chunks: usize,
+        k_lanes: usize,
+    ) -> [u32; 24] {
         let v = [
             self.n,
             self.c,
@@ -85,7 +97,7 @@ impl Geometry {
             usize::from(has_bias),
             chunk,
             chunks,
-            0,
+            k_lanes,
             0,
         ];
         v.map(|x| x as u32)
@@ -101,6 +113,17 @@ impl Geometry {
         let chunk = total.div_ceil(want).max(1);
         (chunk, total.div_ceil(chunk).max(1))
     }
+}
+
+/// The lanes of a weight-gradient workgroup that span blocks of TN weight columns, the rest of
+/// its WG_X lanes spanning chunks: the widest power of two that leaves at most an eighth of
+/// the `kblocks` blocks' lanes idle past the end, so a small kdim fills the workgroup with
+/// chunks rather than idle lanes.
+fn dw_k_lanes(kblocks: usize) -> usize {
+    [64, 32, 16, 8, 4, 2, 1]
+        .into_iter()
+        .find(|&l| kblocks.next_multiple_of(l) - kblocks <= kblocks / 8)
+        .unwrap_or(1)
 }
 
 /// Rows per invocation for `rows` output channels (or input channels, for dx) per group: the
@@ -245,8 +268,13 @@ fn subgroups(dev: &Device) -> Option<usize> {
 }
 
 /// The compiled kernel of a conv2d shader for a `tm`-row tile, cached on the device.
-fn kernel(file: &ShaderFile, dev: &Device, storage: &[Storage], tm: usize) -> Result<Arc<Kernel>> {
-    let sg = subgroups(dev);
+fn kernel(
+    file: &ShaderFile,
+    dev: &Device,
+    storage: &[Storage],
+    tm: usize,
+    sg: Option<usize>,
+) -> Result<Arc<Kernel>> {
     let mut key = format!("{}_rows{tm}_tn{TN}_wg{}_sg{sg:?}", file.name, WG_X);
     for s in storage {
         key.push('_');
@@ -274,7 +302,7 @@ pub(crate) fn forward<T: Operand>(
     let b = bias.unwrap_or(wt);
     let run = |tm: usize| {
         let m_blocks = geo.ocg().div_ceil(tm);
-        let k = kernel(&CONV2D_FWD, dev, &storage, tm)?;
+        let k = kernel(&CONV2D_FWD, dev, &storage, tm, subgroups(dev))?;
         dev.dispatch3(
             &k,
             &geo.params(m_blocks, bias.is_some(), 0, 0),
@@ -307,7 +335,7 @@ pub(crate) fn backward_dx<T: Operand>(dy: &T, wt: &T, geo: &Geometry, dx: &T) ->
     let phase = geo.n * geo.h.div_ceil(sh) * geo.w.div_ceil(sw);
     let run = |tm: usize| {
         let m_blocks = geo.cg().div_ceil(tm);
-        let k = kernel(&CONV2D_DX, dev, &storage, tm)?;
+        let k = kernel(&CONV2D_DX, dev, &storage, tm, subgroups(dev))?;
         dev.dispatch3(
             &k,
             &geo.params(m_blocks, false, 0, 0),
@@ -361,17 +389,21 @@ pub(crate) fn backward_dw<T: Operand>(
     let (chunk, chunks) = geo.dw_chunks();
     let part = partials.unwrap_or(dw);
     let s = Storage::of(dev, x.dtype());
+    let kblocks = kdim.div_ceil(TN);
+    let k_lanes = dw_k_lanes(kblocks);
+    // Subgroup broadcasts of dy only where every subgroup lies within one chunk.
+    let sg = subgroups(dev).filter(|&sg| k_lanes.is_multiple_of(sg));
     let run = |tm: usize| {
         let m_blocks = geo.ocg().div_ceil(tm);
-        let k = kernel(&CONV2D_DW, dev, &[s, s, Storage::F32], tm)?;
+        let k = kernel(&CONV2D_DW, dev, &[s, s, Storage::F32], tm, sg)?;
         dev.dispatch3(
             &k,
-            &geo.params(m_blocks, false, chunk, chunks),
+            &geo.params_dw(m_blocks, false, chunk, chunks, k_lanes),
             &[dy.block(), x.block(), part.block()],
             [
-                kdim.div_ceil(TN * WG_X) as u32,
+                kblocks.div_ceil(k_lanes) as u32,
                 (geo.groups * m_blocks) as u32,
-                chunks as u32,
+                chunks.div_ceil(WG_X / k_lanes) as u32,
             ],
         )
     };
@@ -426,5 +458,28 @@ mod tests {
         }
         // 64 -> 64 channels, 3x3: 36,864 weights, so 3 chunks in 512 KiB.
         assert_eq!(geo(32, 56, 56, 64, 64).dw_chunks().1, 3);
+    }
+
+    #[test]
+    fn weight_gradient_lanes_leave_few_idle() {
+        // (blocks of TN weight columns, k_lanes): one input channel 3x3 is 3 blocks, each lane
+        // its own chunk; 16 -> 32 channels 1x1 is 4; 3x3 over 16, 32 and 64 channels is 36, 72
+        // and 144 blocks.
+        for (kblocks, lanes) in [
+            (1, 1),
+            (3, 1),
+            (4, 4),
+            (8, 8),
+            (36, 8),
+            (72, 16),
+            (144, 32),
+            (256, 64),
+        ] {
+            assert_eq!(dw_k_lanes(kblocks), lanes, "{kblocks} blocks");
+        }
+        for kblocks in 1..600 {
+            let l = dw_k_lanes(kblocks);
+            assert!(WG_X.is_multiple_of(l) && kblocks.next_multiple_of(l) - kblocks <= kblocks / 8);
+        }
     }
 }

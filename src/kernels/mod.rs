@@ -797,7 +797,7 @@ pub const BATCH_NORM: ShaderFile = ShaderFile {
     body: concat!(
         include_str!("../../shaders/include/batch_norm_channels.wgsl"),
         include_str!("../../shaders/batch_norm.wgsl"),
-        include_str!("../../shaders/include/pairs.wgsl")
+        include_str!("../../shaders/include/batch_norm_pairs.wgsl")
     ),
     bindings: &[
         ("x", false),
@@ -825,7 +825,7 @@ pub const BATCH_NORM_DX: ShaderFile = ShaderFile {
     body: concat!(
         include_str!("../../shaders/include/batch_norm_channels.wgsl"),
         include_str!("../../shaders/batch_norm_dx.wgsl"),
-        include_str!("../../shaders/include/pairs.wgsl")
+        include_str!("../../shaders/include/batch_norm_pairs.wgsl")
     ),
     bindings: &[
         ("dy", false),
