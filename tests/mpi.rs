@@ -349,21 +349,14 @@ fn train_mlp_refuses_zero_3() {
     }
 }
 
-/// What stage 3 does not do yet (resuming, sharded checkpoints) is refused on custom_model's
-/// ranks with a typed error before any device work, as a model without units (`--blocks 0`).
+/// What stage 3 does not do yet (pruning) is refused on custom_model's ranks with a typed
+/// error before any device work, as a model without units (`--blocks 0`).
 #[test]
 fn custom_model_zero_3_refusals_come_before_device_work() {
     let _one = one_job_at_a_time();
     let base = strings(&["--dataset", "digits", "--width", "16", "--zero", "3"]);
     for (extra, says) in [
-        (
-            &["--resume", "no-such-checkpoint"][..],
-            "--resume is not built yet",
-        ),
-        (
-            &["--save-sharded", "no-such-folder"][..],
-            "--save-sharded is not built yet",
-        ),
+        (&["--prune", "0.5"][..], "--prune is not built yet"),
         (&["--blocks", "0"][..], "nn::Unit"),
     ] {
         let mut args = base.clone();
