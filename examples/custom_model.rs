@@ -339,12 +339,7 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
             fitgrad::residency::HOW_TO_MARK_UNITS
         )));
     }
-    dist.check_zero(
-        zero,
-        args.resume.is_some(),
-        args.save_sharded.is_some(),
-        &[("--prune", args.prune.is_some())],
-    )?;
+    dist.check_zero(zero, &[("--prune", args.prune.is_some())])?;
     if precision == Precision::F16 {
         return Err(invalid(
             "this example keeps f32 master weights: --precision f32 or mixed".into(),

@@ -130,9 +130,9 @@ pub struct Args {
     distributed: Option<String>,
     /// ZeRO stage under --distributed mpi: 0 replicates everything (plain data parallelism),
     /// 1 keeps each rank's shard of the optimizer state only, 2 also its shard of the summed
-    /// gradients; the weights are those of stage 0. 3 (sharded parameters) is refused: this
-    /// MLP has no units to shard. One process holds every shard, so the stage changes nothing
-    /// there.
+    /// gradients; the weights are those of stage 0. 3 also keeps its shard of each layer's
+    /// parameters (each layer an nn::Unit at this stage), gathered around the layer's forward
+    /// and backward. One process holds every shard, so the stage changes nothing there.
     #[arg(long)]
     zero: Option<String>,
     /// Prune the weights by magnitude to this sparsity in [0, 1) during training (cubic
@@ -160,17 +160,13 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     // Every argument is checked before any device work.
     let precision: Precision = args.precision.parse()?;
     let zero = Zero::from_flag(args.zero.as_deref())?;
-    if zero.number() == 3 {
-        // Stage 3 shards the parameters of a model's units; this MLP names none.
-        return Err(fitgrad::Error::InvalidArgument {
-            op: "--zero 3",
-            reason: format!(
-                "train_mlp's MLP has no units for stage 3 to shard ({}); custom_model and \
-                 train_gpt do, or use --zero 2",
-                fitgrad::residency::HOW_TO_MARK_UNITS
-            ),
-        });
-    }
+    dist.check_zero(
+        zero,
+        &[
+            ("--prune", args.prune.is_some()),
+            ("--quantize", args.quantize),
+        ],
+    )?;
     let act: Activation = args.activation.parse()?;
     let budget = args
         .memory_budget
@@ -358,6 +354,8 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     let build = || {
         let mut model = Mlp::with_dtype(&device, &widths, act, param_dtype, args.seed)?;
         model.checkpoint_activations = args.checkpoint_activations;
+        // Stage 3 shards the parameters of the model's units: each layer one.
+        model.units = zero.number() == 3;
         let params = model.parameters();
         let optimizer: Box<dyn Optimizer> = if args.optimizer == "sgd" {
             Box::new(Sgd::new(params, lr)?.momentum(0.9)?)
@@ -629,6 +627,8 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
             train.len() as f64 / epoch_secs,
             epoch_secs,
         );
+        // ZeRO stage 3: the layers gathered on every rank, so one rank evaluates alone.
+        trainer.gather_parameters()?;
         if reporting {
             let eval_start = Instant::now();
             let e = trainer

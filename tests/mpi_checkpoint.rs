@@ -1,12 +1,14 @@
-//! ZeRO checkpoints over MPI (the `mpi` feature), through train_mlp under mpirun: a sharded
-//! checkpoint of 4 ranks resumes on 2 ranks and on one process, and a one-file (consolidated)
-//! checkpoint moves from 2 ranks to one process and back, each to the weights and optimizer
-//! state of one uninterrupted process within 1e-5 relative; a sharded checkpoint missing a
-//! rank's file is refused on every rank before training, naming the file. (A rank killed or
-//! stopped at every stage: tests/mpi.rs.)
+//! ZeRO checkpoints over MPI (the `mpi` feature), through train_mlp and custom_model under
+//! mpirun: a sharded checkpoint of 4 ranks resumes on 2 ranks and on one process, and a
+//! one-file (consolidated) checkpoint moves from 2 ranks to one process and back, each to the
+//! weights and optimizer state of one uninterrupted process within 1e-5 relative, at stages 1
+//! and 2 (train_mlp) and at stage 3 (custom_model, its blocks units sharded over the ranks);
+//! a sharded checkpoint missing a rank's file, or resumed by another model, is refused on
+//! every rank before training, naming the file. (A rank killed or stopped at every stage:
+//! tests/mpi.rs.)
 //!
-//! Build the example first: `cargo build --features mpi --example train_mlp && cargo test
-//! --features mpi --test mpi_checkpoint` (what .ci/run does).
+//! Build the examples first: `cargo build --features mpi --example train_mlp --example
+//! custom_model && cargo test --features mpi --test mpi_checkpoint` (what .ci/run does).
 #![cfg(feature = "mpi")]
 
 use std::path::{Path, PathBuf};
@@ -19,17 +21,17 @@ fn one_job_at_a_time() -> std::sync::MutexGuard<'static, ()> {
     LOCK.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// train_mlp built beside this test binary (target/<profile>/examples/train_mlp).
-fn train_mlp() -> PathBuf {
+/// The example `name` built beside this test binary (target/<profile>/examples/<name>).
+fn example(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("the test binary's path");
     let profile_dir = exe
         .parent()
         .and_then(Path::parent)
         .expect("target/<profile>/deps/<test>");
-    let path = profile_dir.join("examples").join("train_mlp");
+    let path = profile_dir.join("examples").join(name);
     assert!(
         path.exists(),
-        "{} is missing: build it first with `cargo build --features mpi --example train_mlp`",
+        "{} is missing: build it first with `cargo build --features mpi --example {name}`",
         path.display()
     );
     path
@@ -75,6 +77,11 @@ fn flags(epochs: u32, more: &[&str]) -> Vec<String> {
 
 /// mpirun with `np` ranks of train_mlp; `env` reaches every rank.
 fn mpirun(np: usize, args: &[String], env: &[(&str, &str)]) -> Command {
+    mpirun_of("train_mlp", np, args, env)
+}
+
+/// mpirun with `np` ranks of the example `name`; `env` reaches every rank.
+fn mpirun_of(name: &str, np: usize, args: &[String], env: &[(&str, &str)]) -> Command {
     let mut cmd = Command::new("mpirun");
     let np = np.to_string();
     cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", &np]);
@@ -85,7 +92,7 @@ fn mpirun(np: usize, args: &[String], env: &[(&str, &str)]) -> Command {
         cmd.env(k, v);
         cmd.args(["-x", k]);
     }
-    cmd.arg(train_mlp())
+    cmd.arg(example(name))
         .args(args)
         .arg("--distributed")
         .arg("mpi");
@@ -93,7 +100,11 @@ fn mpirun(np: usize, args: &[String], env: &[(&str, &str)]) -> Command {
 }
 
 fn one_process(args: &[String]) -> Command {
-    let mut cmd = Command::new(train_mlp());
+    one_process_of("train_mlp", args)
+}
+
+fn one_process_of(name: &str, args: &[String]) -> Command {
+    let mut cmd = Command::new(example(name));
     cmd.args(args);
     cmd
 }
@@ -251,6 +262,135 @@ fn a_sharded_checkpoint_missing_a_rank_file_is_refused_before_training() {
     let (ok, text) = run(
         mpirun(2, &flags(2, &["--zero", "1", "--resume", &ckpt]), &ENV),
         "2 ranks resumed without rank 1's file",
+    );
+    assert!(!ok, "a checkpoint missing a file must be refused:\n{text}");
+    assert!(
+        text.contains(&lost.display().to_string()) && text.contains("missing"),
+        "the error names the missing file:\n{text}"
+    );
+    assert!(!text.contains("resumed from"), "nothing trains:\n{text}");
+}
+
+/// A small, quick run of custom_model (two blocks, each an `nn::Unit`) for `epochs`, then
+/// `more` flags; dropout 0, since each rank draws its own masks.
+fn blocks_flags(epochs: u32, more: &[&str]) -> Vec<String> {
+    let epochs = epochs.to_string();
+    let base = [
+        "--dataset",
+        "digits",
+        "--width",
+        "16",
+        "--blocks",
+        "2",
+        "--dropout",
+        "0",
+        "--epochs",
+        &epochs,
+        "--batch-size",
+        "64",
+        "--seed",
+        "3",
+    ];
+    base.iter().chain(more).map(|s| s.to_string()).collect()
+}
+
+/// ZeRO stage 3 (custom_model: each rank keeps its shard of every block's parameters): one
+/// epoch on 4 ranks saved both sharded (each rank its shard of every unit, of the other
+/// parameters and of the optimizer state; an index of groups) and as one file, then the second
+/// epoch resumed from the shards on 2 ranks at stage 3, on one process and on 2 ranks at
+/// stage 2, and from the one file on 2 ranks at stage 3, each ends with the model and
+/// optimizer state of one uninterrupted process. The shards missing a rank's file, or resumed
+/// by a model of another width, are refused before training.
+#[test]
+fn stage_3_checkpoints_resume_on_other_rank_counts_to_the_uninterrupted_run() {
+    let _one = one_job_at_a_time();
+    let tmp = TempDir::new("stage3");
+    let cm = "custom_model";
+    let single = tmp.path("single.safetensors");
+    run_ok(
+        one_process_of(cm, &blocks_flags(2, &["--save", &single])),
+        "custom_model, one process, 2 epochs",
+    );
+    let (ckpt, c4) = (tmp.path("ckpt"), tmp.path("c4.safetensors"));
+    let save = ["--zero", "3", "--save-sharded", &ckpt, "--save", &c4];
+    run_ok(
+        mpirun_of(cm, 4, &blocks_flags(1, &save), &ENV),
+        "4 ranks at --zero 3, 1 epoch, sharded and one-file saves",
+    );
+    let index = fitgrad::distributed::zero::checkpoint::read_index(Path::new(&ckpt)).unwrap();
+    assert_eq!((index.ranks, index.version), (4, 2));
+    // The parameters in no unit, then each block's.
+    assert_eq!(index.groups.len(), 3, "{:?}", index.groups);
+    assert!(index
+        .params
+        .iter()
+        .all(|p| (p.group > 0) == p.name.starts_with("blocks.")));
+    for (k, (np, stage, from, what)) in [
+        (
+            2,
+            "3",
+            &ckpt,
+            "4 ranks' stage 3 shards resumed on 2 ranks at stage 3",
+        ),
+        (
+            1,
+            "3",
+            &ckpt,
+            "4 ranks' stage 3 shards resumed on one process",
+        ),
+        (
+            2,
+            "2",
+            &ckpt,
+            "4 ranks' stage 3 shards resumed on 2 ranks at stage 2",
+        ),
+        (
+            2,
+            "3",
+            &c4,
+            "4 ranks' stage 3 file resumed on 2 ranks at stage 3",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let out = tmp.path(&format!("resumed-{k}.safetensors"));
+        let args = blocks_flags(2, &["--zero", stage, "--resume", from, "--save", &out]);
+        let cmd = match np {
+            1 => one_process_of(cm, &args),
+            _ => mpirun_of(cm, np, &args, &ENV),
+        };
+        let text = run_ok(cmd, what);
+        assert!(text.contains("resumed from"), "{what}:\n{text}");
+        same_run(&out, &single, what);
+    }
+
+    let mut wider = blocks_flags(2, &["--zero", "3", "--resume", &ckpt]);
+    let at = wider.iter().position(|f| f == "--width").unwrap() + 1;
+    wider[at] = "32".into();
+    let (ok, text) = run(
+        mpirun_of(cm, 2, &wider, &ENV),
+        "2 ranks of a wider model resumed from the shards",
+    );
+    assert!(
+        !ok && !text.contains("resumed from"),
+        "another model resumed:\n{text}"
+    );
+    assert!(
+        text.contains("width") && !text.contains("panicked"),
+        "{text}"
+    );
+
+    let lost = tmp.0.join("ckpt").join(&index.files[1].file);
+    std::fs::remove_file(&lost).unwrap();
+    let (ok, text) = run(
+        mpirun_of(
+            cm,
+            2,
+            &blocks_flags(2, &["--zero", "3", "--resume", &ckpt]),
+            &ENV,
+        ),
+        "2 ranks at --zero 3 resumed without rank 1's file",
     );
     assert!(!ok, "a checkpoint missing a file must be refused:\n{text}");
     assert!(

@@ -1,7 +1,8 @@
 //! Sharded ZeRO checkpoints in one process (DataParallel over logical devices of one adapter):
 //! a save of four replicas holds what the one-file save holds, and resumes on four, two and one
-//! replicas to the weights of the uninterrupted runs (bit for bit where the math is the same);
-//! a folder whose files do not fit its index, or a model, is refused naming the file.
+//! replicas to the weights of the uninterrupted runs (bit for bit where the math is the same),
+//! at stage 3 too (each of the MLP's layers a unit sharded over the replicas); a folder whose
+//! files do not fit its index, or a model, is refused naming the file.
 
 mod common;
 
@@ -35,14 +36,21 @@ fn twin(dev: &Device) -> Device {
 }
 
 fn trainer(dev: &Device, widths: &[usize]) -> Result<Trainer<Mlp>> {
-    let model = Mlp::new(dev, widths, Activation::Relu, SEED)?;
+    trainer_with_units(dev, widths, false)
+}
+
+/// [`trainer`], each layer of the MLP a unit with `units` (what ZeRO stage 3 shards).
+fn trainer_with_units(dev: &Device, widths: &[usize], units: bool) -> Result<Trainer<Mlp>> {
+    let mut model = Mlp::new(dev, widths, Activation::Relu, SEED)?;
+    model.units = units;
     let opt = Box::new(AdamW::new(model.parameters(), 1e-2)?);
     Trainer::new(model, opt, TrainerConfig::new(13, 1, 1e-2))
 }
 
 fn replicas(dev: &Device, n: usize, zero: Zero, widths: &[usize]) -> DataParallel<Mlp> {
     let devices: Vec<Device> = (0..n).map(|_| twin(dev)).collect();
-    DataParallel::with_zero(&devices, zero, |d| trainer(d, widths)).unwrap()
+    let units = zero.number() == 3;
+    DataParallel::with_zero(&devices, zero, |d| trainer_with_units(d, widths, units)).unwrap()
 }
 
 /// Four batches of 13 samples.
@@ -174,6 +182,81 @@ fn four_to_four_two_and_one(dev: &Device) {
         bits(&param_values(from_one.model())),
         bits(&param_values(&alone.model))
     );
+}
+
+/// Stage 3: four replicas each keep a shard of every layer (each a unit); their sharded save
+/// (an index of groups: the parameters in no unit, none here, then each layer's) is the
+/// one-file save put together, and resumes on four replicas at stage 3 to the uninterrupted
+/// run's bits, and on two replicas at stage 3 and on one device within 1e-5.
+#[test]
+fn a_stage_3_sharded_save_resumes_on_four_two_and_one() {
+    run_on("vulkan", stage_3_four_to_four_two_and_one);
+}
+
+fn stage_3_four_to_four_two_and_one(dev: &Device) {
+    let tmp = TempDir::new("stage3");
+    let (dir, one_file) = (tmp.0.join("ckpt"), tmp.0.join("one.safetensors"));
+    let b = batches();
+    let mut dp4 = replicas(dev, 4, stage(3), &WIDTHS);
+    for idx in &b[..2] {
+        dp4.step(digits(), idx).unwrap();
+    }
+    dp4.save_sharded(&dir, 0).unwrap();
+    dp4.save_checkpoint(&one_file, 0).unwrap();
+    for idx in &b[2..] {
+        dp4.step(digits(), idx).unwrap();
+    }
+    // The units' values are the ranks' shards until gathered.
+    dp4.gather_parameters().unwrap();
+    let four = param_values(dp4.model());
+    let index = sharded::read_index(&dir).unwrap();
+    assert_eq!((index.ranks, index.version), (4, 2));
+    assert_eq!(
+        index.groups.len(),
+        1 + WIDTHS.len() - 1,
+        "{:?}",
+        index.groups
+    );
+    let (got, file) = (
+        load_checkpoint(&dir).unwrap(),
+        load_checkpoint(&one_file).unwrap(),
+    );
+    assert_eq!(got.metadata, file.metadata);
+    assert_eq!(
+        got.tensors.keys().collect::<Vec<_>>(),
+        file.tensors.keys().collect::<Vec<_>>()
+    );
+    for (k, t) in &file.tensors {
+        assert_eq!(&got.tensors[k], t, "{k} differs from the one-file save's");
+    }
+    let mut again = replicas(dev, 4, stage(3), &WIDTHS);
+    again.resume_from(&dir).unwrap();
+    let mut dp2 = replicas(dev, 2, stage(3), &WIDTHS);
+    dp2.resume_from(&dir).unwrap();
+    let mut alone = trainer(dev, &WIDTHS).unwrap();
+    alone.resume_from_checkpoint(&got).unwrap();
+    for idx in &b[2..] {
+        again.step(digits(), idx).unwrap();
+        dp2.step(digits(), idx).unwrap();
+        alone.step(digits(), idx).unwrap();
+    }
+    again.gather_parameters().unwrap();
+    dp2.gather_parameters().unwrap();
+    assert_eq!(
+        bits(&param_values(again.model())),
+        bits(&four),
+        "resumed on four replicas at stage 3: not the uninterrupted run's bits"
+    );
+    for (what, got) in [
+        ("two replicas", param_values(dp2.model())),
+        ("one device", param_values(&alone.model)),
+    ] {
+        let worst = worst_rel_diff(&got, &four);
+        assert!(
+            worst < 1e-5,
+            "{what} resumed from stage 3 shards: {worst:e}"
+        );
+    }
 }
 
 /// The `Error::Data` of `r`, and that it names `file`.

@@ -287,9 +287,11 @@ impl<M: Module + Send> DataParallel<M> {
     }
 
     /// Saves replica 0's model, the optimizer and the position (see [`Trainer::save_checkpoint`]).
-    /// Under ZeRO every replica joins in putting the optimizer state together, and the file
-    /// holds the whole state, as one device's trainer saves it.
+    /// Under ZeRO every replica joins in putting the optimizer state together (at stage 3 in
+    /// gathering the units first, [`DataParallel::gather_parameters`]), and the file holds the
+    /// whole state, as one device's trainer saves it.
     pub fn save_checkpoint(&mut self, path: &std::path::Path, epochs_done: u64) -> Result<()> {
+        self.gather_parameters()?;
         on_threads(&mut self.replicas, &self.group, |i, t| match i {
             0 => t.save_checkpoint(path, epochs_done),
             _ => t.optimizer.checkpoint_state().map(drop),

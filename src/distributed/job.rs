@@ -72,28 +72,18 @@ impl Job {
     }
 
     /// Refuses, before any device work, what ZeRO stage 3 does not do yet on this job's ranks:
-    /// `resuming` (a stage 3 run's checkpoint resumes at stages 0 to 2), `sharded_save`
-    /// (`--save-sharded`; `--save` writes one consolidated file) and `others` (a flag, and
-    /// whether it is given). One process holds every shard, so nothing is refused there.
-    pub fn check_zero(
-        &self,
-        zero: Zero,
-        resuming: bool,
-        sharded_save: bool,
-        others: &[(&str, bool)],
-    ) -> Result<()> {
+    /// `others` (a flag, and whether it is given). One process holds every shard, so nothing
+    /// is refused there.
+    pub fn check_zero(&self, zero: Zero, others: &[(&str, bool)]) -> Result<()> {
         if zero.number() < 3 || self.size() < 2 {
             return Ok(());
         }
-        let mut given = vec![("--resume", resuming), ("--save-sharded", sharded_save)];
-        given.extend_from_slice(others);
-        match given.iter().find(|(_, on)| *on) {
+        match others.iter().find(|(_, on)| *on) {
             Some((flag, _)) => Err(Error::InvalidArgument {
                 op: "--zero 3",
                 reason: format!(
                     "{flag} is not built yet at ZeRO stage 3 (sharded parameters); use --zero \
-                     2, or leave {flag} out (--save writes one consolidated checkpoint at \
-                     stage 3, which resumes at stages 0 to 2 or in one process)"
+                     2, or leave {flag} out"
                 ),
             }),
             None => Ok(()),
@@ -387,8 +377,9 @@ impl Job {
     }
 
     /// A sharded checkpoint of `trainer` in the folder `dir` ([`zero::checkpoint`](super::zero::checkpoint)):
-    /// every rank writes its shard, rank 0 the index; one process writes one shard. Call it on
-    /// every rank with the stage the job trains at.
+    /// every rank writes its shard (at stage 3 its shard of each unit too, from its own
+    /// pieces: nothing is gathered), rank 0 the index; one process writes one shard. Call it
+    /// on every rank with the stage the job trains at.
     pub fn save_sharded<M: Module>(
         &self,
         trainer: &Trainer<M>,
@@ -406,13 +397,6 @@ impl Job {
                     false,
                 )
             }
-            #[cfg(feature = "mpi")]
-            Job::Mpi(_) if zero.number() == 3 => Err(Error::InvalidArgument {
-                op: "--save-sharded",
-                reason: "sharded checkpoints of ZeRO stage 3 (sharded parameters) are not \
-                         built yet; --save writes one consolidated file at stage 3"
-                    .into(),
-            }),
             #[cfg(feature = "mpi")]
             Job::Mpi(m) => super::zero::checkpoint::save_sharded(
                 trainer,

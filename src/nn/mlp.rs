@@ -14,6 +14,11 @@ pub struct Mlp {
     /// which the next layer needs anyway, so recomputing them would save nothing and cost a
     /// forward: they run as usual (the planner shows the difference).
     pub checkpoint_activations: bool,
+    /// Each layer one unit (`layers.{i}`, [`Module::units`]), materialized together when
+    /// parameters are streamed or sharded by unit (ZeRO stage 3), as an [`nn::Unit`](super::Unit)
+    /// is. Off by default: then the MLP names no units. It changes no value, so it is not part
+    /// of [`Module::config`].
+    pub units: bool,
 }
 
 impl Mlp {
@@ -51,6 +56,7 @@ impl Mlp {
             layers,
             act,
             checkpoint_activations: false,
+            units: false,
         })
     }
 
@@ -64,18 +70,21 @@ impl Mlp {
             x.to_dtype(dtype)?
         };
         for (i, layer) in self.layers.iter().enumerate() {
-            h = if i == last {
-                layer.forward_in(&h, Activation::None, dtype)?
-            } else if self.checkpoint_activations && self.act == Activation::Gelu {
-                let (l, act) = (layer.clone(), self.act);
-                let params: Vec<Tensor> =
-                    layer.named_parameters().into_iter().map(|p| p.1).collect();
-                let refs: Vec<&Tensor> = params.iter().collect();
-                crate::tensor::autograd::checkpoint(&[&h], &refs, move |xs| {
-                    hidden(&l, act, &xs[0], dtype)
+            let act = if i == last {
+                Activation::None
+            } else {
+                self.act
+            };
+            let ckpt = i != last && self.checkpoint_activations && self.act == Activation::Gelu;
+            h = if self.units {
+                // A streamed unit trains checkpointed whole: nothing to checkpoint inside it.
+                let ckpt = ckpt && !layer.weight.is_streamed();
+                let l = layer.clone();
+                super::unit::unit_forward(layer.parameters(), &h, move |x| {
+                    layer_forward(&l, act, x, dtype, ckpt)
                 })?
             } else {
-                hidden(layer, self.act, &h, dtype)?
+                layer_forward(layer, act, &h, dtype, ckpt)?
             };
         }
         if h.dtype() == DType::F32 {
@@ -133,9 +142,22 @@ impl Mlp {
     }
 }
 
-/// One hidden layer: `act(h · Wᵀ + b)` in `dtype`, relu and gelu fused into the matmul.
-fn hidden(layer: &Linear, act: Activation, h: &Tensor, dtype: DType) -> Result<Tensor> {
-    layer.forward_in(h, act, dtype)
+/// One layer: `act(h · Wᵀ + b)` in `dtype`, relu and gelu fused into the matmul; with
+/// `checkpoint`, recomputed in backward instead of keeping its pre-activation.
+fn layer_forward(
+    layer: &Linear,
+    act: Activation,
+    h: &Tensor,
+    dtype: DType,
+    checkpoint: bool,
+) -> Result<Tensor> {
+    if !checkpoint {
+        return layer.forward_in(h, act, dtype);
+    }
+    let l = layer.clone();
+    let params: Vec<Tensor> = layer.named_parameters().into_iter().map(|p| p.1).collect();
+    let refs: Vec<&Tensor> = params.iter().collect();
+    crate::tensor::autograd::checkpoint(&[h], &refs, move |xs| l.forward_in(&xs[0], act, dtype))
 }
 
 impl Module for Mlp {
@@ -162,6 +184,18 @@ impl Module for Mlp {
                 self.checkpoint_activations.to_string(),
             ),
         ]
+    }
+
+    fn units(&self) -> Vec<(String, Vec<Tensor>)> {
+        match self.units {
+            true => self
+                .layers
+                .iter()
+                .enumerate()
+                .map(|(i, l)| (format!("layers.{i}"), l.parameters()))
+                .collect(),
+            false => Vec::new(),
+        }
     }
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {

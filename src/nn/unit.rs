@@ -71,21 +71,32 @@ where
     })
 }
 
+/// `f(x)` as the forward of one unit whose parameters are `params`: inside the unit's
+/// residency (fetched first when streamed), and in training under
+/// [`checkpoint`](crate::tensor::autograd::checkpoint) when streamed, so backward fetches the
+/// unit again for the recomputation. [`Unit`]'s forward, and that of modules that mark their
+/// own layers as units (`Mlp::units`).
+pub(crate) fn unit_forward<F>(params: Vec<Tensor>, x: &Tensor, f: F) -> Result<Tensor>
+where
+    F: Fn(&Tensor) -> Result<Tensor> + Send + Sync + 'static,
+{
+    let Some(first) = params.first().cloned() else {
+        return f(x);
+    };
+    if first.is_streamed() && crate::is_grad_enabled() {
+        let refs: Vec<&Tensor> = params.iter().collect();
+        crate::tensor::autograd::checkpoint(&[x], &refs, move |xs| {
+            crate::residency::within(&first, || f(&xs[0]))
+        })
+    } else {
+        crate::residency::within(&first, || f(x))
+    }
+}
+
 impl<M: Module + Send + Sync + 'static> Module for Unit<M> {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let params = self.inner.parameters();
-        let Some(first) = params.first().cloned() else {
-            return self.inner.forward(x);
-        };
-        if first.is_streamed() && crate::is_grad_enabled() {
-            let refs: Vec<&Tensor> = params.iter().collect();
-            let m = self.inner.clone();
-            crate::tensor::autograd::checkpoint(&[x], &refs, move |xs| {
-                crate::residency::within(&first, || m.forward(&xs[0]))
-            })
-        } else {
-            crate::residency::within(&first, || self.inner.forward(x))
-        }
+        let m = self.inner.clone();
+        unit_forward(self.inner.parameters(), x, move |x| m.forward(x))
     }
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {

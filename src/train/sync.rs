@@ -57,6 +57,22 @@ pub trait GradientSync: Send {
         Ok(())
     }
 
+    /// The model's parameters were written from outside a step (a checkpoint resumed): where
+    /// this replica keeps its own shard of them apart from the model (ZeRO stage 3's units),
+    /// it takes that shard again from the values written. Nothing by default.
+    fn parameters_written(&mut self) -> Result<()> {
+        Ok(())
+    }
+
+    /// The groups of parameters laid out over the ranks together, each by its own
+    /// `ShardLayout`, as indices into the optimizer's parameters, in the order the rest of the
+    /// step's tensors ([`GradientSync::step_tensors`]) take their pieces: ZeRO stage 3's
+    /// parameters in no unit, then each unit's. `None` (one group of every parameter) by
+    /// default.
+    fn shard_groups(&self) -> Option<Vec<Vec<usize>>> {
+        None
+    }
+
     /// The collectives its last step made for parameters sharded by unit (ZeRO stage 3: the
     /// units' all-gathers and reduce-scatters, as the step ran them, planned or real); `None`
     /// where nothing is sharded by unit.

@@ -286,7 +286,7 @@ impl<M: Module> Trainer<M> {
 
     /// The tensors whose gradients the step reads after the gradient exchange: the model's
     /// parameters, or (ZeRO) views of this replica's shard of them.
-    fn step_tensors(&self) -> Vec<Tensor> {
+    pub(crate) fn step_tensors(&self) -> Vec<Tensor> {
         self.sync
             .as_ref()
             .and_then(|s| s.step_tensors())
@@ -314,6 +314,16 @@ impl<M: Module> Trainer<M> {
             Some(s) => s.gather_parameters(),
             None => Ok(()),
         }
+    }
+
+    /// The optimizer's parameters in the groups a replica lays out over the ranks
+    /// ([`GradientSync::shard_groups`]): one group of all of them unless ZeRO stage 3 shards
+    /// the units apart.
+    pub fn shard_groups(&self) -> Vec<Vec<usize>> {
+        self.sync
+            .as_ref()
+            .and_then(|s| s.shard_groups())
+            .unwrap_or_else(|| vec![(0..self.optimizer.params().len()).collect()])
     }
 
     /// What its last step's collectives moved for parameters sharded by unit (ZeRO stage 3),
@@ -557,6 +567,9 @@ impl<M: Module> Trainer<M> {
         ckpt.check_extra(&expected)?;
         ckpt.check_finite()?;
         ckpt.apply_model(&self.model)?;
+        if let Some(s) = self.sync.as_mut() {
+            s.parameters_written()?;
+        }
         ckpt.apply_optimizer(self.optimizer.as_mut())?;
         self.step = state.step;
         if let (Some(sc), Some(saved)) = (self.scaler.as_mut(), state.scaler) {

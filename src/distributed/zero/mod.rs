@@ -140,6 +140,8 @@ pub struct ZeroSync<C> {
     /// Stage 3: the units sharded over the ranks (the layout above covers the other
     /// parameters).
     stage3: Option<Arc<stage3::Stage3>>,
+    /// The optimizer's parameters by shard layout ([`GradientSync::shard_groups`]).
+    groups: Arc<Vec<Vec<usize>>>,
     /// Stage 3: the units' traffic when the last step ended (cumulative), and that step's.
     units_seen: crate::train::UnitTraffic,
     units_step: Option<crate::train::UnitTraffic>,
@@ -332,6 +334,17 @@ impl<C: Communicator> GradientSync for ZeroSync<C> {
         }
     }
 
+    fn parameters_written(&mut self) -> Result<()> {
+        match &self.stage3 {
+            Some(s3) => s3.take_shards_from_host(),
+            None => Ok(()),
+        }
+    }
+
+    fn shard_groups(&self) -> Option<Vec<Vec<usize>>> {
+        Some(self.groups.to_vec())
+    }
+
     fn unit_traffic(&self) -> Option<crate::train::UnitTraffic> {
         self.units_step
     }
@@ -450,6 +463,19 @@ pub fn attach_zero<M: Module, C: Communicator + 'static>(
         None => vec![false; params.len()],
     };
     let flat_idx: Vec<usize> = (0..params.len()).filter(|&k| !in_units[k]).collect();
+    // The groups laid out over the ranks, as indices into the optimizer's parameters: those in
+    // no unit, then each unit's (in the order its layout lists them).
+    let mut groups = vec![flat_idx.clone()];
+    if let Some(s3) = &stage3 {
+        for ps in s3.unit_params() {
+            groups.push(
+                ps.iter()
+                    .filter_map(|u| params.iter().position(|p| p.is_same(u)))
+                    .collect(),
+            );
+        }
+    }
+    let groups = Arc::new(groups);
     let all_params = params.clone();
     let params: Vec<Tensor> = flat_idx.iter().map(|&k| all_params[k].clone()).collect();
     let order: Vec<usize> = flat_idx.iter().map(|&k| order[k]).collect();
@@ -487,7 +513,7 @@ pub fn attach_zero<M: Module, C: Communicator + 'static>(
         rank,
         comm.clone(),
     )
-    .with_stage3(all_params, stage3.clone());
+    .with_stage3(all_params, stage3.clone(), groups.clone());
     trainer.optimizer = Box::new(opt);
     trainer.set_gradient_sync(Some(Box::new(ZeroSync {
         comm,
@@ -502,6 +528,7 @@ pub fn attach_zero<M: Module, C: Communicator + 'static>(
         pending: Arc::default(),
         stats: stats.clone(),
         stage3,
+        groups,
         units_seen: Default::default(),
         units_step: None,
     })));

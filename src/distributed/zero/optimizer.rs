@@ -34,6 +34,9 @@ pub struct ZeroOptimizer<C> {
     /// Stage 3's sharded units: their pieces are updated with the rest, then become the
     /// shard the next fetch gathers.
     stage3: Option<Arc<super::stage3::Stage3>>,
+    /// The parameters by shard layout, as indices into `params`: those of `layout`, then each
+    /// unit's at stage 3.
+    groups: Arc<Vec<Vec<usize>>>,
 }
 
 impl<C: Communicator> ZeroOptimizer<C> {
@@ -63,33 +66,38 @@ impl<C: Communicator> ZeroOptimizer<C> {
             hyperparameters: original.hyperparameters(),
             lr: original.lr(),
             steps: 0,
+            groups: Arc::new(vec![(0..all_params.len()).collect()]),
             params: all_params,
             stage3: None,
         }
     }
 
-    /// At stage 3: `all` the model's parameters and the sharded units.
+    /// `all` the model's parameters, the sharded units at stage 3, and the parameters by
+    /// shard layout (indices into `all`: the flat layout's, then each unit's).
     pub(super) fn with_stage3(
         mut self,
         all: Vec<Tensor>,
         stage3: Option<Arc<super::stage3::Stage3>>,
+        groups: Arc<Vec<Vec<usize>>>,
     ) -> ZeroOptimizer<C> {
         self.params = all;
         self.stage3 = stage3;
+        self.groups = groups;
         self
     }
 
-    fn refuse_stage3(&self, op: &'static str) -> Result<()> {
-        match self.stage3 {
-            Some(_) => Err(Error::InvalidArgument {
-                op,
-                reason: "resuming at ZeRO stage 3 (sharded parameters) is not built yet; a \
-                         stage 3 run's consolidated checkpoint resumes at stages 0, 1 or 2, or \
-                         in one process"
-                    .into(),
-            }),
-            None => Ok(()),
+    /// Each shard layout with its parameters' indices in `params`: the flat layout's, then at
+    /// stage 3 each unit's. This rank's pieces of them, in this order, are the inner
+    /// optimizer's parts.
+    fn layouts(&self) -> Vec<(ShardLayout, Vec<usize>)> {
+        let mut out = vec![(ShardLayout::clone(&self.layout), self.groups[0].clone())];
+        if let Some(s3) = &self.stage3 {
+            let sh = s3.shards();
+            for (u, at) in self.groups[1..].iter().enumerate() {
+                out.push((sh.layout(u).clone(), at.clone()));
+            }
         }
+        out
     }
 
     /// This replica's pieces of the parameters (what its state covers).
@@ -136,36 +144,16 @@ impl<C: Communicator> ZeroOptimizer<C> {
     /// shard of each state tensor all-gathered (every replica calls it at once). At stage 3
     /// each unit's shard is gathered the same way, by the unit's own layout.
     fn consolidated(&self) -> Result<OptimizerState> {
-        let l = &self.layout;
-        let pieces = l.pieces(self.rank);
         let shard_state = self
             .inner
             .as_ref()
             .map_or_else(OptimizerState::default, |o| o.state());
-        let index = |t: &Tensor| self.params.iter().position(|p| p.is_same(t));
-        let flat_at: Vec<usize> = self.gathered.iter().filter_map(index).collect();
-        // Stage 3: per unit, its layout and each parameter's index; its pieces follow the
-        // flat layout's in the inner optimizer's parts.
-        let units: Vec<(ShardLayout, Vec<usize>)> = match &self.stage3 {
-            Some(s3) => {
-                let sh = s3.shards();
-                s3.unit_params()
-                    .iter()
-                    .enumerate()
-                    .map(|(u, ps)| (sh.layout(u).clone(), ps.iter().filter_map(index).collect()))
-                    .collect()
-            }
-            None => Vec::new(),
-        };
+        let groups = self.layouts();
         let n = self.params.len();
         let mut steps = vec![0u64; n];
         let mut j = 0;
-        for pc in &pieces {
-            steps[flat_at[pc.param]] = shard_state.param_steps.get(j).copied().unwrap_or(0);
-            j += 1;
-        }
-        for (ul, at) in &units {
-            for pc in ul.pieces(self.rank) {
+        for (gl, at) in &groups {
+            for pc in gl.pieces(self.rank) {
                 steps[at[pc.param]] = shard_state.param_steps.get(j).copied().unwrap_or(0);
                 j += 1;
             }
@@ -181,21 +169,18 @@ impl<C: Communicator> ZeroOptimizer<C> {
         };
         let mut tensors = Vec::new();
         for name in &self.state_names {
-            // (the layout, this rank's pieces' first index among the parts, the parameters)
-            let mut groups = vec![(ShardLayout::clone(l), 0, flat_at.clone())];
-            let mut j = pieces.len();
-            for (ul, at) in &units {
-                groups.push((ul.clone(), j, at.clone()));
-                j += ul.pieces(self.rank).len();
-            }
-            for (gl, first, at) in groups {
+            // This rank's pieces of each group follow the previous groups' among the parts.
+            let mut first = 0;
+            for (gl, at) in &groups {
+                let pieces = gl.pieces(self.rank);
                 let mut shard = vec![0f32; gl.shard_len()];
-                for (k, pc) in gl.pieces(self.rank).iter().enumerate() {
+                for (k, pc) in pieces.iter().enumerate() {
                     if let Some((_, t)) = find(first + k, name) {
                         let v = t.to_vec_f32()?;
                         shard[pc.at..pc.at + v.len()].copy_from_slice(&v);
                     }
                 }
+                first += pieces.len();
                 let mut flat = vec![0f32; gl.padded_len()];
                 comm.all_gather_f32(&shard, &mut flat)?;
                 for (&i, &o) in at.iter().zip(gl.offsets()) {
@@ -225,33 +210,43 @@ impl<C: Communicator> ZeroOptimizer<C> {
         if !state.codes.is_empty() || !state.host.is_empty() {
             return Err(invalid("8-bit or host state does not shard".into()));
         }
-        if state.param_steps.len() != self.gathered.len() {
+        let n = self.params.len();
+        if state.param_steps.len() != n {
             return Err(invalid(format!(
-                "the state has steps for {} parameters, the model has {}",
+                "the state has steps for {} parameters, the model has {n}",
                 state.param_steps.len(),
-                self.gathered.len()
             )));
         }
-        let pieces = self.layout.pieces(self.rank);
+        // This rank's pieces, group after group (the inner optimizer's parts), each with the
+        // index of its parameter in `params`.
+        let pieces: Vec<(usize, super::Piece)> = self
+            .layouts()
+            .into_iter()
+            .flat_map(|(gl, at)| {
+                gl.pieces(self.rank)
+                    .into_iter()
+                    .map(move |pc| (at[pc.param], pc))
+            })
+            .collect();
         let mut tensors = Vec::new();
         for (key, t) in &state.tensors {
             let Some((i, name)) = key
                 .split_once('.')
                 .and_then(|(i, n)| Some((i.parse::<usize>().ok()?, n)))
-                .filter(|(i, _)| *i < self.gathered.len())
+                .filter(|(i, _)| *i < n)
             else {
                 return Err(invalid(format!("unknown state tensor '{key}'")));
             };
-            if t.numel() != self.gathered[i].numel() {
+            if t.numel() != self.params[i].numel() {
                 return Err(Error::Shape {
                     op: "ZeroOptimizer::load_state",
-                    lhs: self.gathered[i].dims().to_vec(),
+                    lhs: self.params[i].dims().to_vec(),
                     rhs: t.dims().to_vec(),
                     reason: format!("state tensor '{key}' does not fit its parameter"),
                 });
             }
             let values = t.to_vec_f32()?;
-            for (j, pc) in pieces.iter().enumerate().filter(|(_, pc)| pc.param == i) {
+            for (j, (_, pc)) in pieces.iter().enumerate().filter(|(_, (p, _))| *p == i) {
                 let v = &values[pc.within.clone()];
                 let piece = Tensor::from_slice(t.device(), v, &[v.len()])?;
                 tensors.push((format!("{j}.{name}"), piece));
@@ -259,10 +254,7 @@ impl<C: Communicator> ZeroOptimizer<C> {
         }
         Ok(OptimizerState {
             step_count: state.step_count,
-            param_steps: pieces
-                .iter()
-                .map(|pc| state.param_steps[pc.param])
-                .collect(),
+            param_steps: pieces.iter().map(|(i, _)| state.param_steps[*i]).collect(),
             tensors,
             ..OptimizerState::default()
         })
@@ -350,7 +342,6 @@ impl<C: Communicator + 'static> Optimizer for ZeroOptimizer<C> {
     /// Takes a whole state ([`Optimizer::checkpoint_state`]'s, from any number of replicas or
     /// one process) and keeps this replica's pieces of it.
     fn load_state(&mut self, state: OptimizerState) -> Result<()> {
-        self.refuse_stage3("ZeroOptimizer::load_state")?;
         let state = self.shard_of(state)?;
         let steps = state.step_count;
         match self.inner.as_mut() {
@@ -382,6 +373,7 @@ impl<C: Communicator + 'static> Optimizer for ZeroOptimizer<C> {
             steps: 0,
             params: self.params.clone(),
             stage3: self.stage3.clone(),
+            groups: self.groups.clone(),
         })
     }
 }

@@ -331,6 +331,32 @@ impl Stage3 {
         Ok(())
     }
 
+    /// After the model's parameters were written (a checkpoint resumed: the units' host
+    /// copies hold the whole model on every rank), this rank's shard of every unit is taken
+    /// from them again, into the shards a fetch gathers and the piece tensors the optimizer
+    /// updates; the host copies are current, so the next fetch needs no collective.
+    pub fn take_shards_from_host(&self) -> Result<()> {
+        let mut s = lock(&self.shards);
+        for (u, params) in self.units.iter().enumerate() {
+            let l = s.layout(u).clone();
+            let mut flat = vec![0f32; l.padded_len()];
+            for (p, &o) in params.iter().zip(l.offsets()) {
+                let v = p.to_vec_f32()?;
+                flat[o..o + v.len()].copy_from_slice(&v);
+            }
+            let mine = &flat[l.shard(s.rank())];
+            for (pc, t) in &self.pieces[u] {
+                crate::distributed::allreduce::write_into(
+                    t,
+                    &mine[pc.at..pc.at + pc.within.len()],
+                )?;
+            }
+            s.values_mut(u).copy_from_slice(mine);
+            s.current[u] = true;
+        }
+        Ok(())
+    }
+
     /// The units' parameters (per unit, in [`Module::units`](crate::nn::Module::units) order).
     pub fn unit_params(&self) -> &[Vec<Tensor>] {
         &self.units

@@ -58,12 +58,25 @@ pub fn read_index(dir: &Path) -> Result<ShardIndex> {
             index.ranks
         )));
     }
-    let padded = index
-        .ranks
-        .checked_mul(index.shard_len)
-        .filter(|&p| p > 0 && p <= 1 << 48)
-        .ok_or_else(|| bad(format!("a shard of {} elements", index.shard_len)))?;
-    let mut end = 0usize;
+    let lens = group_lens(&index);
+    if lens.iter().try_fold(0usize, |a, &l| a.checked_add(l)) != Some(index.shard_len) {
+        return Err(bad(format!(
+            "groups of {:?} elements make no shard of {}",
+            index.groups, index.shard_len
+        )));
+    }
+    let padded: Vec<usize> = lens
+        .iter()
+        .map(|&len| {
+            index
+                .ranks
+                .checked_mul(len)
+                .filter(|&p| p > 0 && p <= 1 << 48)
+                .ok_or_else(|| bad(format!("a shard of {len} elements")))
+        })
+        .collect::<Result<_>>()?;
+    // Each parameter's range of its group's flat buffer, to find overlaps.
+    let mut ranges = Vec::with_capacity(index.params.len());
     for p in &index.params {
         let numel = p
             .dims
@@ -77,14 +90,32 @@ pub fn read_index(dir: &Path) -> Result<ShardIndex> {
                 p.name, p.dtype
             )));
         }
-        if p.offset < end || p.offset.checked_add(numel).is_none_or(|e| e > padded) {
+        let Some(&padded) = padded.get(p.group) else {
             return Err(bad(format!(
-                "parameter '{}' at offset {} overlaps another or lies past the {padded} \
-                 elements of the shards",
+                "parameter '{}' is in group {} of {}",
+                p.name,
+                p.group,
+                padded.len()
+            )));
+        };
+        if p.offset.checked_add(numel).is_none_or(|e| e > padded) {
+            return Err(bad(format!(
+                "parameter '{}' at offset {} lies past the {padded} elements of its group's \
+                 shards",
                 p.name, p.offset
             )));
         }
-        end = p.offset + numel;
+        ranges.push((p.group, p.offset, p.offset + numel, &p.name));
+    }
+    ranges.sort();
+    if let Some(w) = ranges
+        .windows(2)
+        .find(|w| w[0].0 == w[1].0 && w[1].1 < w[0].2)
+    {
+        return Err(bad(format!(
+            "parameter '{}' at offset {} overlaps '{}'",
+            w[1].3, w[1].1, w[0].3
+        )));
     }
     if params_hash(&index.params) != index.params_hash {
         return Err(bad(format!(
@@ -105,6 +136,14 @@ pub fn read_index(dir: &Path) -> Result<ShardIndex> {
         }
     }
     Ok(index)
+}
+
+/// Each group's shard length (one group of the whole shard without groups).
+fn group_lens(index: &ShardIndex) -> Vec<usize> {
+    match index.groups.is_empty() {
+        true => vec![index.shard_len],
+        false => index.groups.clone(),
+    }
 }
 
 /// Reads a sharded checkpoint's folder and puts it together as the one-file checkpoint of the
@@ -184,15 +223,27 @@ pub fn load_sharded(dir: &Path) -> Result<Checkpoint> {
         }
         shards.push(c);
     }
-    let flat = |name: &str| -> Vec<f32> {
-        let mut out = Vec::with_capacity(n * shards.len());
-        for s in &shards {
-            match s.tensors.get(name) {
-                Some(t) => out.extend(t.to_f32()),
-                None => out.resize(out.len() + n, 0.0),
-            }
-        }
-        out
+    // Each group's flat buffer of the tensor `name`: every rank's shard of it in rank order.
+    let lens = group_lens(&index);
+    let flat = |name: &str| -> Vec<Vec<f32>> {
+        let all: Vec<Option<Vec<f32>>> = shards
+            .iter()
+            .map(|s| s.tensors.get(name).map(HostTensor::to_f32))
+            .collect();
+        let mut start = 0;
+        lens.iter()
+            .map(|&len| {
+                let mut out = Vec::with_capacity(len * shards.len());
+                for v in &all {
+                    match v {
+                        Some(v) => out.extend_from_slice(&v[start..start + len]),
+                        None => out.resize(out.len() + len, 0.0),
+                    }
+                }
+                start += len;
+                out
+            })
+            .collect()
     };
     let bad = |reason: String| crate::error::data_err(&index_path, reason);
     let steps = index
@@ -224,7 +275,7 @@ pub fn load_sharded(dir: &Path) -> Result<Checkpoint> {
     };
     let values = flat(SHARD_PARAMS);
     for p in &index.params {
-        let v = &values[p.offset..p.offset + p.dims.iter().product::<usize>()];
+        let v = &values[p.group][p.offset..p.offset + p.dims.iter().product::<usize>()];
         let t = match p.dtype.as_str() {
             "f16" => {
                 let h: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f32(x)).collect();
@@ -250,7 +301,7 @@ pub fn load_sharded(dir: &Path) -> Result<Checkpoint> {
         let v = flat(&format!("{SHARD_OPTIM}{name}"));
         for (i, p) in index.params.iter().enumerate() {
             if param_steps[i] > 0 {
-                let s = &v[p.offset..p.offset + p.dims.iter().product::<usize>()];
+                let s = &v[p.group][p.offset..p.offset + p.dims.iter().product::<usize>()];
                 let t = HostTensor::new(DType::F32, &p.dims, bytemuck::cast_slice(s).to_vec())?;
                 out.tensors.insert(format!("{OPTIM_PREFIX}{i}.{name}"), t);
             }

@@ -15,8 +15,14 @@
 //! yet); rank 0's also holds the model's buffers (`model.NAME`). Its metadata name the rank,
 //! the rank count, the shard length, the save and the hash of the parameter list.
 //!
+//! ZeRO stage 3 lays its parameters out in groups, each over the ranks by its own layout: the
+//! parameters in no unit, then each unit's ([`Trainer::shard_groups`]). A rank's range is then
+//! its shard of each group, one after the other, and the index lists each group's shard
+//! length (`groups`) and each parameter's group, its offset counted in that group's flat
+//! buffer. Without groups (stages 0 to 2) the index is version 1, as before them.
+//!
 //! `index.json` records the format, the rank count, the shard length, the step, the save's
-//! number, the parameter list in the layout's order (name, shape, dtype, offset in the flat
+//! number, the parameter list in the optimizer's order (name, shape, dtype, offset in the flat
 //! buffer), its hash (FNV-1a of names, shapes and dtypes), each rank file with its length and
 //! FNV-1a hash, and the metadata of the one-file checkpoint ([`crate::checkpoint`]'s table).
 //!
@@ -47,8 +53,8 @@ pub use load::{load_checkpoint, load_sharded, read_index};
 pub const INDEX: &str = "index.json";
 /// The index's `format`.
 pub const INDEX_FORMAT: &str = "fitgrad-sharded";
-/// The index layout this code writes and the newest it reads.
-pub const INDEX_VERSION: u32 = 1;
+/// The newest index layout this code writes and reads: 2 has groups (ZeRO stage 3), 1 not.
+pub const INDEX_VERSION: u32 = 2;
 const SHARD_PARAMS: &str = "shard.params";
 const SHARD_OPTIM: &str = "shard.optim.";
 
@@ -61,8 +67,15 @@ pub struct IndexParam {
     pub dims: Vec<usize>,
     /// `f32` or `f16`.
     pub dtype: String,
-    /// Where it starts in the flat buffer.
+    /// Where it starts in its group's flat buffer.
     pub offset: usize,
+    /// Its group ([`ShardIndex::groups`]); 0 without groups.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub group: usize,
+}
+
+fn is_zero(v: &usize) -> bool {
+    *v == 0
 }
 
 /// One rank's file in the index.
@@ -87,8 +100,12 @@ pub struct ShardIndex {
     pub version: u32,
     /// Ranks that wrote the save (one file each).
     pub ranks: usize,
-    /// Elements of every rank's shard.
+    /// Elements of every rank's shard (of every group together).
     pub shard_len: usize,
+    /// Elements of every rank's shard of each group, in the order a rank file holds them;
+    /// empty for one group (of `shard_len`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub groups: Vec<usize>,
     /// The optimizer steps the run had taken.
     pub step: u64,
     /// The save's number: its files are in `save-NNNNNN/`.
@@ -169,28 +186,95 @@ fn named_params<M: Module>(trainer: &Trainer<M>) -> Result<Vec<(String, Tensor)>
         .collect()
 }
 
-fn layout_of(params: &[(String, Tensor)], ranks: usize) -> Result<ShardLayout> {
-    let numels: Vec<usize> = params.iter().map(|(_, p)| p.numel()).collect();
-    ShardLayout::new(&numels, ranks)
-}
+/// The groups of a save, each its parameters' indices (in the optimizer's order) and their
+/// layout over the ranks ([`Trainer::shard_groups`]).
+struct Groups(Vec<(Vec<usize>, ShardLayout)>);
 
-fn index_params(params: &[(String, Tensor)], layout: &ShardLayout) -> Vec<IndexParam> {
-    params
-        .iter()
-        .zip(layout.offsets())
-        .map(|((name, p), &offset)| IndexParam {
-            name: name.clone(),
-            dims: p.dims().to_vec(),
-            dtype: p.dtype().to_string(),
-            offset,
-        })
-        .collect()
+impl Groups {
+    fn of<M: Module>(
+        trainer: &Trainer<M>,
+        params: &[(String, Tensor)],
+        ranks: usize,
+    ) -> Result<Groups> {
+        let groups = trainer.shard_groups();
+        let mut seen = vec![0usize; params.len()];
+        groups.iter().flatten().for_each(|&i| {
+            if let Some(s) = seen.get_mut(i) {
+                *s += 1
+            }
+        });
+        if groups.iter().flatten().any(|&i| i >= params.len()) || seen.iter().any(|&s| s != 1) {
+            return Err(Error::InvalidArgument {
+                op: "zero::save_sharded",
+                reason: "the shard groups do not hold each of the optimizer's parameters once"
+                    .into(),
+            });
+        }
+        let groups = groups
+            .into_iter()
+            .map(|idx| {
+                let numels: Vec<usize> = idx.iter().map(|&i| params[i].1.numel()).collect();
+                Ok((idx, ShardLayout::new(&numels, ranks)?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Groups(groups))
+    }
+
+    /// Elements of a rank's file: its shard of every group.
+    fn shard_len(&self) -> usize {
+        self.0.iter().map(|(_, l)| l.shard_len()).sum()
+    }
+
+    /// Rank `rank`'s pieces, group after group, each named by its parameter's index in the
+    /// optimizer's order and placed in the rank's file.
+    fn pieces(&self, rank: usize) -> Vec<super::Piece> {
+        let mut out = Vec::new();
+        let mut start = 0;
+        for (idx, l) in &self.0 {
+            out.extend(l.pieces(rank).into_iter().map(|pc| super::Piece {
+                param: idx[pc.param],
+                within: pc.within,
+                at: start + pc.at,
+            }));
+            start += l.shard_len();
+        }
+        out
+    }
+
+    fn index_params(&self, params: &[(String, Tensor)]) -> Vec<IndexParam> {
+        let mut at = vec![(0, 0); params.len()];
+        for (g, (idx, l)) in self.0.iter().enumerate() {
+            for (&i, &offset) in idx.iter().zip(l.offsets()) {
+                at[i] = (g, offset);
+            }
+        }
+        params
+            .iter()
+            .zip(at)
+            .map(|((name, p), (group, offset))| IndexParam {
+                name: name.clone(),
+                dims: p.dims().to_vec(),
+                dtype: p.dtype().to_string(),
+                offset,
+                group,
+            })
+            .collect()
+    }
+
+    /// The index's `groups`: empty for one.
+    fn lens(&self) -> Vec<usize> {
+        match self.0.len() {
+            1 => Vec::new(),
+            _ => self.0.iter().map(|(_, l)| l.shard_len()).collect(),
+        }
+    }
 }
 
 /// Writes rank `rank`'s file of save `save` (of `ranks`) into `dir`, atomically, and returns
 /// what the index records of it. `sharded_state`: the trainer's optimizer is a
-/// [`ZeroOptimizer`](super::ZeroOptimizer) holding this rank's pieces only; otherwise it holds
-/// the whole state and the rank's range of it is written.
+/// [`ZeroOptimizer`](super::ZeroOptimizer) holding this rank's pieces only (the values are
+/// those of its pieces, so at stage 3 no unit is gathered); otherwise it holds the whole
+/// state and the rank's range of it is written.
 pub fn write_shard<M: Module>(
     trainer: &Trainer<M>,
     dir: &Path,
@@ -201,8 +285,8 @@ pub fn write_shard<M: Module>(
 ) -> Result<ShardRecord> {
     let op = "zero::save_sharded";
     let params = named_params(trainer)?;
-    let layout = layout_of(&params, ranks)?;
-    let pieces = layout.pieces(rank);
+    let groups = Groups::of(trainer, &params, ranks)?;
+    let pieces = groups.pieces(rank);
     let state = trainer.optimizer.state();
     if !state.codes.is_empty() || !state.host.is_empty() {
         return Err(Error::InvalidArgument {
@@ -212,11 +296,28 @@ pub fn write_shard<M: Module>(
                 .into(),
         });
     }
-    let n = layout.shard_len();
+    let n = groups.shard_len();
     let mut values = vec![0f32; n];
-    for pc in &pieces {
-        let v = params[pc.param].1.to_vec_f32()?;
-        values[pc.at..pc.at + pc.within.len()].copy_from_slice(&v[pc.within.clone()]);
+    let own = match sharded_state {
+        true => trainer.step_tensors(),
+        false => Vec::new(),
+    };
+    if sharded_state && own.len() != pieces.len() {
+        return Err(Error::InvalidArgument {
+            op,
+            reason: format!(
+                "the replica updates {} pieces, its shard has {}",
+                own.len(),
+                pieces.len()
+            ),
+        });
+    }
+    for (j, pc) in pieces.iter().enumerate() {
+        let v = match sharded_state {
+            true => own[j].to_vec_f32()?,
+            false => params[pc.param].1.to_vec_f32()?[pc.within.clone()].to_vec(),
+        };
+        values[pc.at..pc.at + v.len()].copy_from_slice(&v);
     }
     let mut param_steps = vec![0u64; params.len()];
     let want = if sharded_state {
@@ -299,7 +400,7 @@ pub fn write_shard<M: Module>(
     m.insert("shard.save".into(), save.to_string());
     m.insert(
         "shard.params_hash".into(),
-        params_hash(&index_params(&params, &layout)),
+        params_hash(&groups.index_params(&params)),
     );
     let path = dir.join(shard_file(save, rank, ranks));
     let bytes = c.to_bytes()?;
@@ -336,8 +437,8 @@ pub fn write_index<M: Module>(
 ) -> Result<()> {
     let ranks = records.len();
     let params = named_params(trainer)?;
-    let layout = layout_of(&params, ranks)?;
-    let ip = index_params(&params, &layout);
+    let groups = Groups::of(trainer, &params, ranks)?;
+    let ip = groups.index_params(&params);
     let param_steps: Vec<u64> = (0..params.len())
         .map(|i| records.iter().map(|r| r.param_steps[i]).max().unwrap_or(0))
         .collect();
@@ -348,11 +449,14 @@ pub fn write_index<M: Module>(
         opt.step_count(),
         &param_steps,
     ));
+    let lens = groups.lens();
     let index = ShardIndex {
         format: INDEX_FORMAT.into(),
-        version: INDEX_VERSION,
+        // Version 1 readers know no groups; a save without them stays theirs.
+        version: if lens.is_empty() { 1 } else { INDEX_VERSION },
         ranks,
-        shard_len: layout.shard_len(),
+        shard_len: groups.shard_len(),
+        groups: lens,
         step: state.step,
         save,
         params_hash: params_hash(&ip),
