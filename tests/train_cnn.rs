@@ -236,6 +236,31 @@ fn group_norm_under_half_the_peak_ends_with_the_same_weights() {
     assert!(moved > 1e-3, "{moved}");
 }
 
+/// A stem stride out of 1..=4 is refused by the parser, and a schedule that contradicts
+/// `--cosine` before any device work.
+#[test]
+fn schedule_and_stem_stride_are_checked() {
+    for stride in ["0", "5"] {
+        let argv = ["train_cnn", "--stem-stride", stride];
+        assert!(train_cnn::Args::try_parse_from(argv).is_err(), "{stride}");
+    }
+    let argv = [
+        "train_cnn",
+        "--dataset",
+        "/nonexistent",
+        "--cosine",
+        "--schedule",
+        "constant",
+    ];
+    let args = train_cnn::Args::try_parse_from(argv).unwrap();
+    match train_cnn::run(args, &Job::Single) {
+        Err(fitgrad::Error::InvalidArgument { reason, .. }) => {
+            assert!(reason.contains("--schedule constant"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 /// The planned peak of a step equals the measured one within 2%: f32 with batch norm, and
 /// checkpointed residual blocks in mixed precision.
 #[test]
@@ -248,6 +273,7 @@ fn planned_peak_equals_the_measured_one() {
         &[][..],
         &["--checkpoint-activations", "--precision", "mixed"][..],
         &["--augment", "--norm", "group"][..],
+        &["--stem-stride", "2", "--schedule", "cosine"][..],
     ] {
         let o = run(&csv, 16, flags);
         let ratio = o.planned_peak as f64 / o.measured_peak as f64;
