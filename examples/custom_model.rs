@@ -339,7 +339,8 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
             fitgrad::residency::HOW_TO_MARK_UNITS
         )));
     }
-    dist.check_zero(zero, &[("--prune", args.prune.is_some())])?;
+    // custom_model has no --fit auto.
+    dist.check_zero(zero, false, &[("--prune", args.prune.is_some())])?;
     if precision == Precision::F16 {
         return Err(invalid(
             "this example keeps f32 master weights: --precision f32 or mixed".into(),

@@ -965,6 +965,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
 /// [`prepare`], [`open_device`], [`train`].
 pub fn run(args: &Args, dist: &Job) -> Result<Report> {
     let setup = prepare(args)?;
+    dist.check_zero(setup.zero, setup.fit_auto, &[])?;
     let device = open_device(args, &setup)?;
     train(args, setup, &device, dist).map_err(|e| {
         cli::name_flags(

@@ -162,6 +162,7 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     let zero = Zero::from_flag(args.zero.as_deref())?;
     dist.check_zero(
         zero,
+        args.fit.as_deref() == Some("auto"),
         &[
             ("--prune", args.prune.is_some()),
             ("--quantize", args.quantize),

@@ -342,6 +342,58 @@ fn custom_model_zero_3_refusals_come_before_device_work() {
     }
 }
 
+/// `--fit auto` at stage 3 is refused on the ranks of train_mlp and train_gpt with a typed
+/// error naming what to do instead, before any device work (its ladder could choose
+/// host-streamed parameters, which stage 3 replaces); one process runs it.
+#[test]
+fn fit_auto_at_zero_3_is_refused_before_device_work() {
+    let _one = one_job_at_a_time();
+    let tmp = TempDir::new("gpt-fit3");
+    let text = tmp.0.join("text.txt");
+    std::fs::write(&text, "to be, or not to be. ".repeat(40)).unwrap();
+    let text = text.display().to_string();
+    let fit3 = [
+        "--zero",
+        "3",
+        "--fit",
+        "auto",
+        "--memory-budget",
+        "64MiB",
+        "--plan",
+    ];
+    for (name, extra) in [
+        ("train_mlp", &["--hidden", "64,64"][..]),
+        (
+            "train_gpt",
+            &[
+                "--text", &text, "--layers", "1", "--dim", "32", "--heads", "2",
+            ][..],
+        ),
+    ] {
+        let mut args = strings(extra);
+        args.extend(strings(&fit3));
+        let out = mpirun(name, &args, &[]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success(), "{name} ran:\n{err}");
+        assert!(
+            err.contains("--fit auto is not built yet at ZeRO stage 3"),
+            "{name}: not the refusal:\n{err}"
+        );
+        assert!(
+            err.contains("leave --zero out"),
+            "{name}: no way out:\n{err}"
+        );
+        assert!(
+            !err.contains("adapter"),
+            "{name}: device work first:\n{err}"
+        );
+    }
+    // One process holds every shard: the same flags plan there.
+    let mut one = Command::new(example("train_mlp"));
+    one.args(strings(&["--hidden", "64,64"])).args(fit3);
+    run_ok(one, "train_mlp --zero 3 --fit auto, one process");
+}
+
 /// The same for the residual MLP defined in custom_model: the digits' last batch of 29 gives
 /// uneven shares (15 and 14); dropout 0, since each rank draws its own masks. Stages 0 to 3
 /// (at 3 its block an `nn::Unit` sharded over the ranks).

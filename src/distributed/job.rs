@@ -72,11 +72,24 @@ impl Job {
     }
 
     /// Refuses, before any device work, what ZeRO stage 3 does not do yet on this job's ranks:
-    /// `others` (a flag, and whether it is given). One process holds every shard, so nothing
-    /// is refused there.
-    pub fn check_zero(&self, zero: Zero, others: &[(&str, bool)]) -> Result<()> {
+    /// `--fit auto` when `fit_auto` (its ladder can choose host-streamed parameters, which
+    /// stage 3 replaces; without `--zero` it chooses among stages 0 to 2 itself), and `others`
+    /// (a flag, and whether it is given). One process holds every shard, so nothing is
+    /// refused there.
+    pub fn check_zero(&self, zero: Zero, fit_auto: bool, others: &[(&str, bool)]) -> Result<()> {
         if zero.number() < 3 || self.size() < 2 {
             return Ok(());
+        }
+        if fit_auto {
+            return Err(Error::InvalidArgument {
+                op: "--zero 3",
+                reason: "--fit auto is not built yet at ZeRO stage 3 (sharded parameters): its \
+                         ladder may stream the parameters from host memory, which stage 3 \
+                         replaces; leave --zero out (--fit auto then chooses among stages 0 to 2 \
+                         on every rank), or keep --zero 3 with a --batch-size and \
+                         --memory-budget of your own"
+                    .into(),
+            });
         }
         match others.iter().find(|(_, on)| *on) {
             Some((flag, _)) => Err(Error::InvalidArgument {
