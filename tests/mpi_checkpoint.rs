@@ -263,12 +263,7 @@ fn a_sharded_checkpoint_missing_a_rank_file_is_refused_before_training() {
         mpirun(2, &flags(2, &["--zero", "1", "--resume", &ckpt]), &ENV),
         "2 ranks resumed without rank 1's file",
     );
-    assert!(!ok, "a checkpoint missing a file must be refused:\n{text}");
-    assert!(
-        text.contains(&lost.display().to_string()) && text.contains("missing"),
-        "the error names the missing file:\n{text}"
-    );
-    assert!(!text.contains("resumed from"), "nothing trains:\n{text}");
+    refused_for_missing(ok, &text, &lost);
 }
 
 /// A small, quick run of custom_model (two blocks, each an `nn::Unit`) for `epochs`, then
@@ -392,6 +387,11 @@ fn stage_3_checkpoints_resume_on_other_rank_counts_to_the_uninterrupted_run() {
         ),
         "2 ranks at --zero 3 resumed without rank 1's file",
     );
+    refused_for_missing(ok, &text, &lost);
+}
+
+/// A resume from shards missing `lost` failed, naming the file, before any training.
+fn refused_for_missing(ok: bool, text: &str, lost: &Path) {
     assert!(!ok, "a checkpoint missing a file must be refused:\n{text}");
     assert!(
         text.contains(&lost.display().to_string()) && text.contains("missing"),

@@ -122,16 +122,7 @@ fn four_to_four_two_and_one(dev: &Device) {
 
     // Put together, the shards are the one-file checkpoint: the same tensors, bit for bit,
     // and the same metadata.
-    let (got, file) = (
-        load_checkpoint(&dir).unwrap(),
-        load_checkpoint(&one_file).unwrap(),
-    );
-    assert_eq!(got.metadata, file.metadata);
-    let names = |c: &fitgrad::checkpoint::Checkpoint| c.tensors.keys().cloned().collect::<Vec<_>>();
-    assert_eq!(names(&got), names(&file));
-    for (k, t) in &file.tensors {
-        assert_eq!(&got.tensors[k], t, "{k} differs from the one-file save's");
-    }
+    let got = shards_equal_one_file(&dir, &one_file);
 
     // Four replicas again (stage 1 now): the same math, the same bits.
     let mut again = replicas(dev, 4, stage(1), &WIDTHS);
@@ -217,18 +208,7 @@ fn stage_3_four_to_four_two_and_one(dev: &Device) {
         "{:?}",
         index.groups
     );
-    let (got, file) = (
-        load_checkpoint(&dir).unwrap(),
-        load_checkpoint(&one_file).unwrap(),
-    );
-    assert_eq!(got.metadata, file.metadata);
-    assert_eq!(
-        got.tensors.keys().collect::<Vec<_>>(),
-        file.tensors.keys().collect::<Vec<_>>()
-    );
-    for (k, t) in &file.tensors {
-        assert_eq!(&got.tensors[k], t, "{k} differs from the one-file save's");
-    }
+    let got = shards_equal_one_file(&dir, &one_file);
     let mut again = replicas(dev, 4, stage(3), &WIDTHS);
     again.resume_from(&dir).unwrap();
     let mut dp2 = replicas(dev, 2, stage(3), &WIDTHS);
@@ -348,4 +328,22 @@ fn mismatches_are_refused(dev: &Device) {
     // The one-file loader says what a folder is.
     refused(fitgrad::checkpoint::load(&dir), &dir, "a folder as a file");
     assert!(sharded::check_folder("--save-sharded", &file1).is_err());
+}
+
+/// The sharded save in `dir` put together is the one-file save: the same metadata and tensors,
+/// bit for bit. Returns it.
+fn shards_equal_one_file(dir: &Path, one_file: &Path) -> fitgrad::checkpoint::Checkpoint {
+    let (got, file) = (
+        load_checkpoint(dir).unwrap(),
+        load_checkpoint(one_file).unwrap(),
+    );
+    assert_eq!(got.metadata, file.metadata);
+    assert_eq!(
+        got.tensors.keys().collect::<Vec<_>>(),
+        file.tensors.keys().collect::<Vec<_>>()
+    );
+    for (k, t) in &file.tensors {
+        assert_eq!(&got.tensors[k], t, "{k} differs from the one-file save's");
+    }
+    got
 }
