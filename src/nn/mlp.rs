@@ -16,10 +16,9 @@ pub struct Mlp {
     pub checkpoint_activations: bool,
     /// Each layer one unit (`layers.{i}`, [`Module::units`]), materialized together when
     /// parameters are streamed or sharded by unit (ZeRO stage 3), as an [`nn::Unit`](super::Unit)
-    /// is. Off by default (on for an MLP made inside
+    /// is. Off by default, and then the MLP names no units; on for an MLP made inside
     /// [`born_on_host`](crate::residency::born_on_host), whose layers go to host memory as
-    /// they are made): then the MLP names no units. It changes no value, so it is not part of
-    /// [`Module::config`].
+    /// they are made. It changes no value, so it is not part of [`Module::config`].
     pub units: bool,
 }
 
