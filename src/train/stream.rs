@@ -202,7 +202,10 @@ impl<M: Module> Trainer<M> {
         if !self.born.streaming {
             return Err(Error::InvalidArgument {
                 op,
-                reason: "the trainer streams its units from host memory as its configuration                          asks (offload_parameters); ZeRO stage 3 streams them from the ranks                          (turn parameter offload off; a model made inside born_on_host needs no                          offload for it)"
+                reason: "the trainer streams its units from host memory as its configuration \
+                         asks (offload_parameters); ZeRO stage 3 streams them from the ranks \
+                         (turn parameter offload off; a model made inside born_on_host needs no \
+                         offload for it)"
                     .into(),
             });
         }
