@@ -500,8 +500,10 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
                 args.seed,
             )
         };
-        // Streamed: each block goes to host memory as it is made, never all on the device.
-        let model = match offload.1 {
+        // Streamed, or ZeRO stage 3 on several ranks (each keeps its shard): each block goes
+        // to host memory as it is made, never all on the device. 8-bit state does not shard.
+        let stage3 = zero.number() == 3 && dist.size() > 1 && args.optimizer == "adamw";
+        let model = match offload.1 || stage3 {
             true => fitgrad::residency::born_on_host(&device, make)?,
             false => make()?,
         };
@@ -549,6 +551,8 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
     }
     // Fitted to the whole batch as on one process; a rank refits to its share.
     let all_reduce = dist.join_zero(&mut trainer, &train, zero)?;
+    // Every rank's device peak so far: what making the model and joining the job held.
+    let start_memory = dist.start_memory(&device, &trainer.model)?;
     if let Some(b) = budget {
         let micro = trainer.micro_batch();
         say!(
@@ -845,6 +849,7 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
         dist.add_to_json(&mut j, all_reduce.as_ref());
         dist.add_traffic_to_json(&mut j, &trainer, zero)?;
         j["zero_stage"] = zero.number().into();
+        j["start"] = start_memory;
         j["rank_weight_hashes"] = rank_hashes.into();
         println!("{j}");
     }

@@ -492,8 +492,10 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
     config.clip_grad_norm = (args.clip_grad_norm > 0.0).then_some(args.clip_grad_norm);
     let build = || {
         let make = || Gpt::new(device, setup.cfg.clone());
-        // Streamed: each block goes to host memory as it is made, never all on the device.
-        let model = match setup.offload.1 {
+        // Streamed, or ZeRO stage 3 on several ranks (each keeps its shard): each block goes
+        // to host memory as it is made, never all on the device. 8-bit state does not shard.
+        let stage3 = setup.zero.number() == 3 && dist.size() > 1 && args.optimizer == "adamw";
+        let model = match setup.offload.1 || stage3 {
             true => fitgrad::residency::born_on_host(device, make)?,
             false => make()?,
         };
@@ -538,6 +540,8 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         (trainer, choice, zero, all_reduce)
     };
     trainer.set_data_identity(setup.identity.clone());
+    // Every rank's device peak so far: what making the model and joining the job held.
+    let start_memory = dist.start_memory(device, &trainer.model)?;
     // What `--fit auto` chose, for the JSON line (null without it).
     let fit_json = choice.as_ref().map(|c| {
         serde_json::json!({
@@ -947,6 +951,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         dist.add_to_json(&mut j, all_reduce.as_ref());
         dist.add_traffic_to_json(&mut j, &trainer, zero)?;
         j["zero_stage"] = zero.number().into();
+        j["start"] = start_memory;
         j["rank_weight_hashes"] = rank_hashes.into();
         j["per_rank_state_bytes"] = rank_state;
         println!("{j}");

@@ -352,8 +352,16 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     config.offload_optimizer = offload_optimizer;
     // The model is built inside the budget logic: a budget too small for the model itself gets
     // the smallest budget that works, like one too small for a step.
+    // ZeRO stage 3 on several ranks: each layer goes to host memory as it is made, so no
+    // device holds the whole model (each rank keeps its shard of it). SGD keeps its state on
+    // the device, which a model made in host memory cannot start with: it is made whole.
+    let born = zero.number() == 3 && dist.size() > 1 && args.optimizer == "adamw";
     let build = || {
-        let mut model = Mlp::with_dtype(&device, &widths, act, param_dtype, args.seed)?;
+        let make = || Mlp::with_dtype(&device, &widths, act, param_dtype, args.seed);
+        let mut model = match born {
+            true => fitgrad::residency::born_on_host(&device, make)?,
+            false => make()?,
+        };
         model.checkpoint_activations = args.checkpoint_activations;
         // Stage 3 shards the parameters of the model's units: each layer one.
         model.units = zero.number() == 3;
@@ -400,6 +408,8 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         (trainer, choice, zero, all_reduce)
     };
     trainer.set_data_identity(identity);
+    // Every rank's device peak so far: what making the model and joining the job held.
+    let start_memory = dist.start_memory(&device, &trainer.model)?;
     // The pruner's masks (as many bytes as the weights) are made now, so the plan counts them;
     // under a budget the micro-batch is chosen again with them in use.
     let mut pruner = prune
@@ -781,6 +791,7 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         dist.add_to_json(&mut j, all_reduce.as_ref());
         dist.add_traffic_to_json(&mut j, &trainer, zero)?;
         j["zero_stage"] = zero.number().into();
+        j["start"] = start_memory;
         j["rank_weight_hashes"] = rank_hashes.into();
         println!("{j}");
     }

@@ -12,59 +12,17 @@
 
 use std::io::{BufRead, BufReader};
 use std::ops::Range;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+#[path = "common/mpirun.rs"]
+mod mpirun;
+use mpirun::*;
+
 /// How long a job may take to end after one of its ranks is killed or stopped.
 const STOP_WITHIN: Duration = Duration::from_secs(30);
-
-/// One job at a time: each runs two ranks, and the machine may have two cores.
-fn one_job_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// The example `name` built beside this test binary (target/<profile>/examples/<name>).
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>");
-    let path = profile_dir.join("examples").join(name);
-    assert!(
-        path.exists(),
-        "{} is missing: build it first with `cargo build --features mpi --example {name}` \
-         (add --release when testing with --release)",
-        path.display()
-    );
-    path
-}
-
-/// A temporary folder removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let p = std::env::temp_dir().join(format!("fitgrad-mpi-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// Owned strings of `flags`.
-fn strings(flags: &[&str]) -> Vec<String> {
-    flags.iter().map(|s| s.to_string()).collect()
-}
 
 /// A small, quick run of train_mlp (its weights depend on nothing else).
 fn flags(epochs: u32) -> Vec<String> {
@@ -86,25 +44,6 @@ fn mpirun(name: &str, args: &[String], env: &[(&str, &str)]) -> Command {
     mpirun_np(2, name, args, env)
 }
 
-/// mpirun with `np` ranks of the example `name`; `env` reaches every rank.
-fn mpirun_np(np: usize, name: &str, args: &[String], env: &[(&str, &str)]) -> Command {
-    let mut cmd = Command::new("mpirun");
-    let np = np.to_string();
-    cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", &np]);
-    // Containers often forbid the cross-memory attach OpenMPI's shared-memory transport tries
-    // first; copying through shared memory works everywhere.
-    cmd.args(["--mca", "btl_vader_single_copy_mechanism", "none"]);
-    for (k, v) in env {
-        cmd.env(k, v);
-        cmd.args(["-x", k]);
-    }
-    cmd.arg(example(name))
-        .args(args)
-        .arg("--distributed")
-        .arg("mpi");
-    cmd
-}
-
 /// max |a - b| / max |b| over one tensor.
 fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
     let scale = b
@@ -115,21 +54,6 @@ fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
         .zip(b)
         .map(|(x, y)| (*x as f64 - *y as f64).abs() / scale)
         .fold(0.0, f64::max)
-}
-
-fn run_ok(mut cmd: Command, what: &str) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
-    let text = format!(
-        "{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(
-        out.status.success(),
-        "{what} failed ({}):\n{text}",
-        out.status
-    );
-    text
 }
 
 /// Runs the example `name` with `args` as one process and as 2 and 4 MPI ranks at each ZeRO

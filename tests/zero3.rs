@@ -11,9 +11,11 @@ mod common;
 use common::*;
 use fitgrad::distributed::zero::{start_stage3, ShardLayout};
 use fitgrad::distributed::{DataParallel, LocalGroup, Zero};
+use fitgrad::nn::Mlp;
 use fitgrad::nn::{Gpt, GptConfig};
 use fitgrad::nn::{Linear, Module, Unit};
 use fitgrad::optim::AdamW;
+use fitgrad::residency::born_on_host;
 use fitgrad::train::text::TextDataset;
 use fitgrad::train::{Trainer, TrainerConfig};
 use fitgrad::{Device, DeviceOptions, Error, Result, Tensor};
@@ -23,7 +25,10 @@ use std::time::Duration;
 device_tests!(
     stage_3_matches_one_process,
     stage_3_without_units_is_refused,
-    data_parallel_stage_3_matches_stage_2
+    data_parallel_stage_3_matches_stage_2,
+    stage_3_of_a_model_made_on_host,
+    stage_3_refuses_asked_for_parameter_offload,
+    mlp_made_on_host_names_its_layers
 );
 
 const W: usize = 24;
@@ -225,11 +230,23 @@ fn stage_3_without_units_is_refused(dev: &Device) {
     }
 }
 
-/// A GPT of two blocks of width 32 with AdamW, batches of 8 in micro-batches of 2.
-fn gpt_trainer(dev: &Device) -> Result<Trainer<Gpt>> {
-    let mut cfg = GptConfig::new(23, 16, 2, 2, 32);
+/// How a replica's GPT is made: whole on its device, or inside `born_on_host` (each block in
+/// host memory as soon as it is made).
+#[derive(Clone, Copy, PartialEq)]
+enum Made {
+    Whole,
+    OnHost,
+}
+
+/// A GPT of `layers` blocks of width 32 with AdamW, batches of 8 in micro-batches of 2.
+fn gpt_trainer(dev: &Device, made: Made, layers: usize) -> Result<Trainer<Gpt>> {
+    let mut cfg = GptConfig::new(23, 16, layers, 2, 32);
     cfg.seed = 3;
-    let model = Gpt::new(dev, cfg)?;
+    let make = || Gpt::new(dev, cfg.clone());
+    let model = match made {
+        Made::Whole => make()?,
+        Made::OnHost => born_on_host(dev, make)?,
+    };
     let opt = Box::new(AdamW::new(model.parameters(), 3e-3)?);
     let config = TrainerConfig::default()
         .batch_size(8)
@@ -240,21 +257,46 @@ fn gpt_trainer(dev: &Device) -> Result<Trainer<Gpt>> {
 
 /// Every parameter's values after `steps` steps of two replicas at `zero`.
 fn gpt_run(dev: &Device, zero: Zero, steps: usize) -> Vec<Vec<f32>> {
+    gpt_run_made(dev, zero, steps, Made::Whole, 2).0
+}
+
+/// [`gpt_run`] with the replicas' models made as `made`, of `layers` blocks; also each
+/// replica's device peak in use before the first step, and the model's parameter bytes.
+fn gpt_run_made(
+    dev: &Device,
+    zero: Zero,
+    steps: usize,
+    made: Made,
+    layers: usize,
+) -> (Vec<Vec<f32>>, Vec<u64>, u64) {
     let tokens: Vec<u32> = (0..600u32).map(|i| (i * 7 + i / 5) % 23).collect();
     let data = TextDataset::new(tokens, 16).unwrap();
     let devices = [twin(dev), twin(dev)];
-    let mut dp = DataParallel::with_zero(&devices, zero, gpt_trainer).unwrap();
+    let build = |d: &Device| gpt_trainer(d, made, layers);
+    let mut dp = DataParallel::with_zero(&devices, zero, build).unwrap();
+    let start: Vec<u64> = devices
+        .iter()
+        .map(|d| d.memory_stats().peak_bytes_in_use)
+        .collect();
+    let model_bytes: u64 = dp
+        .model()
+        .parameters()
+        .iter()
+        .map(|p| p.numel() as u64 * 4)
+        .sum();
     for s in 0..steps {
         let idx: Vec<usize> = (0..8).map(|k| (s * 8 + k) % 30).collect();
         dp.step(&data, &idx).unwrap();
     }
     dp.gather_parameters().unwrap();
     dp.check_identical().unwrap();
-    dp.model()
+    let values = dp
+        .model()
         .parameters()
         .iter()
         .map(|p| p.to_vec_f32().unwrap())
-        .collect()
+        .collect();
+    (values, start, model_bytes)
 }
 
 /// Two replicas of a two-block GPT (micro-batches, so each unit is reduce-scattered twice a
@@ -273,4 +315,74 @@ fn data_parallel_stage_3_matches_stage_2(dev: &Device) {
         got != gpt_run(dev, Zero::OFF, 2),
         "the steps changed the weights"
     );
+}
+
+/// Two replicas of a six-block GPT made inside `born_on_host` at stage 3: before the first
+/// step no replica's device has held the whole model (each the embeddings, the unit being
+/// made and its shard of the blocks), while made whole each held it all; and after three steps
+/// the weights are those of the model made whole, bit for bit.
+fn stage_3_of_a_model_made_on_host(dev: &Device) {
+    let stage3 = Zero::stage(3).unwrap();
+    let (born, born_start, model_bytes) = gpt_run_made(dev, stage3, 3, Made::OnHost, 6);
+    let (whole, whole_start, _) = gpt_run_made(dev, stage3, 3, Made::Whole, 6);
+    eprintln!(
+        "model {model_bytes} B; peak before the first step: made on host {born_start:?}, made \
+         whole {whole_start:?}"
+    );
+    for &peak in &born_start {
+        assert!(
+            peak < model_bytes * 3 / 4,
+            "made on host, a replica's device held {peak} B of a {model_bytes} B model"
+        );
+    }
+    assert!(whole_start.iter().all(|&p| p >= model_bytes));
+    let bits = |v: &[Vec<f32>]| v.concat().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(
+        bits(&born) == bits(&whole),
+        "made on host, stage 3 trains otherwise"
+    );
+}
+
+/// A trainer whose configuration asks for streamed parameters keeps them on the host: stage
+/// 3 refuses it with a typed error (its units would stream from two places).
+fn stage_3_refuses_asked_for_parameter_offload(dev: &Device) {
+    let devices = [twin(dev), twin(dev)];
+    let build = |d: &Device| {
+        let model = Gpt::new(d, GptConfig::new(23, 16, 2, 2, 32))?;
+        let opt = Box::new(AdamW::new(model.parameters(), 3e-3)?);
+        let config = TrainerConfig::default()
+            .batch_size(8)
+            .offload_parameters(true);
+        Trainer::new(model, opt, config)
+    };
+    match DataParallel::with_zero(&devices, Zero::stage(3).unwrap(), build) {
+        Err(Error::InvalidArgument { op, reason }) => {
+            assert_eq!(op, "--zero 3");
+            assert!(reason.contains("offload_parameters"), "{reason}");
+        }
+        Err(e) => panic!("expected the refusal, got {e}"),
+        Ok(_) => panic!("stage 3 took a trainer that streams from host memory as asked"),
+    }
+}
+
+/// An MLP made inside `born_on_host` has its layers in host memory and names them as units
+/// (what streaming and stage 3 move); made on the device it names none. Its f16 layers cannot
+/// live on the host: a typed error.
+fn mlp_made_on_host_names_its_layers(dev: &Device) {
+    let widths = [16, 32, 32, 4];
+    let act = fitgrad::Activation::Relu;
+    let m = born_on_host(dev, || Mlp::new(dev, &widths, act, 1)).unwrap();
+    assert_eq!(m.units().len(), 3);
+    let whole = Mlp::new(dev, &widths, act, 1).unwrap();
+    assert!(whole.units().is_empty());
+    let same = m
+        .parameters()
+        .iter()
+        .zip(whole.parameters())
+        .all(|(a, b)| a.to_vec_f32().unwrap() == b.to_vec_f32().unwrap());
+    assert!(same, "made on host, the MLP has other values");
+    let f16 = born_on_host(dev, || {
+        Mlp::with_dtype(dev, &widths, act, fitgrad::DType::F16, 1)
+    });
+    assert!(matches!(f16, Err(Error::InvalidArgument { .. })));
 }

@@ -126,9 +126,10 @@ fn encode(values: &[f32], dtype: DType) -> Vec<u8> {
     }
 }
 
-/// Writes `values` into `t`'s memory (same element count), in `t`'s dtype.
+/// Writes `values` into `t`'s memory (same element count), in `t`'s dtype: a streamed
+/// tensor's host values (and its device copy, when it has one), no device block of its own.
 pub(super) fn write_into(t: &Tensor, values: &[f32]) -> Result<()> {
-    t.device().upload(t.block(), &encode(values, t.dtype()))
+    t.write_bytes(&encode(values, t.dtype()))
 }
 
 /// Rank 0's values of `tensors` written into every other member's, in one broadcast (what
@@ -383,7 +384,9 @@ pub(crate) fn parameter_values(model: &dyn Module) -> Result<Vec<f32>> {
     Ok(values)
 }
 
-/// Replaces every member's parameters by rank 0's.
+/// Replaces every member's parameters by rank 0's, bitwise. Parameters whose home is host
+/// memory (a model made inside [`born_on_host`](crate::residency::born_on_host)) are read and
+/// written there: the device never holds them.
 pub(super) fn copy_from_rank0<M: Module>(
     trainer: &Trainer<M>,
     comm: &mut dyn Communicator,

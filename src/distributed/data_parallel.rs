@@ -111,7 +111,9 @@ impl<M: Module + Send> DataParallel<M> {
 
     /// [`DataParallel::new`] at ZeRO stage `zero` ([`attach_zero`]): each replica keeps the
     /// optimizer state (stage 1) and the gradients (stage 2) of its shard only; the
-    /// parameters stay identical on every replica.
+    /// parameters stay identical on every replica. At stage 3 (the parameters of the model's
+    /// units sharded too) `build` may make the model inside
+    /// [`born_on_host`](crate::residency::born_on_host), so no device ever holds it whole.
     pub fn with_zero(
         devices: &[Device],
         zero: Zero,

@@ -347,6 +347,33 @@ impl Job {
         Ok(ranks.into())
     }
 
+    /// Each rank's device peak in use so far, rank 0 first, and the model's parameter bytes, as
+    /// a JSON object (`rank_peak_bytes_in_use`, `model_parameter_bytes`). Taken after the
+    /// model is made and the trainer has joined, before the first step, it shows whether a
+    /// device held the whole model: at ZeRO stage 3 over a model made inside
+    /// [`born_on_host`](crate::residency::born_on_host) no rank's peak reaches it. One small
+    /// all-gather: call it on every rank at the same point.
+    pub fn start_memory(&self, device: &Device, model: &dyn Module) -> Result<serde_json::Value> {
+        let own = device.memory_stats().peak_bytes_in_use;
+        let peaks = match self {
+            Job::Single => vec![own],
+            #[cfg(feature = "mpi")]
+            Job::Mpi(m) => {
+                use super::comm::Communicator as _;
+                m.communicator()?.all_gather(&[own])?
+            }
+        };
+        let model_bytes: u64 = model
+            .parameters()
+            .iter()
+            .map(|p| (p.numel() * p.dtype().size()) as u64)
+            .sum();
+        Ok(serde_json::json!({
+            "rank_peak_bytes_in_use": peaks,
+            "model_parameter_bytes": model_bytes,
+        }))
+    }
+
     /// Adds `bytes_sent_per_step` (each rank's bytes per step, all collectives together, as
     /// a ring moves them; 0 for one process) and `collectives` to a run's JSON object `j`.
     pub fn add_traffic_to_json<M: Module>(

@@ -16,8 +16,9 @@ pub struct Mlp {
     pub checkpoint_activations: bool,
     /// Each layer one unit (`layers.{i}`, [`Module::units`]), materialized together when
     /// parameters are streamed or sharded by unit (ZeRO stage 3), as an [`nn::Unit`](super::Unit)
-    /// is. Off by default: then the MLP names no units. It changes no value, so it is not part
-    /// of [`Module::config`].
+    /// is. Off by default, and then the MLP names no units; on for an MLP made inside
+    /// [`born_on_host`](crate::residency::born_on_host), whose layers go to host memory as
+    /// they are made. It changes no value, so it is not part of [`Module::config`].
     pub units: bool,
 }
 
@@ -49,14 +50,21 @@ impl Mlp {
                 let s = seed
                     .wrapping_mul(0x100_0000_01b3)
                     .wrapping_add(i as u64 + 1);
-                Linear::with_options(device, w[0], w[1], true, dtype, s)
+                let layer = Linear::with_options(device, w[0], w[1], true, dtype, s)?;
+                // Inside residency::born_on_host each layer goes to host memory once made.
+                crate::residency::born(&layer.parameters());
+                Ok(layer)
             })
             .collect::<Result<Vec<_>>>()?;
+        // Made in host memory, its layers are units (what streaming and ZeRO stage 3 move).
+        let units = layers
+            .iter()
+            .any(|l| crate::residency::made_on_host(&l.parameters()));
         Ok(Mlp {
             layers,
             act,
             checkpoint_activations: false,
-            units: false,
+            units,
         })
     }
 

@@ -19,6 +19,26 @@ pub(super) fn not_with_streaming(feature: &str) -> Error {
     }
 }
 
+/// What a model's birth in host memory ([`residency::born_on_host`]) turned on in its trainer
+/// that the configuration did not ask for: streaming from host memory, and the optimizer's
+/// state in host memory (which streamed units need: their gradients are summed there).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct BornOnHost {
+    streaming: bool,
+    optimizer_offload: bool,
+}
+
+impl BornOnHost {
+    /// What `Trainer::new` turns on for a model with `params` under `config` (as asked).
+    pub(super) fn of(params: &[Tensor], config: &super::TrainerConfig) -> BornOnHost {
+        let born = residency::made_on_host(params);
+        BornOnHost {
+            streaming: born && !config.offload_parameters,
+            optimizer_offload: born && !config.offload_optimizer && !config.offload_parameters,
+        }
+    }
+}
+
 /// Host bytes a run keeps with `streamed` of `total` parameter elements streamed and the
 /// optimizer offloaded: the optimizer's 12 per element, 8 more per streamed one.
 pub(super) fn host_bytes_needed(total: u64, streamed: u64) -> u64 {
@@ -167,6 +187,36 @@ impl<M: Module> Trainer<M> {
     /// Whether parameters stream from host memory.
     pub fn streams_parameters(&self) -> bool {
         self.streaming.is_some()
+    }
+
+    /// Ends the streaming from host memory that the model's birth there turned on, so its
+    /// units can stream from another source (ZeRO stage 3's ranks): the units stay in host
+    /// memory, and the optimizer's state comes back to the device if only the birth sent it
+    /// there (before the first step, when it has none). Nothing happens without streaming.
+    /// Streaming the configuration asked for (`offload_parameters`) is refused with an
+    /// [`Error::InvalidArgument`] of `op`: that run's parameters are meant to live on the host.
+    pub(crate) fn end_born_streaming(&mut self, op: &'static str) -> Result<()> {
+        if self.streaming.is_none() {
+            return Ok(());
+        }
+        if !self.born.streaming {
+            return Err(Error::InvalidArgument {
+                op,
+                reason: "the trainer streams its units from host memory as its configuration \
+                         asks (offload_parameters); ZeRO stage 3 streams them from the ranks \
+                         (turn parameter offload off; a model made inside born_on_host needs no \
+                         offload for it)"
+                    .into(),
+            });
+        }
+        if self.born.optimizer_offload {
+            self.optimizer.set_state_kind(false, false)?;
+            self.config.offload_optimizer = false;
+        }
+        self.streaming = None;
+        self.config.offload_parameters = false;
+        self.born = BornOnHost::default();
+        Ok(())
     }
 
     /// Bytes streaming moved between host and device since the last call (parameters up,

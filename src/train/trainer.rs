@@ -195,6 +195,9 @@ pub struct Trainer<M> {
     data_identity: Vec<(String, String)>,
     /// Streamed parameters (`offload_parameters`), while on.
     pub(super) streaming: Option<crate::residency::Streaming>,
+    /// What the model's birth in host memory turned on that the configuration did not ask
+    /// for (ZeRO stage 3 turns it off again: its units stream from the ranks).
+    pub(super) born: super::stream::BornOnHost,
 }
 
 impl<M: Module> Trainer<M> {
@@ -203,6 +206,8 @@ impl<M: Module> Trainer<M> {
     ///
     /// A model made inside [`born_on_host`](crate::residency::born_on_host) (its units in host
     /// memory) is streamed: `offload_parameters` (and so `offload_optimizer`) is turned on.
+    /// Made a ZeRO stage-3 replica ([`attach_zero`](crate::distributed::attach_zero)), its
+    /// units stream from the ranks instead, and what its birth turned on is off again.
     pub fn new(
         model: M,
         mut optimizer: Box<dyn Optimizer>,
@@ -236,6 +241,7 @@ impl<M: Module> Trainer<M> {
             return invalid("the model has no parameters".into());
         };
         let device = first.device().clone();
+        let born = super::stream::BornOnHost::of(&params, &config);
         if crate::residency::made_on_host(&params) {
             config.offload_parameters = true;
             config.offload_optimizer = true;
@@ -281,6 +287,7 @@ impl<M: Module> Trainer<M> {
             sync: None,
             data_identity: Vec::new(),
             streaming,
+            born,
         })
     }
 

@@ -386,6 +386,13 @@ impl<C: Communicator> GradientSync for ZeroSync<C> {
 /// [`ZeroOptimizer`] over this member's shard (same hyperparameters, no state yet: attach
 /// before the first step) and installs the [`ZeroSync`]. Every member calls it at the same
 /// point.
+///
+/// At stage 3 the model may be made inside
+/// [`born_on_host`](crate::residency::born_on_host) (DeepSpeed's `zero.Init`), so no device
+/// ever holds it whole: its trainer streams the units from host memory until this call, which
+/// ends that streaming (and the optimizer offload the birth turned on) and takes each rank's
+/// shard of every unit from the host values. A trainer whose configuration asks for
+/// streamed parameters (`offload_parameters`) is refused at stage 3.
 pub fn attach_zero<M: Module, C: Communicator + 'static>(
     trainer: &mut Trainer<M>,
     mut comm: C,
@@ -438,14 +445,9 @@ pub fn attach_zero<M: Module, C: Communicator + 'static>(
                     reason: crate::residency::HOW_TO_MARK_UNITS.into(),
                 });
             }
-            if trainer.streams_parameters() {
-                return Err(Error::InvalidArgument {
-                    op: "--zero 3",
-                    reason: "the trainer streams its units from host memory already; stage 3 \
-                             streams them from the ranks (turn parameter offload off)"
-                        .into(),
-                });
-            }
+            // A model made in host memory streams from there until now; from here on its
+            // units stream from the ranks, each keeping its shard of the host values.
+            trainer.end_born_streaming("--zero 3")?;
             let (s3, of) = stage3::Stage3::start(&device, units, comm.clone(), &params)?;
             (Some(Arc::new(s3)), of)
         }
