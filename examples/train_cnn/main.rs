@@ -52,7 +52,7 @@ pub struct Args {
     /// batch (BatchNorm2d) or group (GroupNorm, groups of 4 channels).
     #[arg(long, default_value = "batch")]
     norm: String,
-    /// Channels of the first stage (the second and third have 2x and 4x); default 32 for
+    /// Channels of the first stage (the second and third have 2x and 4x); default 24 for
     /// images of 16 pixels a side or more (Fashion-MNIST), 16 for smaller ones (the digits).
     #[arg(long)]
     width: Option<usize>,
@@ -66,18 +66,20 @@ pub struct Args {
     /// Epochs (default: 3 on Fashion-MNIST, 10 on the digits).
     #[arg(long)]
     epochs: Option<u64>,
-    /// Samples per batch.
-    #[arg(long, default_value_t = 64)]
-    batch_size: usize,
+    /// Samples per batch; default 128 for images of 16 pixels a side or more, 64 for smaller
+    /// ones.
+    #[arg(long)]
+    batch_size: Option<usize>,
     /// Batches whose gradients add up before each optimizer step.
     #[arg(long, default_value_t = 1)]
     accum_steps: usize,
     /// adamw, or sgd (momentum 0.9).
     #[arg(long, default_value = "adamw", value_parser = ["adamw", "sgd"])]
     optimizer: String,
-    /// The learning rate.
-    #[arg(long, default_value_t = 2e-3, allow_negative_numbers = true)]
-    lr: f64,
+    /// The learning rate; default 4e-3 for images of 16 pixels a side or more, 2e-3 for
+    /// smaller ones.
+    #[arg(long, allow_negative_numbers = true)]
+    lr: Option<f64>,
     /// constant, or cosine (decay to 0 over the run after a warm-up of 5% of the steps);
     /// default cosine for images of 16 pixels a side or more, constant for smaller ones.
     #[arg(long, value_parser = ["constant", "cosine"])]
@@ -191,7 +193,7 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         "group" => true,
         n => return Err(invalid(format!("--norm batch or group, got '{n}'"))),
     };
-    if args.width == Some(0) || args.batch_size == 0 || args.accum_steps == 0 {
+    if args.width == Some(0) || args.batch_size == Some(0) || args.accum_steps == 0 {
         return Err(invalid(
             "--width, --batch-size and --accum-steps must be positive".into(),
         ));
@@ -199,8 +201,8 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
     if args.cosine && args.schedule.as_deref() == Some("constant") {
         return Err(invalid("--cosine and --schedule constant disagree".into()));
     }
-    if !(args.lr.is_finite() && args.lr > 0.0) {
-        return Err(invalid(format!("--lr must be positive, got {}", args.lr)));
+    if let Some(lr) = args.lr.filter(|lr| !(lr.is_finite() && *lr > 0.0)) {
+        return Err(invalid(format!("--lr must be positive, got {lr}")));
     }
     let fit_auto = match args.fit.as_deref() {
         None => false,
@@ -241,10 +243,13 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
     let epochs = args
         .epochs
         .unwrap_or(if train.len() <= 10_000 { 10 } else { 3 });
-    // Defaults by image size: 28x28 (Fashion-MNIST) gets a strided stem, a wider network and
-    // cosine decay; the 8x8 digits keep every pixel, width 16 and a constant rate.
+    // Defaults by image size: 28x28 (Fashion-MNIST) gets a strided stem, a wider network, a
+    // higher rate and cosine decay; the 8x8 digits keep every pixel, width 16 and a constant
+    // rate.
     let large = side >= 16;
-    let width = args.width.unwrap_or(if large { 32 } else { 16 });
+    let width = args.width.unwrap_or(if large { 24 } else { 16 });
+    let lr_arg = args.lr.unwrap_or(if large { 4e-3 } else { 2e-3 });
+    let batch_size = args.batch_size.unwrap_or(if large { 128 } else { 64 });
     let stem_stride = args
         .stem_stride
         .map_or(1 + usize::from(large), |s| s as usize);
@@ -280,13 +285,13 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
     if args.checkpoint_activations {
         model.checkpoint.store(true, Ordering::Relaxed);
     }
-    let lr = args.lr as f32;
+    let lr = lr_arg as f32;
     let optimizer: Box<dyn Optimizer> = if args.optimizer == "sgd" {
         Box::new(Sgd::new(model.parameters(), lr)?.momentum(0.9)?)
     } else {
         Box::new(AdamW::new(model.parameters(), lr)?)
     };
-    let total_steps = train.len().div_ceil(args.batch_size * args.accum_steps) as u64 * epochs;
+    let total_steps = train.len().div_ceil(batch_size * args.accum_steps) as u64 * epochs;
     let schedule = if cosine {
         LrSchedule::WarmupCosine {
             warmup_steps: total_steps / 20,
@@ -296,7 +301,7 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
     } else {
         LrSchedule::Constant
     };
-    let config = TrainerConfig::new(args.batch_size, args.accum_steps, lr)
+    let config = TrainerConfig::new(batch_size, args.accum_steps, lr)
         .schedule(schedule)
         .precision(precision);
     let mut trainer = Trainer::new(model, optimizer, config)?;
@@ -310,9 +315,9 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         args.norm,
         trainer.model.num_parameters(),
         args.optimizer,
-        args.lr,
+        lr_arg,
         args.precision,
-        args.batch_size,
+        batch_size,
         args.accum_steps
     );
     if aug.is_on() {
@@ -346,13 +351,13 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         say!(
             "memory budget {}: micro-batch {micro} of {}",
             Bytes(b),
-            args.batch_size
+            batch_size
         );
-        if !group && micro < args.batch_size {
+        if !group && micro < batch_size {
             say!(
                 "warning: batch norm's statistics are those of each micro-batch of {micro}, not of \
                  the batch of {} (as in PyTorch with accumulation); --norm group is exact",
-                args.batch_size
+                batch_size
             );
         }
     }
@@ -476,7 +481,7 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
             "stem_stride": stem_stride,
             "parameters": trainer.model.num_parameters(),
             "epochs": epochs,
-            "batch_size": args.batch_size,
+            "batch_size": batch_size,
             "micro_batch": trainer.micro_batch(),
             "precision": args.precision,
             "checkpoint_activations": args.checkpoint_activations,
