@@ -64,32 +64,23 @@ impl Job {
         match body(&job) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
+                // An MPI rank prints its error itself (with its rank).
                 job.fail(&e);
-                eprintln!("error: {e}");
+                if matches!(job, Job::Single) {
+                    eprintln!("error: {e}");
+                }
                 ExitCode::FAILURE
             }
         }
     }
 
     /// Refuses, before any device work, what ZeRO stage 3 does not do yet on this job's ranks:
-    /// `--fit auto` when `fit_auto` (its ladder can choose host-streamed parameters, which
-    /// stage 3 replaces; without `--zero` it chooses among stages 0 to 2 itself), and `others`
-    /// (a flag, and whether it is given). One process holds every shard, so nothing is
-    /// refused there.
-    pub fn check_zero(&self, zero: Zero, fit_auto: bool, others: &[(&str, bool)]) -> Result<()> {
+    /// `others` (a flag, and whether it is given). One process holds every shard, so nothing
+    /// is refused there. (`--fit auto` at stage 3 fits without host-streamed parameters:
+    /// [`Job::fit_auto_stage`].)
+    pub fn check_zero(&self, zero: Zero, others: &[(&str, bool)]) -> Result<()> {
         if zero.number() < 3 || self.size() < 2 {
             return Ok(());
-        }
-        if fit_auto {
-            return Err(Error::InvalidArgument {
-                op: "--zero 3",
-                reason: "--fit auto is not built yet at ZeRO stage 3 (sharded parameters): its \
-                         ladder may stream the parameters from host memory, which stage 3 \
-                         replaces; leave --zero out (--fit auto then chooses among stages 0 to 2 \
-                         on every rank), or keep --zero 3 with a --batch-size and \
-                         --memory-budget of your own"
-                    .into(),
-            });
         }
         match others.iter().find(|(_, on)| *on) {
             Some((flag, _)) => Err(Error::InvalidArgument {
@@ -184,19 +175,21 @@ impl Job {
             if let Some(budget) = trainer.device().memory_stats().budget {
                 trainer.fit_to_budget(data, budget)?;
             }
-            self.announce(trainer);
+            self.announce(trainer, zero);
         }
         Ok(stats)
     }
 
-    /// This rank's start-up line on stderr (`rank R of N: pid P, ...`).
-    fn announce<M: Module>(&self, trainer: &Trainer<M>) {
+    /// This rank's start-up line on stderr (`rank R of N: pid P, ...`), with its stage.
+    fn announce<M: Module>(&self, trainer: &Trainer<M>, zero: Zero) {
         let line = format!(
-            "rank {} of {}: pid {}, {}, training on its share of every batch of {}\n",
+            "rank {} of {}: pid {}, {}, ZeRO stage {}, training on its share of every batch \
+             of {}\n",
             self.rank(),
             self.size(),
             std::process::id(),
             trainer.device().info().adapter.name,
+            zero.number(),
             trainer.effective_batch()
         );
         // One write: the ranks share the launcher's stderr, and a line written in pieces
@@ -204,25 +197,42 @@ impl Job {
         let _ = std::io::stderr().write_all(line.as_bytes());
     }
 
-    /// `--fit auto` over the ZeRO stages, on an MPI rank whose stage was not given: stages 0,
-    /// 1 and 2 in turn (cheapest communication first: 1 and 2 send the bytes of 0, and all
-    /// three are exact), each a trainer built by `build` (the budget lifted while it builds),
-    /// made a replica at that stage ([`Job::attach`]) and fitted to this rank's share by the
-    /// exact micro-batch search alone ([`Trainer::fit_to_budget`]). The first stage whose step
-    /// fits on every rank is the choice (one all-gather of the verdicts per stage, so every
-    /// rank takes the same). `None` for one process, or when no stage fits that way: the
-    /// caller then runs fit auto's whole ladder (checkpointing, mixed precision, ...) at
-    /// stage 2. Call it on every rank at the same point.
+    /// `--fit auto` over the ZeRO stages on an MPI rank, cheapest communication first: with
+    /// no stage `given`, stages 0, 1 and 2 in turn (1 and 2 send the bytes of 0; all three
+    /// exact), each fitted to this rank's share by the exact micro-batch search alone
+    /// ([`Trainer::fit_to_budget`]), then stage 3 (its all-gathers send half as much again)
+    /// with the ladder's rungs that keep every byte on the device: micro-batch, checkpointing,
+    /// mixed precision ([`Trainer::fit_auto_on_device`]; host-streamed parameters are what
+    /// stage 3 replaces). Stage 3 is skipped when the model `build` makes at it has no units.
+    /// With `given` stage 3, that stage alone. Each candidate is a trainer built by
+    /// `build(stage)` (the budget lifted while it builds; at stage 3 the caller makes the model
+    /// inside [`born_on_host`](crate::residency::born_on_host)) and made a replica at that
+    /// stage ([`Job::attach`]); every verdict is agreed through the communicator (one
+    /// all-gather each), so every rank takes the same stage and rung.
+    ///
+    /// `None` for one process, with `given` stages 0 to 2 (the caller runs fit auto as on one
+    /// process, then joins at that stage), or with no stage given when none fits so: the
+    /// caller then runs fit auto's whole ladder at stage 2, whose later rungs move state to
+    /// host memory (when that fails too on every rank, [`Job::fail_together`]). With `given`
+    /// stage 3, nothing fitting is the ladder's [`Error::BudgetTooSmall`], on every rank
+    /// (which then ends without stopping the others: [`Job::fail_together`]). Call it on
+    /// every rank at the same point.
     pub fn fit_auto_stage<M, D>(
         &self,
         device: &Device,
         data: &D,
-        build: impl Fn() -> Result<Trainer<M>>,
+        given: Option<Zero>,
+        build: impl Fn(Zero) -> Result<Trainer<M>>,
     ) -> Result<Option<StageChoice<M>>>
     where
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
+        let stages: &[u8] = match given.map(|z| z.number()) {
+            None => &[0, 1, 2, 3],
+            Some(3) => &[3],
+            Some(_) => return Ok(None),
+        };
         if self.size() < 2 {
             return Ok(None);
         }
@@ -233,54 +243,35 @@ impl Job {
             });
         };
         let mut candidates = Vec::new();
-        for stage in 0..=2u8 {
+        for &stage in stages {
             let zero = Zero::stage(stage)?;
             device.set_memory_budget(None)?;
-            let built = build();
+            let built = build(zero);
             device.set_memory_budget(Some(budget))?;
             let mut t = built?;
+            if stage == 3 && !t.model.units().iter().any(|(_, p)| !p.is_empty()) {
+                // Nothing to shard beyond stage 2's: not a rung of this model. (The same
+                // model, hence the same verdict, on every rank.)
+                drop(t);
+                device.empty_cache();
+                continue;
+            }
             let stats = self.attach(&mut t, zero)?;
-            let fits = match t.fit_to_budget(data, budget) {
-                Ok(_) => true,
-                Err(Error::BudgetTooSmall { .. }) => false,
-                Err(e) => return Err(e),
-            };
-            let plan = match fits {
-                true => t.plan(data).unwrap_or_default(),
-                false => Plan::default(),
-            };
-            let everywhere = self.all_agree(fits)?;
-            candidates.push(Candidate {
-                description: format!(
-                    "ZeRO stage {stage}, micro-batch {} of this rank's share{}",
-                    t.micro_batch(),
-                    if fits && !everywhere {
-                        " (fits here, not on every rank)"
-                    } else {
-                        ""
+            let fitted = match stage {
+                3 => match self.fit_stage_3(&mut t, data, budget, &mut candidates) {
+                    Ok(choice) => Some(choice),
+                    Err(e @ Error::BudgetTooSmall { .. }) if given.is_some() => {
+                        // Every rank planned every rung and none fitted everywhere.
+                        self.fail_together();
+                        return Err(e);
                     }
-                ),
-                micro_batch: t.micro_batch(),
-                checkpointing: false,
-                precision: t.config().precision,
-                planned_peak: plan.peak,
-                planned_reserved: plan.peak_reserved,
-                fits: everywhere,
-                residence: Residence::Device,
-                host_bytes: 0,
-                bytes_moved: 0,
-            });
-            if everywhere {
-                self.announce(&t);
-                let choice = FitChoice {
-                    budget,
-                    batch_size: t.config().batch_size,
-                    micro_batch: t.micro_batch(),
-                    checkpointing: false,
-                    precision: t.config().precision,
-                    residence: Residence::Device,
-                    candidates,
-                };
+                    Err(Error::BudgetTooSmall { .. }) => None,
+                    Err(e) => return Err(e),
+                },
+                _ => self.fit_micro_batch(&mut t, data, budget, stage, &mut candidates)?,
+            };
+            if let Some(choice) = fitted {
+                self.announce(&t, zero);
                 return Ok(stats.map(|stats| StageChoice {
                     trainer: t,
                     zero,
@@ -294,6 +285,88 @@ impl Job {
         Ok(None)
     }
 
+    /// Stage `stage` (0 to 2) of [`Job::fit_auto_stage`]: the micro-batch search alone, its
+    /// candidate appended to `candidates` (and then all of them in the choice); `None` when
+    /// it does not fit on every rank.
+    fn fit_micro_batch<M, D>(
+        &self,
+        t: &mut Trainer<M>,
+        data: &D,
+        budget: u64,
+        stage: u8,
+        candidates: &mut Vec<Candidate>,
+    ) -> Result<Option<FitChoice>>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let fits = match t.fit_to_budget(data, budget) {
+            Ok(_) => true,
+            Err(Error::BudgetTooSmall { .. }) => false,
+            Err(e) => return Err(e),
+        };
+        let plan = match fits {
+            true => t.plan(data).unwrap_or_default(),
+            false => Plan::default(),
+        };
+        let everywhere = self.all_agree(fits)?;
+        candidates.push(Candidate {
+            description: format!(
+                "ZeRO stage {stage}, micro-batch {} of this rank's share{}",
+                t.micro_batch(),
+                if fits && !everywhere {
+                    " (fits here, not on every rank)"
+                } else {
+                    ""
+                }
+            ),
+            micro_batch: t.micro_batch(),
+            checkpointing: false,
+            precision: t.config().precision,
+            planned_peak: plan.peak,
+            planned_reserved: plan.peak_reserved,
+            fits: everywhere,
+            residence: Residence::Device,
+            host_bytes: 0,
+            bytes_moved: 0,
+        });
+        Ok(everywhere.then(|| FitChoice {
+            budget,
+            batch_size: t.config().batch_size,
+            micro_batch: t.micro_batch(),
+            checkpointing: false,
+            precision: t.config().precision,
+            residence: Residence::Device,
+            candidates: candidates.clone(),
+        }))
+    }
+
+    /// Stage 3 of [`Job::fit_auto_stage`]: the device-only rungs of fit auto's ladder at this
+    /// rank's share, each verdict agreed by every rank; its candidates, named by the stage,
+    /// appended to `candidates`.
+    fn fit_stage_3<M, D>(
+        &self,
+        t: &mut Trainer<M>,
+        data: &D,
+        budget: u64,
+        candidates: &mut Vec<Candidate>,
+    ) -> Result<FitChoice>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        let before = candidates.len();
+        let mut choice =
+            t.fit_auto_on_device(data, budget, candidates, &mut |fits| self.all_agree(fits));
+        for c in &mut candidates[before..] {
+            c.description = format!("ZeRO stage 3, {}", c.description);
+        }
+        if let Ok(choice) = &mut choice {
+            choice.candidates = candidates.clone();
+        }
+        choice
+    }
+
     /// Whether `local` holds on every rank (one small all-gather; `local` alone).
     fn all_agree(&self, local: bool) -> Result<bool> {
         match self {
@@ -304,6 +377,31 @@ impl Job {
                 let all = m.communicator()?.all_gather(&[u64::from(local)])?;
                 Ok(all.iter().all(|&v| v != 0))
             }
+        }
+    }
+
+    /// `result` of work every rank did with no collective inside (so every rank reaches this
+    /// call), agreed: when it failed on every rank, each returns its own error and ends
+    /// without stopping the others ([`Job::fail_together`]); when it failed on some, those
+    /// stop every rank as usual and the others wait here for that. One small all-gather: call
+    /// it on every rank at the same point.
+    pub fn together<T>(&self, result: Result<T>) -> Result<T> {
+        if self.size() < 2 {
+            return result;
+        }
+        if self.all_agree(result.is_err())? {
+            self.fail_together();
+        }
+        result
+    }
+
+    /// Marks this rank's coming error as one every rank returns at the same point: [`Job::fail`]
+    /// then lets the rank end with it (printing it, exit code non-zero) instead of stopping the
+    /// others, which end the same way.
+    pub fn fail_together(&self) {
+        #[cfg(feature = "mpi")]
+        if let Job::Mpi(m) = self {
+            m.fail_together();
         }
     }
 
@@ -331,6 +429,19 @@ impl Job {
         let at = device.memory_stats().peak_by_category;
         let measured = at.get(Parameters) + at.get(Gradients) + at.get(OptimizerState);
         let planned = plan.parameters + plan.gradients + plan.optimizer_state;
+        self.rank_pairs(planned, measured)
+    }
+
+    /// Every rank's planned and measured device peak reserved over the whole run, rank 0
+    /// first, as JSON objects (`rank`, `planned`, `measured`): `planned` is this rank's run
+    /// plan's, the measured figure its device's peak so far (call it after training). One
+    /// small all-gather: call it on every rank at the same point.
+    pub fn rank_peaks(&self, planned: u64, device: &Device) -> Result<serde_json::Value> {
+        self.rank_pairs(planned, device.memory_stats().peak_bytes_reserved)
+    }
+
+    /// Every rank's `planned` and `measured` figures as JSON objects, rank 0 first.
+    fn rank_pairs(&self, planned: u64, measured: u64) -> Result<serde_json::Value> {
         let all = match self {
             Job::Single => vec![planned, measured],
             #[cfg(feature = "mpi")]
@@ -550,11 +661,22 @@ impl Job {
     }
 
     /// What a process does with the error it stops on: an MPI rank stops every rank with its
-    /// message (the others would wait for it); one process returns and reports it itself.
+    /// message (the others would wait for it), unless every rank stops on it at the same point
+    /// ([`Job::fail_together`]); one process returns and reports it itself.
     pub fn fail(&self, error: &Error) {
         match self {
             Job::Single => {
                 let _ = error;
+            }
+            #[cfg(feature = "mpi")]
+            Job::Mpi(m) if m.failing_together() => {
+                let line = format!(
+                    "fitgrad rank {} of {}: error: {error} (every rank stops on it)\n",
+                    m.rank(),
+                    m.size()
+                );
+                // One write: the ranks share the launcher's stderr.
+                let _ = std::io::stderr().write_all(line.as_bytes());
             }
             #[cfg(feature = "mpi")]
             Job::Mpi(m) => m.abort(&format!("error: {error}; stopping every rank")),
