@@ -513,7 +513,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
     // rank's share.
     let given = args.zero.is_some().then_some(setup.zero);
     let staged = match setup.fit_auto {
-        true => dist.fit_auto_stage(device, &setup.train, given, &build)?,
+        true => dist.fit_auto_stage(device, &setup.train, given, build)?,
         false => None,
     };
     let (mut trainer, choice, zero, all_reduce) = if let Some(s) = staged {

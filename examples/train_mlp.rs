@@ -382,7 +382,7 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     // rank's share.
     let given = args.zero.is_some().then_some(zero);
     let staged = match fit_auto {
-        true => dist.fit_auto_stage(&device, &view, given, &build)?,
+        true => dist.fit_auto_stage(&device, &view, given, build)?,
         false => None,
     };
     let (mut trainer, choice, zero, all_reduce) = if let Some(s) = staged {
