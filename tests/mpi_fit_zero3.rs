@@ -182,8 +182,8 @@ fn fit_auto_at_zero_3_fits_and_its_plan_holds_on_every_rank() {
 }
 
 /// A budget nothing meets, with and without `--zero 3`: every rank prints the typed error
-/// (the smallest budget that works) and the job exits non-zero, well within a minute and a
-/// half of planning.
+/// (the smallest budget that works) and the job exits non-zero, within two and a half minutes
+/// (planning every rung on a loaded machine takes under one).
 #[test]
 fn a_budget_nothing_meets_ends_every_rank_with_the_error() {
     let _one = one_job_at_a_time();
@@ -197,7 +197,7 @@ fn a_budget_nothing_meets_ends_every_rank_with_the_error() {
         let err = String::from_utf8_lossy(&out.stderr).to_string();
         eprintln!("{zero:?}: {:.1} s\n{err}", took.as_secs_f64());
         assert!(!out.status.success(), "{zero:?}: ran:\n{err}");
-        assert!(took < Duration::from_secs(90), "{zero:?}: took {took:?}");
+        assert!(took < Duration::from_secs(150), "{zero:?}: took {took:?}");
         for rank in 0..2 {
             let line = err
                 .lines()
