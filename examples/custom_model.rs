@@ -340,7 +340,7 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
         )));
     }
     // custom_model has no --fit auto.
-    dist.check_zero(zero, false, &[("--prune", args.prune.is_some())])?;
+    dist.check_zero(zero, &[("--prune", args.prune.is_some())])?;
     if precision == Precision::F16 {
         return Err(invalid(
             "this example keeps f32 master weights: --precision f32 or mixed".into(),

@@ -490,11 +490,13 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
     config.precision = setup.precision;
     (config.offload_optimizer, config.offload_parameters) = setup.offload;
     config.clip_grad_norm = (args.clip_grad_norm > 0.0).then_some(args.clip_grad_norm);
-    let build = || {
+    // The model and trainer at stage `zero` (the budget logic builds it, at each stage fit
+    // auto tries over MPI).
+    let build = |zero: Zero| {
         let make = || Gpt::new(device, setup.cfg.clone());
         // Streamed, or ZeRO stage 3 on several ranks (each keeps its shard): each block goes
         // to host memory as it is made, never all on the device. 8-bit state does not shard.
-        let stage3 = setup.zero.number() == 3 && dist.size() > 1 && args.optimizer == "adamw";
+        let stage3 = zero.number() == 3 && dist.size() > 1 && args.optimizer == "adamw";
         let model = match setup.offload.1 || stage3 {
             true => fitgrad::residency::born_on_host(device, make)?,
             false => make()?,
@@ -507,9 +509,11 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         }
         Trainer::new(model, Box::new(optimizer), config.clone())
     };
-    // Under MPI without --zero, fit auto first tries the stages (0, 1, 2) at this rank's share.
-    let staged = match setup.fit_auto && args.zero.is_none() {
-        true => dist.fit_auto_stage(device, &setup.train, build)?,
+    // Under MPI, fit auto first tries the stages (0 to 3, or the stage 3 given) at this
+    // rank's share.
+    let given = args.zero.is_some().then_some(setup.zero);
+    let staged = match setup.fit_auto {
+        true => dist.fit_auto_stage(device, &setup.train, given, build)?,
         false => None,
     };
     let (mut trainer, choice, zero, all_reduce) = if let Some(s) = staged {
@@ -519,14 +523,17 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         (s.trainer, Some(s.choice), s.zero, Some(s.stats))
     } else {
         let (mut trainer, choice) = if setup.fit_auto {
-            let (trainer, choice) = Trainer::build_fit_auto(device, &setup.train, build)?;
+            // Planned alike on every rank (the whole batch, before joining): when nothing
+            // fits, every rank ends with the error.
+            let fitted = Trainer::build_fit_auto(device, &setup.train, || build(setup.zero));
+            let (trainer, choice) = dist.together(fitted)?;
             if root {
                 print!("{choice}");
             }
             (trainer, Some(choice))
         } else {
             (
-                Trainer::build_within_budget(device, &setup.train, build)?,
+                Trainer::build_within_budget(device, &setup.train, || build(setup.zero))?,
                 None,
             )
         };
@@ -970,7 +977,6 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
 /// [`prepare`], [`open_device`], [`train`].
 pub fn run(args: &Args, dist: &Job) -> Result<Report> {
     let setup = prepare(args)?;
-    dist.check_zero(setup.zero, setup.fit_auto, &[])?;
     let device = open_device(args, &setup)?;
     train(args, setup, &device, dist).map_err(|e| {
         cli::name_flags(

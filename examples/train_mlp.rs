@@ -162,7 +162,6 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     let zero = Zero::from_flag(args.zero.as_deref())?;
     dist.check_zero(
         zero,
-        args.fit.as_deref() == Some("auto"),
         &[
             ("--prune", args.prune.is_some()),
             ("--quantize", args.quantize),
@@ -350,13 +349,14 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         .precision(precision);
     config.clip_grad_norm = args.clip_grad_norm;
     config.offload_optimizer = offload_optimizer;
-    // The model is built inside the budget logic: a budget too small for the model itself gets
-    // the smallest budget that works, like one too small for a step.
-    // ZeRO stage 3 on several ranks: each layer goes to host memory as it is made, so no
-    // device holds the whole model (each rank keeps its shard of it). SGD keeps its state on
-    // the device, which a model made in host memory cannot start with: it is made whole.
-    let born = zero.number() == 3 && dist.size() > 1 && args.optimizer == "adamw";
-    let build = || {
+    // The model and trainer at stage `zero`, built inside the budget logic (at each stage fit
+    // auto tries over MPI): a budget too small for the model itself gets the smallest budget
+    // that works, like one too small for a step.
+    let build = |zero: Zero| {
+        // ZeRO stage 3 on several ranks: each layer goes to host memory as it is made, so no
+        // device holds the whole model (each rank keeps its shard of it). SGD keeps its state
+        // on the device, which a model made in host memory cannot start with: it is made whole.
+        let born = zero.number() == 3 && dist.size() > 1 && args.optimizer == "adamw";
         let make = || Mlp::with_dtype(&device, &widths, act, param_dtype, args.seed);
         let mut model = match born {
             true => fitgrad::residency::born_on_host(&device, make)?,
@@ -378,9 +378,11 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     // The planner sees the training set as the run trains it: with --shard-size, with the
     // shards the epoch keeps on the device.
     let view = ShardedView::new(&train, args.shard_size, eff)?;
-    // Under MPI without --zero, fit auto first tries the stages (0, 1, 2) at this rank's share.
-    let staged = match fit_auto && args.zero.is_none() {
-        true => dist.fit_auto_stage(&device, &view, build)?,
+    // Under MPI, fit auto first tries the stages (0 to 3, or the stage 3 given) at this
+    // rank's share.
+    let given = args.zero.is_some().then_some(zero);
+    let staged = match fit_auto {
+        true => dist.fit_auto_stage(&device, &view, given, build)?,
         false => None,
     };
     let (mut trainer, choice, zero, all_reduce) = if let Some(s) = staged {
@@ -390,13 +392,19 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         (s.trainer, Some(s.choice), s.zero, Some(s.stats))
     } else {
         let (mut trainer, choice) = if fit_auto {
-            let (trainer, choice) = Trainer::build_fit_auto(&device, &view, build)?;
+            // Planned alike on every rank (the whole batch, before joining): when nothing
+            // fits, every rank ends with the error.
+            let fitted = Trainer::build_fit_auto(&device, &view, || build(zero));
+            let (trainer, choice) = dist.together(fitted)?;
             if root {
                 print!("{choice}");
             }
             (trainer, Some(choice))
         } else {
-            (Trainer::build_within_budget(&device, &view, build)?, None)
+            (
+                Trainer::build_within_budget(&device, &view, || build(zero))?,
+                None,
+            )
         };
         // No stage fitted alone: the ladder's choice at the stage that keeps the least.
         let zero = match fit_auto && args.zero.is_none() && dist.size() > 1 {
@@ -662,6 +670,11 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         true => Some(dist.weight_hashes(&trainer.model)?),
         false => None,
     };
+    // And each rank's whole-run peak reserved beside its plan: the plan holds on every rank.
+    let rank_peaks = match dist.size() > 1 {
+        true => Some(dist.rank_peaks(run_plan.peak_reserved, &device)?),
+        false => None,
+    };
     if !root {
         return Ok(());
     }
@@ -793,6 +806,7 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         j["zero_stage"] = zero.number().into();
         j["start"] = start_memory;
         j["rank_weight_hashes"] = rank_hashes.into();
+        j["rank_peaks"] = rank_peaks.into();
         println!("{j}");
     }
     Ok(())

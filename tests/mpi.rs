@@ -266,11 +266,11 @@ fn custom_model_zero_3_refusals_come_before_device_work() {
     }
 }
 
-/// `--fit auto` at stage 3 is refused on the ranks of train_mlp and train_gpt with a typed
-/// error naming what to do instead, before any device work (its ladder could choose
-/// host-streamed parameters, which stage 3 replaces); one process runs it.
+/// `--fit auto --zero 3` plans at stage 3 on the ranks of train_gpt and train_mlp (the
+/// ladder's device rungs at that stage, each rank joining at it), while what stage 3 lacks
+/// (`--prune`) is still refused before any device work; one process runs it too.
 #[test]
-fn fit_auto_at_zero_3_is_refused_before_device_work() {
+fn fit_auto_at_zero_3_plans_at_stage_3() {
     let _one = one_job_at_a_time();
     let tmp = TempDir::new("gpt-fit3");
     let text = tmp.0.join("text.txt");
@@ -284,34 +284,44 @@ fn fit_auto_at_zero_3_is_refused_before_device_work() {
         "--memory-budget",
         "64MiB",
         "--plan",
+        "--json",
     ];
     for (name, extra) in [
         ("train_mlp", &["--hidden", "64,64"][..]),
         (
             "train_gpt",
             &[
-                "--text", &text, "--layers", "1", "--dim", "32", "--heads", "2",
+                "--text", &text, "--layers", "2", "--dim", "32", "--heads", "2",
             ][..],
         ),
     ] {
         let mut args = strings(extra);
         args.extend(strings(&fit3));
-        let out = mpirun(name, &args, &[]).output().unwrap();
-        let err = String::from_utf8_lossy(&out.stderr).to_string();
-        assert!(!out.status.success(), "{name} ran:\n{err}");
-        assert!(
-            err.contains("--fit auto is not built yet at ZeRO stage 3"),
-            "{name}: not the refusal:\n{err}"
+        let out = run_ok(
+            mpirun(name, &args, &[]),
+            &format!("{name} --zero 3 --fit auto"),
         );
         assert!(
-            err.contains("leave --zero out"),
-            "{name}: no way out:\n{err}"
+            out.lines()
+                .any(|l| l.contains("ZeRO stage 3, micro-batch") && l.ends_with(" fits")),
+            "{name}: stage 3's ladder:\n{out}"
         );
-        assert!(
-            !err.contains("adapter"),
-            "{name}: device work first:\n{err}"
+        assert_eq!(
+            out.matches("ZeRO stage 3, training on its share").count(),
+            2,
+            "{name}: both ranks at stage 3:\n{out}"
         );
     }
+    let mut args = strings(&["--hidden", "64,64", "--prune", "0.5"]);
+    args.extend(strings(&fit3));
+    let out = mpirun("train_mlp", &args, &[]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "--prune ran at stage 3:\n{err}");
+    assert!(
+        err.contains("--prune is not built yet at ZeRO stage 3"),
+        "not the refusal:\n{err}"
+    );
+    assert!(!err.contains("adapter"), "device work first:\n{err}");
     // One process holds every shard: the same flags plan there.
     let mut one = Command::new(example("train_mlp"));
     one.args(strings(&["--hidden", "64,64"])).args(fit3);

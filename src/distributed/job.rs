@@ -8,9 +8,7 @@ use super::comm::share_of;
 use super::zero::{Collective, RankPlans, StepCollectives, Zero};
 use crate::cli;
 use crate::nn::Module;
-use crate::train::{
-    BatchSource, Candidate, FitChoice, Plan, Residence, RunPlan, TrainModel, Trainer,
-};
+use crate::train::{BatchSource, Plan, RunPlan, TrainModel, Trainer};
 use crate::{Device, Error, Result};
 use std::io::Write;
 use std::ops::Range;
@@ -64,32 +62,23 @@ impl Job {
         match body(&job) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
+                // An MPI rank prints its error itself (with its rank).
                 job.fail(&e);
-                eprintln!("error: {e}");
+                if matches!(job, Job::Single) {
+                    eprintln!("error: {e}");
+                }
                 ExitCode::FAILURE
             }
         }
     }
 
     /// Refuses, before any device work, what ZeRO stage 3 does not do yet on this job's ranks:
-    /// `--fit auto` when `fit_auto` (its ladder can choose host-streamed parameters, which
-    /// stage 3 replaces; without `--zero` it chooses among stages 0 to 2 itself), and `others`
-    /// (a flag, and whether it is given). One process holds every shard, so nothing is
-    /// refused there.
-    pub fn check_zero(&self, zero: Zero, fit_auto: bool, others: &[(&str, bool)]) -> Result<()> {
+    /// `others` (a flag, and whether it is given). One process holds every shard, so nothing
+    /// is refused there. (`--fit auto` at stage 3 fits without host-streamed parameters:
+    /// [`Job::fit_auto_stage`].)
+    pub fn check_zero(&self, zero: Zero, others: &[(&str, bool)]) -> Result<()> {
         if zero.number() < 3 || self.size() < 2 {
             return Ok(());
-        }
-        if fit_auto {
-            return Err(Error::InvalidArgument {
-                op: "--zero 3",
-                reason: "--fit auto is not built yet at ZeRO stage 3 (sharded parameters): its \
-                         ladder may stream the parameters from host memory, which stage 3 \
-                         replaces; leave --zero out (--fit auto then chooses among stages 0 to 2 \
-                         on every rank), or keep --zero 3 with a --batch-size and \
-                         --memory-budget of your own"
-                    .into(),
-            });
         }
         match others.iter().find(|(_, on)| *on) {
             Some((flag, _)) => Err(Error::InvalidArgument {
@@ -184,19 +173,21 @@ impl Job {
             if let Some(budget) = trainer.device().memory_stats().budget {
                 trainer.fit_to_budget(data, budget)?;
             }
-            self.announce(trainer);
+            self.announce(trainer, zero);
         }
         Ok(stats)
     }
 
-    /// This rank's start-up line on stderr (`rank R of N: pid P, ...`).
-    fn announce<M: Module>(&self, trainer: &Trainer<M>) {
+    /// This rank's start-up line on stderr (`rank R of N: pid P, ...`), with its stage.
+    pub(super) fn announce<M: Module>(&self, trainer: &Trainer<M>, zero: Zero) {
         let line = format!(
-            "rank {} of {}: pid {}, {}, training on its share of every batch of {}\n",
+            "rank {} of {}: pid {}, {}, ZeRO stage {}, training on its share of every batch \
+             of {}\n",
             self.rank(),
             self.size(),
             std::process::id(),
             trainer.device().info().adapter.name,
+            zero.number(),
             trainer.effective_batch()
         );
         // One write: the ranks share the launcher's stderr, and a line written in pieces
@@ -204,98 +195,8 @@ impl Job {
         let _ = std::io::stderr().write_all(line.as_bytes());
     }
 
-    /// `--fit auto` over the ZeRO stages, on an MPI rank whose stage was not given: stages 0,
-    /// 1 and 2 in turn (cheapest communication first: 1 and 2 send the bytes of 0, and all
-    /// three are exact), each a trainer built by `build` (the budget lifted while it builds),
-    /// made a replica at that stage ([`Job::attach`]) and fitted to this rank's share by the
-    /// exact micro-batch search alone ([`Trainer::fit_to_budget`]). The first stage whose step
-    /// fits on every rank is the choice (one all-gather of the verdicts per stage, so every
-    /// rank takes the same). `None` for one process, or when no stage fits that way: the
-    /// caller then runs fit auto's whole ladder (checkpointing, mixed precision, ...) at
-    /// stage 2. Call it on every rank at the same point.
-    pub fn fit_auto_stage<M, D>(
-        &self,
-        device: &Device,
-        data: &D,
-        build: impl Fn() -> Result<Trainer<M>>,
-    ) -> Result<Option<StageChoice<M>>>
-    where
-        D: BatchSource,
-        M: TrainModel<D::Batch>,
-    {
-        if self.size() < 2 {
-            return Ok(None);
-        }
-        let Some(budget) = device.memory_stats().budget else {
-            return Err(Error::InvalidArgument {
-                op: "--fit auto",
-                reason: "fit auto needs a memory budget to fit: add --memory-budget".into(),
-            });
-        };
-        let mut candidates = Vec::new();
-        for stage in 0..=2u8 {
-            let zero = Zero::stage(stage)?;
-            device.set_memory_budget(None)?;
-            let built = build();
-            device.set_memory_budget(Some(budget))?;
-            let mut t = built?;
-            let stats = self.attach(&mut t, zero)?;
-            let fits = match t.fit_to_budget(data, budget) {
-                Ok(_) => true,
-                Err(Error::BudgetTooSmall { .. }) => false,
-                Err(e) => return Err(e),
-            };
-            let plan = match fits {
-                true => t.plan(data).unwrap_or_default(),
-                false => Plan::default(),
-            };
-            let everywhere = self.all_agree(fits)?;
-            candidates.push(Candidate {
-                description: format!(
-                    "ZeRO stage {stage}, micro-batch {} of this rank's share{}",
-                    t.micro_batch(),
-                    if fits && !everywhere {
-                        " (fits here, not on every rank)"
-                    } else {
-                        ""
-                    }
-                ),
-                micro_batch: t.micro_batch(),
-                checkpointing: false,
-                precision: t.config().precision,
-                planned_peak: plan.peak,
-                planned_reserved: plan.peak_reserved,
-                fits: everywhere,
-                residence: Residence::Device,
-                host_bytes: 0,
-                bytes_moved: 0,
-            });
-            if everywhere {
-                self.announce(&t);
-                let choice = FitChoice {
-                    budget,
-                    batch_size: t.config().batch_size,
-                    micro_batch: t.micro_batch(),
-                    checkpointing: false,
-                    precision: t.config().precision,
-                    residence: Residence::Device,
-                    candidates,
-                };
-                return Ok(stats.map(|stats| StageChoice {
-                    trainer: t,
-                    zero,
-                    choice,
-                    stats,
-                }));
-            }
-            drop(t);
-            device.empty_cache();
-        }
-        Ok(None)
-    }
-
     /// Whether `local` holds on every rank (one small all-gather; `local` alone).
-    fn all_agree(&self, local: bool) -> Result<bool> {
+    pub(super) fn all_agree(&self, local: bool) -> Result<bool> {
         match self {
             Job::Single => Ok(local),
             #[cfg(feature = "mpi")]
@@ -304,6 +205,31 @@ impl Job {
                 let all = m.communicator()?.all_gather(&[u64::from(local)])?;
                 Ok(all.iter().all(|&v| v != 0))
             }
+        }
+    }
+
+    /// `result` of work every rank did with no collective inside (so every rank reaches this
+    /// call), agreed: when it failed on every rank, each returns its own error and ends
+    /// without stopping the others ([`Job::fail_together`]); when it failed on some, those
+    /// stop every rank as usual and the others wait here for that. One small all-gather: call
+    /// it on every rank at the same point.
+    pub fn together<T>(&self, result: Result<T>) -> Result<T> {
+        if self.size() < 2 {
+            return result;
+        }
+        if self.all_agree(result.is_err())? {
+            self.fail_together();
+        }
+        result
+    }
+
+    /// Marks this rank's coming error as one every rank returns at the same point: [`Job::fail`]
+    /// then lets the rank end with it (printing it, exit code non-zero) instead of stopping the
+    /// others, which end the same way.
+    pub fn fail_together(&self) {
+        #[cfg(feature = "mpi")]
+        if let Job::Mpi(m) = self {
+            m.fail_together();
         }
     }
 
@@ -331,6 +257,19 @@ impl Job {
         let at = device.memory_stats().peak_by_category;
         let measured = at.get(Parameters) + at.get(Gradients) + at.get(OptimizerState);
         let planned = plan.parameters + plan.gradients + plan.optimizer_state;
+        self.rank_pairs(planned, measured)
+    }
+
+    /// Every rank's planned and measured device peak reserved over the whole run, rank 0
+    /// first, as JSON objects (`rank`, `planned`, `measured`): `planned` is this rank's run
+    /// plan's, the measured figure its device's peak so far (call it after training). One
+    /// small all-gather: call it on every rank at the same point.
+    pub fn rank_peaks(&self, planned: u64, device: &Device) -> Result<serde_json::Value> {
+        self.rank_pairs(planned, device.memory_stats().peak_bytes_reserved)
+    }
+
+    /// Every rank's `planned` and `measured` figures as JSON objects, rank 0 first.
+    fn rank_pairs(&self, planned: u64, measured: u64) -> Result<serde_json::Value> {
         let all = match self {
             Job::Single => vec![planned, measured],
             #[cfg(feature = "mpi")]
@@ -550,28 +489,27 @@ impl Job {
     }
 
     /// What a process does with the error it stops on: an MPI rank stops every rank with its
-    /// message (the others would wait for it); one process returns and reports it itself.
+    /// message (the others would wait for it), unless every rank stops on it at the same point
+    /// ([`Job::fail_together`]); one process returns and reports it itself.
     pub fn fail(&self, error: &Error) {
         match self {
             Job::Single => {
                 let _ = error;
             }
             #[cfg(feature = "mpi")]
+            Job::Mpi(m) if m.failing_together() => {
+                let line = format!(
+                    "fitgrad rank {} of {}: error: {error} (every rank stops on it)\n",
+                    m.rank(),
+                    m.size()
+                );
+                // One write: the ranks share the launcher's stderr.
+                let _ = std::io::stderr().write_all(line.as_bytes());
+            }
+            #[cfg(feature = "mpi")]
             Job::Mpi(m) => m.abort(&format!("error: {error}; stopping every rank")),
         }
     }
-}
-
-/// What [`Job::fit_auto_stage`] chose: the trainer, already this rank's replica at `zero`.
-pub struct StageChoice<M: Module> {
-    /// The trainer, a replica at `zero`, its micro-batch fitted to this rank's share.
-    pub trainer: Trainer<M>,
-    /// The stage chosen.
-    pub zero: Zero,
-    /// The stages planned, for printing and the JSON.
-    pub choice: FitChoice,
-    /// The replica's exchange statistics.
-    pub stats: Arc<Mutex<AllReduceStats>>,
 }
 
 /// The element counts of the parameters the flat shards hold at `zero` (all of them; at

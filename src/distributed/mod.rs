@@ -13,6 +13,7 @@
 mod allreduce;
 mod comm;
 mod data_parallel;
+mod fit_stage;
 mod job;
 #[cfg(feature = "mpi")]
 pub mod mpi;
@@ -21,6 +22,7 @@ pub mod zero;
 pub use allreduce::{attach, AllReduceStats, GradientAllReduce};
 pub use comm::{share_of, Communicator, LocalComm, LocalGroup, LOCAL_TIMEOUT};
 pub use data_parallel::DataParallel;
-pub use job::{Job, StageChoice};
+pub use fit_stage::StageChoice;
+pub use job::Job;
 pub use zero::checkpoint::load_checkpoint;
 pub use zero::{attach_zero, Zero};

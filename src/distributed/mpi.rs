@@ -44,6 +44,8 @@ pub struct Mpi {
     size: usize,
     local_rank: usize,
     local_size: usize,
+    /// The error this rank stops on is every rank's, at the same point ([`Mpi::fail_together`]).
+    together: std::sync::atomic::AtomicBool,
 }
 
 impl Mpi {
@@ -67,6 +69,7 @@ impl Mpi {
             local_rank: node.rank() as usize,
             local_size: node.size() as usize,
             universe: Arc::new(Universe(universe)),
+            together: false.into(),
         })
     }
 
@@ -112,6 +115,19 @@ impl Mpi {
             timeout,
             _universe: self.universe.clone(),
         })
+    }
+
+    /// Marks the error this rank is about to stop on as one every rank stops on at the same
+    /// point (each knows, through a collective): the rank may end with it normally, without
+    /// [`Mpi::abort`], since no other rank waits for it.
+    pub fn fail_together(&self) {
+        self.together
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether [`Mpi::fail_together`] was called.
+    pub fn failing_together(&self) -> bool {
+        self.together.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Prints `reason` for this rank and stops every rank of the job (`MPI_Abort`).

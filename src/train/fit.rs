@@ -17,6 +17,10 @@
 //!    taken only when nothing before it fits; each candidate's plan gives its device peak,
 //!    host bytes and bytes moved per step.
 //!
+//! Over MPI the rungs that keep everything on the device run at each ZeRO stage the ranks try
+//! ([`Trainer::fit_auto_on_device`], agreed through the communicator by
+//! `distributed::Job::fit_auto_stage`).
+//!
 //! The precision fallback is to [`Precision::Mixed`] only, from [`Precision::F32`]: both keep
 //! f32 parameters, so the model built for f32 trains mixed as it is (its forward reads
 //! [`StepContext::dtype`](super::StepContext)); pure f16 would need the model rebuilt in f16.
@@ -231,18 +235,39 @@ impl<M: Module> Trainer<M> {
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
-        self.fit_auto_into(data, budget, &mut Vec::new(), true)
+        self.fit_auto_into(data, budget, &mut Vec::new(), true, &mut Ok)
+    }
+
+    /// [`Trainer::fit_auto`]'s rungs that keep every byte on the device (micro-batch,
+    /// checkpointing, mixed precision; nothing that moves state to host memory), the
+    /// candidates planned appended to `candidates`. `agree` turns each rung's verdict here
+    /// (whether it fits) into the verdict taken: on a rank of a job, whether it fits on every
+    /// rank, so every rank takes the same rung (each calls `agree` once per rung, in the same
+    /// order); `Ok` alone. A rung that fits here and not everywhere is listed as not fitting.
+    pub fn fit_auto_on_device<D>(
+        &mut self,
+        data: &D,
+        budget: u64,
+        candidates: &mut Vec<Candidate>,
+        agree: &mut dyn FnMut(bool) -> Result<bool>,
+    ) -> Result<FitChoice>
+    where
+        D: BatchSource,
+        M: TrainModel<D::Batch>,
+    {
+        self.fit_auto_into(data, budget, candidates, false, agree)
     }
 
     /// [`Trainer::fit_auto`], with the candidates planned left in `candidates` whether one
     /// fits or not; the rungs that move state off the device (8-bit state, offload, streamed
-    /// parameters) only when `residences`.
+    /// parameters) only when `residences`; `agree` as in [`Trainer::fit_auto_on_device`].
     fn fit_auto_into<D>(
         &mut self,
         data: &D,
         budget: u64,
         candidates: &mut Vec<Candidate>,
         residences: bool,
+        agree: &mut dyn FnMut(bool) -> Result<bool>,
     ) -> Result<FitChoice>
     where
         D: BatchSource,
@@ -290,6 +315,11 @@ impl<M: Module> Trainer<M> {
                     let c = self.candidate(data, &idx, (batch, micro), ckpt, budget)?;
                     fits = c.fits.then_some(micro);
                     candidates.push(c);
+                }
+                if !agree(fits.is_some())? && fits.take().is_some() {
+                    let last = candidates.last_mut().expect("a candidate of this rung");
+                    last.fits = false;
+                    last.description += " (fits here, not on every rank)";
                 }
                 if let Some(micro) = fits {
                     self.set_micro_batch(micro)?;
@@ -434,7 +464,7 @@ impl<M: Module> Trainer<M> {
                 // The variants shrink what the model holds first; the residence rungs follow
                 // the last variant's.
                 let last = i + 1 == variants.len();
-                let choice = t.fit_auto_into(data, budget, &mut candidates, last)?;
+                let choice = t.fit_auto_into(data, budget, &mut candidates, last, &mut Ok)?;
                 Ok((t, choice))
             });
             if built.is_err() {
@@ -519,14 +549,17 @@ impl<M: Module> Trainer<M> {
                 device.reset_peak();
                 match born() {
                     Ok(t) => Ok((t, true)),
-                    // Not even so: made (in host memory where it can be) with the budget
-                    // lifted, so the ladder's error says how far off the budget is.
+                    // Not even so: made (in host memory where it can be, else whole) with the
+                    // budget lifted, so the ladder's error says how far off the budget is.
                     Err(_) => {
                         device.empty_cache();
                         device.set_memory_budget(None)?;
-                        let t = born();
+                        let t = born().map(|t| (t, true)).or_else(|_| {
+                            device.empty_cache();
+                            build().map(|t| (t, false))
+                        });
                         device.set_memory_budget(Some(budget))?;
-                        t.map(|t| (t, true))
+                        t
                     }
                 }
             }
