@@ -11,53 +11,13 @@
 //! custom_model && cargo test --features mpi --test mpi_checkpoint` (what .ci/run does).
 #![cfg(feature = "mpi")]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
-/// One job at a time: the machine may have two cores.
-fn one_job_at_a_time() -> std::sync::MutexGuard<'static, ()> {
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// The example `name` built beside this test binary (target/<profile>/examples/<name>).
-fn example(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/deps/<test>");
-    let path = profile_dir.join("examples").join(name);
-    assert!(
-        path.exists(),
-        "{} is missing: build it first with `cargo build --features mpi --example {name}`",
-        path.display()
-    );
-    path
-}
-
-/// A temporary folder removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(name: &str) -> TempDir {
-        let p = std::env::temp_dir().join(format!("fitgrad-mpick-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-
-    fn path(&self, name: &str) -> String {
-        self.0.join(name).display().to_string()
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+#[path = "common/mpirun.rs"]
+mod mpirun;
+use mpirun::*;
 
 /// A small, quick run of train_mlp for `epochs`, then `more` flags.
 fn flags(epochs: u32, more: &[&str]) -> Vec<String> {
@@ -77,26 +37,7 @@ fn flags(epochs: u32, more: &[&str]) -> Vec<String> {
 
 /// mpirun with `np` ranks of train_mlp; `env` reaches every rank.
 fn mpirun(np: usize, args: &[String], env: &[(&str, &str)]) -> Command {
-    mpirun_of("train_mlp", np, args, env)
-}
-
-/// mpirun with `np` ranks of the example `name`; `env` reaches every rank.
-fn mpirun_of(name: &str, np: usize, args: &[String], env: &[(&str, &str)]) -> Command {
-    let mut cmd = Command::new("mpirun");
-    let np = np.to_string();
-    cmd.args(["--allow-run-as-root", "--oversubscribe", "-np", &np]);
-    // Containers often forbid the cross-memory attach OpenMPI's shared-memory transport tries
-    // first; copying through shared memory works everywhere.
-    cmd.args(["--mca", "btl_vader_single_copy_mechanism", "none"]);
-    for (k, v) in env {
-        cmd.env(k, v);
-        cmd.args(["-x", k]);
-    }
-    cmd.arg(example(name))
-        .args(args)
-        .arg("--distributed")
-        .arg("mpi");
-    cmd
+    mpirun_np(np, "train_mlp", args, env)
 }
 
 fn one_process(args: &[String]) -> Command {
@@ -309,7 +250,7 @@ fn stage_3_checkpoints_resume_on_other_rank_counts_to_the_uninterrupted_run() {
     let (ckpt, c4) = (tmp.path("ckpt"), tmp.path("c4.safetensors"));
     let save = ["--zero", "3", "--save-sharded", &ckpt, "--save", &c4];
     run_ok(
-        mpirun_of(cm, 4, &blocks_flags(1, &save), &ENV),
+        mpirun_np(4, cm, &blocks_flags(1, &save), &ENV),
         "4 ranks at --zero 3, 1 epoch, sharded and one-file saves",
     );
     let index = fitgrad::distributed::zero::checkpoint::read_index(Path::new(&ckpt)).unwrap();
@@ -353,7 +294,7 @@ fn stage_3_checkpoints_resume_on_other_rank_counts_to_the_uninterrupted_run() {
         let args = blocks_flags(2, &["--zero", stage, "--resume", from, "--save", &out]);
         let cmd = match np {
             1 => one_process_of(cm, &args),
-            _ => mpirun_of(cm, np, &args, &ENV),
+            _ => mpirun_np(np, cm, &args, &ENV),
         };
         let text = run_ok(cmd, what);
         assert!(text.contains("resumed from"), "{what}:\n{text}");
@@ -364,7 +305,7 @@ fn stage_3_checkpoints_resume_on_other_rank_counts_to_the_uninterrupted_run() {
     let at = wider.iter().position(|f| f == "--width").unwrap() + 1;
     wider[at] = "32".into();
     let (ok, text) = run(
-        mpirun_of(cm, 2, &wider, &ENV),
+        mpirun_np(2, cm, &wider, &ENV),
         "2 ranks of a wider model resumed from the shards",
     );
     assert!(
@@ -379,9 +320,9 @@ fn stage_3_checkpoints_resume_on_other_rank_counts_to_the_uninterrupted_run() {
     let lost = tmp.0.join("ckpt").join(&index.files[1].file);
     std::fs::remove_file(&lost).unwrap();
     let (ok, text) = run(
-        mpirun_of(
-            cm,
+        mpirun_np(
             2,
+            cm,
             &blocks_flags(2, &["--zero", "3", "--resume", &ckpt]),
             &ENV,
         ),

@@ -38,6 +38,11 @@ impl TempDir {
         std::fs::create_dir_all(&p).unwrap();
         TempDir(p)
     }
+
+    /// The path of `name` inside the folder, as a string (for a flag).
+    pub fn path(&self, name: &str) -> String {
+        self.0.join(name).display().to_string()
+    }
 }
 
 impl Drop for TempDir {
