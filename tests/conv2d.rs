@@ -288,6 +288,10 @@ fn fixed_cases() -> Vec<Conv> {
         conv(2, 1, [16, 16], 4, [3, 3], 1, 1, 1, 1, false),
         conv(4, 32, [12, 12], 4, [1, 1], 2, 0, 1, 1, false),
         conv(2, 16, [10, 10], 8, [3, 3], 1, 1, 1, 1, true),
+        // 32-row tiles: 62 output channels (the forward's and the weight gradient's second
+        // block two rows short), stride 2; 64 input channels (the input gradient's).
+        conv(2, 34, [6, 5], 62, [3, 3], 2, 1, 1, 1, true),
+        conv(1, 64, [5, 5], 8, [3, 3], 1, 1, 1, 1, false),
     ]
 }
 

@@ -1277,14 +1277,14 @@ pub fn validate_all() -> Vec<(String, std::result::Result<(), String>)> {
         }
         if file.name.starts_with("conv2d_") {
             // The conv2d shaders' `//@row` lines expanded, at the largest tile.
-            let body = specialize(file.body, &[("TM", 16)]);
+            let body = specialize(file.body, &[("TM", 32)]);
             bodies.push((
-                " expanded 16 rows".into(),
-                conv2d::expand_rows(&body, 16, None),
+                " expanded 32 rows".into(),
+                conv2d::expand_rows(&body, 32, None),
             ));
             bodies.push((
-                " expanded 16 rows subgroups 8".into(),
-                conv2d::expand_rows(&body, 16, Some(8)),
+                " expanded 32 rows subgroups 8".into(),
+                conv2d::expand_rows(&body, 32, Some(8)),
             ));
         }
         for (bindings, (form, body)) in variants(file)
