@@ -4,13 +4,14 @@
 //! a plain f32 SGD update on them are bitwise those of one process that runs each rank's
 //! batch on the whole model and sums the gradients in rank order; the collectives are the
 //! schedule's (a gather before each forward and recomputation not already resident, a
-//! reduce-scatter per unit after its backward) and their bytes are a ring's.
+//! reduce-scatter per unit after its backward) and their bytes are a ring's; each gather runs
+//! while the device computes the work recorded before it.
 
 mod common;
 
 use common::*;
 use fitgrad::distributed::zero::{start_stage3, ShardLayout};
-use fitgrad::distributed::{DataParallel, LocalGroup, Zero};
+use fitgrad::distributed::{Communicator, DataParallel, LocalGroup, Zero};
 use fitgrad::nn::Mlp;
 use fitgrad::nn::{Gpt, GptConfig};
 use fitgrad::nn::{Linear, Module, Unit};
@@ -24,6 +25,7 @@ use std::time::Duration;
 
 device_tests!(
     stage_3_matches_one_process,
+    a_units_gather_runs_while_the_device_computes,
     stage_3_without_units_is_refused,
     data_parallel_stage_3_matches_stage_2,
     stage_3_of_a_model_made_on_host,
@@ -202,6 +204,91 @@ fn stage_3_matches_one_process(dev: &Device) {
                         .collect();
                     let want = steps * (2 * ring[0] + ring[1] + ring[2] + ring.iter().sum::<u64>());
                     assert_eq!(sh.bytes_sent(), want);
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().expect("a rank failed");
+        }
+    });
+}
+
+/// A member's communicator that logs each unit collective: `g` for an all-gather, `s` for a
+/// reduce-scatter, each with whether its rank's device held recorded work not yet submitted
+/// (work that a host-side wait holds back).
+struct Watched<C> {
+    inner: C,
+    dev: Device,
+    log: Arc<Mutex<Vec<(char, bool)>>>,
+}
+
+impl<C: Communicator> Communicator for Watched<C> {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn all_reduce_sum(&mut self, buf: &mut [f32]) -> Result<()> {
+        self.inner.all_reduce_sum(buf)
+    }
+    fn broadcast(&mut self, buf: &mut [u8]) -> Result<()> {
+        self.inner.broadcast(buf)
+    }
+    fn all_gather(&mut self, values: &[u64]) -> Result<Vec<u64>> {
+        self.inner.all_gather(values)
+    }
+    fn reduce_scatter(&mut self, buf: &[f32], shard: &mut [f32]) -> Result<()> {
+        let waiting = self.dev.has_unsubmitted_work();
+        self.log.lock().unwrap().push(('s', waiting));
+        self.inner.reduce_scatter(buf, shard)
+    }
+    fn all_gather_f32(&mut self, shard: &[f32], buf: &mut [f32]) -> Result<()> {
+        let waiting = self.dev.has_unsubmitted_work();
+        self.log.lock().unwrap().push(('g', waiting));
+        self.inner.all_gather_f32(shard, buf)
+    }
+}
+
+/// The next unit's gather overlaps the compute of the unit before: every gather finds the
+/// device handed all the work recorded so far (the forward of the unit before, or its
+/// recomputation), and in backward the gather of the unit to recompute next comes before the
+/// reduce-scatter of the unit whose backward just ended (that one reads the gradients back,
+/// which waits for the device). One step of three units: gathers 0, 1, 2 in the forward, 0
+/// again before 2's reduce-scatter, then 1's and 0's at the end of the step.
+fn a_units_gather_runs_while_the_device_computes(dev: &Device) {
+    let host = initial(dev);
+    let (_group, comms) = LocalGroup::new(RANKS, Duration::from_secs(60)).unwrap();
+    let devices: Vec<Device> = (0..RANKS).map(|_| twin(dev)).collect();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .zip(&devices)
+            .enumerate()
+            .map(|(r, (comm, d))| {
+                let host = &host;
+                s.spawn(move || {
+                    let m = model_from(d, host).unwrap();
+                    let log = Arc::new(Mutex::new(Vec::new()));
+                    let watched = Watched {
+                        inner: comm,
+                        dev: d.clone(),
+                        log: log.clone(),
+                    };
+                    let (_streaming, _shards) =
+                        start_stage3(d, m.units(), Arc::new(Mutex::new(watched))).unwrap();
+                    let l = loss(&m, &batch(d, r).unwrap()).unwrap();
+                    l.backward().unwrap();
+                    fitgrad::residency::finish(d, true).unwrap();
+                    let log = log.lock().unwrap().clone();
+                    let order: String = log.iter().map(|&(c, _)| c).collect();
+                    assert_eq!(order, "ggggsss", "rank {r}: the units' collectives");
+                    for (k, &(c, waiting)) in log.iter().enumerate() {
+                        assert!(
+                            c != 'g' || !waiting,
+                            "rank {r}: gather {k} held recorded work back from the device"
+                        );
+                    }
                 })
             })
             .collect();

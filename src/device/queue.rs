@@ -256,6 +256,12 @@ impl Device {
         Ok(())
     }
 
+    /// Whether work is recorded and not yet submitted ([`Device::flush`] submits it): what
+    /// a host-side wait (a collective, a read) would hold back from the device meanwhile.
+    pub fn has_unsubmitted_work(&self) -> bool {
+        lock(&self.inner.pending).encoder.is_some()
+    }
+
     /// Submits everything recorded so far (without waiting).
     pub fn flush(&self) -> Result<()> {
         let mut pending = lock(&self.inner.pending);

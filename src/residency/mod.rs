@@ -22,7 +22,10 @@
 //! Where a unit's data comes from is a [`UnitSource`]: host memory here ([`HostSource`]), or
 //! the ranks of a data-parallel group ([`Streaming::start_with`] with ZeRO stage 3's source,
 //! src/distributed/zero/stage3.rs, which all-gathers a unit's shards into the host copy before
-//! the upload and reduce-scatters its gradients when it is retired).
+//! the upload and reduce-scatters its gradients when it is retired). A source prepares a unit
+//! ([`UnitSource::prepare`]) before the evictions that make room for it, since retiring a
+//! victim's gradients waits for the device: stage 3's gather of the next unit runs while the
+//! device computes the unit before it.
 //!
 //! Everything runs the same while planning (the device's planning mode): fetches allocate from
 //! the planning arena and count their bytes, nothing is transferred, so the planner's device
@@ -44,6 +47,12 @@ pub const HOST_BYTES_PER_ELEMENT: u64 = 8;
 
 /// Where a unit's parameters come from and where its gradients go.
 pub trait UnitSource: Send {
+    /// Readies the unit's values off the device, before the evictions that make room for it
+    /// (ZeRO stage 3 all-gathers them from the ranks here, while the device computes the work
+    /// recorded so far); [`UnitSource::fetch`] follows. Nothing by default.
+    fn prepare(&mut self, _params: &[Tensor]) -> Result<()> {
+        Ok(())
+    }
     /// Puts every parameter of the unit on the device; returns the bytes moved there.
     fn fetch(&mut self, params: &[Tensor]) -> Result<u64>;
     /// Takes the unit's gradients off the device (each summed where the source keeps it) and
@@ -264,6 +273,10 @@ fn make_resident(dev: &Device, u: &mut Units, i: usize) -> Result<()> {
         return Ok(());
     }
     let planning = dev.is_planning();
+    let params = u.units[i].1.clone();
+    // Before the evictions: retiring a victim's gradients waits for the device, and the
+    // source's preparation (a gather from the ranks) can run while the device computes.
+    u.source.prepare(&params)?;
     while u.resident.len() >= MAX_RESIDENT {
         let victim = u.resident.remove(0);
         let params = u.units[victim].1.clone();
@@ -271,7 +284,6 @@ fn make_resident(dev: &Device, u: &mut Units, i: usize) -> Result<()> {
         u.moved.to_host += back;
         u.source.release(&params);
     }
-    let params = u.units[i].1.clone();
     let _c = dev.category_scope(Category::Parameters);
     let up = u.source.fetch(&params)?;
     u.moved.to_device += up;

@@ -142,7 +142,9 @@ impl<C: Communicator> ZeroOptimizer<C> {
 impl<C: Communicator> ZeroOptimizer<C> {
     /// The whole state, as one optimizer over all the parameters holds it: every replica's
     /// shard of each state tensor all-gathered (every replica calls it at once). At stage 3
-    /// each unit's shard is gathered the same way, by the unit's own layout.
+    /// each unit's shard is gathered the same way, by the unit's own layout. The tensors stay
+    /// in host memory ([`OptimizerState::host`]): the whole state on the device would pass the
+    /// budget a sharded step fits in.
     fn consolidated(&self) -> Result<OptimizerState> {
         let shard_state = self
             .inner
@@ -167,7 +169,7 @@ impl<C: Communicator> ZeroOptimizer<C> {
             let key = format!("{j}.{name}");
             shard_state.tensors.iter().find(|(k, _)| *k == key)
         };
-        let mut tensors = Vec::new();
+        let mut host = Vec::new();
         for name in &self.state_names {
             // This rank's pieces of each group follow the previous groups' among the parts.
             let mut first = 0;
@@ -186,8 +188,11 @@ impl<C: Communicator> ZeroOptimizer<C> {
                 for (&i, &o) in at.iter().zip(gl.offsets()) {
                     if param_steps[i] > 0 {
                         let p = &self.params[i];
-                        let t = Tensor::from_slice(p.device(), &flat[o..o + p.numel()], p.dims())?;
-                        tensors.push((format!("{i}.{name}"), t));
+                        host.push(crate::optim::HostTensorState {
+                            name: format!("{i}.{name}"),
+                            dims: p.dims().to_vec(),
+                            values: flat[o..o + p.numel()].to_vec(),
+                        });
                     }
                 }
             }
@@ -195,7 +200,7 @@ impl<C: Communicator> ZeroOptimizer<C> {
         Ok(OptimizerState {
             step_count: self.steps,
             param_steps,
-            tensors,
+            host,
             ..OptimizerState::default()
         })
     }

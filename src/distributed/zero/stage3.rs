@@ -5,7 +5,10 @@
 //!
 //! - a fetch all-gathers the unit's shards from every rank into the streamed tensors' host
 //!   copies (the staging buffer the upload reads) and uploads them, before the unit's forward
-//!   and again before its recomputation in backward (FSDP's FULL_SHARD);
+//!   and again before its recomputation in backward (FSDP's FULL_SHARD); the gather is the
+//!   source's preparation, made after the work recorded so far is submitted and before any
+//!   eviction (whose gradients' read-back waits for the device), so it overlaps the compute of
+//!   the unit before;
 //! - retiring a unit (evicted after its backward, or at the end of a step) reads its gradients
 //!   back, reduce-scatters them and adds this rank's shard of the sum to the shard's gradient
 //!   (the f32 addition on-device accumulation makes, so micro-batches add up), then frees them.
@@ -37,6 +40,8 @@ pub struct UnitShards {
     /// [`Stage3::gather_host`] since the last update), so a fetch uploads them without a
     /// collective and a rank may run the model alone (evaluation, sampling on rank 0).
     current: Vec<bool>,
+    /// The unit whose gather [`UnitSource::prepare`] made for the fetch that follows it.
+    prepared: Option<usize>,
 }
 
 impl UnitShards {
@@ -130,28 +135,48 @@ impl<C: Communicator> ShardedSource<C> {
 }
 
 impl<C: Communicator> UnitSource for ShardedSource<C> {
+    /// The unit's all-gather into its parameters' host copies (counted while planning, where
+    /// nothing is sent). The device is handed the work recorded so far first, so it computes
+    /// the unit before this one while the ranks exchange this one's shards.
+    fn prepare(&mut self, params: &[Tensor]) -> Result<()> {
+        let Some(i) = self.unit_of(params)? else {
+            return Ok(());
+        };
+        let dev = params[0].device();
+        let planning = dev.is_planning();
+        let mut s = lock(&self.shards);
+        if s.current[i] && !planning {
+            // Gathered already and not updated since: the host copies are the values.
+            return Ok(());
+        }
+        s.prepared = None;
+        s.traffic.gathered_bytes += s.padded_bytes(i);
+        s.traffic.gathers += 1;
+        if !planning {
+            dev.flush()?;
+            let l = &s.layouts[i];
+            let mut flat = vec![0f32; l.padded_len()];
+            lock(&self.comm).all_gather_f32(&s.values[i], &mut flat)?;
+            for (p, &o) in params.iter().zip(l.offsets()) {
+                p.with_host(|h| h.values.copy_from_slice(&flat[o..o + p.numel()]));
+            }
+        }
+        s.prepared = Some(i);
+        Ok(())
+    }
+
     fn fetch(&mut self, params: &[Tensor]) -> Result<u64> {
         let Some(i) = self.unit_of(params)? else {
             return Ok(0);
         };
         let planning = params[0].device().is_planning();
-        {
+        let ready = {
             let mut s = lock(&self.shards);
-            if s.current[i] && !planning {
-                // Gathered already and not updated since: the host copies are the values.
-                drop(s);
-                return HostSource.fetch(params);
-            }
-            s.traffic.gathered_bytes += s.padded_bytes(i);
-            s.traffic.gathers += 1;
-            if !planning {
-                let l = &s.layouts[i];
-                let mut flat = vec![0f32; l.padded_len()];
-                lock(&self.comm).all_gather_f32(&s.values[i], &mut flat)?;
-                for (p, &o) in params.iter().zip(l.offsets()) {
-                    p.with_host(|h| h.values.copy_from_slice(&flat[o..o + p.numel()]));
-                }
-            }
+            (s.current[i] && !planning) || s.prepared.take() == Some(i)
+        };
+        if !ready {
+            self.prepare(params)?;
+            lock(&self.shards).prepared = None;
         }
         HostSource.fetch(params)
     }
@@ -236,6 +261,7 @@ pub fn start_stage3<C: Communicator + 'static>(
         rank,
         traffic: UnitTraffic::default(),
         current: vec![false; n],
+        prepared: None,
     }));
     let source = ShardedSource {
         shards: shards.clone(),
@@ -354,6 +380,7 @@ impl Stage3 {
             s.values_mut(u).copy_from_slice(mine);
             s.current[u] = true;
         }
+        s.prepared = None;
         Ok(())
     }
 
@@ -418,6 +445,7 @@ impl Stage3 {
         }
         let mut s = lock(&self.shards);
         s.current.iter_mut().for_each(|c| *c = false);
+        s.prepared = None;
         for (u, mine) in self.pieces.iter().enumerate() {
             for (pc, t) in mine {
                 let v = t.to_vec_f32()?;
