@@ -60,9 +60,8 @@ fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
 /// stage of `stages` (`--zero`), each saving a checkpoint (`--save`), and asserts that each
 /// job's file holds the tensors of one process's (model and the whole optimizer state) within
 /// 1e-5 relative (4 ranks within `np4_tol`) and the same step, that every rank ends with the
-/// same bits (the hashes of their weights, in rank 0's JSON), that every stage saves stage 0's
-/// bits at the same rank count, and that stages 1 and 2 report the bytes per step of stage 0
-/// up to the shards' padding.
+/// same bits (the hashes of their weights, in rank 0's JSON), and that stages 1 and 2 report
+/// the bytes per step of stage 0 up to the shards' padding.
 ///
 /// `rounding_only` names elements (tensor, range) whose gradient is zero in exact arithmetic:
 /// AdamW turns their rounding, which any other order of additions changes, into updates, so
@@ -98,34 +97,10 @@ fn two_ranks_match_one_process(
             );
             sent.push((stage, json_u64(&json, "bytes_sent_per_step"), json));
         }
-        same_bits_as_stage_0(name, np, &tmp.0, stages);
         check_bytes_sent(name, np, &sent);
         jobs.extend(sent.into_iter().map(|(stage, _, json)| (np, stage, json)));
     }
     jobs
-}
-
-/// Every stage of `stages` saved, at `np` ranks, the bits that stage 0 (plain data
-/// parallelism) saved at `np` ranks: model and whole optimizer state. ZeRO adds no rounding of
-/// its own; what a job differs from one process by is data parallelism's order of additions.
-fn same_bits_as_stage_0(name: &str, np: usize, dir: &Path, stages: &[u8]) {
-    let load = |stage: u8| {
-        fitgrad::checkpoint::load(&dir.join(format!("np{np}-zero{stage}.safetensors"))).unwrap()
-    };
-    if !stages.contains(&0) {
-        return;
-    }
-    let base = load(0);
-    for &stage in stages.iter().filter(|&&s| s > 0) {
-        let got = load(stage);
-        for (tensor, t) in &base.tensors {
-            let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-            assert!(
-                bits(got.tensors[tensor].to_f32()) == bits(t.to_f32()),
-                "{name} -np {np}: --zero {stage} saved other bits than --zero 0 in {tensor}"
-            );
-        }
-    }
 }
 
 /// The number after `"key":` in `text` (0 when absent).
