@@ -11,7 +11,7 @@ mod common;
 
 use common::*;
 use fitgrad::distributed::zero::{start_stage3, ShardLayout};
-use fitgrad::distributed::{Communicator, DataParallel, LocalGroup, Zero};
+use fitgrad::distributed::{Communicator, DataParallel, LocalComm, LocalGroup, Zero};
 use fitgrad::nn::Mlp;
 use fitgrad::nn::{Gpt, GptConfig};
 use fitgrad::nn::{Linear, Module, Unit};
@@ -157,6 +157,48 @@ fn initial(dev: &Device) -> Host {
 fn stage_3_matches_one_process(dev: &Device) {
     let host = initial(dev);
     let (losses, sums, weights) = reference(dev, host.clone());
+    on_ranks(dev, |r, comm, d| {
+        let m = model_from(d, &host).unwrap();
+        let param_bytes: u64 = m.parameters().iter().map(|p| p.numel() as u64 * 4).sum();
+        let before = d.memory_stats().bytes_in_use;
+        let (_streaming, shards) = start_stage3(d, m.units(), Arc::new(Mutex::new(comm))).unwrap();
+        let freed = before - d.memory_stats().bytes_in_use;
+        assert!(
+            freed >= param_bytes,
+            "rank {r}: {freed} of {param_bytes} freed"
+        );
+        let x = batch(d, r).unwrap();
+        for step in 0..STEPS {
+            let l = loss(&m, &x).unwrap();
+            assert_eq!(l.item().unwrap().to_bits(), losses[step][r].to_bits());
+            l.backward().unwrap();
+            fitgrad::residency::finish(d, true).unwrap();
+            let mut sh = shards.lock().unwrap();
+            for u in 0..UNITS {
+                let g = sh.take_grad(u).expect("a gradient shard");
+                assert_eq!(g, shard_of(&sums[step][u], r), "rank {r} unit {u}");
+                for (v, g) in sh.values_mut(u).iter_mut().zip(&g) {
+                    *v -= LR * g;
+                }
+                assert_eq!(sh.values(u), shard_of(&weights[step][u], r));
+            }
+        }
+        // Per step: units 0, 1, 2 gathered for the forward, 0 again for its
+        // recomputation (1 and 2 are still resident then); each unit scattered once.
+        let sh = shards.lock().unwrap();
+        let steps = STEPS as u64;
+        assert_eq!(sh.collectives(), (4 * steps, 3 * steps));
+        let ring: Vec<u64> = (0..UNITS)
+            .map(|u| ((RANKS - 1) * sh.layout(u).shard_len() * 4) as u64)
+            .collect();
+        let want = steps * (2 * ring[0] + ring[1] + ring[2] + ring.iter().sum::<u64>());
+        assert_eq!(sh.bytes_sent(), want);
+    });
+}
+
+/// Runs `f` on each of `RANKS` ranks of an in-process group, each with its member and a
+/// device of its own on `dev`'s adapter, on threads of its own.
+fn on_ranks(dev: &Device, f: impl Fn(usize, LocalComm, &Device) + Sync) {
     let (_group, comms) = LocalGroup::new(RANKS, Duration::from_secs(60)).unwrap();
     let devices: Vec<Device> = (0..RANKS).map(|_| twin(dev)).collect();
     std::thread::scope(|s| {
@@ -165,46 +207,8 @@ fn stage_3_matches_one_process(dev: &Device) {
             .zip(&devices)
             .enumerate()
             .map(|(r, (comm, d))| {
-                let (host, losses, sums, weights) = (&host, &losses, &sums, &weights);
-                s.spawn(move || {
-                    let m = model_from(d, host).unwrap();
-                    let param_bytes: u64 =
-                        m.parameters().iter().map(|p| p.numel() as u64 * 4).sum();
-                    let before = d.memory_stats().bytes_in_use;
-                    let (_streaming, shards) =
-                        start_stage3(d, m.units(), Arc::new(Mutex::new(comm))).unwrap();
-                    let freed = before - d.memory_stats().bytes_in_use;
-                    assert!(
-                        freed >= param_bytes,
-                        "rank {r}: {freed} of {param_bytes} freed"
-                    );
-                    let x = batch(d, r).unwrap();
-                    for step in 0..STEPS {
-                        let l = loss(&m, &x).unwrap();
-                        assert_eq!(l.item().unwrap().to_bits(), losses[step][r].to_bits());
-                        l.backward().unwrap();
-                        fitgrad::residency::finish(d, true).unwrap();
-                        let mut sh = shards.lock().unwrap();
-                        for u in 0..UNITS {
-                            let g = sh.take_grad(u).expect("a gradient shard");
-                            assert_eq!(g, shard_of(&sums[step][u], r), "rank {r} unit {u}");
-                            for (v, g) in sh.values_mut(u).iter_mut().zip(&g) {
-                                *v -= LR * g;
-                            }
-                            assert_eq!(sh.values(u), shard_of(&weights[step][u], r));
-                        }
-                    }
-                    // Per step: units 0, 1, 2 gathered for the forward, 0 again for its
-                    // recomputation (1 and 2 are still resident then); each unit scattered once.
-                    let sh = shards.lock().unwrap();
-                    let steps = STEPS as u64;
-                    assert_eq!(sh.collectives(), (4 * steps, 3 * steps));
-                    let ring: Vec<u64> = (0..UNITS)
-                        .map(|u| ((RANKS - 1) * sh.layout(u).shard_len() * 4) as u64)
-                        .collect();
-                    let want = steps * (2 * ring[0] + ring[1] + ring[2] + ring.iter().sum::<u64>());
-                    assert_eq!(sh.bytes_sent(), want);
-                })
+                let f = &f;
+                s.spawn(move || f(r, comm, d))
             })
             .collect();
         for h in handles {
@@ -258,42 +262,27 @@ impl<C: Communicator> Communicator for Watched<C> {
 /// again before 2's reduce-scatter, then 1's and 0's at the end of the step.
 fn a_units_gather_runs_while_the_device_computes(dev: &Device) {
     let host = initial(dev);
-    let (_group, comms) = LocalGroup::new(RANKS, Duration::from_secs(60)).unwrap();
-    let devices: Vec<Device> = (0..RANKS).map(|_| twin(dev)).collect();
-    std::thread::scope(|s| {
-        let handles: Vec<_> = comms
-            .into_iter()
-            .zip(&devices)
-            .enumerate()
-            .map(|(r, (comm, d))| {
-                let host = &host;
-                s.spawn(move || {
-                    let m = model_from(d, host).unwrap();
-                    let log = Arc::new(Mutex::new(Vec::new()));
-                    let watched = Watched {
-                        inner: comm,
-                        dev: d.clone(),
-                        log: log.clone(),
-                    };
-                    let (_streaming, _shards) =
-                        start_stage3(d, m.units(), Arc::new(Mutex::new(watched))).unwrap();
-                    let l = loss(&m, &batch(d, r).unwrap()).unwrap();
-                    l.backward().unwrap();
-                    fitgrad::residency::finish(d, true).unwrap();
-                    let log = log.lock().unwrap().clone();
-                    let order: String = log.iter().map(|&(c, _)| c).collect();
-                    assert_eq!(order, "ggggsss", "rank {r}: the units' collectives");
-                    for (k, &(c, waiting)) in log.iter().enumerate() {
-                        assert!(
-                            c != 'g' || !waiting,
-                            "rank {r}: gather {k} held recorded work back from the device"
-                        );
-                    }
-                })
-            })
-            .collect();
-        for h in handles {
-            h.join().expect("a rank failed");
+    on_ranks(dev, |r, comm, d| {
+        let m = model_from(d, &host).unwrap();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let watched = Watched {
+            inner: comm,
+            dev: d.clone(),
+            log: log.clone(),
+        };
+        let (_streaming, _shards) =
+            start_stage3(d, m.units(), Arc::new(Mutex::new(watched))).unwrap();
+        let l = loss(&m, &batch(d, r).unwrap()).unwrap();
+        l.backward().unwrap();
+        fitgrad::residency::finish(d, true).unwrap();
+        let log = log.lock().unwrap().clone();
+        let order: String = log.iter().map(|&(c, _)| c).collect();
+        assert_eq!(order, "ggggsss", "rank {r}: the units' collectives");
+        for (k, &(c, waiting)) in log.iter().enumerate() {
+            assert!(
+                c != 'g' || !waiting,
+                "rank {r}: gather {k} held recorded work back from the device"
+            );
         }
     });
 }
