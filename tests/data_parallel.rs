@@ -435,6 +435,18 @@ fn zero_2_frees_gradients_during_backward(dev: &Device) {
         g2 < full,
         "stage 2 held {g2} gradient bytes at once, the full set is {full}"
     );
+    // The memory summary reports the gradients the arena held at the in-use peak, not a full
+    // set assumed from the parameters.
+    for (r, t) in dp2.replicas().iter().enumerate() {
+        let s = t.memory_summary();
+        let held = s.stats.peak_by_category.get(Category::Gradients);
+        assert_eq!(s.gradient_bytes, held, "replica {r}");
+        assert!(
+            s.gradient_bytes < full,
+            "replica {r}: {} of {full}",
+            s.gradient_bytes
+        );
+    }
     let bits = |v: &[Vec<f32>]| v.concat().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(
         bits(&param_values(dp2.model())),

@@ -8,7 +8,7 @@ use crate::{Error, MemoryStats, Result};
 pub struct MemorySummary {
     /// The model's parameters.
     pub parameter_bytes: u64,
-    /// Their gradients.
+    /// Gradients on the device at the in-use peak (the arena's count).
     pub gradient_bytes: u64,
     /// Optimizer state.
     pub optimizer_state_bytes: u64,

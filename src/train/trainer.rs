@@ -422,7 +422,9 @@ impl<M: Module> Trainer<M> {
         // figure); their home is host memory.
         let device_params = self.device_params();
         let parameter_bytes = device_params.iter().map(Tensor::allocated_bytes).sum();
-        let gradient_bytes = parameter_bytes;
+        // The gradients the device held at the in-use peak, as the arena counted them: none
+        // where the peak falls in the forward, a shard and a bucket or two under ZeRO.
+        let gradient_bytes = stats.peak_by_category.get(Category::Gradients);
         let optimizer_state_bytes = self.optimizer.state_bytes();
         let host_bytes = self.optimizer.host_bytes() + self.streamed_host_bytes();
         let fixed = parameter_bytes + gradient_bytes + optimizer_state_bytes;
