@@ -354,9 +354,9 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     // that works, like one too small for a step.
     let build = |zero: Zero| {
         // ZeRO stage 3 on several ranks: each layer goes to host memory as it is made, so no
-        // device holds the whole model (each rank keeps its shard of it). SGD keeps its state
-        // on the device, which a model made in host memory cannot start with: it is made whole.
-        let born = zero.number() == 3 && dist.size() > 1 && args.optimizer == "adamw";
+        // device holds the whole model (each rank keeps its shard of it). 8-bit state does not
+        // shard.
+        let born = zero.number() == 3 && dist.size() > 1 && args.optimizer != "adamw8bit";
         let make = || Mlp::with_dtype(&device, &widths, act, param_dtype, args.seed);
         let mut model = match born {
             true => fitgrad::residency::born_on_host(&device, make)?,

@@ -95,7 +95,8 @@ fn custom_model_at_zero_3_never_holds_the_whole_model() {
     never_whole_on_a_device("custom_model", &args, true);
 }
 
-/// train_mlp's MLP of five layers (each a unit at stage 3).
+/// train_mlp's MLP of five layers (each a unit at stage 3), with AdamW and with SGD (whose
+/// momentum stays on the device: the model is made in host memory all the same).
 #[test]
 fn train_mlp_at_zero_3_never_holds_the_whole_model() {
     let args = [
@@ -109,6 +110,8 @@ fn train_mlp_at_zero_3_never_holds_the_whole_model() {
         "5",
     ];
     never_whole_on_a_device("train_mlp", &args, false);
+    let sgd: Vec<&str> = args.iter().copied().chain(["--optimizer", "sgd"]).collect();
+    never_whole_on_a_device("train_mlp", &sgd, false);
 }
 
 /// train_gpt's GPT of six blocks, one step.

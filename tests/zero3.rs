@@ -15,7 +15,7 @@ use fitgrad::distributed::{Communicator, DataParallel, LocalComm, LocalGroup, Ze
 use fitgrad::nn::Mlp;
 use fitgrad::nn::{Gpt, GptConfig};
 use fitgrad::nn::{Linear, Module, Unit};
-use fitgrad::optim::AdamW;
+use fitgrad::optim::{AdamW, Optimizer, Sgd};
 use fitgrad::residency::born_on_host;
 use fitgrad::train::text::TextDataset;
 use fitgrad::train::{Trainer, TrainerConfig};
@@ -29,6 +29,7 @@ device_tests!(
     stage_3_without_units_is_refused,
     data_parallel_stage_3_matches_stage_2,
     stage_3_of_a_model_made_on_host,
+    stage_3_of_a_model_made_on_host_with_sgd,
     stage_3_refuses_asked_for_parameter_offload,
     mlp_made_on_host_names_its_layers
 );
@@ -314,8 +315,9 @@ enum Made {
     OnHost,
 }
 
-/// A GPT of `layers` blocks of width 32 with AdamW, batches of 8 in micro-batches of 2.
-fn gpt_trainer(dev: &Device, made: Made, layers: usize) -> Result<Trainer<Gpt>> {
+/// A GPT of `layers` blocks of width 32 with AdamW (or SGD with momentum, `sgd`), batches of
+/// 8 in micro-batches of 2.
+fn gpt_trainer(dev: &Device, made: Made, layers: usize, sgd: bool) -> Result<Trainer<Gpt>> {
     let mut cfg = GptConfig::new(23, 16, layers, 2, 32);
     cfg.seed = 3;
     let make = || Gpt::new(dev, cfg.clone());
@@ -323,32 +325,36 @@ fn gpt_trainer(dev: &Device, made: Made, layers: usize) -> Result<Trainer<Gpt>> 
         Made::Whole => make()?,
         Made::OnHost => born_on_host(dev, make)?,
     };
-    let opt = Box::new(AdamW::new(model.parameters(), 3e-3)?);
+    let opt: Box<dyn Optimizer> = match sgd {
+        true => Box::new(Sgd::new(model.parameters(), 3e-2)?.momentum(0.9)?),
+        false => Box::new(AdamW::new(model.parameters(), 3e-3)?),
+    };
     let config = TrainerConfig::default()
         .batch_size(8)
         .micro_batch(2)
-        .lr(3e-3);
+        .lr(if sgd { 3e-2 } else { 3e-3 });
     Trainer::new(model, opt, config)
 }
 
 /// Every parameter's values after `steps` steps of two replicas at `zero`.
 fn gpt_run(dev: &Device, zero: Zero, steps: usize) -> Vec<Vec<f32>> {
-    gpt_run_made(dev, zero, steps, Made::Whole, 2).0
+    gpt_run_made(dev, zero, steps, Made::Whole, 2, false).0
 }
 
-/// [`gpt_run`] with the replicas' models made as `made`, of `layers` blocks; also each
-/// replica's device peak in use before the first step, and the model's parameter bytes.
+/// [`gpt_run`] with the replicas' models made as `made`, of `layers` blocks, trained by SGD
+/// with `sgd`; also each replica's device peak in use before the first step, and the model's
+/// parameter bytes.
 fn gpt_run_made(
     dev: &Device,
     zero: Zero,
     steps: usize,
     made: Made,
     layers: usize,
+    sgd: bool,
 ) -> (Vec<Vec<f32>>, Vec<u64>, u64) {
-    let tokens: Vec<u32> = (0..600u32).map(|i| (i * 7 + i / 5) % 23).collect();
-    let data = TextDataset::new(tokens, 16).unwrap();
+    let data = gpt_data();
     let devices = [twin(dev), twin(dev)];
-    let build = |d: &Device| gpt_trainer(d, made, layers);
+    let build = |d: &Device| gpt_trainer(d, made, layers, sgd);
     let mut dp = DataParallel::with_zero(&devices, zero, build).unwrap();
     let start: Vec<u64> = devices
         .iter()
@@ -399,8 +405,8 @@ fn data_parallel_stage_3_matches_stage_2(dev: &Device) {
 /// the weights are those of the model made whole, bit for bit.
 fn stage_3_of_a_model_made_on_host(dev: &Device) {
     let stage3 = Zero::stage(3).unwrap();
-    let (born, born_start, model_bytes) = gpt_run_made(dev, stage3, 3, Made::OnHost, 6);
-    let (whole, whole_start, _) = gpt_run_made(dev, stage3, 3, Made::Whole, 6);
+    let (born, born_start, model_bytes) = gpt_run_made(dev, stage3, 3, Made::OnHost, 6, false);
+    let (whole, whole_start, _) = gpt_run_made(dev, stage3, 3, Made::Whole, 6, false);
     eprintln!(
         "model {model_bytes} B; peak before the first step: made on host {born_start:?}, made \
          whole {whole_start:?}"
@@ -417,6 +423,42 @@ fn stage_3_of_a_model_made_on_host(dev: &Device) {
         bits(&born) == bits(&whole),
         "made on host, stage 3 trains otherwise"
     );
+}
+
+/// The token stream the GPT runs train on.
+fn gpt_data() -> TextDataset {
+    let tokens: Vec<u32> = (0..600u32).map(|i| (i * 7 + i / 5) % 23).collect();
+    TextDataset::new(tokens, 16).unwrap()
+}
+
+/// With SGD (momentum), whose state stays on the device, a six-block GPT made inside
+/// `born_on_host` at stage 3 is never whole on a replica's device either and trains to the
+/// bits of the one made whole; a trainer of such a model outside ZeRO refuses to step with a
+/// typed error that names stage 3 (its optimizer cannot update units in host memory).
+fn stage_3_of_a_model_made_on_host_with_sgd(dev: &Device) {
+    let stage3 = Zero::stage(3).unwrap();
+    let (born, born_start, model_bytes) = gpt_run_made(dev, stage3, 2, Made::OnHost, 6, true);
+    let (whole, _, _) = gpt_run_made(dev, stage3, 2, Made::Whole, 6, true);
+    for &peak in &born_start {
+        assert!(
+            peak < model_bytes * 3 / 4,
+            "made on host, a replica's device held {peak} B of a {model_bytes} B model"
+        );
+    }
+    let bits = |v: &[Vec<f32>]| v.concat().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(
+        bits(&born) == bits(&whole),
+        "made on host, stage 3 trains otherwise with SGD"
+    );
+    let mut alone = gpt_trainer(dev, Made::OnHost, 2, true).unwrap();
+    let before = alone.model.parameters()[0].to_vec_f32().unwrap();
+    match alone.step(&gpt_data(), &[0, 1, 2, 3, 4, 5, 6, 7]) {
+        Err(Error::InvalidArgument { reason, .. }) => {
+            assert!(reason.contains("ZeRO stage 3"), "{reason}")
+        }
+        other => panic!("expected the refusal, got {:?}", other.map(|_| ())),
+    }
+    assert_eq!(alone.model.parameters()[0].to_vec_f32().unwrap(), before);
 }
 
 /// A trainer whose configuration asks for streamed parameters keeps them on the host: stage

@@ -21,11 +21,14 @@ pub(super) fn not_with_streaming(feature: &str) -> Error {
 
 /// What a model's birth in host memory ([`residency::born_on_host`]) turned on in its trainer
 /// that the configuration did not ask for: streaming from host memory, and the optimizer's
-/// state in host memory (which streamed units need: their gradients are summed there).
+/// state in host memory (which streamed units need: their gradients are summed there). An
+/// optimizer that cannot keep its state there (SGD) stays on the device, and the trainer takes
+/// no step until the streaming ends (ZeRO stage 3 ends it: the ranks' shards become the home).
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct BornOnHost {
     streaming: bool,
     optimizer_offload: bool,
+    device_optimizer: bool,
 }
 
 impl BornOnHost {
@@ -35,7 +38,45 @@ impl BornOnHost {
         BornOnHost {
             streaming: born && !config.offload_parameters,
             optimizer_offload: born && !config.offload_optimizer && !config.offload_parameters,
+            device_optimizer: false,
         }
+    }
+
+    /// Moves the optimizer's state to host memory as the birth needs, or, where only the birth
+    /// asked for it and the optimizer keeps its state on the device, leaves it there and
+    /// remembers that steps wait for the streaming to end.
+    pub(super) fn offload(
+        &mut self,
+        optimizer: &mut dyn crate::optim::Optimizer,
+        config: &mut super::TrainerConfig,
+    ) -> Result<()> {
+        match optimizer.offload_to_host() {
+            Err(Error::InvalidArgument { .. }) if self.optimizer_offload && self.streaming => {
+                self.optimizer_offload = false;
+                self.device_optimizer = true;
+                config.offload_optimizer = false;
+                Ok(())
+            }
+            other => other,
+        }
+    }
+
+    /// `Err` while the streamed model's optimizer keeps its state on the device (see above):
+    /// what a real step checks. A plan may run (a stage 3 rank plans the whole batch before it
+    /// joins).
+    pub(super) fn check_step(&self, optimizer: &str) -> Result<()> {
+        if !self.device_optimizer {
+            return Ok(());
+        }
+        Err(Error::InvalidArgument {
+            op: "Trainer::step",
+            reason: format!(
+                "the model was made in host memory (born_on_host) and the {optimizer} optimizer \
+                 keeps its state on the device, so it cannot update the streamed units; make \
+                 the trainer a ZeRO stage 3 replica (its units then live in the ranks' shards), \
+                 or use AdamW, whose state can live in host memory"
+            ),
+        })
     }
 }
 

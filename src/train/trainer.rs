@@ -205,7 +205,9 @@ impl<M: Module> Trainer<M> {
     /// be the precision's (f16 for [`Precision::F16`], else f32).
     ///
     /// A model made inside [`born_on_host`](crate::residency::born_on_host) (its units in host
-    /// memory) is streamed: `offload_parameters` (and so `offload_optimizer`) is turned on.
+    /// memory) is streamed: `offload_parameters` (and so `offload_optimizer`) is turned on; an
+    /// optimizer whose state cannot live in host memory (SGD) keeps it on the device, and steps
+    /// are refused until a ZeRO stage 3 attach ends the streaming.
     /// Made a ZeRO stage-3 replica ([`attach_zero`](crate::distributed::attach_zero)), its
     /// units stream from the ranks instead, and what its birth turned on is off again.
     pub fn new(
@@ -241,7 +243,7 @@ impl<M: Module> Trainer<M> {
             return invalid("the model has no parameters".into());
         };
         let device = first.device().clone();
-        let born = super::stream::BornOnHost::of(&params, &config);
+        let mut born = super::stream::BornOnHost::of(&params, &config);
         if crate::residency::made_on_host(&params) {
             config.offload_parameters = true;
             config.offload_optimizer = true;
@@ -264,7 +266,7 @@ impl<M: Module> Trainer<M> {
             .unwrap_or(config.batch_size)
             .min(config.batch_size);
         if config.offload_optimizer || config.offload_parameters {
-            optimizer.offload_to_host()?;
+            born.offload(optimizer.as_mut(), &mut config)?;
         }
         let streaming = if config.offload_parameters {
             Some(Self::start_streaming(&model, &device)?)
@@ -644,6 +646,9 @@ impl<M: Module> Trainer<M> {
         D: BatchSource,
         M: TrainModel<D::Batch>,
     {
+        if !planning {
+            self.born.check_step(self.optimizer.name())?;
+        }
         // Each micro-batch's loss is weighted by its share of all `n` samples, including those
         // other replicas run (data-parallel), so the summed gradients are the batch mean's.
         let n = indices.len();
