@@ -356,7 +356,8 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         if !group && micro < batch_size {
             say!(
                 "warning: batch norm's statistics are those of each micro-batch of {micro}, not of \
-                 the batch of {} (as in PyTorch with accumulation); --norm group is exact",
+                 the batch of {} (as in PyTorch with accumulation); --norm group does not \
+                 mix samples (each step is the whole batch's up to rounding)",
                 batch_size
             );
         }
