@@ -4,14 +4,17 @@
 
 #[doc(hidden)]
 pub mod bench;
+mod config;
 mod csv_file;
 pub mod data;
 mod events;
 mod fit;
+mod fit_choice;
 mod model;
 mod order;
 mod plan;
 pub mod plays;
+mod resume;
 mod rows;
 mod run_plan;
 pub mod shard;
@@ -23,8 +26,9 @@ pub mod text;
 mod trainer;
 mod window_loss;
 
+pub use config::TrainerConfig;
 pub use events::TrainEvent;
-pub use fit::{Candidate, FitChoice, Residence, VariantsChoice};
+pub use fit_choice::{Candidate, FitChoice, Residence, VariantsChoice};
 pub use model::{
     Batch, BatchSource, ClassBatch, EvalBatch, Features, StepContext, TensorBatch, TensorDataset,
     TrainModel,
@@ -35,7 +39,7 @@ pub use rows::{HostRows, ShardedView};
 pub use run_plan::{Phase, PhasePlan, RunPlan};
 pub use summary::{Evaluation, MemorySummary};
 pub use sync::{GradientSync, UnitTraffic};
-pub use trainer::{Trainer, TrainerConfig};
+pub use trainer::Trainer;
 pub use window_loss::{window_loss, WindowLoss};
 
 use crate::DType;

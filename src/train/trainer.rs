@@ -7,6 +7,7 @@
 //! The trainer is generic: any [`TrainModel`] on any [`BatchSource`]. The planner
 //! (train/plan.rs) runs this same step code on the device's planning mode.
 
+use super::config::TrainerConfig;
 use super::events::TrainEvent;
 use super::model::{Batch, BatchSource, ClassBatch, StepContext, TrainModel};
 use super::rows::{DeviceRows, HostRows};
@@ -15,155 +16,12 @@ use super::sync::GradientSync;
 use super::Precision;
 use crate::memory::Category;
 use crate::nn::Module;
-use crate::optim::{GradScaler, LrSchedule, Optimizer};
+use crate::optim::{GradScaler, Optimizer};
 use crate::{DType, Device, Error, Result, Tensor};
 
 /// What a diverged run can change (the examples' flags in parentheses).
 pub(super) const REMEDY: &str = "lower the learning rate (--lr), clip the gradients \
      (--clip-grad-norm), or resume from a checkpoint saved before it diverged";
-
-/// How batches are formed and the learning rate moves. Built with [`TrainerConfig::new`] (or
-/// [`Default`]) and the chained setters (new options may be added):
-///
-/// ```
-/// use fitgrad::train::{Precision, TrainerConfig};
-/// let config = TrainerConfig::new(64, 4, 1e-3)
-///     .micro_batch(16)
-///     .precision(Precision::Mixed)
-///     .clip_grad_norm(1.0);
-/// assert_eq!(config.micro_batch, Some(16));
-/// ```
-#[derive(Clone, Debug)]
-#[non_exhaustive]
-pub struct TrainerConfig {
-    /// Samples per batch (the data loader's batch).
-    pub batch_size: usize,
-    /// Batches whose gradients add up before one optimizer step.
-    pub accum_steps: usize,
-    /// Samples per forward/backward; at most `batch_size` (None: `batch_size`).
-    pub micro_batch: Option<usize>,
-    /// The learning rate the schedule scales.
-    pub lr: f32,
-    /// How the learning rate moves with the step.
-    pub schedule: LrSchedule,
-    /// f32, f16 (the model must be f16), or mixed (f32 parameters, f16 compute, loss scaling).
-    pub precision: Precision,
-    /// Without loss scaling, check the loss and the gradients for NaN or infinity every this
-    /// many steps, before the update (one small readback each time), and stop with
-    /// [`Error::NonFinite`]; 0 turns the check off. Loss scaling checks every step anyway and
-    /// skips overflowing steps.
-    pub check_finite_every: u64,
-    /// Clip the gradients' total L2 norm to this before each update (torch's
-    /// `clip_grad_norm_`, after loss scaling is undone), on the GPU without a readback.
-    pub clip_grad_norm: Option<f32>,
-    /// Keep the optimizer's master weights and state in host memory
-    /// ([`Optimizer::offload_to_host`]; AdamW's [`offload`](crate::optim::AdamW::offload)):
-    /// the device holds only parameters and gradients.
-    pub offload_optimizer: bool,
-    /// Keep the parameters of the model's units ([`Module::units`]) in host memory and stream
-    /// them through the device unit by unit (src/residency/); implies `offload_optimizer`.
-    /// Units train checkpointed.
-    pub offload_parameters: bool,
-    /// Loss scaling: more steps than this skipped in a row for overflowing gradients stops
-    /// training with [`Error::NonFinite`] (the weights or the loss have blown up, and every
-    /// later step would be skipped too), once the scale is also below 65,536 / 2^this; 0 never
-    /// stops. The default, 24, lets the scale fall from its start of 65,536 to 1/256, past
-    /// what any start-up overflow needs.
-    pub max_skipped_in_a_row: u64,
-}
-
-impl Default for TrainerConfig {
-    fn default() -> Self {
-        TrainerConfig {
-            batch_size: 64,
-            accum_steps: 1,
-            micro_batch: None,
-            lr: 1e-3,
-            schedule: LrSchedule::Constant,
-            precision: Precision::F32,
-            check_finite_every: 1,
-            clip_grad_norm: None,
-            offload_optimizer: false,
-            offload_parameters: false,
-            max_skipped_in_a_row: 24,
-        }
-    }
-}
-
-impl TrainerConfig {
-    /// A configuration with this batch and accumulation, the rest default.
-    pub fn new(batch_size: usize, accum_steps: usize, lr: f32) -> TrainerConfig {
-        TrainerConfig {
-            batch_size,
-            accum_steps,
-            lr,
-            ..Default::default()
-        }
-    }
-
-    /// Sets the samples per batch (the data loader's batch).
-    pub fn batch_size(mut self, batch_size: usize) -> Self {
-        self.batch_size = batch_size;
-        self
-    }
-
-    /// Sets how many batches add their gradients up before one optimizer step.
-    pub fn accum_steps(mut self, accum_steps: usize) -> Self {
-        self.accum_steps = accum_steps;
-        self
-    }
-
-    /// Sets the samples per forward/backward (at most `batch_size`).
-    pub fn micro_batch(mut self, micro_batch: usize) -> Self {
-        self.micro_batch = Some(micro_batch);
-        self
-    }
-
-    /// Sets the learning rate the schedule scales.
-    pub fn lr(mut self, lr: f32) -> Self {
-        self.lr = lr;
-        self
-    }
-
-    /// Sets how the learning rate moves with the step.
-    pub fn schedule(mut self, schedule: LrSchedule) -> Self {
-        self.schedule = schedule;
-        self
-    }
-
-    /// Sets the precision (f32, f16, or mixed with loss scaling).
-    pub fn precision(mut self, precision: Precision) -> Self {
-        self.precision = precision;
-        self
-    }
-
-    /// Sets how often (in steps) an unscaled run checks the loss and gradients for NaN or
-    /// infinity; 0 turns the check off.
-    pub fn check_finite_every(mut self, steps: u64) -> Self {
-        self.check_finite_every = steps;
-        self
-    }
-
-    /// Keeps the optimizer's master weights and state in host memory (see
-    /// [`TrainerConfig::offload_optimizer`]).
-    pub fn offload_optimizer(mut self, on: bool) -> Self {
-        self.offload_optimizer = on;
-        self
-    }
-
-    /// Streams the parameters of the model's units from host memory (see
-    /// [`TrainerConfig::offload_parameters`]); implies optimizer offload.
-    pub fn offload_parameters(mut self, on: bool) -> Self {
-        self.offload_parameters = on;
-        self
-    }
-
-    /// Clips the gradients' total L2 norm to `max_norm` before each update.
-    pub fn clip_grad_norm(mut self, max_norm: f32) -> Self {
-        self.clip_grad_norm = Some(max_norm);
-        self
-    }
-}
 
 /// Trains `model` with `optimizer`: micro-batches under a budget, accumulation, mixed precision
 /// with loss scaling, out-of-memory retry, checkpoints. `Send` when the model is.
@@ -192,7 +50,7 @@ pub struct Trainer<M> {
     pub(super) sync: Option<Box<dyn GradientSync>>,
     /// What the run trains on (`set_data_identity`), stored in checkpoints and checked on
     /// resume.
-    data_identity: Vec<(String, String)>,
+    pub(super) data_identity: Vec<(String, String)>,
     /// Streamed parameters (`offload_parameters`), while on.
     pub(super) streaming: Option<crate::residency::Streaming>,
     /// What the model's birth in host memory turned on that the configuration did not ask
@@ -440,39 +298,6 @@ impl<M: Module> Trainer<M> {
         }
     }
 
-    fn precision_name(&self) -> &'static str {
-        self.config.precision.name()
-    }
-
-    /// The trainer's settings that change the math of a step (checkpoints store them and
-    /// resume checks them): precision, base learning rate, its schedule and the effective
-    /// batch. The optimizer's own hyperparameters are checked by the checkpoint.
-    fn run_settings(&self) -> Vec<(String, String)> {
-        vec![
-            ("precision".into(), self.precision_name().into()),
-            ("lr".into(), self.config.lr.to_string()),
-            ("schedule".into(), self.config.schedule.to_string()),
-            ("effective_batch".into(), self.effective_batch().to_string()),
-        ]
-    }
-
-    /// Records what this run trains on, as (key, value) pairs (a text's hash, a dataset's):
-    /// every checkpoint stores them as `extra.data.KEY`, and [`Trainer::resume_from`] refuses
-    /// a checkpoint that stored another value for a key (an older file without the key
-    /// passes).
-    pub fn set_data_identity(&mut self, identity: Vec<(String, String)>) {
-        self.data_identity = identity;
-    }
-
-    /// The stored keys of the run settings and the data identity, with this run's values.
-    fn stored_settings(&self) -> Vec<(String, String)> {
-        let data = self
-            .data_identity
-            .iter()
-            .map(|(k, v)| (format!("{DATA_PREFIX}{k}"), v.clone()));
-        self.run_settings().into_iter().chain(data).collect()
-    }
-
     pub(super) fn context(&self, training: bool) -> StepContext {
         StepContext {
             device: self.device.clone(),
@@ -484,114 +309,14 @@ impl<M: Module> Trainer<M> {
     /// Loss scaling skipped more than `max_skipped_in_a_row` tries in a row with the scale
     /// already below 65,536 / 2^that: the weights or the loss have blown up. A run started
     /// above the default scale (`set_state`) first halves its way down to it uncounted.
-    fn scaling_blew_up(&self) -> bool {
+    pub(super) fn scaling_blew_up(&self) -> bool {
         let most = self.config.max_skipped_in_a_row;
         self.scaler.as_ref().is_some_and(|sc| {
             let floor = 65536.0 / 2f64.powi(most.min(1000) as i32);
             most > 0 && sc.skipped_in_a_row() > most && f64::from(sc.scale()) < floor
         })
     }
-
-    /// Saves the model (and its configuration, where it has one), the optimizer state, the
-    /// loss scaler and the position in training (`epochs_done` full epochs) to a safetensors
-    /// file, atomically: a crash mid-save leaves the previous file intact.
-    pub fn save_checkpoint(&self, path: &std::path::Path, epochs_done: u64) -> Result<()> {
-        let state = self.checkpoint_training_state(path, epochs_done)?;
-        crate::checkpoint::save(path, &self.model, Some(self.optimizer.as_ref()), &state)
-    }
-
-    /// What a checkpoint of this trainer stores besides the tensors (position, scaler, run
-    /// settings, data identity), after the checks that keep a diverged model from replacing
-    /// the good checkpoint at `path` (named in the error). Sharded checkpoints
-    /// ([`crate::distributed::zero`]) write it into their index.
-    pub fn checkpoint_training_state(
-        &self,
-        path: &std::path::Path,
-        epochs_done: u64,
-    ) -> Result<crate::checkpoint::TrainingState> {
-        // A diverged model must not replace a good file: one whose weights are not finite,
-        // or whose loss scaling stopped training (finite weights that overflow every step).
-        if let Some(sc) = self.scaler.as_ref().filter(|_| self.scaling_blew_up()) {
-            return Err(Error::NonFinite {
-                step: self.step,
-                what: format!(
-                    "the last {} tries overflowed, so the checkpoint was not written ({} \
-                     keeps what it held)",
-                    sc.skipped_in_a_row(),
-                    path.display()
-                ),
-                remedy: REMEDY.into(),
-            });
-        }
-        let params = self.device_params();
-        if self.device.nonfinite(&params.iter().collect::<Vec<_>>())?
-            || self.host_params_nonfinite()
-        {
-            return Err(Error::NonFinite {
-                step: self.step,
-                what: format!(
-                    "a parameter is not finite (NaN or infinity), so the checkpoint was not \
-                     written ({} keeps what it held)",
-                    path.display()
-                ),
-                remedy: REMEDY.into(),
-            });
-        }
-        Ok(crate::checkpoint::TrainingState {
-            step: self.step,
-            epoch: epochs_done,
-            rng_state: 0,
-            scaler: self
-                .scaler
-                .as_ref()
-                .map(|s| crate::checkpoint::ScalerState {
-                    scale: s.scale(),
-                    growth_tracker: s.growth_tracker(),
-                }),
-            extra: self.stored_settings().into_iter().collect(),
-        })
-    }
-
-    /// Restores what [`Trainer::save_checkpoint`] wrote into this trainer (same model shape
-    /// and optimizer kind) and returns the epochs already done; training on from there gives
-    /// the weights of an uninterrupted run (the data order depends only on seed and epoch).
-    pub fn resume_from(&mut self, path: &std::path::Path) -> Result<u64> {
-        self.resume_from_checkpoint(&crate::checkpoint::load(path)?)
-    }
-
-    /// [`Trainer::resume_from`] with a checkpoint already read (a sharded one put together by
-    /// [`crate::distributed::zero::load_checkpoint`]); errors name its source.
-    pub fn resume_from_checkpoint(&mut self, ckpt: &crate::checkpoint::Checkpoint) -> Result<u64> {
-        let state = ckpt.training_state()?;
-        // What the model is comes first (a file of another model says so, not that its
-        // learning rate differs), then the settings, then values that could not train on.
-        ckpt.check_config(&self.model)?;
-        let expected: Vec<crate::checkpoint::Expect> = self
-            .stored_settings()
-            .into_iter()
-            .map(|(key, value)| crate::checkpoint::Expect {
-                key,
-                value,
-                change: "resume with the same setting, or start a new run".into(),
-            })
-            .collect();
-        ckpt.check_extra(&expected)?;
-        ckpt.check_finite()?;
-        ckpt.apply_model(&self.model)?;
-        if let Some(s) = self.sync.as_mut() {
-            s.parameters_written()?;
-        }
-        ckpt.apply_optimizer(self.optimizer.as_mut())?;
-        self.step = state.step;
-        if let (Some(sc), Some(saved)) = (self.scaler.as_mut(), state.scaler) {
-            sc.set_state(saved.scale, saved.growth_tracker);
-        }
-        Ok(state.epoch)
-    }
 }
-
-/// The prefix of the data identity's keys among a checkpoint's extra entries.
-const DATA_PREFIX: &str = "data.";
 
 impl<M: Module> Trainer<M> {
     /// One optimizer step over the samples `indices` of `data`: forward and backward per
