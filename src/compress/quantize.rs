@@ -4,7 +4,8 @@
 //! f32 weights.
 //!
 //! Row `n` of W (out, in) gets `scale[n] = max_k |W[n, k]| / 127` and `q[n, k] =
-//! round(W[n, k] / scale[n])` (half away from zero), so `|W - scale q| <= scale / 2` and every
+//! round(W[n, k] / scale[n])` (half away from zero, of the f32 quotient), so
+//! `|W - scale q| <= scale / 2` up to that quotient's rounding (2^-18 of a step) and every
 //! q is in [-127, 127] (-128 is never used: the range is symmetric). A row of zeros gets scale
 //! 0. The scales are computed on the host from one readback of the weights, a one-time cost of
 //! post-training quantization.

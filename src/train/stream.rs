@@ -51,7 +51,11 @@ impl BornOnHost {
         config: &mut super::TrainerConfig,
     ) -> Result<()> {
         match optimizer.offload_to_host() {
-            Err(Error::InvalidArgument { .. }) if self.optimizer_offload && self.streaming => {
+            // The refusal of an optimizer that has no host state at all (`Optimizer`'s own).
+            Err(Error::InvalidArgument {
+                op: "offload_optimizer",
+                ..
+            }) if self.optimizer_offload && self.streaming => {
                 self.optimizer_offload = false;
                 self.device_optimizer = true;
                 config.offload_optimizer = false;
