@@ -434,6 +434,10 @@ impl Optimizer for AdamW {
         }
     }
 
+    fn can_offload(&self) -> bool {
+        true
+    }
+
     fn offload_to_host(&mut self) -> Result<()> {
         if self.host.is_some() {
             return Ok(());

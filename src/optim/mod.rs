@@ -102,6 +102,11 @@ pub trait Optimizer: Send {
     fn host_bytes(&self) -> u64 {
         0
     }
+    /// Whether [`Optimizer::offload_to_host`] can move this kind of optimizer's state to host
+    /// memory at all (it may still refuse a configuration of it, such as 8-bit state).
+    fn can_offload(&self) -> bool {
+        false
+    }
     /// Moves the state to host memory from now on (the trainer's `offload_optimizer`).
     /// Optimizers that cannot refuse with [`Error::InvalidArgument`].
     fn offload_to_host(&mut self) -> Result<()> {

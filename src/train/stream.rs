@@ -50,19 +50,13 @@ impl BornOnHost {
         optimizer: &mut dyn crate::optim::Optimizer,
         config: &mut super::TrainerConfig,
     ) -> Result<()> {
-        match optimizer.offload_to_host() {
-            // The refusal of an optimizer that has no host state at all (`Optimizer`'s own).
-            Err(Error::InvalidArgument {
-                op: "offload_optimizer",
-                ..
-            }) if self.optimizer_offload && self.streaming => {
-                self.optimizer_offload = false;
-                self.device_optimizer = true;
-                config.offload_optimizer = false;
-                Ok(())
-            }
-            other => other,
+        if !optimizer.can_offload() && self.optimizer_offload && self.streaming {
+            self.optimizer_offload = false;
+            self.device_optimizer = true;
+            config.offload_optimizer = false;
+            return Ok(());
         }
+        optimizer.offload_to_host()
     }
 
     /// `Err` while the streamed model's optimizer keeps its state on the device (see above):

@@ -169,12 +169,9 @@ impl<C: Communicator> UnitSource for ShardedSource<C> {
         let Some(i) = self.unit_of(params)? else {
             return Ok(0);
         };
-        let planning = params[0].device().is_planning();
-        let ready = {
-            let mut s = lock(&self.shards);
-            (s.current[i] && !planning) || s.prepared.take() == Some(i)
-        };
-        if !ready {
+        // Prepared just before (the residency layer's order), or prepared now: the gather, or
+        // nothing where the host copies are current.
+        if lock(&self.shards).prepared.take() != Some(i) {
             self.prepare(params)?;
             lock(&self.shards).prepared = None;
         }
