@@ -3,8 +3,10 @@
 // from x as in conv2d_fwd.wgsl. The positions are cut into `chunks` fixed ranges of `chunk`
 // (the z of the grid); each writes its partial sums, f32, to part (chunks, oc, cg kh kw), which
 // the reduce kernel then adds in chunk order, so the result depends only on the shape: bitwise
-// repeatable, no atomics. With one chunk part is the gradient itself. Parameters:
-// include/conv2d_params.wgsl.
+// repeatable, no atomics. With one chunk part is the gradient itself, and with p.onto each sum
+// continues from the value part holds: every position is then added in order (n, oy, ox), so
+// a batch split into consecutive runs of samples folded one after another gives the bits of the
+// whole batch (batch-invariant mode). Parameters: include/conv2d_params.wgsl.
 //
 // An invocation computes TM output channels of one group times 4 consecutive kk of one chunk.
 // A workgroup's lanes are k_lanes runs of kk times WG_X / k_lanes chunks (lane l: kk block
@@ -52,7 +54,7 @@ fn main(
     let total = p.n * pq;
     let start = min(chunk * p.chunk, total);
     let end = min(start + p.chunk, total);
-    //@row var acc{r} = vec4<f32>(0.0);
+    //@row var acc{r} = start_row(m0 + {r}u, g, k0, kdim);
     let hi = vec4<i32>(i32(p.h));
     let wi = vec4<i32>(i32(p.w));
     let zero = vec4<i32>(0);
@@ -82,6 +84,21 @@ fn main(
         }
     }
     //@row store_row(m0 + {r}u, g, chunk, k0, kdim, acc{r});
+}
+
+// The sums row m starts from: zero, or with p.onto what part holds (one chunk).
+fn start_row(m: u32, g: u32, k0: u32, kdim: u32) -> vec4<f32> {
+    var v = vec4<f32>(0.0);
+    if (p.onto == 0u || m >= p.ocg) {
+        return v;
+    }
+    let row = (g * p.ocg + m) * kdim + k0;
+    for (var i = 0u; i < 4u; i++) {
+        if (k0 + i < kdim) {
+            v[i] = ld_part(row + i);
+        }
+    }
+    return v;
 }
 
 // Row m of the group's output channels at the four kk of this chunk's partial; rows past the

@@ -301,9 +301,13 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
     } else {
         LrSchedule::Constant
     };
+    // Group norm mixes no samples: with batch-invariant sums a budget's micro-batches then give
+    // the whole batch's bits (f32; mixed precision rounds each micro-batch's gradients to f16).
+    let invariant = group && precision == Precision::F32;
     let config = TrainerConfig::new(batch_size, args.accum_steps, lr)
         .schedule(schedule)
-        .precision(precision);
+        .precision(precision)
+        .batch_invariant(invariant);
     let mut trainer = Trainer::new(model, optimizer, config)?;
     say!(
         "model: ResNet, stem stride {stem_stride}, {} stages of width {}, {}, {} ({} blocks, {} norm, {} parameters), {} lr {}, {}, batch {} x {}",
@@ -320,6 +324,9 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         batch_size,
         args.accum_steps
     );
+    if invariant {
+        say!("group norm: batch-invariant sums (any micro-batch size gives the same weights)");
+    }
     if aug.is_on() {
         say!(
             "augmentation: random crops (padding {}), {} (seeded per sample and epoch)",
@@ -357,7 +364,7 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
             say!(
                 "warning: batch norm's statistics are those of each micro-batch of {micro}, not of \
                  the batch of {} (as in PyTorch with accumulation); --norm group does not \
-                 mix samples (each step is the whole batch's up to rounding)",
+                 mix samples (its steps are the whole batch's, bit for bit)",
                 batch_size
             );
         }

@@ -28,6 +28,6 @@ struct Params {
     chunk: u32,   // conv2d_dw: positions (n, oh, ow) summed per partial
     chunks: u32,  // conv2d_dw: partial sums per weight element
     k_lanes: u32, // conv2d_dw: lanes of a workgroup spanning the weight columns (a power of 2)
-    pad1: u32,
+    onto: u32,    // conv2d_dw with one chunk: 1 to continue the sums from what part holds
 }
 @group(0) @binding(0) var<uniform> p: Params;

@@ -62,10 +62,11 @@ impl Geometry {
     /// The uniform words of include/conv2d_params.wgsl, with `m_blocks` blocks of rows per
     /// group and the weight gradient's chunking.
     fn params(&self, m_blocks: usize, has_bias: bool, chunk: usize, chunks: usize) -> [u32; 24] {
-        self.params_dw(m_blocks, has_bias, chunk, chunks, 1)
+        self.params_dw(m_blocks, has_bias, chunk, chunks, 1, false)
     }
 
-    /// [`params`](Self::params) with the weight gradient's `k_lanes` (see [`dw_k_lanes`]).
+    /// [`params`](Self::params) with the weight gradient's `k_lanes` (see [`dw_k_lanes`]) and
+    /// whether its one chunk continues from the gradient held (`onto`).
     fn params_dw(
         &self,
         m_blocks: usize,
@@ -73,6 +74,7 @@ impl Geometry {
         chunk: usize,
         chunks: usize,
         k_lanes: usize,
+        onto: bool,
     ) -> [u32; 24] {
         let v = [
             self.n,
@@ -98,7 +100,7 @@ impl Geometry {
             chunk,
             chunks,
             k_lanes,
-            0,
+            usize::from(onto),
         ];
         v.map(|x| x as u32)
     }
@@ -380,17 +382,61 @@ pub(crate) fn backward_dw<T: Operand>(
     partials: Option<&T>,
     dw: &T,
 ) -> Result<()> {
-    let kdim = geo.cg() * geo.kh * geo.kw;
     if geo.weight_numel() == 0 {
         return Ok(());
     }
-    let dev = x.device();
     debug_assert_eq!(
         partials.map(|p| p.dims().to_vec()),
         dw_partials(geo).map(|d| d.to_vec())
     );
     let (chunk, chunks) = geo.dw_chunks();
-    let part = partials.unwrap_or(dw);
+    run_dw(
+        dy,
+        x,
+        geo,
+        (chunk, chunks),
+        false,
+        partials.unwrap_or(dw),
+        true,
+    )?;
+    if let Some(p) = partials {
+        reduce::reduce(p, 1, chunks, geo.weight_numel(), 1.0, dw)?;
+    }
+    Ok(())
+}
+
+/// The batch-invariant weight gradient: as [`backward_dw`] with every position added in order
+/// (n, oh, ow) by one sum per weight element, no partials, from zero or (`onto`) continuing
+/// from what dw holds, so folding a batch's consecutive runs of samples one after another gives
+/// the whole batch's bits.
+pub(crate) fn backward_dw_fold<T: Operand>(
+    dy: &T,
+    x: &T,
+    geo: &Geometry,
+    onto: bool,
+    dw: &T,
+) -> Result<()> {
+    if geo.weight_numel() == 0 {
+        return Ok(());
+    }
+    let total = geo.n * geo.oh * geo.ow;
+    // No tuning: a timed try would fold the batch in more than once.
+    run_dw(dy, x, geo, (total.max(1), 1), onto, dw, false)
+}
+
+/// One dispatch of shaders/conv2d_dw.wgsl over `chunks` of `chunk` positions into `part`,
+/// its rows per invocation autotuned where `tune`.
+fn run_dw<T: Operand>(
+    dy: &T,
+    x: &T,
+    geo: &Geometry,
+    (chunk, chunks): (usize, usize),
+    onto: bool,
+    part: &T,
+    tune: bool,
+) -> Result<()> {
+    let kdim = geo.cg() * geo.kh * geo.kw;
+    let dev = x.device();
     let s = Storage::of(dev, x.dtype());
     let kblocks = kdim.div_ceil(TN);
     let k_lanes = dw_k_lanes(kblocks);
@@ -401,7 +447,7 @@ pub(crate) fn backward_dw<T: Operand>(
         let k = kernel(&CONV2D_DW, dev, &[s, s, Storage::F32], tm, sg)?;
         dev.dispatch3(
             &k,
-            &geo.params_dw(m_blocks, false, chunk, chunks, k_lanes),
+            &geo.params_dw(m_blocks, false, chunk, chunks, k_lanes, onto),
             &[dy.block(), x.block(), part.block()],
             [
                 kblocks.div_ceil(k_lanes) as u32,
@@ -411,12 +457,12 @@ pub(crate) fn backward_dw<T: Operand>(
         )
     };
     let positions = geo.n * geo.oh * geo.ow;
-    let tm = choose_rows(dev, "dw", s, geo, [geo.ocg(), kdim, positions], run)?;
-    run(tm)?;
-    if let Some(p) = partials {
-        reduce::reduce(p, 1, chunks, geo.weight_numel(), 1.0, dw)?;
-    }
-    Ok(())
+    let tm = if tune {
+        choose_rows(dev, "dw", s, geo, [geo.ocg(), kdim, positions], run)?
+    } else {
+        tile_rows(geo.ocg())
+    };
+    run(tm)
 }
 
 #[cfg(test)]

@@ -17,6 +17,7 @@ pub(crate) mod conv2d;
 pub(crate) mod dqmatmul;
 pub(crate) mod dropout;
 pub(crate) mod elementwise;
+pub(crate) mod fold;
 pub(crate) mod grad_norm;
 pub(crate) mod index_select;
 pub(crate) mod layer_norm;
@@ -432,6 +433,11 @@ pub const REDUCE: ShaderFile = ShaderFile {
     body: include_str!("../../shaders/reduce.wgsl"),
     bindings: &[("x", false), ("out", true)],
 };
+pub const FOLD_OUTER: ShaderFile = ShaderFile {
+    name: "fold_outer",
+    body: include_str!("../../shaders/fold_outer.wgsl"),
+    bindings: &[("l", false), ("r", false), ("c", true)],
+};
 pub const TRANSPOSE: ShaderFile = ShaderFile {
     name: "transpose",
     body: concat!(
@@ -843,6 +849,7 @@ pub const SHADERS: &[ShaderFile] = &[
     UNARY,
     FILL,
     REDUCE,
+    FOLD_OUTER,
     TRANSPOSE,
     MATMUL_REG,
     MATMUL_TILED,

@@ -45,3 +45,27 @@ pub(crate) fn reduce<T: Operand>(
     ];
     dev.dispatch(&k, &params, &[x.block(), out.block()], groups)
 }
+
+/// out (f32, `inner` elements) = the sum over `len` of x viewed as (len, inner), one invocation
+/// per output adding k in order, from zero or (`onto`) from what out holds: folding the runs of
+/// a split of len one after another gives the bits of folding len whole.
+pub(crate) fn fold<T: Operand>(x: &T, len: usize, inner: usize, onto: bool, out: &T) -> Result<()> {
+    if inner == 0 {
+        return Ok(());
+    }
+    let dev = out.device();
+    let k = REDUCE.kernel(dev, &[Storage::of(dev, x.dtype()), Storage::F32])?;
+    let mode = if onto { 2 } else { 1 };
+    let params = [
+        inner as u32,
+        len as u32,
+        inner as u32,
+        mode,
+        1f32.to_bits(),
+        0,
+        0,
+        0,
+    ];
+    let groups = (inner as u32).div_ceil(WG);
+    dev.dispatch(&k, &params, &[x.block(), out.block()], groups)
+}

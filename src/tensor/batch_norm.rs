@@ -2,8 +2,9 @@
 //! eval) and group norm (each sample's channel groups normalized by the layer norm kernel as
 //! rows, then the per-channel affine). Both take (N, C, ..).
 
-use super::{DType, Shape, Tensor};
+use super::{invariant, DType, Shape, Tensor};
 use crate::kernels::batch_norm::{self, Channels};
+use crate::kernels::reduce;
 use crate::tensor::autograd::{self, record};
 use crate::{Error, Result};
 
@@ -265,14 +266,71 @@ impl Tensor {
             .reshape(&[n * groups, (c / groups) * hw])?
             .layer_norm(None, None, eps)?
             .reshape(&[n, c, hw])?;
+        channel_affine(&y, weight, bias)?.reshape(self.dims())
+    }
+}
+
+/// y = x w + b per channel of x (N, C, HW), with w and b (C) or `None` (ones, zeros), recorded
+/// as one op: its weight and bias gradients sum each sample's positions, then add up the
+/// samples in order ([`channel_sums`]).
+fn channel_affine(x: &Tensor, weight: Option<&Tensor>, bias: Option<&Tensor>) -> Result<Tensor> {
+    let (n, c, hw) = (x.dims()[0], x.dims()[1], x.dims()[2]);
+    if weight.is_none() && bias.is_none() {
+        return Ok(x.clone());
+    }
+    let y = {
+        let _ng = autograd::no_grad();
         let y = match weight {
-            Some(w) => y.mul(&w.reshape(&[1, c, 1])?)?,
-            None => y,
+            Some(w) => x.mul(&w.reshape(&[1, c, 1])?)?,
+            None => x.clone(),
         };
-        let y = match bias {
+        match bias {
             Some(b) => y.add(&b.reshape(&[1, c, 1])?)?,
             None => y,
-        };
-        y.reshape(self.dims())
+        }
+    };
+    let mut inputs = vec![x];
+    inputs.extend(weight);
+    inputs.extend(bias);
+    let wi = weight.map(|_| 1);
+    let bi = bias.map(|_| 1 + usize::from(weight.is_some()));
+    Ok(record("group_norm_affine", y, &inputs, || {
+        let xs = x.detach();
+        let w = weight.map(Tensor::detach);
+        Box::new(move |g, need| {
+            let dx = autograd::grad_if(need[0], || match &w {
+                Some(w) => g.mul(&w.reshape(&[1, c, 1])?),
+                None => Ok(g.clone()),
+            })?;
+            let mut out = vec![dx];
+            if let Some(i) = wi {
+                out.push(autograd::grad_if(need[i], || {
+                    channel_sums(&g.mul(&xs)?, [n, c, hw], i)
+                })?);
+            }
+            if let Some(i) = bi {
+                out.push(autograd::grad_if(need[i], || {
+                    channel_sums(g, [n, c, hw], i)
+                })?);
+            }
+            Ok(out)
+        })
+    }))
+}
+
+/// The per-channel gradient (C, t's dtype) of input `input` from t (N, C, HW): each sample's
+/// positions summed (in an order fixed by HW alone), then the samples added one after another,
+/// in batch-invariant mode onto the gradient the input holds (src/tensor/invariant.rs).
+fn channel_sums(t: &Tensor, [n, c, hw]: [usize; 3], input: usize) -> Result<Tensor> {
+    let dev = t.device();
+    let per_sample = Tensor::uninit(dev, Shape::new(&[n, c])?, DType::F32)?;
+    reduce::reduce(t, n * c, hw, 1, 1.0, &per_sample)?;
+    let onto = invariant::fold_target(dev, input, c);
+    let r = invariant::fold_rows(&per_sample, n, &[c], onto)?;
+    drop(per_sample);
+    if r.dtype() == t.dtype() {
+        Ok(r)
+    } else {
+        r.to_dtype(t.dtype())
     }
 }

@@ -2,6 +2,7 @@
 //! src/kernels/conv2d.rs. A 1x1 convolution without stride, padding or groups is a matmul and
 //! runs as one (but for an f16 one with a bias, which the kernel adds before rounding).
 
+use super::invariant;
 use super::operand::staged_f32;
 use super::{DType, Shape, Tensor};
 use crate::kernels::conv2d::{self, Geometry};
@@ -203,7 +204,9 @@ impl Tensor {
         // An f16 bias added after the matmul would round twice; the kernel adds it in f32.
         let one_rounding = bias.is_none() || self.dtype() == DType::F32;
         let pointwise = geo.kh == 1 && geo.kw == 1 && geo.stride == [1, 1] && geo.padding == [0, 0];
-        if pointwise && geo.groups == 1 && one_rounding {
+        // Batch-invariant sums need the conv kernel's own weight gradient.
+        let matmul_ok = !invariant::is_batch_invariant(self.device());
+        if pointwise && geo.groups == 1 && one_rounding && matmul_ok {
             return self.conv1x1(weight, bias, &geo);
         }
         let dev = self.device();
@@ -227,6 +230,16 @@ impl Tensor {
                     Ok(dx)
                 })?;
                 let dw = autograd::grad_if(need[1], || {
+                    if invariant::is_batch_invariant(dev) {
+                        let onto = invariant::fold_target(dev, 1, geo.weight_numel());
+                        let given = onto.is_some();
+                        let dw = match onto {
+                            Some(t) => t,
+                            None => Tensor::uninit(dev, w.shape().clone(), DType::F32)?,
+                        };
+                        conv2d::backward_dw_fold(g, &x, &geo, given, &dw)?;
+                        return cast_to(dw, dtype);
+                    }
                     let dw = Tensor::uninit(dev, w.shape().clone(), DType::F32)?;
                     // Partial sums per fixed range of positions, freed at once.
                     let partials = match conv2d::dw_partials(&geo) {
@@ -272,8 +285,14 @@ fn bias_grad(g: &Tensor, geo: &Geometry) -> Result<Tensor> {
     // per_sample is (N, OC) f32.
     let per_sample = Tensor::uninit(dev, Shape::new(&[geo.n, geo.oc])?, DType::F32)?;
     reduce::reduce(g, geo.n * geo.oc, geo.oh * geo.ow, 1, 1.0, &per_sample)?;
-    let db = Tensor::uninit(dev, Shape::new(&[geo.oc])?, DType::F32)?;
-    reduce::reduce(&per_sample, 1, geo.n, geo.oc, 1.0, &db)?;
+    let db = if invariant::is_batch_invariant(dev) {
+        let onto = invariant::fold_target(dev, 2, geo.oc);
+        invariant::fold_rows(&per_sample, geo.n, &[geo.oc], onto)?
+    } else {
+        let db = Tensor::uninit(dev, Shape::new(&[geo.oc])?, DType::F32)?;
+        reduce::reduce(&per_sample, 1, geo.n, geo.oc, 1.0, &db)?;
+        db
+    };
     drop(per_sample);
     cast_to(db, g.dtype())
 }

@@ -1,7 +1,8 @@
 //! Matrix products: `matmul`, the transposed forms backward needs, and the fused Linear forward.
 
+use super::invariant;
 use super::operand::staged_f32;
-use super::{Shape, Tensor};
+use super::{DType, Shape, Tensor};
 use crate::kernels::elementwise::{self, BinaryOp};
 use crate::kernels::matmul::{self, Epilogue, Problem, Variant};
 use crate::tensor::autograd::{self, grad_if, record};
@@ -294,7 +295,23 @@ fn matmul_backward(
         }?;
         sum_leading(r, a.dims())
     })?;
+    let dev = g.device();
+    let invariant = invariant::is_batch_invariant(dev);
     let gb = grad_if(need[1], || {
+        let k = *a.dims().last().expect("rank >= 2");
+        let rows = g.numel() / n.max(1);
+        if invariant && !ta && b.rank() == 2 && a.numel() / k.max(1) == rows {
+            // One matrix B for every row: its gradient folds the rows in order.
+            let a2 = a.reshape(&[rows, k])?;
+            let g2 = g.reshape(&[rows, n])?;
+            let onto = invariant::fold_target(dev, 1, b.numel());
+            let r = if tb {
+                invariant::fold_outer(&g2, &a2, [n, k], onto) // (N,K) = gᵀ·A
+            } else {
+                invariant::fold_outer(&a2, &g2, [k, n], onto) // (K,N) = Aᵀ·g
+            }?;
+            return in_dtype(r.reshape(b.dims())?, b.dtype());
+        }
         let shared_b = b.dims()[..b.rank() - 2].iter().product::<usize>() == 1 && g.rank() > 2;
         if shared_b && !ta {
             // B is shared by every batch: fold the batch into the rows, one product.
@@ -320,10 +337,25 @@ fn matmul_backward(
     let mut out = vec![ga, gb];
     if need.len() > 2 {
         out.push(grad_if(need[2], || {
-            g.reshape(&[g.numel() / n.max(1), n])?.sum_axis(0, false)
+            let g2 = g.reshape(&[g.numel() / n.max(1), n])?;
+            if invariant {
+                let onto = invariant::fold_target(dev, 2, n);
+                let r = invariant::fold_rows(&g2, g2.dims()[0], &[n], onto)?;
+                return in_dtype(r, g.dtype());
+            }
+            g2.sum_axis(0, false)
         })?);
     }
     Ok(out)
+}
+
+/// `t` (f32) in `dtype`.
+fn in_dtype(t: Tensor, dtype: DType) -> Result<Tensor> {
+    if t.dtype() == dtype {
+        Ok(t)
+    } else {
+        t.to_dtype(dtype)
+    }
 }
 
 /// A batched gradient (.., R, C) in the operand's shape `dims`: summed over the leading dims when

@@ -8,6 +8,7 @@ mod conv;
 mod dropout;
 mod index_select;
 mod inplace;
+pub mod invariant;
 mod layer_norm;
 mod layout;
 mod matmul;

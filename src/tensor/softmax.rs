@@ -2,7 +2,7 @@
 //! softmax cross-entropy: validation here, kernels in src/kernels/softmax.rs.
 
 use super::operand::staged_f32;
-use super::{DType, Shape, Tensor};
+use super::{invariant, DType, Shape, Tensor};
 use crate::kernels::softmax::{self, Fused};
 use crate::tensor::autograd::{self, expand, record};
 use crate::{Error, Result};
@@ -132,7 +132,7 @@ impl Tensor {
     ///
     /// When `self` requires grad the loss is recorded too, with `grad` saved for its backward.
     pub fn cross_entropy(&self, targets: &[u32]) -> Result<(Tensor, Tensor)> {
-        let (loss, grad) = self.cross_entropy_impl("cross_entropy", targets, true)?;
+        let (loss, grad) = self.cross_entropy_impl("cross_entropy", targets, true, false)?;
         let grad = grad.expect("asked for the gradient");
         Ok((Self::record_cross_entropy(loss, self, &grad), grad))
     }
@@ -142,9 +142,14 @@ impl Tensor {
     /// backward costs one scale of it).
     pub fn cross_entropy_loss(&self, targets: &[u32]) -> Result<Tensor> {
         let recording = autograd::is_grad_enabled() && self.requires_grad();
-        let (loss, grad) = self.cross_entropy_impl("cross_entropy_loss", targets, recording)?;
+        let (loss, grad) =
+            self.cross_entropy_impl("cross_entropy_loss", targets, recording, recording)?;
         Ok(match grad {
-            Some(grad) => Self::record_cross_entropy(loss, self, &grad),
+            Some(grad) => {
+                let loss = Self::record_cross_entropy(loss, self, &grad);
+                invariant::took_weight(&loss);
+                loss
+            }
             None => loss,
         })
     }
@@ -162,6 +167,7 @@ impl Tensor {
         op: &'static str,
         targets: &[u32],
         want_grad: bool,
+        weigh: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
         let dims = self.dims();
         if dims.len() != 2 {
@@ -194,6 +200,12 @@ impl Tensor {
             });
         }
         check_u32_elements(op, self)?;
+        // Under a batch-invariant trainer each row weighs 1 / the whole batch (sample scope).
+        let count = if weigh {
+            invariant::sample_count(op, b)?
+        } else {
+            None
+        };
         let dev = self.device();
         // out is (B,): each row's loss, f32.
         let rows = Tensor::uninit(dev, Shape::new(&[b])?, DType::F32)?;
@@ -205,7 +217,7 @@ impl Tensor {
         if b > 0 {
             let t: Vec<f32> = targets.iter().map(|&t| t as f32).collect();
             let t = Tensor::from_slice(dev, &t, &[b])?;
-            let inv_b = 1.0 / b as f32;
+            let inv_b = 1.0 / count.unwrap_or(b) as f32;
             match &grad {
                 Some(g) => {
                     let staged = softmax::needs_f32_staging(dev, g.dtype(), c);
@@ -218,6 +230,10 @@ impl Tensor {
         }
         let _g = autograd::no_grad();
         let loss = rows.mean()?;
+        let loss = match count {
+            Some(n) if n != b => loss.mul_scalar(b as f32 / n as f32)?,
+            _ => loss,
+        };
         let loss = if self.dtype() == DType::F32 {
             loss
         } else {

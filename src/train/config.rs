@@ -52,6 +52,12 @@ pub struct TrainerConfig {
     /// never stops. The default, 24, lets the scale fall from its start of 65,536 to 1/256, past
     /// what any start-up overflow needs.
     pub max_skipped_in_a_row: u64,
+    /// Batch-invariant sums (src/tensor/invariant.rs): every weight gradient adds the samples
+    /// one after another in order, continuing across micro-batches, and each sample's loss
+    /// weighs 1 / batch, so a step's gradients are the same bits for any micro-batch size. For
+    /// f32 models that mix no samples (group norm, not batch norm) whose loss is one
+    /// `cross_entropy`; slower, since a weight's sum over the batch is one invocation's loop.
+    pub batch_invariant: bool,
 }
 
 impl Default for TrainerConfig {
@@ -68,6 +74,7 @@ impl Default for TrainerConfig {
             offload_optimizer: false,
             offload_parameters: false,
             max_skipped_in_a_row: 24,
+            batch_invariant: false,
         }
     }
 }
@@ -81,6 +88,12 @@ impl TrainerConfig {
             lr,
             ..Default::default()
         }
+    }
+
+    /// Sets batch-invariant sums ([`TrainerConfig::batch_invariant`]).
+    pub fn batch_invariant(mut self, on: bool) -> Self {
+        self.batch_invariant = on;
+        self
     }
 
     /// Sets the samples per batch (the data loader's batch).

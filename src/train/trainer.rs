@@ -132,6 +132,7 @@ impl<M: Module> Trainer<M> {
             None
         };
         let scaler = (config.precision == Precision::Mixed).then(GradScaler::new);
+        crate::tensor::invariant::set_batch_invariant(&device, config.batch_invariant);
         Ok(Trainer {
             model,
             optimizer,
@@ -412,9 +413,16 @@ impl<M: Module> Trainer<M> {
                     });
                 }
                 let _c = dev.category_scope(Category::Activations);
+                let invariant = self.config.batch_invariant;
                 let mut loss = {
                     let _p = dev.phase_scope("forward");
-                    self.model.forward_loss(&batch, &ctx)?
+                    // Batch-invariant: the loss weighs each sample by 1 / n itself.
+                    let scope = invariant.then(|| crate::tensor::invariant::weigh_samples(n));
+                    let loss = self.model.forward_loss(&batch, &ctx)?;
+                    if let Some(scope) = &scope {
+                        scope.check("Trainer::step (batch_invariant)", &loss)?;
+                    }
+                    loss
                 };
                 if loss.numel() != 1 {
                     return Err(Error::Shape {
@@ -428,7 +436,7 @@ impl<M: Module> Trainer<M> {
                 if loss.dtype() != DType::F32 {
                     loss = loss.to_dtype(DType::F32)?;
                 }
-                if chunk.len() != n {
+                if chunk.len() != n && !invariant {
                     // This micro-batch's share of the effective batch's mean.
                     loss = loss.mul_scalar(chunk.len() as f32 / n as f32)?;
                 }

@@ -23,6 +23,41 @@ thread_local! {
     /// Backward passes running on this thread (a checkpointed segment runs one inside another).
     static DEPTH: Cell<usize> = const { Cell::new(0) };
     static LEAF_HOOK: RefCell<Option<LeafHook>> = const { RefCell::new(None) };
+    /// The inputs of each backward rule running on this thread, innermost last (a checkpointed
+    /// segment's rule runs a backward pass of its own), for [`take_leaf_grad`].
+    static RULE_INPUTS: RefCell<Vec<Vec<Option<Arc<Node>>>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The gradient leaf input `i` of the running backward rule holds, taken out of the leaf when
+/// `keep` accepts it. A rule that takes it adds its own gradient onto it and returns the sum,
+/// which the leaf then holds: batch-invariant sums continue from the gradient of the earlier
+/// micro-batches instead of adding a separate sum to it (src/tensor/invariant.rs). `None` when
+/// input `i` is no leaf, holds nothing, or `keep` refuses (the gradient stays in place).
+pub(crate) fn take_leaf_grad(i: usize, keep: impl FnOnce(&Tensor) -> bool) -> Option<Tensor> {
+    RULE_INPUTS.with(|r| {
+        let r = r.borrow();
+        let node = r.last()?.get(i)?.as_ref()?;
+        if !node.is_leaf {
+            return None;
+        }
+        let mut slot = lock(&node.grad);
+        if slot.as_ref().is_some_and(keep) {
+            slot.take()
+        } else {
+            None
+        }
+    })
+}
+
+/// Pops the running rule's inputs when it returns (or fails).
+struct RuleInputsGuard;
+
+impl Drop for RuleInputsGuard {
+    fn drop(&mut self) {
+        RULE_INPUTS.with(|r| {
+            r.borrow_mut().pop();
+        });
+    }
 }
 
 /// Called by the outermost backward pass on this thread with a leaf's id ([`leaf_id`]) as
@@ -385,7 +420,10 @@ pub(crate) fn backward(root: &Arc<Node>, seed: Tensor) -> Result<()> {
             ))
         })?;
         let needs: Vec<bool> = node.inputs.iter().map(|i| i.is_some()).collect();
+        RULE_INPUTS.with(|r| r.borrow_mut().push(node.inputs.clone()));
+        let inputs_guard = RuleInputsGuard;
         let grads = rule(&g, &needs)?;
+        drop(inputs_guard);
         // The rule and its saved tensors go now, before the next node allocates.
         drop(rule);
         drop(g);
