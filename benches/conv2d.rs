@@ -4,12 +4,14 @@
 //! peak bytes in use for one forward + backward are printed beside the im2col buffer's bytes.
 //! The backward is also measured split: the forward and the input's gradient (`_fwd_dx`), and
 //! the forward and the weight's gradient (`_fwd_dw`), each beside the matmul's forward and the
-//! same operand's gradient. `cargo bench --bench conv2d`; `CONV_BENCH_N` sets the batch
+//! same operand's gradient; in f32 also the forward and the weight's gradient with batch-invariant
+//! sums (`_fwd_dw_invariant`). `cargo bench --bench conv2d`; `CONV_BENCH_N` sets the batch
 //! (default 32, as the ResNet shapes are usually quoted).
 
 mod common;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use fitgrad::tensor::invariant::set_batch_invariant;
 use fitgrad::{Conv2dOptions, DType, Tensor};
 
 /// (name, C, OC, H = W, kernel, stride, padding).
@@ -155,6 +157,19 @@ fn bench(c: &mut Criterion) {
                         dev.sync().unwrap();
                     })
                 });
+            }
+            if dtype == DType::F32 {
+                // Batch-invariant sums: the weight's gradient one in-order sum per element.
+                set_batch_invariant(&dev, true);
+                g.bench_function(BenchmarkId::new("conv2d_fwd_dw_invariant", &id), |b| {
+                    b.iter(|| {
+                        let wg = w.clone().with_requires_grad();
+                        let y = x.conv2d(&wg, None, &opts).unwrap();
+                        y.sum().unwrap().backward().unwrap();
+                        dev.sync().unwrap();
+                    })
+                });
+                set_batch_invariant(&dev, false);
             }
         }
     }

@@ -439,7 +439,12 @@ fn run_dw<T: Operand>(
     let dev = x.device();
     let s = Storage::of(dev, x.dtype());
     let kblocks = kdim.div_ceil(TN);
-    let k_lanes = dw_k_lanes(kblocks);
+    // One chunk leaves no chunks for a workgroup's other lanes: all of them span kk.
+    let k_lanes = if chunks == 1 {
+        WG_X
+    } else {
+        dw_k_lanes(kblocks)
+    };
     // Subgroup broadcasts of dy only where every subgroup lies within one chunk.
     let sg = subgroups(dev).filter(|&sg| k_lanes.is_multiple_of(sg));
     let run = |tm: usize| {

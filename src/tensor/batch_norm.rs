@@ -304,14 +304,16 @@ fn channel_affine(x: &Tensor, weight: Option<&Tensor>, bias: Option<&Tensor>) ->
             })?;
             let mut out = vec![dx];
             if let Some(i) = wi {
-                out.push(autograd::grad_if(need[i], || {
-                    channel_sums(&g.mul(&xs)?, [n, c, hw], i)
-                })?);
+                out.push(match need[i] {
+                    true => channel_sums(&g.mul(&xs)?, [n, c, hw], i)?,
+                    false => None,
+                });
             }
             if let Some(i) = bi {
-                out.push(autograd::grad_if(need[i], || {
-                    channel_sums(g, [n, c, hw], i)
-                })?);
+                out.push(match need[i] {
+                    true => channel_sums(g, [n, c, hw], i)?,
+                    false => None,
+                });
             }
             Ok(out)
         })
@@ -320,17 +322,17 @@ fn channel_affine(x: &Tensor, weight: Option<&Tensor>, bias: Option<&Tensor>) ->
 
 /// The per-channel gradient (C, t's dtype) of input `input` from t (N, C, HW): each sample's
 /// positions summed (in an order fixed by HW alone), then the samples added one after another,
-/// in batch-invariant mode onto the gradient the input holds (src/tensor/invariant.rs).
-fn channel_sums(t: &Tensor, [n, c, hw]: [usize; 3], input: usize) -> Result<Tensor> {
+/// in batch-invariant mode onto the gradient the input holds, in place (then `None`;
+/// src/tensor/invariant.rs).
+fn channel_sums(t: &Tensor, [n, c, hw]: [usize; 3], input: usize) -> Result<Option<Tensor>> {
     let dev = t.device();
     let per_sample = Tensor::uninit(dev, Shape::new(&[n, c])?, DType::F32)?;
     reduce::reduce(t, n * c, hw, 1, 1.0, &per_sample)?;
     let onto = invariant::fold_target(dev, input, c);
     let r = invariant::fold_rows(&per_sample, n, &[c], onto)?;
     drop(per_sample);
-    if r.dtype() == t.dtype() {
-        Ok(r)
-    } else {
-        r.to_dtype(t.dtype())
+    match r {
+        Some(r) if r.dtype() != t.dtype() => r.to_dtype(t.dtype()).map(Some),
+        r => Ok(r),
     }
 }

@@ -229,17 +229,22 @@ impl Tensor {
                     staged_f32(&dx, staged, |dx| conv2d::backward_dx(g, &w, &geo, dx))?;
                     Ok(dx)
                 })?;
-                let dw = autograd::grad_if(need[1], || {
-                    if invariant::is_batch_invariant(dev) {
-                        let onto = invariant::fold_target(dev, 1, geo.weight_numel());
-                        let given = onto.is_some();
-                        let dw = match onto {
-                            Some(t) => t,
-                            None => Tensor::uninit(dev, w.shape().clone(), DType::F32)?,
-                        };
-                        conv2d::backward_dw_fold(g, &x, &geo, given, &dw)?;
-                        return cast_to(dw, dtype);
+                let dw = if !need[1] {
+                    None
+                } else if invariant::is_batch_invariant(dev) {
+                    match invariant::fold_target(dev, 1, geo.weight_numel()) {
+                        Some(held) => {
+                            // Onto the gradient the weight holds, in place: nothing to add.
+                            conv2d::backward_dw_fold(g, &x, &geo, true, &held)?;
+                            None
+                        }
+                        None => {
+                            let dw = Tensor::uninit(dev, w.shape().clone(), DType::F32)?;
+                            conv2d::backward_dw_fold(g, &x, &geo, false, &dw)?;
+                            Some(cast_to(dw, dtype)?)
+                        }
                     }
+                } else {
                     let dw = Tensor::uninit(dev, w.shape().clone(), DType::F32)?;
                     // Partial sums per fixed range of positions, freed at once.
                     let partials = match conv2d::dw_partials(&geo) {
@@ -248,11 +253,11 @@ impl Tensor {
                     };
                     conv2d::backward_dw(g, &x, &geo, partials.as_ref(), &dw)?;
                     drop(partials);
-                    cast_to(dw, dtype)
-                })?;
+                    Some(cast_to(dw, dtype)?)
+                };
                 let mut grads = vec![dx, dw];
                 if has_b {
-                    grads.push(autograd::grad_if(need[2], || bias_grad(g, &geo))?);
+                    grads.push(if need[2] { bias_grad(g, &geo)? } else { None });
                 }
                 Ok(grads)
             })
@@ -275,12 +280,13 @@ impl Tensor {
 }
 
 /// The bias's gradient: dy (N, OC, OH, OW) summed over OH OW, then over N, both in f32 (an f16
-/// partial sum would round twice), in dy's dtype.
-fn bias_grad(g: &Tensor, geo: &Geometry) -> Result<Tensor> {
+/// partial sum would round twice), in dy's dtype; `None` where batch-invariant sums added it
+/// onto the gradient the bias holds.
+fn bias_grad(g: &Tensor, geo: &Geometry) -> Result<Option<Tensor>> {
     let dev = g.device();
     if geo.n == 0 {
         let _ng = autograd::no_grad();
-        return Tensor::zeros(dev, &[geo.oc], g.dtype());
+        return Tensor::zeros(dev, &[geo.oc], g.dtype()).map(Some);
     }
     // per_sample is (N, OC) f32.
     let per_sample = Tensor::uninit(dev, Shape::new(&[geo.n, geo.oc])?, DType::F32)?;
@@ -291,10 +297,10 @@ fn bias_grad(g: &Tensor, geo: &Geometry) -> Result<Tensor> {
     } else {
         let db = Tensor::uninit(dev, Shape::new(&[geo.oc])?, DType::F32)?;
         reduce::reduce(&per_sample, 1, geo.n, geo.oc, 1.0, &db)?;
-        db
+        Some(db)
     };
     drop(per_sample);
-    cast_to(db, g.dtype())
+    db.map(|db| cast_to(db, g.dtype())).transpose()
 }
 
 /// `t` (f32) in `dtype`, outside the graph.

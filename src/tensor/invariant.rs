@@ -7,9 +7,9 @@
 //! mean. In this mode:
 //! - each rule whose weight gradient sums over samples (conv2d's weight and bias, a matmul's
 //!   shared right operand and bias, group norm's affine) adds the samples one after another, in
-//!   order, in one sum per gradient element, continuing from the gradient the weight already
-//!   holds ([`fold_target`]) instead of adding a separate sum to it, so micro-batches folded in
-//!   turn give the bits of the whole batch;
+//!   order, in one sum per gradient element, continuing in place from the gradient the weight
+//!   already holds ([`fold_target`]) instead of adding a separate sum to it, so micro-batches
+//!   folded in turn give the bits of the whole batch;
 //! - the trainer weighs each sample's loss by 1 / (the whole batch) inside the loss
 //!   ([`weigh_samples`]), never by 1 / micro-batch times micro-batch / batch, which rounds.
 //!
@@ -39,50 +39,58 @@ pub fn is_batch_invariant(dev: &Device) -> bool {
 }
 
 /// In batch-invariant mode, the f32 gradient of `numel` elements that leaf input `i` of the
-/// running rule holds, taken out of the leaf for the rule to fold onto and return. `None` when
-/// the mode is off, input `i` is no leaf (then its gradient is summed from zero), or it holds
-/// nothing yet.
+/// running rule holds: the rule adds its own onto it in place and returns no gradient for that
+/// input. `None` when the mode is off, input `i` is no leaf (then its gradient is summed from
+/// zero), or it holds nothing yet.
 pub(crate) fn fold_target(dev: &Device, i: usize, numel: usize) -> Option<Tensor> {
     if !is_batch_invariant(dev) {
         return None;
     }
-    autograd::take_leaf_grad(i, |g| g.dtype() == DType::F32 && g.numel() == numel)
+    autograd::leaf_grad(i, |g| g.dtype() == DType::F32 && g.numel() == numel)
 }
 
 /// The gradient of `dims` (f32) that sums x, viewed as (len, numel of dims), over its `len`
-/// rows in order, folded onto `onto` when given.
+/// rows in order: added onto `onto` in place (then `None`), or a new tensor.
 pub(crate) fn fold_rows(
     x: &Tensor,
     len: usize,
     dims: &[usize],
     onto: Option<Tensor>,
-) -> Result<Tensor> {
+) -> Result<Option<Tensor>> {
     let inner = dims.iter().product();
-    let given = onto.is_some();
-    let out = match onto {
-        Some(t) => t,
-        None => Tensor::uninit(x.device(), Shape::new(dims)?, DType::F32)?,
-    };
-    reduce::fold(x, len, inner, given, &out)?;
-    Ok(out)
+    match onto {
+        Some(t) => {
+            reduce::fold(x, len, inner, true, &t)?;
+            Ok(None)
+        }
+        None => {
+            let out = Tensor::uninit(x.device(), Shape::new(dims)?, DType::F32)?;
+            reduce::fold(x, len, inner, false, &out)?;
+            Ok(Some(out))
+        }
+    }
 }
 
 /// The gradient (f32, (ni, nj)) = lᵀ · r over the rows of l (rows, ni) and r (rows, nj), rows
-/// in order, folded onto `onto` when given.
+/// in order: added onto `onto` in place (then `None`), or a new tensor.
 pub(crate) fn fold_outer(
     l: &Tensor,
     r: &Tensor,
     [ni, nj]: [usize; 2],
     onto: Option<Tensor>,
-) -> Result<Tensor> {
+) -> Result<Option<Tensor>> {
     let rows = l.numel() / ni.max(1);
-    let given = onto.is_some();
-    let out = match onto {
-        Some(t) => t.reshape(&[ni, nj])?,
-        None => Tensor::uninit(l.device(), Shape::new(&[ni, nj])?, DType::F32)?,
-    };
-    fold::outer(l, r, rows, given, &out)?;
-    Ok(out)
+    match onto {
+        Some(t) => {
+            fold::outer(l, r, rows, true, &t.reshape(&[ni, nj])?)?;
+            Ok(None)
+        }
+        None => {
+            let out = Tensor::uninit(l.device(), Shape::new(&[ni, nj])?, DType::F32)?;
+            fold::outer(l, r, rows, false, &out)?;
+            Ok(Some(out))
+        }
+    }
 }
 
 thread_local! {

@@ -297,54 +297,59 @@ fn matmul_backward(
     })?;
     let dev = g.device();
     let invariant = invariant::is_batch_invariant(dev);
-    let gb = grad_if(need[1], || {
-        let k = *a.dims().last().expect("rank >= 2");
-        let rows = g.numel() / n.max(1);
-        if invariant && !ta && b.rank() == 2 && a.numel() / k.max(1) == rows {
-            // One matrix B for every row: its gradient folds the rows in order.
-            let a2 = a.reshape(&[rows, k])?;
-            let g2 = g.reshape(&[rows, n])?;
-            let onto = invariant::fold_target(dev, 1, b.numel());
-            let r = if tb {
-                invariant::fold_outer(&g2, &a2, [n, k], onto) // (N,K) = gᵀ·A
-            } else {
-                invariant::fold_outer(&a2, &g2, [k, n], onto) // (K,N) = Aᵀ·g
-            }?;
-            return in_dtype(r.reshape(b.dims())?, b.dtype());
-        }
-        let shared_b = b.dims()[..b.rank() - 2].iter().product::<usize>() == 1 && g.rank() > 2;
-        if shared_b && !ta {
-            // B is shared by every batch: fold the batch into the rows, one product.
-            let k = *a.dims().last().expect("rank >= 2");
-            let a2 = a.reshape(&[a.numel() / k.max(1), k])?;
-            let g2 = g.reshape(&[g.numel() / n.max(1), n])?;
-            return if tb {
-                mm(&g2, &a2, true, false) // (N,K) = gᵀ·A
-            } else {
-                mm(&a2, &g2, true, false) // (K,N) = Aᵀ·g
-            }?
-            .reshape(b.dims());
-        }
-        // dB = op(A)ᵀ · g, or its transpose when B is stored transposed.
-        let r = match (ta, tb) {
-            (false, false) => mm(a, &g, true, false), // (M,K)ᵀ·(M,N)
-            (true, false) => mm(a, &g, false, false), // (K,M)·(M,N)
-            (false, true) => mm(&g, a, true, false),  // stored (N,K) = (M,N)ᵀ·(M,K)
-            (true, true) => mm(&g, a, true, true),    // stored (N,K) = (M,N)ᵀ·(K,M)ᵀ
+    let k = *a.dims().last().expect("rank >= 2");
+    let rows = g.numel() / n.max(1);
+    let gb = if need[1] && invariant && !ta && b.rank() == 2 && a.numel() / k.max(1) == rows {
+        // One matrix B for every row: its gradient folds the rows in order (`None`: onto the
+        // gradient B holds, in place).
+        let a2 = a.reshape(&[rows, k])?;
+        let g2 = g.reshape(&[rows, n])?;
+        let onto = invariant::fold_target(dev, 1, b.numel());
+        let r = if tb {
+            invariant::fold_outer(&g2, &a2, [n, k], onto) // (N,K) = gᵀ·A
+        } else {
+            invariant::fold_outer(&a2, &g2, [k, n], onto) // (K,N) = Aᵀ·g
         }?;
-        sum_leading(r, b.dims())
-    })?;
-    let mut out = vec![ga, gb];
-    if need.len() > 2 {
-        out.push(grad_if(need[2], || {
-            let g2 = g.reshape(&[g.numel() / n.max(1), n])?;
-            if invariant {
-                let onto = invariant::fold_target(dev, 2, n);
-                let r = invariant::fold_rows(&g2, g2.dims()[0], &[n], onto)?;
-                return in_dtype(r, g.dtype());
+        r.map(|r| in_dtype(r.reshape(b.dims())?, b.dtype()))
+            .transpose()?
+    } else {
+        grad_if(need[1], || {
+            let shared_b = b.dims()[..b.rank() - 2].iter().product::<usize>() == 1 && g.rank() > 2;
+            if shared_b && !ta {
+                // B is shared by every batch: fold the batch into the rows, one product.
+                let k = *a.dims().last().expect("rank >= 2");
+                let a2 = a.reshape(&[a.numel() / k.max(1), k])?;
+                let g2 = g.reshape(&[g.numel() / n.max(1), n])?;
+                return if tb {
+                    mm(&g2, &a2, true, false) // (N,K) = gᵀ·A
+                } else {
+                    mm(&a2, &g2, true, false) // (K,N) = Aᵀ·g
+                }?
+                .reshape(b.dims());
             }
-            g2.sum_axis(0, false)
-        })?);
+            // dB = op(A)ᵀ · g, or its transpose when B is stored transposed.
+            let r = match (ta, tb) {
+                (false, false) => mm(a, &g, true, false), // (M,K)ᵀ·(M,N)
+                (true, false) => mm(a, &g, false, false), // (K,M)·(M,N)
+                (false, true) => mm(&g, a, true, false),  // stored (N,K) = (M,N)ᵀ·(M,K)
+                (true, true) => mm(&g, a, true, true),    // stored (N,K) = (M,N)ᵀ·(K,M)ᵀ
+            }?;
+            sum_leading(r, b.dims())
+        })?
+    };
+    let mut out = vec![ga, gb];
+    if need.len() > 2 && need[2] {
+        let g2 = g.reshape(&[rows, n])?;
+        out.push(if invariant {
+            let onto = invariant::fold_target(dev, 2, n);
+            invariant::fold_rows(&g2, rows, &[n], onto)?
+                .map(|r| in_dtype(r, g.dtype()))
+                .transpose()?
+        } else {
+            Some(g2.sum_axis(0, false)?)
+        });
+    } else if need.len() > 2 {
+        out.push(None);
     }
     Ok(out)
 }

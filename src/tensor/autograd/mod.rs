@@ -28,24 +28,20 @@ thread_local! {
     static RULE_INPUTS: RefCell<Vec<Vec<Option<Arc<Node>>>>> = const { RefCell::new(Vec::new()) };
 }
 
-/// The gradient leaf input `i` of the running backward rule holds, taken out of the leaf when
-/// `keep` accepts it. A rule that takes it adds its own gradient onto it and returns the sum,
-/// which the leaf then holds: batch-invariant sums continue from the gradient of the earlier
-/// micro-batches instead of adding a separate sum to it (src/tensor/invariant.rs). `None` when
-/// input `i` is no leaf, holds nothing, or `keep` refuses (the gradient stays in place).
-pub(crate) fn take_leaf_grad(i: usize, keep: impl FnOnce(&Tensor) -> bool) -> Option<Tensor> {
+/// The gradient leaf input `i` of the running backward rule holds (sharing its memory), when
+/// `keep` accepts it. A rule that adds its own gradient onto it in place returns `None` for
+/// that input: batch-invariant sums continue from the gradient of the earlier micro-batches
+/// instead of adding a separate sum to it (src/tensor/invariant.rs). `None` when input `i` is
+/// no leaf, holds nothing, or `keep` refuses.
+pub(crate) fn leaf_grad(i: usize, keep: impl FnOnce(&Tensor) -> bool) -> Option<Tensor> {
     RULE_INPUTS.with(|r| {
         let r = r.borrow();
         let node = r.last()?.get(i)?.as_ref()?;
         if !node.is_leaf {
             return None;
         }
-        let mut slot = lock(&node.grad);
-        if slot.as_ref().is_some_and(keep) {
-            slot.take()
-        } else {
-            None
-        }
+        let held = lock(&node.grad).as_ref().filter(|g| keep(g)).cloned();
+        held
     })
 }
 
