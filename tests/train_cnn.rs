@@ -321,3 +321,16 @@ fn batch_norm_under_half_the_peak_runs_the_fitted_micro_batch() {
     );
     assert!(budgeted.measured_peak <= whole.measured_peak / 2);
 }
+
+/// `--fast-sums` belongs to group norm: with batch norm it is refused before any device work.
+#[test]
+fn fast_sums_need_group_norm() {
+    let argv = ["train_cnn", "--dataset", "/nonexistent", "--fast-sums"];
+    let args = train_cnn::Args::try_parse_from(argv).unwrap();
+    match train_cnn::run(args, &Job::Single) {
+        Err(fitgrad::Error::InvalidArgument { reason, .. }) => {
+            assert!(reason.contains("--norm group"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
