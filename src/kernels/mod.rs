@@ -1083,6 +1083,11 @@ pub(crate) fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
             .iter()
             .map(|&s| vec![s, F32])
             .collect(),
+        // The fold reads either dtype and adds onto an f32 gradient.
+        "fold_outer" => [F32, F16, F16Packed]
+            .iter()
+            .map(|&s| vec![s, s, F32])
+            .collect(),
         // Unary ops also cast.
         "unary" => vec![
             vec![F32, F32],

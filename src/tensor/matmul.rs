@@ -317,9 +317,8 @@ fn matmul_backward(
             let shared_b = b.dims()[..b.rank() - 2].iter().product::<usize>() == 1 && g.rank() > 2;
             if shared_b && !ta {
                 // B is shared by every batch: fold the batch into the rows, one product.
-                let k = *a.dims().last().expect("rank >= 2");
                 let a2 = a.reshape(&[a.numel() / k.max(1), k])?;
-                let g2 = g.reshape(&[g.numel() / n.max(1), n])?;
+                let g2 = g.reshape(&[rows, n])?;
                 return if tb {
                     mm(&g2, &a2, true, false) // (N,K) = gᵀ·A
                 } else {
@@ -338,9 +337,12 @@ fn matmul_backward(
         })?
     };
     let mut out = vec![ga, gb];
-    if need.len() > 2 && need[2] {
+    if need.len() > 2 {
+        // The bias: g summed over its rows (`None`: folded onto the bias's gradient in place).
         let g2 = g.reshape(&[rows, n])?;
-        out.push(if invariant {
+        out.push(if !need[2] {
+            None
+        } else if invariant {
             let onto = invariant::fold_target(dev, 2, n);
             invariant::fold_rows(&g2, rows, &[n], onto)?
                 .map(|r| in_dtype(r, g.dtype()))
@@ -348,8 +350,6 @@ fn matmul_backward(
         } else {
             Some(g2.sum_axis(0, false)?)
         });
-    } else if need.len() > 2 {
-        out.push(None);
     }
     Ok(out)
 }

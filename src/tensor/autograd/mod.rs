@@ -24,7 +24,7 @@ thread_local! {
     static DEPTH: Cell<usize> = const { Cell::new(0) };
     static LEAF_HOOK: RefCell<Option<LeafHook>> = const { RefCell::new(None) };
     /// The inputs of each backward rule running on this thread, innermost last (a checkpointed
-    /// segment's rule runs a backward pass of its own), for [`take_leaf_grad`].
+    /// segment's rule runs a backward pass of its own), for [`leaf_grad`].
     static RULE_INPUTS: RefCell<Vec<Vec<Option<Arc<Node>>>>> = const { RefCell::new(Vec::new()) };
 }
 
