@@ -334,3 +334,45 @@ fn fast_sums_need_group_norm() {
         other => panic!("{other:?}"),
     }
 }
+
+/// Every budget from the minimum that `--fit auto`'s error names upwards fits: the rungs that
+/// move state to the host keep checkpointing and mixed precision on, and where f32 (whose
+/// weights need no f16 copies) is the most frugal configuration, a budget between its minimum
+/// and what those rungs need takes it instead of an error that names a smaller minimum.
+#[test]
+fn fit_auto_fits_every_budget_from_the_minimum_it_names() {
+    if common::fresh_with_budget(None).is_none() {
+        return;
+    }
+    let csv = images_csv(64);
+    let path = csv.path().display().to_string();
+    let plan = |budget: u64| {
+        let budget = budget.to_string();
+        let argv = [
+            "train_cnn",
+            "--dataset",
+            &path,
+            "--width",
+            "4",
+            "--batch-size",
+            "32",
+            "--epochs",
+            "1",
+            "--memory-budget",
+            &budget,
+            "--fit",
+            "auto",
+            "--plan",
+        ];
+        train_cnn::run(train_cnn::Args::try_parse_from(argv).unwrap(), &Job::Single)
+    };
+    let minimum = match plan(64 << 10) {
+        Err(fitgrad::Error::BudgetTooSmall { minimum, .. }) => minimum,
+        other => panic!("64 KiB: {other:?}"),
+    };
+    for step in [0, 2, 4, 6, 8] {
+        let budget = minimum + step * minimum / 16;
+        let outcome = plan(budget).unwrap_or_else(|e| panic!("{budget} (minimum {minimum}): {e}"));
+        assert!(outcome.planned_peak <= budget, "{budget}");
+    }
+}

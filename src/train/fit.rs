@@ -15,7 +15,10 @@
 //!    (optimizer offload, exact), and the parameters of the model's units streamed from host
 //!    memory too (exact; needs units, and no data parallelism). Each is
 //!    taken only when nothing before it fits; each candidate's plan gives its device peak,
-//!    host bytes and bytes moved per step.
+//!    host bytes and bytes moved per step;
+//! 6. where nothing fits, the most frugal configuration at the last residence (f32 can be, since
+//!    mixed precision adds f16 copies of the weights), at its largest micro-batch, when that
+//!    fits; else the error names its minimum, and a budget of that minimum fits.
 //!
 //! Over MPI the rungs that keep everything on the device run at each ZeRO stage the ranks try
 //! ([`Trainer::fit_auto_on_device`], agreed through the communicator by
@@ -173,9 +176,25 @@ impl<M: Module> Trainer<M> {
                     }
                     Ok(best.expect("at least one configuration"))
                 });
+                let (minimum, (ckpt, precision)) = smallest?;
+                // The residence rungs keep checkpointing and mixed precision on, which is not
+                // always the most frugal: the configuration that is may fit where they did not.
+                if minimum <= budget && reached > start_residence {
+                    self.use_strategy(ckpt, precision);
+                    let micro = self
+                        .largest_fitting(data, &idx, Some(budget), batch)?
+                        .unwrap_or(1);
+                    let c = self.candidate(data, &idx, (batch, micro), ckpt, budget)?;
+                    let fits = c.fits;
+                    candidates.push(c);
+                    if agree(fits)? {
+                        self.set_micro_batch(micro)?;
+                        let chosen = (micro, ckpt, precision, reached);
+                        return Ok(Self::choice(budget, batch, chosen, candidates));
+                    }
+                }
                 self.use_strategy(false, start);
                 (self.micro, self.config.micro_batch) = (micro_before, micro_config);
-                let (minimum, (ckpt, precision)) = smallest?;
                 return Err(Error::BudgetTooSmall {
                     budget,
                     minimum,
@@ -188,15 +207,25 @@ impl<M: Module> Trainer<M> {
                 });
             }
         };
-        Ok(FitChoice {
+        Ok(Self::choice(budget, batch, chosen, candidates))
+    }
+
+    /// The choice of (micro-batch, checkpointing, precision, residence) under `budget`.
+    fn choice(
+        budget: u64,
+        batch: usize,
+        chosen: (usize, bool, Precision, Residence),
+        candidates: &[Candidate],
+    ) -> FitChoice {
+        FitChoice {
             budget,
             batch_size: batch,
             micro_batch: chosen.0,
             checkpointing: chosen.1,
             precision: chosen.2,
             residence: chosen.3,
-            candidates: candidates.clone(),
-        })
+            candidates: candidates.to_vec(),
+        }
     }
 
     /// Where the parameters and the optimizer state live now.
