@@ -370,7 +370,7 @@ fn fit_auto_fits_every_budget_from_the_minimum_it_names() {
         Err(fitgrad::Error::BudgetTooSmall { minimum, .. }) => minimum,
         other => panic!("64 KiB: {other:?}"),
     };
-    for step in [0, 2, 4, 6, 8] {
+    for step in [0, 8] {
         let budget = minimum + step * minimum / 16;
         let outcome = plan(budget).unwrap_or_else(|e| panic!("{budget} (minimum {minimum}): {e}"));
         assert!(outcome.planned_peak <= budget, "{budget}");
