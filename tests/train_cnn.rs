@@ -158,6 +158,15 @@ fn images_csv(rows: usize) -> tempfile::NamedTempFile {
 }
 
 fn run(csv: &tempfile::NamedTempFile, batch: usize, extra: &[&str]) -> train_cnn::Outcome {
+    try_run(csv, batch, extra).unwrap_or_else(|e| panic!("{extra:?}: {e}"))
+}
+
+/// The example on the images of `csv`, width 4, one epoch of batches of `batch`, with `extra`.
+fn try_run(
+    csv: &tempfile::NamedTempFile,
+    batch: usize,
+    extra: &[&str],
+) -> fitgrad::Result<train_cnn::Outcome> {
     let path = csv.path().display().to_string();
     let batch = batch.to_string();
     let mut argv = vec![
@@ -173,7 +182,7 @@ fn run(csv: &tempfile::NamedTempFile, batch: usize, extra: &[&str]) -> train_cnn
     ];
     argv.extend_from_slice(extra);
     let args = train_cnn::Args::try_parse_from(argv).unwrap();
-    train_cnn::run(args, &Job::Single).unwrap_or_else(|e| panic!("{extra:?}: {e}"))
+    train_cnn::run(args, &Job::Single)
 }
 
 /// max |a - b| / max |a| of each tensor, the worst first.
@@ -244,20 +253,23 @@ fn schedule_and_stem_stride_are_checked() {
         let argv = ["train_cnn", "--stem-stride", stride];
         assert!(train_cnn::Args::try_parse_from(argv).is_err(), "{stride}");
     }
-    let argv = [
-        "train_cnn",
-        "--dataset",
-        "/nonexistent",
-        "--cosine",
-        "--schedule",
-        "constant",
-    ];
+    refused(
+        &["--cosine", "--schedule", "constant"],
+        "--schedule constant",
+    );
+}
+
+/// The example run with `flags` (on a dataset that does not exist) is refused before any
+/// device work with an [`fitgrad::Error::InvalidArgument`] whose reason `says` this.
+fn refused(flags: &[&str], says: &str) {
+    let mut argv = vec!["train_cnn", "--dataset", "/nonexistent"];
+    argv.extend_from_slice(flags);
     let args = train_cnn::Args::try_parse_from(argv).unwrap();
     match train_cnn::run(args, &Job::Single) {
         Err(fitgrad::Error::InvalidArgument { reason, .. }) => {
-            assert!(reason.contains("--schedule constant"), "{reason}")
+            assert!(reason.contains(says), "{reason}")
         }
-        other => panic!("{other:?}"),
+        other => panic!("{flags:?}: {other:?}"),
     }
 }
 
@@ -325,14 +337,7 @@ fn batch_norm_under_half_the_peak_runs_the_fitted_micro_batch() {
 /// `--fast-sums` belongs to group norm: with batch norm it is refused before any device work.
 #[test]
 fn fast_sums_need_group_norm() {
-    let argv = ["train_cnn", "--dataset", "/nonexistent", "--fast-sums"];
-    let args = train_cnn::Args::try_parse_from(argv).unwrap();
-    match train_cnn::run(args, &Job::Single) {
-        Err(fitgrad::Error::InvalidArgument { reason, .. }) => {
-            assert!(reason.contains("--norm group"), "{reason}")
-        }
-        other => panic!("{other:?}"),
-    }
+    refused(&["--fast-sums"], "--norm group");
 }
 
 /// Every budget from the minimum that `--fit auto`'s error names upwards fits: the rungs that
@@ -345,26 +350,13 @@ fn fit_auto_fits_every_budget_from_the_minimum_it_names() {
         return;
     }
     let csv = images_csv(64);
-    let path = csv.path().display().to_string();
     let plan = |budget: u64| {
         let budget = budget.to_string();
-        let argv = [
-            "train_cnn",
-            "--dataset",
-            &path,
-            "--width",
-            "4",
-            "--batch-size",
-            "32",
-            "--epochs",
-            "1",
-            "--memory-budget",
-            &budget,
-            "--fit",
-            "auto",
-            "--plan",
-        ];
-        train_cnn::run(train_cnn::Args::try_parse_from(argv).unwrap(), &Job::Single)
+        try_run(
+            &csv,
+            32,
+            &["--memory-budget", &budget, "--fit", "auto", "--plan"],
+        )
     };
     let minimum = match plan(64 << 10) {
         Err(fitgrad::Error::BudgetTooSmall { minimum, .. }) => minimum,
