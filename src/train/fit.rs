@@ -176,25 +176,34 @@ impl<M: Module> Trainer<M> {
                     }
                     Ok(best.expect("at least one configuration"))
                 });
+                self.use_strategy(false, start);
+                (self.micro, self.config.micro_batch) = (micro_before, micro_config);
                 let (minimum, (ckpt, precision)) = smallest?;
                 // The residence rungs keep checkpointing and mixed precision on, which is not
                 // always the most frugal: the configuration that is may fit where they did not.
                 if minimum <= budget && reached > start_residence {
-                    self.use_strategy(ckpt, precision);
-                    let micro = self
-                        .largest_fitting(data, &idx, Some(budget), batch)?
-                        .unwrap_or(1);
-                    let c = self.candidate(data, &idx, (batch, micro), ckpt, budget)?;
-                    let fits = c.fits;
-                    candidates.push(c);
-                    if agree(fits)? {
-                        self.set_micro_batch(micro)?;
+                    let last = (|| {
+                        self.use_strategy(ckpt, precision);
+                        let micro = self
+                            .largest_fitting(data, &idx, Some(budget), batch)?
+                            .unwrap_or(1);
+                        let c = self.candidate(data, &idx, (batch, micro), ckpt, budget)?;
+                        let fits = c.fits;
+                        candidates.push(c);
+                        if agree(fits)? {
+                            self.set_micro_batch(micro)?;
+                            return Ok(Some(micro));
+                        }
+                        Ok(None)
+                    })();
+                    if let Ok(Some(micro)) = last {
                         let chosen = (micro, ckpt, precision, reached);
                         return Ok(Self::choice(budget, batch, chosen, candidates));
                     }
+                    self.use_strategy(false, start);
+                    (self.micro, self.config.micro_batch) = (micro_before, micro_config);
+                    last?;
                 }
-                self.use_strategy(false, start);
-                (self.micro, self.config.micro_batch) = (micro_before, micro_config);
                 return Err(Error::BudgetTooSmall {
                     budget,
                     minimum,
