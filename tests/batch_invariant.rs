@@ -6,8 +6,8 @@
 //! path within f32 rounding (the default path is checked against f64 loops and finite
 //! differences in tests/conv2d.rs, tests/matmul.rs and tests/cnn.rs). Through the trainer, a
 //! group-norm ResNet's weights after two steps are the same bits for every micro-batch size,
-//! with a batch (10) whose 1 / batch is inexact; a loss the trainer cannot weigh is a typed
-//! error. Each test has its own device: the mode is a device's.
+//! with a batch (10) whose 1 / batch is inexact; a loss the trainer cannot weigh, and a
+//! precision other than f32, are typed errors. Each test has its own device: the mode is a device's.
 
 mod common;
 
@@ -16,7 +16,7 @@ use fitgrad::nn::{self, AvgPool2d, Conv2d, GroupNorm, Linear, Module};
 use fitgrad::optim::Sgd;
 use fitgrad::tensor::invariant::set_batch_invariant;
 use fitgrad::train::data::Dataset;
-use fitgrad::train::{ClassBatch, StepContext, TrainModel, Trainer, TrainerConfig};
+use fitgrad::train::{ClassBatch, Precision, StepContext, TrainModel, Trainer, TrainerConfig};
 use fitgrad::{Conv2dOptions, Device, DeviceOptions, Error, MatmulOptions, Result, Tensor};
 
 fn device() -> Option<Device> {
@@ -318,4 +318,17 @@ fn a_loss_the_trainer_cannot_weigh_is_a_typed_error() {
     // The process goes on: the same model, its loss as it is, steps.
     trainer.model.doubled = false;
     trainer.step(&data, &[0, 1, 2, 3]).unwrap();
+    // f16 weights would round each micro-batch's sums apart: refused before any step.
+    let model = net(&dev, false);
+    let opt = Box::new(Sgd::new(model.parameters(), 0.1).unwrap());
+    let cfg = TrainerConfig::new(4, 1, 0.1)
+        .precision(Precision::Mixed)
+        .batch_invariant(true);
+    match Trainer::new(model, opt, cfg).err() {
+        Some(Error::InvalidArgument { op, reason }) => {
+            assert_eq!(op, "Trainer::new");
+            assert!(reason.contains("f32"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
 }

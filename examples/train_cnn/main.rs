@@ -355,12 +355,6 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         if fit_auto {
             let choice = trainer.fit_auto(&images, b)?;
             say!("fit auto: {choice}");
-            if invariant && trainer.config().precision != Precision::F32 {
-                say!(
-                    "note: mixed precision rounds each micro-batch's weight gradients to f16, so \
-                     the batch-invariant sums no longer give the unbudgeted run's bits"
-                );
-            }
         } else {
             trainer.fit_to_budget(&images, b)?;
         }

@@ -57,6 +57,7 @@ pub struct TrainerConfig {
     /// weighs 1 / batch, so a step's gradients are the same bits for any micro-batch size. For
     /// f32 models that mix no samples (group norm, not batch norm) whose loss is one
     /// `cross_entropy`; slower, since a weight's sum over the batch is one invocation's loop.
+    /// Needs [`Precision::F32`] (`Trainer::new` refuses another), and `fit_auto` then keeps it.
     pub batch_invariant: bool,
 }
 

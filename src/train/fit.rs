@@ -48,8 +48,8 @@ impl<M: Module> Trainer<M> {
     /// checkpointing, precision, in that order (see the module docs) — applies it to this
     /// trainer and the model, and says what it chose and why. The batch and accumulation stay
     /// as configured (a configured micro-batch is replaced); checkpointing is turned off unless
-    /// chosen; an [`Precision::F32`] trainer may become [`Precision::Mixed`], other precisions
-    /// stay. Nothing runs on the device but plans.
+    /// chosen; an [`Precision::F32`] trainer may become [`Precision::Mixed`] (unless its sums
+    /// are batch-invariant), other precisions stay. Nothing runs on the device but plans.
     ///
     /// When no candidate fits, the trainer keeps its micro-batch and precision (checkpointing
     /// off) but the last residence tried (streamed parameters stay streamed: drop it or train
@@ -105,7 +105,9 @@ impl<M: Module> Trainer<M> {
         let (micro_before, micro_config) = (self.micro, self.config.micro_batch);
         let can_checkpoint = self.model.set_checkpointing(false);
         let mut configs = Vec::new();
-        let precisions: Vec<Precision> = if start == Precision::F32 {
+        // Mixed precision would round away the bits batch-invariant sums keep.
+        let precisions: Vec<Precision> = if start == Precision::F32 && !self.config.batch_invariant
+        {
             vec![Precision::F32, Precision::Mixed]
         } else {
             vec![start]

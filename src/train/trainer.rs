@@ -91,6 +91,13 @@ impl<M: Module> Trainer<M> {
                 config.batch_size, config.accum_steps
             ));
         }
+        if config.batch_invariant && config.precision != Precision::F32 {
+            return invalid(format!(
+                "batch_invariant needs f32 precision, got {:?}: f16 weights and gradients round \
+                 each micro-batch's sums apart",
+                config.precision
+            ));
+        }
         if let Some(c) = config.clip_grad_norm {
             if !(c.is_finite() && c > 0.0) {
                 return invalid(format!("clip_grad_norm must be a positive number, got {c}"));
