@@ -9,15 +9,6 @@ use crate::{BatchNormOptions, Conv2dOptions, DType, Device, Error, Result, Tenso
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-/// `t` in `dtype` (a recorded cast where it differs).
-fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
-    if t.dtype() == dtype {
-        Ok(t.clone())
-    } else {
-        t.to_dtype(dtype)
-    }
-}
-
 /// A 2-D convolution layer (NCHW), as torch's `nn.Conv2d`: weight (out, in / groups, k, k)
 /// and an optional bias (out), both initialized uniform in ±1 / sqrt(in / groups k k) (torch's
 /// kaiming_uniform with a = sqrt(5)).
@@ -84,8 +75,8 @@ impl Conv2d {
 impl Module for Conv2d {
     /// x (N, in, H, W) -> (N, out, OH, OW) in x's dtype.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let w = cast(&self.weight, x.dtype())?;
-        let b = self.bias.as_ref().map(|b| cast(b, x.dtype())).transpose()?;
+        let w = self.weight.cast(x.dtype())?;
+        let b = self.bias.as_ref().map(|b| b.cast(x.dtype())).transpose()?;
         x.conv2d(&w, b.as_ref(), &self.options)
     }
 
@@ -151,8 +142,8 @@ impl Module for BatchNorm2d {
     /// checkpointing's backward leaves the running statistics alone: they move once per step,
     /// with or without checkpointing.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let w = cast(&self.weight, x.dtype())?;
-        let b = cast(&self.bias, x.dtype())?;
+        let w = self.weight.cast(x.dtype())?;
+        let b = self.bias.cast(x.dtype())?;
         let training = self.is_training();
         let update = training && !autograd::recomputing();
         x.batch_norm(&BatchNormOptions {
@@ -220,8 +211,8 @@ impl GroupNorm {
 impl Module for GroupNorm {
     /// x (N, C, ..) -> the same shape and dtype.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let w = cast(&self.weight, x.dtype())?;
-        let b = cast(&self.bias, x.dtype())?;
+        let w = self.weight.cast(x.dtype())?;
+        let b = self.bias.cast(x.dtype())?;
         x.group_norm(self.groups, Some(&w), Some(&b), self.eps)
     }
 

@@ -190,15 +190,6 @@ pub struct Gpt {
     training: AtomicBool,
 }
 
-/// `t` in `dtype` (a recorded cast, or `t` itself).
-pub(crate) fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
-    if t.dtype() == dtype {
-        Ok(t.clone())
-    } else {
-        t.to_dtype(dtype)
-    }
-}
-
 impl Gpt {
     /// A model with GPT-2's init from `cfg.seed`: weights and embeddings N(0, 0.02), the two
     /// residual projections of each block N(0, 0.02 / sqrt(2 * layers)), biases 0, LayerNorms
@@ -319,7 +310,7 @@ impl Gpt {
         t: usize,
         dtype: DType,
     ) -> Result<Tensor> {
-        cast(&self.logits(ids, batch, t, dtype)?, DType::F32)
+        self.logits(ids, batch, t, dtype)?.cast(DType::F32)
     }
 
     /// Mean cross-entropy over the B·T positions of the logits of `ids` (B, T) against `targets`
@@ -456,13 +447,13 @@ impl Gpt {
         // (B, T, C) + (T, C), broadcast over the batch.
         let tok = self.wte.forward_ids(ids, &[batch, t])?;
         let x = tok.add(&self.wpe.forward_ids(&positions, &[t])?)?;
-        self.drop.forward(&cast(&x, dtype)?)
+        self.drop.forward(&x.cast(dtype)?)
     }
 
     /// x (B, T, C) -> logits (B, T, V): the final LayerNorm, then x · Wteᵀ in `dtype`.
     pub(crate) fn head(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
         self.ln_f.forward(x)?.matmul_with(
-            &cast(&self.wte.weight, dtype)?,
+            &self.wte.weight.cast(dtype)?,
             &MatmulOptions {
                 trans_b: true,
                 ..Default::default()

@@ -95,13 +95,6 @@ impl Linear {
     /// the fly (recorded, so their gradients flow back to the stored dtype). Mixed precision keeps
     /// f32 parameters and runs the matmuls in f16 this way.
     pub fn forward_in(&self, x: &Tensor, activation: Activation, dtype: DType) -> Result<Tensor> {
-        let cast = |t: &Tensor| {
-            if t.dtype() == dtype {
-                Ok(t.clone())
-            } else {
-                t.to_dtype(dtype)
-            }
-        };
         if x.dims().last() != Some(&self.in_features) {
             return Err(Error::Shape {
                 op: "Linear::forward",
@@ -136,8 +129,8 @@ impl Linear {
                 y.reshape(&dims)?
             }
             None => {
-                let weight = cast(&self.weight)?;
-                let bias = self.bias.as_ref().map(cast).transpose()?;
+                let weight = self.weight.cast(dtype)?;
+                let bias = self.bias.as_ref().map(|b| b.cast(dtype)).transpose()?;
                 x2.matmul_with(
                     &weight,
                     &MatmulOptions {

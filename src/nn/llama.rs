@@ -5,7 +5,6 @@
 //! Generation with a KV cache shares src/nn/generate.rs with [`Gpt`](super::Gpt).
 
 use super::generate::{KvCache, LanguageModel};
-use super::gpt::cast;
 use super::{Embedding, Linear, Module};
 use crate::tensor::{Rng, Rope};
 use crate::{Activation, AttentionKind, DType, Device, Error, MatmulOptions, Result, Tensor};
@@ -168,7 +167,7 @@ impl RmsNorm {
 impl Module for RmsNorm {
     /// x (.., C) in any dtype; a weight of another dtype is cast inside the graph.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        x.rms_norm(Some(&cast(&self.weight, x.dtype())?), self.eps)
+        x.rms_norm(Some(&self.weight.cast(x.dtype())?), self.eps)
     }
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {
@@ -556,7 +555,7 @@ impl Llama {
         t: usize,
         dtype: DType,
     ) -> Result<Tensor> {
-        cast(&self.logits(ids, batch, t, 0, None, dtype)?, DType::F32)
+        self.logits(ids, batch, t, 0, None, dtype)?.cast(DType::F32)
     }
 
     /// The mean next-token cross-entropy (f32, rank 0) of ids (B, T) against `targets`, every
@@ -611,7 +610,10 @@ impl Llama {
             self.cfg.rope_theta,
             start,
         )?;
-        let mut x = cast(&self.embed_tokens.forward_ids(ids, &[batch, t])?, dtype)?;
+        let mut x = self
+            .embed_tokens
+            .forward_ids(ids, &[batch, t])?
+            .cast(dtype)?;
         match cache {
             None => {
                 // Streamed blocks train checkpointed: the forward keeps no reference to a
@@ -642,7 +644,7 @@ impl Llama {
             Some(head) => &head.weight,
             None => &self.embed_tokens.weight,
         };
-        x.matmul_with(&cast(w, dtype)?, &MatmulOptions::new().trans_b(true))
+        x.matmul_with(&w.cast(dtype)?, &MatmulOptions::new().trans_b(true))
     }
 }
 

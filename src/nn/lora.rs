@@ -100,11 +100,14 @@ impl Lora {
 
     /// `scaling · (dropout(x) · Aᵀ) · Bᵀ` for x (M, in), in `dtype`: (M, out).
     pub(crate) fn delta(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
-        let cast = |t: &Tensor| super::gpt::cast(t, dtype);
         let t = MatmulOptions::new().trans_b(true);
         // (M, in) -> (M, r) -> (M, out)
-        let h = self.dropout.forward(x)?.matmul_with(&cast(&self.a)?, &t)?;
-        h.matmul_with(&cast(&self.b)?, &t)?.mul_scalar(self.scaling)
+        let h = self
+            .dropout
+            .forward(x)?
+            .matmul_with(&self.a.cast(dtype)?, &t)?;
+        h.matmul_with(&self.b.cast(dtype)?, &t)?
+            .mul_scalar(self.scaling)
     }
 
     /// `scaling · B A`, (out, in), outside the graph.
@@ -190,7 +193,7 @@ impl Linear {
                     .into(),
             });
         }
-        let d = super::gpt::cast(&l.update()?, self.weight.dtype())?;
+        let d = l.update()?.cast(self.weight.dtype())?;
         let d = if merge { d } else { d.neg()? };
         self.weight.add_(&d)?;
         l.merged.store(merge, Ordering::Relaxed);

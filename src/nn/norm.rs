@@ -48,16 +48,9 @@ impl Module for LayerNorm {
     /// x (.., dim) -> (.., dim) in x's dtype. Parameters of another dtype are cast to it inside
     /// the graph (mixed precision keeps f32 parameters), so gradients reach them in theirs.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let cast = |t: &Tensor| {
-            if t.dtype() == x.dtype() {
-                Ok(t.clone())
-            } else {
-                t.to_dtype(x.dtype())
-            }
-        };
         x.layer_norm(
-            Some(&cast(&self.weight)?),
-            Some(&cast(&self.bias)?),
+            Some(&self.weight.cast(x.dtype())?),
+            Some(&self.bias.cast(x.dtype())?),
             self.eps,
         )
     }

@@ -328,11 +328,8 @@ fn channel_sums(t: &Tensor, [n, c, hw]: [usize; 3], input: usize) -> Result<Opti
     let dev = t.device();
     let per_sample = Tensor::uninit(dev, Shape::new(&[n, c])?, DType::F32)?;
     reduce::reduce(t, n * c, hw, 1, 1.0, &per_sample)?;
-    let onto = invariant::fold_target(dev, input, c);
+    let onto = invariant::fold_target(dev, input);
     let r = invariant::fold_rows(&per_sample, n, &[c], onto)?;
     drop(per_sample);
-    match r {
-        Some(r) if r.dtype() != t.dtype() => r.to_dtype(t.dtype()).map(Some),
-        r => Ok(r),
-    }
+    r.map(|r| r.cast(t.dtype())).transpose()
 }

@@ -232,7 +232,7 @@ impl Tensor {
                 let dw = if !need[1] {
                     None
                 } else if invariant::is_batch_invariant(dev) {
-                    match invariant::fold_target(dev, 1, geo.weight_numel()) {
+                    match invariant::fold_target(dev, 1) {
                         Some(held) => {
                             // Onto the gradient the weight holds, in place: nothing to add.
                             conv2d::backward_dw_fold(g, &x, &geo, true, &held)?;
@@ -241,7 +241,7 @@ impl Tensor {
                         None => {
                             let dw = Tensor::uninit(dev, w.shape().clone(), DType::F32)?;
                             conv2d::backward_dw_fold(g, &x, &geo, false, &dw)?;
-                            Some(cast_to(dw, dtype)?)
+                            Some(dw.cast(dtype)?)
                         }
                     }
                 } else {
@@ -253,7 +253,7 @@ impl Tensor {
                     };
                     conv2d::backward_dw(g, &x, &geo, partials.as_ref(), &dw)?;
                     drop(partials);
-                    Some(cast_to(dw, dtype)?)
+                    Some(dw.cast(dtype)?)
                 };
                 let mut grads = vec![dx, dw];
                 if has_b {
@@ -292,7 +292,7 @@ fn bias_grad(g: &Tensor, geo: &Geometry) -> Result<Option<Tensor>> {
     let per_sample = Tensor::uninit(dev, Shape::new(&[geo.n, geo.oc])?, DType::F32)?;
     reduce::reduce(g, geo.n * geo.oc, geo.oh * geo.ow, 1, 1.0, &per_sample)?;
     let db = if invariant::is_batch_invariant(dev) {
-        let onto = invariant::fold_target(dev, 2, geo.oc);
+        let onto = invariant::fold_target(dev, 2);
         invariant::fold_rows(&per_sample, geo.n, &[geo.oc], onto)?
     } else {
         let db = Tensor::uninit(dev, Shape::new(&[geo.oc])?, DType::F32)?;
@@ -300,15 +300,5 @@ fn bias_grad(g: &Tensor, geo: &Geometry) -> Result<Option<Tensor>> {
         Some(db)
     };
     drop(per_sample);
-    db.map(|db| cast_to(db, g.dtype())).transpose()
-}
-
-/// `t` (f32) in `dtype`, outside the graph.
-fn cast_to(t: Tensor, dtype: DType) -> Result<Tensor> {
-    let _ng = autograd::no_grad();
-    if dtype == DType::F32 {
-        Ok(t)
-    } else {
-        t.to_dtype(dtype)
-    }
+    db.map(|db| db.cast(g.dtype())).transpose()
 }

@@ -38,15 +38,15 @@ pub fn is_batch_invariant(dev: &Device) -> bool {
     dev.with_ext(|m: &mut Mode| m.0)
 }
 
-/// In batch-invariant mode, the f32 gradient of `numel` elements that leaf input `i` of the
-/// running rule holds: the rule adds its own onto it in place and returns no gradient for that
-/// input. `None` when the mode is off, input `i` is no leaf (then its gradient is summed from
-/// zero), or it holds nothing yet.
-pub(crate) fn fold_target(dev: &Device, i: usize, numel: usize) -> Option<Tensor> {
+/// In batch-invariant mode, the f32 gradient that leaf input `i` of the running rule holds
+/// (of the input's shape, as every leaf gradient): the rule adds its own onto it in place and
+/// returns no gradient for that input. `None` when the mode is off, input `i` is no leaf (then
+/// its gradient is summed from zero), or it holds nothing yet.
+pub(crate) fn fold_target(dev: &Device, i: usize) -> Option<Tensor> {
     if !is_batch_invariant(dev) {
         return None;
     }
-    autograd::leaf_grad(i, |g| g.dtype() == DType::F32 && g.numel() == numel)
+    autograd::leaf_grad(i, |g| g.dtype() == DType::F32)
 }
 
 /// The gradient of `dims` (f32) that sums x, viewed as (len, numel of dims), over its `len`

@@ -5,7 +5,7 @@ use super::operand::staged_f32;
 use super::{DType, Shape, Tensor};
 use crate::kernels::layer_norm;
 use crate::kernels::softmax::needs_f32_staging;
-use crate::tensor::autograd::{self, record};
+use crate::tensor::autograd::record;
 use crate::{Error, Result};
 
 impl Tensor {
@@ -143,19 +143,11 @@ impl Tensor {
                     )?;
                     drop(partials);
                     // Computed in f32; the parameters' gradients take their dtype.
-                    let cast = |t: Tensor| -> Result<Tensor> {
-                        let _g = autograd::no_grad();
-                        if dtype == DType::F32 {
-                            Ok(t)
-                        } else {
-                            t.to_dtype(dtype)
-                        }
-                    };
                     if has_w {
-                        grads.push(if need_w { Some(cast(dw)?) } else { None });
+                        grads.push(if need_w { Some(dw.cast(dtype)?) } else { None });
                     }
                     if has_b {
-                        grads.push(if need_b { Some(cast(db)?) } else { None });
+                        grads.push(if need_b { Some(db.cast(dtype)?) } else { None });
                     }
                 } else {
                     grads.extend((0..usize::from(has_w) + usize::from(has_b)).map(|_| None));

@@ -2,7 +2,7 @@
 
 use super::invariant;
 use super::operand::staged_f32;
-use super::{DType, Shape, Tensor};
+use super::{Shape, Tensor};
 use crate::kernels::elementwise::{self, BinaryOp};
 use crate::kernels::matmul::{self, Epilogue, Problem, Variant};
 use crate::tensor::autograd::{self, grad_if, record};
@@ -304,13 +304,13 @@ fn matmul_backward(
         // gradient B holds, in place).
         let a2 = a.reshape(&[rows, k])?;
         let g2 = g.reshape(&[rows, n])?;
-        let onto = invariant::fold_target(dev, 1, b.numel());
+        let onto = invariant::fold_target(dev, 1);
         let r = if tb {
             invariant::fold_outer(&g2, &a2, [n, k], onto) // (N,K) = gᵀ·A
         } else {
             invariant::fold_outer(&a2, &g2, [k, n], onto) // (K,N) = Aᵀ·g
         }?;
-        r.map(|r| in_dtype(r.reshape(b.dims())?, b.dtype()))
+        r.map(|r| r.reshape(b.dims())?.cast(b.dtype()))
             .transpose()?
     } else {
         grad_if(need[1], || {
@@ -343,24 +343,15 @@ fn matmul_backward(
         out.push(if !need[2] {
             None
         } else if invariant {
-            let onto = invariant::fold_target(dev, 2, n);
+            let onto = invariant::fold_target(dev, 2);
             invariant::fold_rows(&g2, rows, &[n], onto)?
-                .map(|r| in_dtype(r, g.dtype()))
+                .map(|r| r.cast(g.dtype()))
                 .transpose()?
         } else {
             Some(g2.sum_axis(0, false)?)
         });
     }
     Ok(out)
-}
-
-/// `t` (f32) in `dtype`.
-fn in_dtype(t: Tensor, dtype: DType) -> Result<Tensor> {
-    if t.dtype() == dtype {
-        Ok(t)
-    } else {
-        t.to_dtype(dtype)
-    }
 }
 
 /// A batched gradient (.., R, C) in the operand's shape `dims`: summed over the leading dims when

@@ -301,6 +301,16 @@ impl Tensor {
         }))
     }
 
+    /// `self` in `dtype`: itself (a clone) where it already is, else [`Tensor::to_dtype`]'s
+    /// cast (recorded where recording is on and `self` requires grad).
+    pub(crate) fn cast(&self, dtype: DType) -> Result<Tensor> {
+        if self.dtype() == dtype {
+            Ok(self.clone())
+        } else {
+            self.to_dtype(dtype)
+        }
+    }
+
     /// Sum of every element, as a rank-0 tensor of the same dtype (accumulated in f32).
     pub fn sum(&self) -> Result<Tensor> {
         self.reduce_all(false)

@@ -69,15 +69,6 @@ fn f32_tensor(dev: &Device, v: &[f32]) -> Result<Tensor> {
     Ok(t)
 }
 
-/// `t` in `dtype` (a recorded cast, or `t` itself).
-fn cast(t: &Tensor, dtype: DType) -> Result<Tensor> {
-    if t.dtype() == dtype {
-        Ok(t.clone())
-    } else {
-        t.to_dtype(dtype)
-    }
-}
-
 fn check_dims(op: &'static str, out: usize, inp: usize) -> Result<()> {
     if out == 0 || inp == 0 {
         return Err(Error::InvalidArgument {
@@ -298,13 +289,13 @@ impl QuantWeight {
             }
         }
         let dtype = x.dtype();
-        let x32 = cast(x, DType::F32)?;
+        let x32 = x.cast(DType::F32)?;
         let y = self.matmul(&x32, bias, false)?;
         let me = self.clone();
         let y = record(OP, y, &[&x32], move || {
             Box::new(move |g, _| Ok(vec![Some(me.matmul(g, None, true)?)]))
         });
-        let y = cast(&y, dtype)?;
+        let y = y.cast(dtype)?;
         match act {
             Activation::None => Ok(y),
             Activation::Relu => y.relu(),

@@ -23,9 +23,9 @@ thread_local! {
     /// Backward passes running on this thread (a checkpointed segment runs one inside another).
     static DEPTH: Cell<usize> = const { Cell::new(0) };
     static LEAF_HOOK: RefCell<Option<LeafHook>> = const { RefCell::new(None) };
-    /// The inputs of each backward rule running on this thread, innermost last (a checkpointed
+    /// The node of each backward rule running on this thread, innermost last (a checkpointed
     /// segment's rule runs a backward pass of its own), for [`leaf_grad`].
-    static RULE_INPUTS: RefCell<Vec<Vec<Option<Arc<Node>>>>> = const { RefCell::new(Vec::new()) };
+    static RUNNING: RefCell<Vec<Arc<Node>>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The gradient leaf input `i` of the running backward rule holds (sharing its memory), when
@@ -34,9 +34,9 @@ thread_local! {
 /// instead of adding a separate sum to it (src/tensor/invariant.rs). `None` when input `i` is
 /// no leaf, holds nothing, or `keep` refuses.
 pub(crate) fn leaf_grad(i: usize, keep: impl FnOnce(&Tensor) -> bool) -> Option<Tensor> {
-    RULE_INPUTS.with(|r| {
+    RUNNING.with(|r| {
         let r = r.borrow();
-        let node = r.last()?.get(i)?.as_ref()?;
+        let node = r.last()?.inputs.get(i)?.as_ref()?;
         if !node.is_leaf {
             return None;
         }
@@ -45,12 +45,12 @@ pub(crate) fn leaf_grad(i: usize, keep: impl FnOnce(&Tensor) -> bool) -> Option<
     })
 }
 
-/// Pops the running rule's inputs when it returns (or fails).
-struct RuleInputsGuard;
+/// Pops the running rule's node when it returns (or fails).
+struct RunningGuard;
 
-impl Drop for RuleInputsGuard {
+impl Drop for RunningGuard {
     fn drop(&mut self) {
-        RULE_INPUTS.with(|r| {
+        RUNNING.with(|r| {
             r.borrow_mut().pop();
         });
     }
@@ -416,10 +416,10 @@ pub(crate) fn backward(root: &Arc<Node>, seed: Tensor) -> Result<()> {
             ))
         })?;
         let needs: Vec<bool> = node.inputs.iter().map(|i| i.is_some()).collect();
-        RULE_INPUTS.with(|r| r.borrow_mut().push(node.inputs.clone()));
-        let inputs_guard = RuleInputsGuard;
+        RUNNING.with(|r| r.borrow_mut().push(node.clone()));
+        let running = RunningGuard;
         let grads = rule(&g, &needs)?;
-        drop(inputs_guard);
+        drop(running);
         // The rule and its saved tensors go now, before the next node allocates.
         drop(rule);
         drop(g);
