@@ -13,13 +13,18 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     }
     let a_base = gid.z * p.a_batch;
     let b_base = gid.z * p.b_batch;
-    var acc = 0.0;
+    var sum = 0.0; // the blocks before k's
+    var acc = 0.0; // k's block
     for (var k = 0u; k < p.k; k++) {
+        if (block_starts(k)) {
+            sum += acc;
+            acc = 0.0;
+        }
         var a = 0.0;
         var b = 0.0;
         if (TRANS_A) { a = ld_a(a_base + k * p.m + row); } else { a = ld_a(a_base + row * p.k + k); }
         if (TRANS_B) { b = ld_b(b_base + col * p.k + k); } else { b = ld_b(b_base + k * p.n + col); }
         acc = fma(a, b, acc);
     }
-    st_c(gid.z * p.c_batch + row * p.n + col, finish(acc, col));
+    st_c(gid.z * p.c_batch + row * p.n + col, finish(sum + acc, col));
 }

@@ -1,6 +1,7 @@
 // C = op(A) · op(B) (+ bias) (activation), batched over workgroup_id.z.
 // op(A) is (M, K): A is stored (M, K), or (K, M) with TRANS_A. op(B) is (K, N): B is stored
-// (K, N), or (N, K) with TRANS_B. bias is (N). C is (M, N). All f32 accumulation, k in order.
+// (K, N), or (N, K) with TRANS_B. bias is (N). C is (M, N). All f32 accumulation, k in order, in
+// blocks (K_MASK, include/matmul_common.wgsl).
 // Parameters (binding 0) and `store4` (the fused epilogue) come from include/matmul_common.wgsl,
 // TRANS_A / TRANS_B / VEC_B and the loads a4, a1, b4 from include/matmul_loads.wgsl.
 //
@@ -32,8 +33,15 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
     }
     // acc[r * TN4 + j] = C[m0 + r, n0 + 4j .. n0 + 4j + 4]
     var acc: array<vec4<f32>, TM * TN4>;
+    var sum: array<vec4<f32>, TM * TN4>; // the blocks before k's
     let k4 = p.k & ~3u;
     for (var k = 0u; k < k4; k += 4u) {
+        if (block_starts(k)) { // blocks are whole quads of k
+            for (var i = 0u; i < TM * TN4; i++) {
+                sum[i] += acc[i];
+                acc[i] = vec4<f32>(0.0);
+            }
+        }
         var bv: array<vec4<f32>, 4 * TN4>; // bv[kk * TN4 + j]
         for (var kk = 0u; kk < 4u; kk++) {
             for (var j = 0u; j < TN4; j++) {
@@ -53,6 +61,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
         }
     }
     for (var k = k4; k < p.k; k++) {
+        if (block_starts(k)) {
+            for (var i = 0u; i < TM * TN4; i++) {
+                sum[i] += acc[i];
+                acc[i] = vec4<f32>(0.0);
+            }
+        }
         for (var r = 0u; r < TM; r++) {
             let a = vec4<f32>(a1(a_base, rows[r], k));
             for (var j = 0u; j < TN4; j++) {
@@ -67,7 +81,7 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
             break;
         }
         for (var j = 0u; j < TN4; j++) {
-            store4(c_base, m, n0 + 4u * j, acc[r * TN4 + j]);
+            store4(c_base, m, n0 + 4u * j, sum[r * TN4 + j] + acc[r * TN4 + j]);
         }
     }
 }

@@ -46,7 +46,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     let col0 = wg.x * BN;
     let a_base = wg.z * p.a_batch;
     let b_base = wg.z * p.b_batch;
-    var acc: array<vec4<f32>, 4>; // acc[i] = C[row0 + 4 lid.y + i, col0 + 4 lid.x .. + 4]
+    // C[row0 + 4 lid.y + i, col0 + 4 lid.x .. + 4] = sum[i] + acc[i]: acc is k's block (K_MASK,
+    // include/matmul_common.wgsl), sum the blocks before it.
+    var acc: array<vec4<f32>, 4>;
+    var sum: array<vec4<f32>, 4>;
     for (var k0 = 0u; k0 < p.k; k0 += BK) {
         // Stage the tiles: consecutive invocations take consecutive k of A (or of B's rows when
         // transposed) so reads along memory are adjacent.
@@ -70,6 +73,12 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         }
         workgroupBarrier();
         for (var kk = 0u; kk < BK; kk++) {
+            if (block_starts(k0 + kk)) {
+                for (var i = 0u; i < 4u; i++) {
+                    sum[i] += acc[i];
+                    acc[i] = vec4<f32>(0.0);
+                }
+            }
             let a = As[kk * (BM / 4u) + lid.y];
             let b = Bs[kk * (BN / 4u) + lid.x];
             acc[0] = fma(vec4<f32>(a.x), b, acc[0]);
@@ -86,6 +95,6 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         if (m >= p.m || n >= p.n) {
             continue;
         }
-        store4(c_base, m, n, acc[i]);
+        store4(c_base, m, n, sum[i] + acc[i]);
     }
 }

@@ -13,6 +13,7 @@ device_tests!(
     every_variant_in_every_transposed_form,
     edges_and_empty,
     transposed_forms_match_explicit_transposes,
+    k_blocks_add_their_block_sums_in_order,
     bad_shapes_are_errors
 );
 
@@ -75,6 +76,8 @@ struct Case {
     tb: bool,
     bias: bool,
     act: Activation,
+    /// `MatmulOptions::k_blocks`.
+    kb: bool,
 }
 
 fn gelu(x: f64) -> f64 {
@@ -168,6 +171,7 @@ fn check(
     let mut opts = MatmulOptions::new()
         .trans_a(c.ta)
         .trans_b(c.tb)
+        .k_blocks(c.kb)
         .activation(c.act);
     opts.bias = c.bias.then_some(&bias);
     let want = expect_in(reference(c, &a_host, &b_host, &bias_host), dtype);
@@ -216,19 +220,28 @@ fn size() -> impl Strategy<Value = usize> {
 fn case() -> impl Strategy<Value = Case> {
     (
         (0u8..4, 1usize..4, size(), size(), size()),
-        (any::<bool>(), any::<bool>(), any::<bool>(), 0u8..3),
+        (
+            any::<bool>(),
+            any::<bool>(),
+            any::<bool>(),
+            0u8..3,
+            any::<bool>(),
+        ),
     )
-        .prop_map(|((batch_mode, batch, m, n, k), (ta, tb, bias, act))| Case {
-            batch_mode,
-            batch,
-            m,
-            n,
-            k,
-            ta,
-            tb,
-            bias,
-            act: [Activation::None, Activation::Relu, Activation::Gelu][act as usize],
-        })
+        .prop_map(
+            |((batch_mode, batch, m, n, k), (ta, tb, bias, act, kb))| Case {
+                batch_mode,
+                batch,
+                m,
+                n,
+                k,
+                ta,
+                tb,
+                bias,
+                act: [Activation::None, Activation::Relu, Activation::Gelu][act as usize],
+                kb,
+            },
+        )
 }
 
 /// One of each kernel family. A random case mostly compiles a pipeline per variant it runs
@@ -278,6 +291,7 @@ fn every_variant_in_every_transposed_form(dev: &Device) {
             tb,
             bias: true,
             act: [Activation::Relu, Activation::Gelu][i % 2],
+            kb: false,
         };
         for &dtype in dtypes(dev) {
             check(dev, dtype, &c, fixed_variants(dev), i as u64).unwrap_or_else(|e| panic!("{e}"));
@@ -298,6 +312,7 @@ fn edges_and_empty(dev: &Device) {
         // The first transposed form's epilogue, which subgroup blocks compile in: cases of the
         // same alignment share its pipelines.
         act: Activation::Relu,
+        kb: false,
     };
     // k = 0 gives relu(bias) alone; m or n = 0 gives an empty result.
     for c in [
@@ -338,6 +353,95 @@ fn transposed_forms_match_explicit_transposes(dev: &Device) {
         &explicit.to_vec_f32().unwrap(),
         Tol::elementwise(DType::F32),
     );
+}
+
+/// With `k_blocks` every variant sums k in blocks of 16, each from zero, and adds the block sums
+/// in order: the product over K rows is, bit for bit, the in-order f32 sum of the products over
+/// each block's rows alone (the tail block shorter; K = 33 starts one in the tail loop), so a batch split at multiples of 16 rows sums
+/// each block with the same bits. One block (K <= 16) is the plain product's bits.
+fn k_blocks_add_their_block_sums_in_order(dev: &Device) {
+    if !dtypes(dev).contains(&DType::F32) {
+        return; // the same WGSL runs in f32 on this adapter's other backend
+    }
+    let (m, n) = (13, 9);
+    // The form of a weight gradient's Xᵀ·dY (the random cases cover the others).
+    let (ta, tb) = (true, false);
+    {
+        for k in [5, 33, 48] {
+            let a_host = host_data(k as u64, m * k, -1.0, 1.0);
+            let b_host = host_data(k as u64 ^ 7, k * n, -1.0, 1.0);
+            // op(A)[i, q] and op(B)[q, j] of the stored operands.
+            let a_at = |i: usize, q: usize| {
+                if ta {
+                    a_host[q * m + i]
+                } else {
+                    a_host[i * k + q]
+                }
+            };
+            let b_at = |q: usize, j: usize| {
+                if tb {
+                    b_host[j * k + q]
+                } else {
+                    b_host[q * n + j]
+                }
+            };
+            // The operands of rows `r` of K, stored as the whole ones are.
+            let part = |r: std::ops::Range<usize>| {
+                let kk = r.len();
+                let (mut a, mut b) = (vec![0.0; m * kk], vec![0.0; kk * n]);
+                for (q, row) in r.enumerate() {
+                    for i in 0..m {
+                        a[if ta { q * m + i } else { i * kk + q }] = a_at(i, row);
+                    }
+                    for j in 0..n {
+                        b[if tb { j * kk + q } else { q * n + j }] = b_at(row, j);
+                    }
+                }
+                let ad = if ta { [kk, m] } else { [m, kk] };
+                let bd = if tb { [n, kk] } else { [kk, n] };
+                (
+                    upload(dev, &a, &ad, DType::F32),
+                    upload(dev, &b, &bd, DType::F32),
+                )
+            };
+            let (a, b) = part(0..k);
+            for &v in fixed_variants(dev)
+                .iter()
+                .filter(|v| v.supported_on(dev, DType::F32))
+            {
+                let what = format!("{} {v:?} ta {ta} tb {tb} k {k}", label(dev));
+                let run = |a: &Tensor, b: &Tensor, kb: bool| {
+                    let opts = MatmulOptions::new().trans_a(ta).trans_b(tb).k_blocks(kb);
+                    let c = a.matmul_variant(b, &opts, v).unwrap();
+                    c.to_vec::<f32>().unwrap()
+                };
+                let mut want = vec![0.0f32; m * n];
+                for (i, start) in (0..k).step_by(16).enumerate() {
+                    let (pa, pb) = part(start..(start + 16).min(k));
+                    let block = run(&pa, &pb, false);
+                    if i == 0 {
+                        want = block;
+                    } else {
+                        want.iter_mut().zip(&block).for_each(|(w, x)| *w += x);
+                    }
+                }
+                let got = run(&a, &b, true);
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{what}: not the block sums in order"
+                );
+                if k <= 16 {
+                    assert_eq!(bits(&run(&a, &b, false)), bits(&got), "{what}: one block");
+                } else {
+                    // Blocks change the rounding only: the plain product is close.
+                    let plain = run(&a, &b, false);
+                    check_close(&what, &plain, &got, Tol::elementwise(DType::F32)).unwrap();
+                }
+            }
+        }
+    }
 }
 
 fn bad_shapes_are_errors(dev: &Device) {

@@ -15,6 +15,16 @@ struct Params {
 }
 @group(0) @binding(0) var<uniform> p: Params;
 
+// The sum over k runs in blocks: a block starts where k & K_MASK == 0 (K_MASK = 15: blocks of 16),
+// each block is summed from zero and the block sums are added in order (all ones: one block).
+// A batch that a split cuts at block boundaries (micro-batches, ranks) then sums each block
+// with the same bits, and blocked sums round less than one running sum.
+override K_MASK: u32 = 0xffffffffu;
+
+fn block_starts(k: u32) -> bool {
+    return k != 0u && (k & K_MASK) == 0u;
+}
+
 // C rows start on 16-byte boundaries (N % 4 == 0): whole vec4 stores.
 override VEC_C: bool = false;
 // The epilogue as a pipeline constant, or ANY_EPILOGUE to read it from the parameters. Kernels

@@ -30,6 +30,11 @@ pub struct MatmulOptions<'a> {
     pub bias: Option<&'a Tensor>,
     /// Applied to the result (after the bias); relu and gelu are fused into the kernel's store.
     pub activation: Activation,
+    /// Sums over K in blocks of 16 (each from zero, the block sums added in order), for a K that
+    /// runs over a batch's rows: a weight gradient. A batch split at multiples of 16 rows
+    /// (micro-batches, data-parallel ranks) then sums each block with the same bits, and only
+    /// the few additions of block sums round differently.
+    pub k_blocks: bool,
 }
 
 impl<'a> MatmulOptions<'a> {
@@ -47,6 +52,12 @@ impl<'a> MatmulOptions<'a> {
     /// Reads `other` transposed: it is stored (.., N, K).
     pub fn trans_b(mut self, trans_b: bool) -> Self {
         self.trans_b = trans_b;
+        self
+    }
+
+    /// Sums over K in blocks of 16 rows (see the field).
+    pub fn k_blocks(mut self, k_blocks: bool) -> Self {
+        self.k_blocks = k_blocks;
         self
     }
 
@@ -221,6 +232,7 @@ impl Tensor {
             k,
             trans_a: opts.trans_a,
             trans_b: opts.trans_b,
+            k_blocks: opts.k_blocks,
             a_batch: if single(a_lead) { 0 } else { m * k },
             b_batch: if single(b_lead) { 0 } else { k * n },
             bias: opts.bias.is_some(),
@@ -274,15 +286,23 @@ fn matmul_backward(
         }
         None => g.clone(),
     };
-    let mm = |x: &Tensor, y: &Tensor, trans_a: bool, trans_b: bool| {
+    let mm_opts = |x: &Tensor, y: &Tensor, trans_a: bool, trans_b: bool, k_blocks: bool| {
         x.matmul_with(
             y,
             &MatmulOptions {
                 trans_a,
                 trans_b,
+                k_blocks,
                 ..Default::default()
             },
         )
+    };
+    let mm = |x: &Tensor, y: &Tensor, trans_a: bool, trans_b: bool| {
+        mm_opts(x, y, trans_a, trans_b, false)
+    };
+    // A weight's gradient sums over the batch's rows: in blocks (`MatmulOptions::k_blocks`).
+    let mm_rows = |x: &Tensor, y: &Tensor, trans_a: bool, trans_b: bool| {
+        mm_opts(x, y, trans_a, trans_b, true)
     };
     let n = *g.dims().last().expect("matmul output has rank >= 2");
     let ga = grad_if(need[0], || {
@@ -320,18 +340,18 @@ fn matmul_backward(
                 let a2 = a.reshape(&[a.numel() / k.max(1), k])?;
                 let g2 = g.reshape(&[rows, n])?;
                 return if tb {
-                    mm(&g2, &a2, true, false) // (N,K) = gᵀ·A
+                    mm_rows(&g2, &a2, true, false) // (N,K) = gᵀ·A
                 } else {
-                    mm(&a2, &g2, true, false) // (K,N) = Aᵀ·g
+                    mm_rows(&a2, &g2, true, false) // (K,N) = Aᵀ·g
                 }?
                 .reshape(b.dims());
             }
             // dB = op(A)ᵀ · g, or its transpose when B is stored transposed.
             let r = match (ta, tb) {
-                (false, false) => mm(a, &g, true, false), // (M,K)ᵀ·(M,N)
-                (true, false) => mm(a, &g, false, false), // (K,M)·(M,N)
-                (false, true) => mm(&g, a, true, false),  // stored (N,K) = (M,N)ᵀ·(M,K)
-                (true, true) => mm(&g, a, true, true),    // stored (N,K) = (M,N)ᵀ·(K,M)ᵀ
+                (false, false) => mm_rows(a, &g, true, false), // (M,K)ᵀ·(M,N)
+                (true, false) => mm(a, &g, false, false),      // (K,M)·(M,N)
+                (false, true) => mm_rows(&g, a, true, false),  // stored (N,K) = (M,N)ᵀ·(M,K)
+                (true, true) => mm(&g, a, true, true),         // stored (N,K) = (M,N)ᵀ·(K,M)ᵀ
             }?;
             sum_leading(r, b.dims())
         })?

@@ -69,6 +69,7 @@ impl StepMatmuls {
             x.matmul_with(w, &fwd)?;
             let dw = MatmulOptions {
                 trans_a: true,
+                k_blocks: true,
                 ..Default::default()
             };
             dy.matmul_with(x, &dw)?;

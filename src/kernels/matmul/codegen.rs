@@ -14,9 +14,14 @@ use std::sync::Arc;
 
 const XYZW: [&str; 4] = ["x", "y", "z", "w"];
 
+/// The rows of a block of k (K_MASK in shaders/include/matmul_common.wgsl) where
+/// `Problem::k_blocks`: a power of two.
+const K_BLOCK: u32 = 16;
+
 /// Expands the `//@` lines of shaders/matmul_sg.wgsl (already specialized to SG, TM and TN)
 /// into straight-line code for a TM x TN block: one statement per row, column quad and k,
-/// accumulators in variables `c{row}_{quad}`.
+/// accumulators in variables `c{row}_{quad}` (k's block) and `s{row}_{quad}` (the blocks
+/// before it: K_MASK in shaders/include/matmul_common.wgsl).
 pub fn expand_subgroup(
     body: &str,
     sg: u32,
@@ -60,10 +65,12 @@ pub fn expand_subgroup(
                 for r in 0..tm {
                     for j in 0..quads {
                         emit(format!("var c{r}_{j} = vec4<f32>(0.0);"));
+                        emit(format!("var s{r}_{j} = vec4<f32>(0.0);"));
                     }
                 }
             }
             "quad" => {
+                block_start(&mut emit, tm, quads);
                 for i in 0..loads {
                     emit(if trans_a {
                         format!("let qa{i} = at4(a_base, k + ak{i}, am{i});")
@@ -135,6 +142,7 @@ pub fn expand_subgroup(
                 }
             }
             "single" => {
+                block_start(&mut emit, tm, quads);
                 for i in 0..loads {
                     emit(format!("let sa{i} = a1(a_base, ra{i}, k);"));
                 }
@@ -156,7 +164,7 @@ pub fn expand_subgroup(
                 for r in 0..tm {
                     for j in 0..quads {
                         emit(format!(
-                            "store4(c_base, m0 + {r}u, n0 + {}u, c{r}_{j});",
+                            "store4(c_base, m0 + {r}u, n0 + {}u, s{r}_{j} + c{r}_{j});",
                             4 * j
                         ));
                     }
@@ -166,6 +174,18 @@ pub fn expand_subgroup(
         }
     }
     out
+}
+
+/// Where k starts a block: the sums so far take the block's, which starts again from zero.
+fn block_start(emit: &mut impl FnMut(String), tm: u32, quads: u32) {
+    emit("if (block_starts(k)) {".into());
+    for r in 0..tm {
+        for j in 0..quads {
+            emit(format!("    s{r}_{j} += c{r}_{j};"));
+            emit(format!("    c{r}_{j} = vec4<f32>(0.0);"));
+        }
+    }
+    emit("}".into());
 }
 
 /// The pipeline of `variant` for `pb`, with `storage` the storages of a, b, bias and c and
@@ -249,19 +269,27 @@ pub(super) fn pipeline(
         binding("c", storage[3], true, bind[3]),
     ];
     let key = format!(
-        "{}_{consts:?}_{:?}_{:?}_{}{}{}{}",
+        "{}_{consts:?}_{:?}_{:?}_{}{}{}{}{}",
         file.name,
         bind.map(|b| b.storage),
         bind.map(|b| b.vec4),
         pb.trans_a,
         pb.trans_b,
+        if pb.k_blocks { "_kb" } else { "" },
         match variant {
             Variant::Subgroup { .. } => format!("_e{epilogue}"),
             _ => String::new(),
         },
         splits.key()
     );
-    let mut overrides = vec![("TRANS_A", flag(pb.trans_a)), ("TRANS_B", flag(pb.trans_b))];
+    let mut overrides = vec![
+        ("TRANS_A", flag(pb.trans_a)),
+        ("TRANS_B", flag(pb.trans_b)),
+        (
+            "K_MASK",
+            f64::from(if pb.k_blocks { K_BLOCK - 1 } else { u32::MAX }),
+        ),
+    ];
     if variant != Variant::Naive {
         overrides.push(("VEC_C", flag(vec_c)));
     }

@@ -51,6 +51,8 @@ pub struct Problem {
     pub trans_a: bool,
     /// B is stored (N, K) instead of (K, N).
     pub trans_b: bool,
+    /// K is summed in blocks of 16 (`MatmulOptions::k_blocks`).
+    pub k_blocks: bool,
     /// Elements between batches of A and B; 0 when one matrix serves every batch.
     pub a_batch: usize,
     pub b_batch: usize,

@@ -32,10 +32,11 @@ const TUNE_MIN_FLOPS: usize = 1 << 22;
 fn class_key(dev: &Device, pb: &Problem, dtype: DType) -> String {
     let b = |x: usize| x.next_power_of_two();
     format!(
-        "{:?} ta{} tb{} m{} n{} k{} batched{} n4{} k4{}",
+        "{:?} ta{} tb{}{} m{} n{} k{} batched{} n4{} k4{}",
         Storage::of(dev, dtype),
         pb.trans_a as u8,
         pb.trans_b as u8,
+        if pb.k_blocks { " kb" } else { "" },
         b(pb.m),
         b(pb.n),
         b(pb.k),
