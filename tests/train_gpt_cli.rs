@@ -1,4 +1,4 @@
-//! examples/train_gpt.rs, included as a module: every bad configuration is a typed error from
+//! examples/train_gpt/main.rs, included as a module: every bad configuration is a typed error from
 //! `prepare` (no device), and a tiny configuration trains on each backend, saves, resumes to
 //! the uninterrupted run's step count, samples text of the asked length from the vocabulary,
 //! and fits a budget with `--fit auto`.
@@ -9,7 +9,7 @@ mod common;
 mod budget_figure;
 
 #[allow(dead_code)] // the example's `main`
-#[path = "../examples/train_gpt.rs"]
+#[path = "../examples/train_gpt/main.rs"]
 mod train_gpt;
 
 use clap::Parser;

@@ -4,9 +4,11 @@
 
 #[doc(hidden)]
 pub mod bench;
+mod budget;
 mod config;
 mod csv_file;
 pub mod data;
+mod epoch;
 mod events;
 mod fit;
 mod fit_choice;

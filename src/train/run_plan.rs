@@ -8,8 +8,9 @@
 //! planned steps, so the optimizer state, the cached segments and the fragmentation the steps
 //! leave are what the phase starts from, as in the real run.
 
+use super::budget::smallest_fitting;
 use super::model::{BatchSource, TrainModel};
-use super::plan::{smallest_fitting, Plan};
+use super::plan::Plan;
 use super::Trainer;
 use crate::error::Bytes;
 use crate::nn::Module;
