@@ -1,12 +1,14 @@
 //! Matmul throughput (GFLOP/s) on the default adapter: squares and the shapes of an MLP
 //! 784-512-512-10 training step at batch 128 (forward, dW = XᵀdY, dX = dYWᵀ), f32 and f16; dW
-//! also as the backward runs it, its 128 rows summed in blocks of 16 (`dW_k_blocks`).
+//! also as the backward runs it, its 128 rows summed in blocks of 16 (`dW_k_blocks`), and in f32
+//! as batch-invariant sums fold it onto the gradient held: by the kernel the autotuner chooses
+//! (`dW_fold`) and by the naive one-invocation-per-output kernel (`dW_fold_naive`).
 //! `cargo bench --bench matmul`; `cargo xtask bench` adds the naive and CPU references.
 
 mod common;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use fitgrad::{DType, MatmulOptions, Tensor};
+use fitgrad::{DType, MatmulOptions, MatmulVariant as Variant, Tensor};
 
 fn bench(c: &mut Criterion) {
     let Some(dev) = common::device() else {
@@ -40,6 +42,25 @@ fn bench(c: &mut Criterion) {
                     c
                 })
             });
+        }
+        if dtype == DType::F32 {
+            for &(_, m, n, k, ..) in shapes.iter().filter(|s| s.0 == "dW") {
+                let x = Tensor::randn(&dev, &[k, m], 0.0, 1.0, 1, dtype).unwrap();
+                let dy = Tensor::randn(&dev, &[k, n], 0.0, 1.0, 2, dtype).unwrap();
+                let grad = Tensor::zeros(&dev, &[m, n], dtype).unwrap();
+                let chosen = x
+                    .matmul_chosen(&dy, &MatmulOptions::new().trans_a(true))
+                    .unwrap();
+                g.throughput(Throughput::Elements((2 * m * n * k) as u64));
+                for (name, v) in [("dW_fold", chosen), ("dW_fold_naive", Variant::Naive)] {
+                    g.bench_function(BenchmarkId::new(name, format!("{m}x{n}x{k}")), |bch| {
+                        bch.iter(|| {
+                            x.fold_rows_onto(&dy, &grad, v).unwrap();
+                            dev.sync().unwrap();
+                        })
+                    });
+                }
+            }
         }
         g.finish();
     }

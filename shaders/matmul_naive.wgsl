@@ -14,7 +14,7 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
     let a_base = gid.z * p.a_batch;
     let b_base = gid.z * p.b_batch;
     var sum = 0.0; // the blocks before k's
-    var acc = 0.0; // k's block
+    var acc = start4(gid.z * p.c_batch, row, col).x; // k's block
     for (var k = 0u; k < p.k; k++) {
         if (block_starts(k)) {
             sum += acc;

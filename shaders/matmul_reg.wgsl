@@ -34,6 +34,14 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
     // acc[r * TN4 + j] = C[m0 + r, n0 + 4j .. n0 + 4j + 4]
     var acc: array<vec4<f32>, TM * TN4>;
     var sum: array<vec4<f32>, TM * TN4>; // the blocks before k's
+    let c_base = wg.z * p.c_batch;
+    if (ONTO) {
+        for (var r = 0u; r < TM; r++) {
+            for (var j = 0u; j < TN4; j++) {
+                acc[r * TN4 + j] = start4(c_base, rows[r], n0 + 4u * j);
+            }
+        }
+    }
     let k4 = p.k & ~3u;
     for (var k = 0u; k < k4; k += 4u) {
         if (block_starts(k)) { // blocks are whole quads of k
@@ -74,7 +82,6 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_id) lid:
             }
         }
     }
-    let c_base = wg.z * p.c_batch;
     for (var r = 0u; r < TM; r++) {
         let m = m0 + r;
         if (m >= p.m) {

@@ -50,6 +50,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     // include/matmul_common.wgsl), sum the blocks before it.
     var acc: array<vec4<f32>, 4>;
     var sum: array<vec4<f32>, 4>;
+    let c_base = wg.z * p.c_batch;
+    for (var i = 0u; i < 4u; i++) {
+        acc[i] = start4(c_base, row0 + 4u * lid.y + i, col0 + 4u * lid.x);
+    }
     for (var k0 = 0u; k0 < p.k; k0 += BK) {
         // Stage the tiles: consecutive invocations take consecutive k of A (or of B's rows when
         // transposed) so reads along memory are adjacent.
@@ -88,7 +92,6 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         }
         workgroupBarrier();
     }
-    let c_base = wg.z * p.c_batch;
     let n = col0 + 4u * lid.x;
     for (var i = 0u; i < 4u; i++) {
         let m = row0 + 4u * lid.y + i;

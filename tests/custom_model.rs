@@ -1,5 +1,5 @@
 //! A residual MLP with LayerNorm and dropout, defined here (a small copy of
-//! examples/custom_model.rs's model), trained on a `Dataset` through `Trainer`:
+//! examples/custom_model/model.rs's model), trained on a `Dataset` through `Trainer`:
 //! a budget of half the unbudgeted peak gives the same weights and is never passed; the
 //! planned peak equals the measured peak of a steady-state step (f32 and mixed precision,
 //! dropout on); planning leaves the dropout masks alone.

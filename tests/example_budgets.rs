@@ -10,11 +10,11 @@ mod common;
 mod budget_figure;
 
 #[allow(dead_code)] // the example's `main`
-#[path = "../examples/train_mlp.rs"]
+#[path = "../examples/train_mlp/main.rs"]
 mod train_mlp;
 
 #[allow(dead_code)] // the example's `main`
-#[path = "../examples/custom_model.rs"]
+#[path = "../examples/custom_model/main.rs"]
 mod custom_model;
 
 use budget_figure::figure_passed_back_works;

@@ -14,6 +14,7 @@ device_tests!(
     edges_and_empty,
     transposed_forms_match_explicit_transposes,
     k_blocks_add_their_block_sums_in_order,
+    folds_onto_the_gradient_held_in_k_order,
     bad_shapes_are_errors
 );
 
@@ -440,6 +441,65 @@ fn k_blocks_add_their_block_sums_in_order(dev: &Device) {
                     check_close(&what, &plain, &got, Tol::elementwise(DType::F32)).unwrap();
                 }
             }
+        }
+    }
+}
+
+/// The batch-invariant weight gradient (`Tensor::fold_rows_onto`): every variant folds Xᵀ·dY
+/// onto what the gradient holds, k in order, so all give the naive kernel's bits, folding the
+/// rows in two runs gives the bits of folding them at once, no rows leave the gradient as it
+/// was, and the result is the gradient plus the product within f32 rounding.
+fn folds_onto_the_gradient_held_in_k_order(dev: &Device) {
+    if !dtypes(dev).contains(&DType::F32) {
+        return; // the same WGSL runs in f32 on this adapter's other backend
+    }
+    let (m, n) = (13, 9);
+    let start = host_data(3, m * n, -1.0, 1.0);
+    for k in [0, 1, 7, 33] {
+        let x = host_data(k as u64, k * m, -1.0, 1.0);
+        let dy = host_data(k as u64 ^ 5, k * n, -1.0, 1.0);
+        let up = |v: &[f32], d: &[usize]| upload(dev, v, d, DType::F32);
+        let fold = |v: Variant, rows: std::ops::Range<usize>, onto: &Tensor| {
+            let (xs, ys) = (
+                &x[rows.start * m..rows.end * m],
+                &dy[rows.start * n..rows.end * n],
+            );
+            up(xs, &[rows.len(), m])
+                .fold_rows_onto(&up(ys, &[rows.len(), n]), onto, v)
+                .unwrap();
+        };
+        let bits = |t: &Tensor| {
+            let v = t.to_vec::<f32>().unwrap();
+            v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        };
+        let naive = up(&start, &[m, n]);
+        fold(Variant::Naive, 0..k, &naive);
+        let mut want = start.clone();
+        for (i, w) in want.iter_mut().enumerate() {
+            let (r, c) = (i / n, i % n);
+            *w += (0..k).map(|q| x[q * m + r] * dy[q * n + c]).sum::<f32>();
+        }
+        let what = format!("{} k {k}", label(dev));
+        let got = naive.to_vec::<f32>().unwrap();
+        check_close(&what, &got, &want, Tol::elementwise(DType::F32)).unwrap();
+        if k == 0 {
+            assert_eq!(got, start, "{what}: no rows change nothing");
+        }
+        for &v in fixed_variants(dev)
+            .iter()
+            .filter(|v| v.supported_on(dev, DType::F32))
+        {
+            let whole = up(&start, &[m, n]);
+            fold(v, 0..k, &whole);
+            assert_eq!(
+                bits(&whole),
+                bits(&naive),
+                "{what} {v:?}: not the naive kernel's bits"
+            );
+            let split = up(&start, &[m, n]);
+            fold(v, 0..k / 2, &split);
+            fold(v, k / 2..k, &split);
+            assert_eq!(bits(&split), bits(&whole), "{what} {v:?}: two runs differ");
         }
     }
 }

@@ -25,6 +25,21 @@ fn block_starts(k: u32) -> bool {
     return k != 0u && (k & K_MASK) == 0u;
 }
 
+// Where the sum over k starts: zero, or (ONTO) what C holds, so the kernel folds the products onto
+// C in k order (batch-invariant weight gradients, src/tensor/invariant.rs; no bias, no
+// activation). C[m, n .. n + 4], rows and columns past the edge clamped (never stored).
+override ONTO: bool = false;
+
+fn start4(base: u32, m: u32, n: u32) -> vec4<f32> {
+    if (!ONTO) {
+        return vec4<f32>(0.0);
+    }
+    let row = base + min(m, p.m - 1u) * p.n;
+    let last = p.n - 1u;
+    return vec4<f32>(ld_c(row + min(n, last)), ld_c(row + min(n + 1u, last)),
+                     ld_c(row + min(n + 2u, last)), ld_c(row + min(n + 3u, last)));
+}
+
 // C rows start on 16-byte boundaries (N % 4 == 0): whole vec4 stores.
 override VEC_C: bool = false;
 // The epilogue as a pipeline constant, or ANY_EPILOGUE to read it from the parameters. Kernels

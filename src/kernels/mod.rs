@@ -17,7 +17,6 @@ pub(crate) mod conv2d;
 pub(crate) mod dqmatmul;
 pub(crate) mod dropout;
 pub(crate) mod elementwise;
-pub(crate) mod fold;
 pub(crate) mod grad_norm;
 pub(crate) mod index_select;
 pub(crate) mod layer_norm;
@@ -433,11 +432,6 @@ pub const REDUCE: ShaderFile = ShaderFile {
     body: include_str!("../../shaders/reduce.wgsl"),
     bindings: &[("x", false), ("out", true)],
 };
-pub const FOLD_OUTER: ShaderFile = ShaderFile {
-    name: "fold_outer",
-    body: include_str!("../../shaders/fold_outer.wgsl"),
-    bindings: &[("l", false), ("r", false), ("c", true)],
-};
 pub const TRANSPOSE: ShaderFile = ShaderFile {
     name: "transpose",
     body: concat!(
@@ -849,7 +843,6 @@ pub const SHADERS: &[ShaderFile] = &[
     UNARY,
     FILL,
     REDUCE,
-    FOLD_OUTER,
     TRANSPOSE,
     MATMUL_REG,
     MATMUL_TILED,
@@ -1082,11 +1075,6 @@ pub(crate) fn storage_variants(file: &ShaderFile) -> Vec<Vec<Storage>> {
         "reduce" => [F32, F16, F16Packed]
             .iter()
             .map(|&s| vec![s, F32])
-            .collect(),
-        // The fold reads either dtype and adds onto an f32 gradient.
-        "fold_outer" => [F32, F16, F16Packed]
-            .iter()
-            .map(|&s| vec![s, s, F32])
             .collect(),
         // Unary ops also cast.
         "unary" => vec![

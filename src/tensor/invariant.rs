@@ -18,7 +18,8 @@
 use super::autograd;
 use super::Tensor;
 use crate::device::Device;
-use crate::kernels::{fold, reduce};
+use crate::kernels::matmul::{self, Epilogue, Problem, Variant};
+use crate::kernels::reduce;
 use crate::{DType, Error, Result, Shape};
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -72,24 +73,84 @@ pub(crate) fn fold_rows(
 }
 
 /// The gradient (f32, (ni, nj)) = lᵀ · r over the rows of l (rows, ni) and r (rows, nj), rows
-/// in order: added onto `onto` in place (then `None`), or a new tensor.
+/// in order: added onto `onto` in place (then `None`), or a new tensor. Any matmul kernel does
+/// it (each sums k in order), starting from the gradient held (`Problem::onto`).
 pub(crate) fn fold_outer(
+    l: &Tensor,
+    r: &Tensor,
+    dims: [usize; 2],
+    onto: Option<Tensor>,
+) -> Result<Option<Tensor>> {
+    fold_outer_by(l, r, dims, onto, None)
+}
+
+/// [`fold_outer`] by `variant`, or (`None`) the autotuner's choice.
+fn fold_outer_by(
     l: &Tensor,
     r: &Tensor,
     [ni, nj]: [usize; 2],
     onto: Option<Tensor>,
+    variant: Option<Variant>,
 ) -> Result<Option<Tensor>> {
-    let rows = l.numel() / ni.max(1);
-    match onto {
-        Some(t) => {
-            fold::outer(l, r, rows, true, &t.reshape(&[ni, nj])?)?;
-            Ok(None)
+    let dev = l.device();
+    let out = match &onto {
+        Some(t) => t.reshape(&[ni, nj])?,
+        None => Tensor::uninit(dev, Shape::new(&[ni, nj])?, DType::F32)?,
+    };
+    let pb = Problem {
+        batch: 1,
+        m: ni,
+        n: nj,
+        k: l.numel() / ni.max(1),
+        trans_a: true,
+        trans_b: false,
+        k_blocks: false,
+        onto: onto.is_some(),
+        a_batch: 0,
+        b_batch: 0,
+        bias: false,
+        epilogue: Epilogue::None,
+    };
+    let variant = match variant {
+        Some(v) => v,
+        None => matmul::select(dev, &pb, l.dtype(), |v| {
+            matmul::run(dev, v, &pb, l, r, None, &out)
+        })?,
+    };
+    matmul::run(dev, variant, &pb, l, r, None, &out)?;
+    Ok(onto.is_none().then_some(out))
+}
+
+impl Tensor {
+    /// `self`ᵀ · `other` over their rows ((K, M) and (K, N), f32) folded onto `onto` ((M, N),
+    /// f32) in place, k in order, by one matmul kernel variant: the batch-invariant weight
+    /// gradient's kernel (tests).
+    #[doc(hidden)]
+    pub fn fold_rows_onto(&self, other: &Tensor, onto: &Tensor, variant: Variant) -> Result<()> {
+        let (Some(&m), Some(&n)) = (self.dims().last(), other.dims().last()) else {
+            return Err(Error::InvalidArgument {
+                op: "fold_rows_onto",
+                reason: "need (K, M) and (K, N) operands".into(),
+            });
+        };
+        if self.rank() != 2
+            || other.rank() != 2
+            || self.dims()[0] != other.dims()[0]
+            || onto.dims() != [m, n]
+            || [self, other, onto].iter().any(|t| t.dtype() != DType::F32)
+        {
+            return Err(Error::InvalidArgument {
+                op: "fold_rows_onto",
+                reason: format!(
+                    "need f32 (K, M) and (K, N) operands and an (M, N) gradient, got {:?}, {:?} \
+                     and {:?}",
+                    self.dims(),
+                    other.dims(),
+                    onto.dims()
+                ),
+            });
         }
-        None => {
-            let out = Tensor::uninit(l.device(), Shape::new(&[ni, nj])?, DType::F32)?;
-            fold::outer(l, r, rows, false, &out)?;
-            Ok(Some(out))
-        }
+        fold_outer_by(self, other, [m, n], Some(onto.clone()), Some(variant)).map(drop)
     }
 }
 

@@ -233,6 +233,7 @@ impl Tensor {
             trans_a: opts.trans_a,
             trans_b: opts.trans_b,
             k_blocks: opts.k_blocks,
+            onto: false,
             a_batch: if single(a_lead) { 0 } else { m * k },
             b_batch: if single(b_lead) { 0 } else { k * n },
             bias: opts.bias.is_some(),

@@ -1,4 +1,4 @@
-//! A tiny training run with a report, as examples/train_mlp.rs makes it: an Mlp on the
+//! A tiny training run with a report, as examples/train_mlp/main.rs makes it: an Mlp on the
 //! embedded digits for a few epochs, the second step's memory recorded beside the planner's,
 //! the loss logged every 5 steps, the test set evaluated after every epoch. Included by the
 //! report tests with `#[path]`.

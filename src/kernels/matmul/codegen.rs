@@ -64,7 +64,10 @@ pub fn expand_subgroup(
                 }
                 for r in 0..tm {
                     for j in 0..quads {
-                        emit(format!("var c{r}_{j} = vec4<f32>(0.0);"));
+                        emit(format!(
+                            "var c{r}_{j} = start4(c_base, m0 + {r}u, n0 + {}u);",
+                            4 * j
+                        ));
                         emit(format!("var s{r}_{j} = vec4<f32>(0.0);"));
                     }
                 }
@@ -275,7 +278,12 @@ pub(super) fn pipeline(
         bind.map(|b| b.vec4),
         pb.trans_a,
         pb.trans_b,
-        if pb.k_blocks { "_kb" } else { "" },
+        match (pb.k_blocks, pb.onto) {
+            (false, false) => "",
+            (true, false) => "_kb",
+            (false, true) => "_onto",
+            (true, true) => "_kb_onto",
+        },
         match variant {
             Variant::Subgroup { .. } => format!("_e{epilogue}"),
             _ => String::new(),
@@ -285,6 +293,7 @@ pub(super) fn pipeline(
     let mut overrides = vec![
         ("TRANS_A", flag(pb.trans_a)),
         ("TRANS_B", flag(pb.trans_b)),
+        ("ONTO", flag(pb.onto)),
         (
             "K_MASK",
             f64::from(if pb.k_blocks { K_BLOCK - 1 } else { u32::MAX }),

@@ -53,6 +53,9 @@ pub struct Problem {
     pub trans_b: bool,
     /// K is summed in blocks of 16 (`MatmulOptions::k_blocks`).
     pub k_blocks: bool,
+    /// The sum over K starts from what C holds instead of zero: the products fold onto C in k
+    /// order (batch-invariant weight gradients; no bias, no activation).
+    pub onto: bool,
     /// Elements between batches of A and B; 0 when one matrix serves every batch.
     pub a_batch: usize,
     pub b_batch: usize,

@@ -68,7 +68,9 @@ pub(crate) fn select(
     {
         return Ok(v);
     }
-    if !may_tune(dev) {
+    // A candidate run onto the output would fold onto it once more: such a problem takes its
+    // class's winner (the class leaves `onto` out) or the built-in choice.
+    if pb.onto || !may_tune(dev) {
         return Ok(fallback);
     }
     // A class is tuned whole once started (a cut-short result would be no better next run),
