@@ -356,7 +356,7 @@ fn transposed_forms_match_explicit_transposes(dev: &Device) {
     );
 }
 
-/// With `k_blocks` every variant sums k in blocks of 16, each from zero, and adds the block sums
+/// With `k_blocks` a variant of each family sums k in blocks of 16, each from zero, and adds the block sums
 /// in order: the product over K rows is, bit for bit, the in-order f32 sum of the products over
 /// each block's rows alone (the tail block shorter; K = 33 starts one in the tail loop), so a batch split at multiples of 16 rows sums
 /// each block with the same bits. One block (K <= 16) is the plain product's bits.
@@ -445,7 +445,7 @@ fn k_blocks_add_their_block_sums_in_order(dev: &Device) {
     }
 }
 
-/// The batch-invariant weight gradient (`Tensor::fold_rows_onto`): every variant folds Xᵀ·dY
+/// The batch-invariant weight gradient (`Tensor::fold_rows_onto`): a variant of each family folds Xᵀ·dY
 /// onto what the gradient holds, k in order, so all give the naive kernel's bits, folding the
 /// rows in two runs gives the bits of folding them at once, no rows leave the gradient as it
 /// was, and the result is the gradient plus the product within f32 rounding.

@@ -248,14 +248,20 @@ pub fn validate_all() -> Vec<(String, std::result::Result<(), String>)> {
             continue;
         }
         // The subgroup matmul is validated as written and expanded (a 16 x 8 block, in its
-        // plain and transposed forms).
+        // plain form and transposed with k in blocks from C).
         let mut bodies = vec![(String::new(), file.body.to_string())];
         if file.name == "matmul_sg" {
             let body = specialize(file.body, &[("SG", 8), ("TM", 16), ("TN", 8)]);
-            for (ta, tb) in [(false, false), (true, true)] {
+            for on in [false, true] {
+                let forms = matmul::Forms {
+                    trans_a: on,
+                    trans_b: on,
+                    k_blocks: on,
+                    onto: on,
+                };
                 bodies.push((
-                    format!(" expanded 16x8 ta{ta} tb{tb}"),
-                    matmul::expand_subgroup(&body, 8, 16, 8, ta, tb),
+                    format!(" expanded 16x8 {forms:?}"),
+                    matmul::expand_subgroup(&body, [8, 16, 8], forms),
                 ));
             }
         }

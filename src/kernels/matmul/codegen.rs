@@ -18,18 +18,29 @@ const XYZW: [&str; 4] = ["x", "y", "z", "w"];
 /// `Problem::k_blocks`: a power of two.
 const K_BLOCK: u32 = 16;
 
+/// The forms of a problem the unrolled subgroup kernel is written for: operand layouts, k in
+/// blocks, the sum starting from C.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Forms {
+    pub trans_a: bool,
+    pub trans_b: bool,
+    pub k_blocks: bool,
+    pub onto: bool,
+}
+
 /// Expands the `//@` lines of shaders/matmul_sg.wgsl (already specialized to SG, TM and TN)
 /// into straight-line code for a TM x TN block: one statement per row, column quad and k,
-/// accumulators in variables `c{row}_{quad}` (k's block) and `s{row}_{quad}` (the blocks
-/// before it: K_MASK in shaders/include/matmul_common.wgsl).
-pub fn expand_subgroup(
-    body: &str,
-    sg: u32,
-    tm: u32,
-    tn: u32,
-    trans_a: bool,
-    trans_b: bool,
-) -> String {
+/// accumulators in variables `c{row}_{quad}` and, with `k_blocks`, the blocks before k's in
+/// `s{row}_{quad}` (K_MASK in shaders/include/matmul_common.wgsl). The block and `onto` code is
+/// written only for the forms that use it: unrolled, it is most of what a CPU compiler spends
+/// on the kernel.
+pub fn expand_subgroup(body: &str, [sg, tm, tn]: [u32; 3], forms: Forms) -> String {
+    let Forms {
+        trans_a,
+        trans_b,
+        k_blocks,
+        onto,
+    } = forms;
     let (loads, quads, row_quads) = (tm / sg, tn / 4, tm / 4);
     let mut out = String::with_capacity(body.len() + (tm * quads * 200) as usize);
     for line in body.lines() {
@@ -64,16 +75,21 @@ pub fn expand_subgroup(
                 }
                 for r in 0..tm {
                     for j in 0..quads {
-                        emit(format!(
-                            "var c{r}_{j} = start4(c_base, m0 + {r}u, n0 + {}u);",
-                            4 * j
-                        ));
-                        emit(format!("var s{r}_{j} = vec4<f32>(0.0);"));
+                        emit(if onto {
+                            format!("var c{r}_{j} = start4(c_base, m0 + {r}u, n0 + {}u);", 4 * j)
+                        } else {
+                            format!("var c{r}_{j} = vec4<f32>(0.0);")
+                        });
+                        if k_blocks {
+                            emit(format!("var s{r}_{j} = vec4<f32>(0.0);"));
+                        }
                     }
                 }
             }
             "quad" => {
-                block_start(&mut emit, tm, quads);
+                if k_blocks {
+                    block_start(&mut emit, tm, quads);
+                }
                 for i in 0..loads {
                     emit(if trans_a {
                         format!("let qa{i} = at4(a_base, k + ak{i}, am{i});")
@@ -145,7 +161,9 @@ pub fn expand_subgroup(
                 }
             }
             "single" => {
-                block_start(&mut emit, tm, quads);
+                if k_blocks {
+                    block_start(&mut emit, tm, quads);
+                }
                 for i in 0..loads {
                     emit(format!("let sa{i} = a1(a_base, ra{i}, k);"));
                 }
@@ -166,8 +184,13 @@ pub fn expand_subgroup(
             "store" => {
                 for r in 0..tm {
                     for j in 0..quads {
+                        let sum = if k_blocks {
+                            format!("s{r}_{j} + c{r}_{j}")
+                        } else {
+                            format!("c{r}_{j}")
+                        };
                         emit(format!(
-                            "store4(c_base, m0 + {r}u, n0 + {}u, s{r}_{j} + c{r}_{j});",
+                            "store4(c_base, m0 + {r}u, n0 + {}u, {sum});",
                             4 * j
                         ));
                     }
@@ -316,7 +339,13 @@ pub(super) fn pipeline(
         let body = specialize(file.body, &consts);
         let body = match variant {
             Variant::Subgroup { sg, tm, tn, .. } => {
-                expand_subgroup(&body, sg, tm, tn, pb.trans_a, pb.trans_b)
+                let forms = Forms {
+                    trans_a: pb.trans_a,
+                    trans_b: pb.trans_b,
+                    k_blocks: pb.k_blocks,
+                    onto: pb.onto,
+                };
+                expand_subgroup(&body, [sg, tm, tn], forms)
             }
             _ => body,
         };

@@ -23,7 +23,7 @@ mod codegen;
 mod policy;
 mod tune;
 
-pub use codegen::expand_subgroup;
+pub use codegen::{expand_subgroup, Forms};
 pub use policy::{candidates, default_variant, supported};
 pub(crate) use tune::{env_settings, select, select_named};
 
