@@ -350,9 +350,9 @@ fn matmul_backward(
             // dB = op(A)ᵀ · g, or its transpose when B is stored transposed.
             let r = match (ta, tb) {
                 (false, false) => mm_rows(a, &g, true, false), // (M,K)ᵀ·(M,N)
-                (true, false) => mm(a, &g, false, false),      // (K,M)·(M,N)
+                (true, false) => mm_rows(a, &g, false, false), // (K,M)·(M,N)
                 (false, true) => mm_rows(&g, a, true, false),  // stored (N,K) = (M,N)ᵀ·(M,K)
-                (true, true) => mm(&g, a, true, true),         // stored (N,K) = (M,N)ᵀ·(K,M)ᵀ
+                (true, true) => mm_rows(&g, a, true, true),    // stored (N,K) = (M,N)ᵀ·(K,M)ᵀ
             }?;
             sum_leading(r, b.dims())
         })?
