@@ -76,24 +76,9 @@ pub struct Args {
     /// Windows per batch.
     #[arg(long, default_value_t = 4)]
     pub batch_size: usize,
-    /// Batches whose gradients add up before each optimizer step.
-    #[arg(long, default_value_t = 1)]
-    pub accum_steps: usize,
     /// f32, f16 (weights converted on load; a value past f16's range is an error) or mixed.
     #[arg(long, default_value = "f32")]
     pub precision: String,
-    /// Hard limit on device memory (e.g. 512MiB); the micro-batch is fitted to it.
-    #[arg(long)]
-    pub memory_budget: Option<String>,
-    /// `auto`: let --memory-budget choose micro-batch, checkpointing and precision.
-    #[arg(long)]
-    pub fit: Option<String>,
-    /// Recompute each block's halves in backward instead of keeping their activations.
-    #[arg(long)]
-    pub checkpoint_activations: bool,
-    /// Print the planned peak memory of a fine-tuning step, by category, and exit.
-    #[arg(long)]
-    pub plan: bool,
     /// A prompt to continue after evaluation and fine-tuning.
     #[arg(long)]
     pub generate: Option<String>,
@@ -115,9 +100,6 @@ pub struct Args {
     /// Write the model (after fine-tuning) to this folder as transformers reads it.
     #[arg(long)]
     pub save: Option<PathBuf>,
-    /// Substring of the adapter name to use.
-    #[arg(long)]
-    pub adapter: Option<String>,
     /// Build the model from a config alone, with random weights and no tokenizer (the steps
     /// train on seeded random token ids): a config.json, a folder holding one, or a shipped
     /// name (gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-3-8b, tinyllama-1.1b). With --plan
@@ -127,9 +109,6 @@ pub struct Args {
     /// adamw, or sgd (plain SGD: no optimizer state).
     #[arg(long, default_value = "adamw", value_parser = ["adamw", "sgd"])]
     pub optimizer: String,
-    /// End stdout with one JSON object describing the run.
-    #[arg(long)]
-    pub json: bool,
     /// Train LoRA adapters of this rank instead of the whole model (the base is frozen).
     #[arg(long)]
     pub lora_rank: Option<usize>,
@@ -155,6 +134,12 @@ pub struct Args {
     /// Write the model with the adapters merged into its weights to this folder.
     #[arg(long)]
     pub merge_into: Option<PathBuf>,
+    /// The adapter, the budget, the plan, the JSON line, the accumulation.
+    #[command(flatten)]
+    pub run: fitgrad::run::RunArgs,
+    /// --fit auto and --checkpoint-activations.
+    #[command(flatten)]
+    pub fit: fitgrad::run::FitArgs,
 }
 
 /// The small GPT-2 folder shipped in the crate (made by examples/make_shipped_model.rs).

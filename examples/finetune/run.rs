@@ -11,8 +11,8 @@ use fitgrad::nn::{trainable_parameters, Gpt, LanguageModel, Module, Sampling};
 use fitgrad::optim::{decay_groups, AdamW, Optimizer, Sgd};
 use fitgrad::train::text::{TextDataset, TokenBatch};
 use fitgrad::train::WindowLoss;
-use fitgrad::train::{window_loss, BatchSource, Precision, TrainModel, Trainer, TrainerConfig};
-use fitgrad::{Device, DeviceOptions, Result};
+use fitgrad::train::{window_loss, Precision, TrainModel, Trainer, TrainerConfig};
+use fitgrad::{Device, Result};
 use std::path::Path;
 
 /// Windows per forward when evaluating.
@@ -92,10 +92,7 @@ fn with_lora<M: LoraBase>(
 
 /// Opens the device the flags ask for.
 pub fn open_device(args: &Args, setup: &Setup) -> Result<Device> {
-    let mut o = DeviceOptions::default();
-    o.adapter = args.adapter.clone();
-    o.memory_budget = setup.budget;
-    Device::with_options(o)
+    fitgrad::run::open_device(args.run.adapter.as_deref(), setup.budget)
 }
 
 pub fn evaluate<M: LanguageModel>(model: &M, setup: &Setup) -> Result<Option<WindowLoss>> {
@@ -202,10 +199,10 @@ where
     let (mut gpt, mut base) = built?;
     let mut plan_json = None;
     if let Some(train) = &setup.train {
-        let mut config = TrainerConfig::new(args.batch_size, args.accum_steps, args.lr);
+        let mut config = TrainerConfig::new(args.batch_size, args.run.accum_steps, args.lr);
         config.precision = setup.precision;
         config.clip_grad_norm = Some(1.0);
-        gpt.set_checkpointing(args.checkpoint_activations);
+        gpt.set_checkpointing(args.fit.checkpoint_activations);
         // The first build hands over the model already loaded; a rebuild (budget fitting)
         // loads the weights again.
         let first = std::cell::RefCell::new(Some((gpt, quant)));
@@ -216,7 +213,7 @@ where
                 _ => {
                     let (mut m, b) = build_model(*q)?;
                     built_base.set(b);
-                    m.set_checkpointing(args.checkpoint_activations);
+                    m.set_checkpointing(args.fit.checkpoint_activations);
                     m
                 }
             };
@@ -250,9 +247,9 @@ where
         report.fit_choice = fit_choice;
         let plan = trainer.plan(train)?;
         report.plan = Some(plan.clone());
-        if args.plan {
+        if args.run.plan {
             print!("{plan}");
-            if args.json {
+            if args.run.json {
                 println!("{}", serde_json::json!({"planned_peak_bytes": plan.peak}));
             }
             return Ok(report);
@@ -307,7 +304,7 @@ where
         save(&gpt, dir, Some(&setup.folder.dir().join(TOKENIZER_FILE)))?;
         println!("saved {}", dir.display());
     }
-    if args.json {
+    if args.run.json {
         let j = serde_json::json!({
             "model": args.model_dir().display().to_string(),
             "adapter": device.info().adapter.name,
@@ -346,7 +343,7 @@ pub fn optimizer_for<M: Module>(args: &Args, model: &M) -> Result<Box<dyn Optimi
 
 /// The trainer's settings the flags ask for: gradients clipped to norm 1.
 pub fn trainer_config(args: &Args, precision: Precision) -> TrainerConfig {
-    let mut config = TrainerConfig::new(args.batch_size, args.accum_steps, args.lr);
+    let mut config = TrainerConfig::new(args.batch_size, args.run.accum_steps, args.lr);
     config.precision = precision;
     config.clip_grad_norm = Some(1.0);
     config
@@ -368,14 +365,14 @@ where
     M: LanguageModel + TrainModel<TokenBatch>,
 {
     let config = trainer_config(args, precision);
-    first.set_checkpointing(args.checkpoint_activations);
+    first.set_checkpointing(args.fit.checkpoint_activations);
     let first = std::cell::RefCell::new(Some(first));
     let build = || {
         let model = match first.borrow_mut().take() {
             Some(m) => m,
             None => {
                 let mut m = build_model()?;
-                m.set_checkpointing(args.checkpoint_activations);
+                m.set_checkpointing(args.fit.checkpoint_activations);
                 m
             }
         };
@@ -404,21 +401,12 @@ pub fn train_steps<M>(
 where
     M: LanguageModel + TrainModel<TokenBatch>,
 {
-    let eff = args.batch_size * args.accum_steps;
-    let n = train.len() as u64;
+    let eff = args.batch_size * args.run.accum_steps;
     let mut last = None;
-    let mut order = (u64::MAX, Vec::new());
+    let mut order = fitgrad::run::StepOrder::new(args.seed);
     for step in 0..args.steps {
         // Positions step * eff .. of the concatenated seeded epoch orders.
-        let idx: Vec<usize> = (0..eff as u64)
-            .map(|i| {
-                let pos = step * eff as u64 + i;
-                if order.0 != pos / n {
-                    order = (pos / n, train.epoch_order(args.seed, pos / n));
-                }
-                order.1[(pos % n) as usize]
-            })
-            .collect();
+        let idx = order.indices(train, step, eff);
         trainer.step(train, &idx)?;
         if (step + 1) % 10 == 0 || step + 1 == args.steps {
             let loss = trainer.take_loss()?;

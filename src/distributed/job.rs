@@ -6,7 +6,6 @@
 use super::allreduce::AllReduceStats;
 use super::comm::share_of;
 use super::zero::{Collective, RankPlans, StepCollectives, Zero};
-use crate::cli;
 use crate::nn::Module;
 use crate::train::{BatchSource, Plan, RunPlan, TrainModel, Trainer};
 use crate::{Device, Error, Result};
@@ -398,7 +397,7 @@ impl Job {
         trainer.resume_from_checkpoint(&super::load_checkpoint(path)?)
     }
 
-    /// Prints the run's plan (`--plan`) on rank 0 ([`cli::print_plan`]); on an MPI rank also
+    /// Prints the run's plan (`--plan`) on rank 0 ([`RunPlan::print`]); on an MPI rank also
     /// every rank's planned device bytes and the step's collectives ([`RankPlans`], under
     /// `per_rank` in the JSON). Call it on every rank at the same point.
     pub fn print_plan<M: Module>(
@@ -414,13 +413,13 @@ impl Job {
             return Ok(());
         }
         if json {
-            let mut j = cli::plan_json(run, planned_in);
+            let mut j = run.to_json(planned_in);
             if let Some(r) = &ranks {
                 j["per_rank"] = serde_json::to_value(r).unwrap_or_default();
             }
             println!("{j}");
         } else {
-            cli::print_plan(run, false, planned_in);
+            run.print(false, planned_in);
             if let Some(r) = &ranks {
                 print!("{r}");
             }

@@ -1,0 +1,178 @@
+//! The end of a train_gpt run: the whole validation part, the save, the sample, the memory
+//! beside its plan, the report and the JSON line.
+
+use super::steps::Trained;
+use super::{eval_batch, Args, Report, Setup};
+use fitgrad::distributed::Job;
+use fitgrad::nn::{Gpt, Module};
+use fitgrad::report::TrainingReport;
+use fitgrad::run::{finish, Joined};
+use fitgrad::train::{BatchSource, RunPlan, Trainer};
+use fitgrad::Result;
+
+/// What [`finish_run`] reports beside the trainer.
+pub struct End {
+    pub bigram: f64,
+    pub run_plan: RunPlan,
+    pub job: Joined,
+    pub trained: Trained,
+}
+
+/// The end of the run: every rank's hashes and state; rank 0 evaluates the whole validation
+/// part, saves, samples, prints the memory and writes the report and the JSON.
+pub fn finish_run(
+    args: &Args,
+    setup: &Setup,
+    trainer: Trainer<Gpt>,
+    mut report: TrainingReport,
+    dist: &Job,
+    end: End,
+) -> Result<Report> {
+    let End {
+        bigram,
+        run_plan,
+        job,
+        trained,
+    } = end;
+    let device = trainer.device().clone();
+    let plan = &run_plan.step;
+    // ZeRO stage 3: the trained blocks gathered on every rank (read by the hashes, rank 0's
+    // evaluation, sample and save, which then need no collective).
+    trainer.gather_parameters()?;
+    let hashes = finish::rank_hashes(dist, &trainer.model)?;
+    // Each rank's parameters, gradients and optimizer state at its step's peak, planned and
+    // measured (what ZeRO spreads).
+    let rank_state = dist.rank_state_bytes(&device, plan)?;
+    let mut out = Report {
+        train_loss: trained.train_loss,
+        valid_loss: f32::NAN,
+        bigram,
+        steps: trainer.steps(),
+        sample: String::new(),
+        peak_bytes: device.memory_stats().peak_bytes_reserved,
+        planned_run_peak: run_plan.peak_reserved,
+    };
+    if !dist.is_root() {
+        // Joins rank 0's final save, written once its validation loss is finite.
+        if let Some(path) = &args.checkpoint.save {
+            dist.save_checkpoint(&trainer, path, 0)?;
+        }
+        return Ok(out);
+    }
+    let (secs, train_loss) = (trained.secs, trained.train_loss);
+    let steps_run = args.steps.saturating_sub(trained.first_step);
+    let eff = args.batch_size * args.run.accum_steps;
+    let tokens_per_s = (steps_run as f64 * (eff * args.context) as f64) / secs.max(1e-9);
+    // Training's memory, before evaluation and sampling count.
+    let summary = trainer.memory_summary();
+    // Saved only once the validation loss is finite: a blown-up run never replaces a good
+    // checkpoint.
+    let valid = trainer
+        .evaluate(&setup.valid, eval_batch(setup, &trainer))?
+        .finite(trainer.steps(), "validation")?;
+    if let Some(path) = &args.checkpoint.save {
+        dist.save_checkpoint(&trainer, path, 0)?;
+    }
+    report.log_eval(trainer.steps(), None, "validation", &valid);
+    let corpus = &setup.corpus;
+    let valid_loss = valid.loss;
+    let uniform = (corpus.vocab.len() as f64).ln();
+    println!(
+        "validation: {valid_loss:.4} nats/char on {} characters (bigram baseline {bigram:.4}, uniform {uniform:.4}); train {train_loss:.4}",
+        setup.valid.len() * args.context
+    );
+    let skipped = trainer.scaler().map_or(0, |s| s.skipped_steps());
+    println!(
+        "{} steps in {secs:.1} s, {tokens_per_s:.0} tokens/s{}",
+        trainer.steps() - trained.first_step,
+        if skipped > 0 {
+            format!(" ({skipped} more skipped by loss scaling: their gradients overflowed)")
+        } else {
+            String::new()
+        }
+    );
+    println!("\n{summary}");
+    finish::print_step_peak(plan, &summary);
+    println!("{}", device.memory_report());
+    let sample = match args.sample_len {
+        0 => String::new(),
+        n => {
+            // The prompt: the validation part's first character.
+            let prompt = &corpus.valid[..1];
+            let ids = trainer
+                .model
+                .generate(prompt, n, args.temperature, args.seed)?;
+            let text = corpus.vocab.decode(&ids);
+            println!(
+                "sample ({n} characters, temperature {}, seed {}):\n{text}\n",
+                args.temperature, args.seed
+            );
+            text
+        }
+    };
+    // The whole run's peak, evaluation and sampling included, beside its plan.
+    finish::print_whole_run(&run_plan, &device);
+    report.set_step_memory(trained.capture.finish());
+    report.set_memory(summary.stats.clone());
+    report
+        .result("validation loss", format!("{valid_loss:.4} nats/char"))
+        .result("bigram baseline", format!("{bigram:.4} nats/char"))
+        .result("training loss", format!("{train_loss:.4} nats/char"))
+        .result("training time", format!("{secs:.1} s"))
+        .result("throughput", format!("{tokens_per_s:.0} tokens/s"))
+        .result("steps", trainer.steps());
+    if !sample.is_empty() {
+        report.result("sample", &sample);
+    }
+    finish::write_reports(
+        &report,
+        args.report.report.as_deref(),
+        args.report.report_json.as_deref(),
+    )?;
+    if args.run.json {
+        let cfg = trainer.model.gpt_config();
+        // What `--fit auto` chose (null without it).
+        let fit_json = job.choice.as_ref().map(|c| {
+            serde_json::json!({
+                "micro_batch": c.micro_batch,
+                "checkpointing": c.checkpointing,
+                "precision": c.precision.name(),
+                "residence": format!("{:?}", c.residence),
+                "candidates_planned": c.candidates.len(),
+            })
+        });
+        let mut j = finish::extend(
+            finish::memory_json(&trainer, &run_plan, &summary, &args.offload),
+            serde_json::json!({
+                "text": corpus.name,
+                "vocab_size": corpus.vocab.len(),
+                "layers": cfg.layers,
+                "heads": cfg.heads,
+                "dim": cfg.dim,
+                "context": cfg.context,
+                "params": trainer.model.num_parameters(),
+                "lr": args.lr,
+                "optimizer": args.optimizer,
+                "batch_size": args.batch_size,
+                "accum_steps": args.run.accum_steps,
+                "precision": trainer.config().precision.name(),
+                "checkpoint_activations": cfg.checkpoint_blocks,
+                "memory_budget": setup.budget,
+                "fit": fit_json,
+                "seed": args.seed,
+                "train_loss": train_loss,
+                "val_loss": valid_loss,
+                "bigram_val_loss": bigram,
+                "train_seconds": secs,
+                "tokens_per_s": tokens_per_s,
+            }),
+        );
+        finish::add_job_json(&mut j, dist, &job, &trainer, hashes)?;
+        j["per_rank_state_bytes"] = rank_state;
+        println!("{j}");
+    }
+    out.valid_loss = valid_loss;
+    out.sample = sample;
+    out.peak_bytes = device.memory_stats().peak_bytes_reserved;
+    Ok(out)
+}
