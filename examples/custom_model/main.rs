@@ -41,19 +41,11 @@ use fitgrad::{Bytes, Result};
 use std::process::ExitCode;
 
 mod model;
+mod results;
 mod setup;
 use model::ResMlp;
+use results::{describe, forwards_in, settings};
 pub use setup::{load_data, prepare, Args, Data, Setup};
-
-/// This rank's training forwards (= dropout calls per layer) in `epochs` epochs of `n`
-/// samples, with `eff` samples per step, its share of them split into micro-batches of `micro`.
-fn forwards_in(epochs: u64, n: usize, eff: usize, micro: usize, dist: &Job) -> u64 {
-    let per_epoch: usize = (0..n)
-        .step_by(eff)
-        .map(|start| dist.share((n - start).min(eff)).len().div_ceil(micro))
-        .sum();
-    epochs * per_epoch as u64
-}
 
 /// Checks the flags ([`prepare`]), then trains, evaluates and reports as this process's part of
 /// `dist` (rank 0 prints, evaluates and saves).
@@ -240,55 +232,6 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
         println!("{j}");
     }
     Ok(())
-}
-
-/// `residual MLP IN -> W x N blocks (dropout P) -> CLASSES (K parameters)`.
-fn describe(args: &Args, data: &Data, trainer: &Trainer<ResMlp>) -> String {
-    format!(
-        "residual MLP {} -> {} x {} blocks (dropout {}) -> {} ({} parameters)",
-        data.train.dim,
-        args.width,
-        args.blocks,
-        args.dropout,
-        data.train.classes,
-        trainer.model.num_parameters()
-    )
-}
-
-/// The report's settings: the dataset, the model, the optimizer and the memory flags.
-fn settings(
-    report: &mut TrainingReport,
-    args: &Args,
-    data: &Data,
-    trainer: &Trainer<ResMlp>,
-    budget: Option<u64>,
-) {
-    let (train, test) = (&data.train, &data.test);
-    let batch = run::batch_setting(args.batch_size, args.run.accum_steps, trainer.micro_batch());
-    for (key, value) in [
-        (
-            "dataset",
-            format!(
-                "{} ({} train, {} test)",
-                train.name,
-                train.len(),
-                test.len()
-            ),
-        ),
-        ("model", describe(args, data, trainer)),
-        ("optimizer", format!("{} lr {}", args.optimizer, args.lr)),
-        ("epochs", data.epochs.to_string()),
-        ("batch", batch),
-        ("precision", args.precision.clone()),
-        (
-            "memory budget",
-            budget.map_or("none".into(), |b| Bytes(b).to_string()),
-        ),
-        ("preallocation", args.checkpoint.prealloc.to_string()),
-        ("seed", args.seed.to_string()),
-    ] {
-        report.setting(key, value);
-    }
 }
 
 fn main() -> ExitCode {

@@ -17,7 +17,7 @@
 use clap::Parser;
 use fitgrad::distributed::{Job, Zero};
 use fitgrad::nn::{Gpt, Module};
-use fitgrad::optim::{decay_groups, AdamW, LrSchedule};
+use fitgrad::optim::{decay_groups, AdamW};
 use fitgrad::report::TrainingReport;
 use fitgrad::run::{self, Strategy};
 use fitgrad::train::{Phase, RunPlan, Trainer, TrainerConfig};
@@ -154,16 +154,8 @@ fn build(
     dist: &Job,
     zero: Zero,
 ) -> Result<Trainer<Gpt>> {
-    let schedule = match args.cosine {
-        true => LrSchedule::WarmupCosine {
-            warmup_steps: args.steps / 20,
-            total_steps: args.steps,
-            min_lr_ratio: 0.1,
-        },
-        false => LrSchedule::Constant,
-    };
     let mut config = TrainerConfig::new(args.batch_size, args.run.accum_steps, args.lr);
-    config.schedule = schedule;
+    config.schedule = run::lr_schedule(args.cosine, args.steps, 0.1);
     config.precision = setup.precision;
     (config.offload_optimizer, config.offload_parameters) = setup.offload;
     config.clip_grad_norm = (args.clip_grad_norm > 0.0).then_some(args.clip_grad_norm);

@@ -7,18 +7,18 @@
 //! timeline of a step, the loss, accuracy and throughput curves and the memory table.
 
 use clap::Parser;
-use fitgrad::compress::QuantizedMlp;
 use fitgrad::distributed::{Job, Zero};
 use fitgrad::nn::{Mlp, Module};
-use fitgrad::optim::{AdamW, LrSchedule, Optimizer, Sgd};
+use fitgrad::optim::{AdamW, Optimizer, Sgd};
 use fitgrad::report::TrainingReport;
 use fitgrad::run::{self, finish, EpochRun, Strategy};
-use fitgrad::train::shard::{ShardedDataset, TempShardFile};
-use fitgrad::train::{Evaluation, ShardedView, Trainer, TrainerConfig};
-use fitgrad::{Bytes, Device};
+use fitgrad::train::{ShardedView, Trainer, TrainerConfig};
+use fitgrad::Device;
 use std::process::ExitCode;
 
+mod results;
 mod setup;
+use results::{quantized, settings};
 pub use setup::{prepare, Args, Setup};
 
 /// Checks the flags ([`prepare`]), then trains, evaluates and reports as this process's part of
@@ -44,16 +44,8 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         .lr
         .unwrap_or(if args.optimizer == "sgd" { 0.05 } else { 1e-3 });
     let total_steps = train.len().div_ceil(setup.eff) as u64 * args.epochs;
-    let schedule = match args.cosine {
-        true => LrSchedule::WarmupCosine {
-            warmup_steps: total_steps / 20,
-            total_steps,
-            min_lr_ratio: 0.0,
-        },
-        false => LrSchedule::Constant,
-    };
     let mut config = TrainerConfig::new(args.batch_size, args.run.accum_steps, lr)
-        .schedule(schedule)
+        .schedule(run::lr_schedule(args.cosine, total_steps, 0.0))
         .precision(setup.precision);
     config.clip_grad_norm = args.clip_grad_norm;
     config.offload_optimizer = setup.offload_optimizer;
@@ -65,15 +57,8 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         // device holds the whole model (each rank keeps its shard of it). 8-bit state does not
         // shard.
         let born = zero.number() == 3 && dist.size() > 1 && args.optimizer != "adamw8bit";
-        let make = || {
-            Mlp::with_dtype(
-                &device,
-                &setup.widths,
-                setup.act,
-                setup.param_dtype,
-                args.seed,
-            )
-        };
+        let (widths, dtype) = (&setup.widths, setup.param_dtype);
+        let make = || Mlp::with_dtype(&device, widths, setup.act, dtype, args.seed);
         let mut model = match born {
             true => fitgrad::residency::born_on_host(&device, make)?,
             false => make()?,
@@ -151,23 +136,8 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         Some(path) => epochs.resume(&mut trainer, path, pruner.as_mut(), setup.nothing_to_train)?,
         None => 0,
     };
-    // The shard file is unique to this process and removed when `run` returns, error or not
-    // (the guard is dropped with the other locals), on Ctrl-C or SIGTERM, or by the next run
-    // after a kill.
-    let (sharded, _shard_file) = match args.shard_size {
-        Some(size) => {
-            let file = TempShardFile::new(&format!("{}-seed{}", train.name, args.seed));
-            ShardedDataset::create(train, file.path())?;
-            let s = ShardedDataset::open(file.path(), size)?;
-            say!(
-                "sharded: {} shards of up to {size} samples from {}",
-                s.num_shards(),
-                file.path().display()
-            );
-            (Some(s), Some(file))
-        }
-        None => (None, None),
-    };
+    // The shard file is removed when `run` returns (the guard is dropped with the locals).
+    let (sharded, _shard_file) = run::temp_shards(dist, train, args.seed, args.shard_size)?;
     let trained = epochs.train(
         &mut trainer,
         first_epoch,
@@ -249,93 +219,6 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         println!("{j}");
     }
     Ok(())
-}
-
-/// The report's settings: the dataset, the model, the optimizer and the memory flags.
-fn settings(
-    report: &mut TrainingReport,
-    args: &Args,
-    setup: &Setup,
-    trainer: &Trainer<Mlp>,
-    lr: f32,
-) {
-    let (train, test) = (&setup.train, &setup.test);
-    let cosine = if args.cosine { ", cosine" } else { "" };
-    for (key, value) in [
-        (
-            "dataset",
-            format!(
-                "{} ({} train, {} test)",
-                train.name,
-                train.len(),
-                test.len()
-            ),
-        ),
-        (
-            "model",
-            format!(
-                "MLP {:?}, {} ({} parameters)",
-                setup.widths,
-                args.activation,
-                trainer.model.num_parameters()
-            ),
-        ),
-        ("optimizer", format!("{} lr {lr}{cosine}", args.optimizer)),
-        ("epochs", args.epochs.to_string()),
-        (
-            "batch",
-            run::batch_setting(args.batch_size, args.run.accum_steps, trainer.micro_batch()),
-        ),
-        ("precision", trainer.config().precision.name().to_string()),
-        (
-            "activation checkpointing",
-            trainer.model.checkpoint_activations.to_string(),
-        ),
-        (
-            "memory budget",
-            setup.budget.map_or("none".into(), |b| Bytes(b).to_string()),
-        ),
-        ("preallocation", args.checkpoint.prealloc.to_string()),
-        (
-            "shard size",
-            args.shard_size
-                .map_or("in memory".into(), |s| s.to_string()),
-        ),
-        (
-            "clip grad norm",
-            args.clip_grad_norm.map_or("off".into(), |c| c.to_string()),
-        ),
-        ("seed", args.seed.to_string()),
-    ] {
-        report.setting(key, value);
-    }
-}
-
-/// `--quantize`: every layer to int8, the test set again; (dense weight bytes, int8 weight
-/// bytes, int8 accuracy), printed beside the trained model's.
-fn quantized(
-    trainer: &Trainer<Mlp>,
-    setup: &Setup,
-    eval: &Evaluation,
-    batch: usize,
-) -> fitgrad::Result<(u64, u64, Option<f32>)> {
-    let q = QuantizedMlp::from_mlp(&trainer.model)?;
-    let e = q.evaluate(&setup.test, batch)?;
-    let layers = &trainer.model.layers;
-    let dense: u64 = layers.iter().map(|l| l.weight.allocated_bytes()).sum();
-    let quantized = q.model().weight_bytes();
-    let accuracy = eval.accuracy.unwrap_or(f32::NAN);
-    println!(
-        "int8: weights {} ({:.3}x the {} {} weights), test loss {:.4}, accuracy {:.2}% ({:+.2} points)",
-        Bytes(quantized),
-        quantized as f64 / dense as f64,
-        Bytes(dense),
-        setup.param_dtype,
-        e.loss,
-        100.0 * e.accuracy.unwrap_or(f32::NAN),
-        100.0 * (e.accuracy.unwrap_or(f32::NAN) - accuracy)
-    );
-    Ok((dense, quantized, e.accuracy))
 }
 
 fn main() -> ExitCode {

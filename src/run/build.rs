@@ -132,3 +132,17 @@ where
     }
     Ok(Some(pruner))
 }
+
+/// The learning rate's schedule over a run of `total_steps`: with `cosine`, a linear warm-up
+/// over the first 5% of the steps, then cosine decay to `min_lr_ratio` of the rate; else
+/// constant.
+pub fn lr_schedule(cosine: bool, total_steps: u64, min_lr_ratio: f32) -> crate::optim::LrSchedule {
+    match cosine {
+        true => crate::optim::LrSchedule::WarmupCosine {
+            warmup_steps: total_steps / 20,
+            total_steps,
+            min_lr_ratio,
+        },
+        false => crate::optim::LrSchedule::Constant,
+    }
+}

@@ -6,7 +6,7 @@ use crate::compress::Pruner;
 use crate::distributed::{Job, Zero};
 use crate::report::{StepCapture, TrainingReport};
 use crate::train::data::Dataset;
-use crate::train::shard::ShardedDataset;
+use crate::train::shard::{ShardedDataset, TempShardFile};
 use crate::train::{BatchSource, ClassBatch, Evaluation, MemorySummary, Phase, RunPlan};
 use crate::train::{TrainModel, Trainer};
 use crate::{Bytes, Result};
@@ -327,4 +327,30 @@ impl EpochRun<'_> {
         self.say(format_args!("reserved {} up front", Bytes(reserved)));
         Ok(())
     }
+}
+
+/// `train` streamed from a shard file of `size` samples a shard (`--shard-size`), written once
+/// to the temp folder under a name of `train` and `seed`, and said on rank 0. The file is
+/// unique to this process and removed when the returned guard is dropped (error or not), on
+/// Ctrl-C or SIGTERM, or by the next run after a kill.
+pub fn temp_shards(
+    dist: &Job,
+    train: &Dataset,
+    seed: u64,
+    size: Option<usize>,
+) -> Result<(Option<ShardedDataset>, Option<TempShardFile>)> {
+    let Some(size) = size else {
+        return Ok((None, None));
+    };
+    let file = TempShardFile::new(&format!("{}-seed{seed}", train.name));
+    ShardedDataset::create(train, file.path())?;
+    let s = ShardedDataset::open(file.path(), size)?;
+    if dist.is_root() {
+        println!(
+            "sharded: {} shards of up to {size} samples from {}",
+            s.num_shards(),
+            file.path().display()
+        );
+    }
+    Ok((Some(s), Some(file)))
 }

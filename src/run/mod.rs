@@ -32,14 +32,14 @@ pub mod steps;
 
 #[cfg(feature = "cli")]
 pub use args::{parse, CheckpointArgs, FitArgs, JobArgs, ReportArgs, RunArgs, TrainArgs};
-pub use build::{build_trainer, pruner, Built, Joined, Strategy};
+pub use build::{build_trainer, lr_schedule, pruner, Built, Joined, Strategy};
 pub use checks::{
     check_counts, check_environment, check_offload, check_paths, check_resume_progress, name_flags,
     MAX_BATCH, MAX_EPOCHS, MAX_LAYERS, MAX_SAMPLE_LEN, MAX_STEPS, MAX_WIDTH,
 };
 pub use describe::{batch_setting, budget_line, dataset_line};
 #[cfg(feature = "cli")]
-pub use epochs::{EpochRun, Trained};
+pub use epochs::{temp_shards, EpochRun, Trained};
 pub use flags::{check_number, effective_batch, invalid, parse_budget, parse_fit, Files};
 pub use resume::{check_checkpoint, Until};
 pub use steps::StepOrder;
