@@ -37,7 +37,7 @@ use fitgrad::optim::{AdamW, Optimizer};
 use fitgrad::report::TrainingReport;
 use fitgrad::run::{self, finish, EpochRun, Strategy};
 use fitgrad::train::{Trainer, TrainerConfig};
-use fitgrad::{Bytes, Result};
+use fitgrad::Result;
 use std::process::ExitCode;
 
 mod model;
@@ -62,55 +62,14 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
     say(&format!("adapter: {}", device.info().adapter));
     let data = load_data(&args, device.info(), say)?;
     let (train, test) = (&data.train, &data.test);
-    let lr = args.lr as f32;
-    let config = TrainerConfig::new(args.batch_size, args.run.accum_steps, lr)
-        .precision(setup.precision)
-        .offload_optimizer(setup.offload.0)
-        .offload_parameters(setup.offload.1);
-    // The model is built inside the budget logic: a budget too small for the model itself
-    // gets the smallest budget that works, as one too small for a step does.
-    let build = |zero: Zero| {
-        let make = || {
-            let dropout = args.dropout as f32;
-            ResMlp::new(
-                &device,
-                train.dim,
-                args.width,
-                args.blocks,
-                train.classes,
-                dropout,
-                args.seed,
-            )
-        };
-        // Streamed, or ZeRO stage 3 on several ranks (each keeps its shard): each block goes
-        // to host memory as it is made, never all on the device. 8-bit state does not shard.
-        let stage3 = zero.number() == 3 && dist.size() > 1 && args.optimizer == "adamw";
-        let model = match setup.offload.1 || stage3 {
-            true => fitgrad::residency::born_on_host(&device, make)?,
-            false => make()?,
-        };
-        let adamw = AdamW::new(model.parameters(), lr)?;
-        let optimizer: Box<dyn Optimizer> = match args.optimizer.as_str() {
-            "adamw8bit" => Box::new(adamw.eight_bit()),
-            _ => Box::new(adamw),
-        };
-        Trainer::new(model, optimizer, config.clone())
-    };
-    let strategy = Strategy {
-        fit_auto: false,
-        zero: setup.zero,
-        zero_given: args.job.zero.is_some(),
-        identity: data.identity.clone(),
-    };
-    let run::Built { mut trainer, job } =
-        run::build_trainer(dist, &device, train, strategy, build)?;
+    let run::Built { mut trainer, job } = build(&args, &setup, &data, &device, dist)?;
     let title = format!("custom_model (residual MLP) on {}", train.name);
     let mut report = TrainingReport::new(title, &device, "samples/s");
     say(&format!(
         "model: {}, AdamW lr {}, {}, batch {} x {} accumulation steps",
         describe(&args, &data, &trainer),
         args.lr,
-        args.precision,
+        args.run.precision,
         args.batch_size,
         args.run.accum_steps
     ));
@@ -130,16 +89,9 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
         report.set_budget(b, args.batch_size, micro, None);
     }
     let epochs = EpochRun {
-        dist,
-        train,
-        test,
-        seed: args.seed,
-        epochs: data.epochs,
-        budgeted: setup.budget.is_some(),
-        reporting: setup.reporting,
-        save: args.checkpoint.save.as_deref(),
         save_sharded: args.save_sharded.as_deref(),
-        compiling_note: false,
+        peak_detail: true,
+        ..EpochRun::new(dist, &args.common, (train, test), data.epochs)
     };
     let Some(run_plan) =
         epochs.plan(&mut trainer, train, job.zero, args.run.plan, args.run.json)?
@@ -175,63 +127,87 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
     if !root {
         return Ok(());
     }
-    let (summary, eval) = epochs.test(&trainer, &trained)?;
-    let sparsity = finish::print_sparsity(pruner.as_ref())?;
-    println!("\n{summary}");
-    finish::print_step_peak_detail(plan, summary.stats.peak_bytes_in_use);
-    println!(
-        "peak reserved: planned {} / measured {}",
-        Bytes(plan.peak_reserved),
-        Bytes(summary.stats.peak_bytes_reserved)
-    );
-    finish::print_whole_run(&run_plan, &device);
-    println!("{}", device.memory_report());
-    let files = (
-        args.report.report.as_deref(),
-        args.report.report_json.as_deref(),
-    );
-    let (final_loss, train_secs, samples_per_s) = (
-        trained.final_loss,
-        trained.train_secs,
-        trained.samples_per_s,
-    );
-    EpochRun::write_report(
-        &mut report,
-        &eval,
+    let pruner = pruner.as_ref();
+    let ended = epochs.end(
+        &trainer,
         trained,
-        &summary,
-        trainer.steps(),
-        files,
+        pruner,
+        &run_plan,
+        &mut report,
+        |_| Ok(()),
     )?;
     if args.run.json {
-        let mut j = finish::extend(
-            finish::memory_json(&trainer, &run_plan, &summary, &args.offload),
-            serde_json::json!({
-                "dataset": train.name,
-                "width": args.width,
-                "blocks": args.blocks,
-                "dropout": args.dropout,
-                "parameters": trainer.model.num_parameters(),
-                "epochs": data.epochs,
-                "batch_size": args.batch_size,
-                "accum_steps": args.run.accum_steps,
-                "lr": args.lr,
-                "optimizer": args.optimizer,
-                "precision": args.precision,
-                "seed": args.seed,
-                "memory_budget": setup.budget,
-                "final_loss": final_loss,
-                "test_loss": eval.loss,
-                "test_accuracy": eval.accuracy.unwrap_or(f32::NAN),
-                "sparsity": sparsity,
-                "train_seconds": train_secs,
-                "samples_per_s": samples_per_s,
-            }),
-        );
+        let own = serde_json::json!({
+            "dataset": train.name,
+            "width": args.width,
+            "blocks": args.blocks,
+            "dropout": args.dropout,
+            "parameters": trainer.model.num_parameters(),
+            "epochs": data.epochs,
+            "batch_size": args.batch_size,
+            "accum_steps": args.run.accum_steps,
+            "lr": args.lr,
+            "optimizer": args.optimizer,
+            "precision": args.run.precision,
+            "seed": args.run.seed,
+            "memory_budget": setup.budget,
+        });
+        let mut j = ended.json(&trainer, &run_plan, &args.offload, own);
         finish::add_job_json(&mut j, dist, &job, &trainer, hashes)?;
         println!("{j}");
     }
     Ok(())
+}
+
+/// The model and trainer, built inside the budget logic: a budget too small for the model
+/// itself gets the smallest budget that works, as one too small for a step does.
+fn build(
+    args: &Args,
+    setup: &Setup,
+    data: &Data,
+    device: &fitgrad::Device,
+    dist: &Job,
+) -> Result<run::Built<ResMlp>> {
+    let train = &data.train;
+    let lr = args.lr as f32;
+    let config = TrainerConfig::new(args.batch_size, args.run.accum_steps, lr)
+        .precision(setup.precision)
+        .offload_optimizer(setup.offload.0)
+        .offload_parameters(setup.offload.1);
+    let build = |zero: Zero| {
+        let make = || {
+            let dropout = args.dropout as f32;
+            ResMlp::new(
+                device,
+                train.dim,
+                args.width,
+                args.blocks,
+                train.classes,
+                dropout,
+                args.run.seed,
+            )
+        };
+        // Streamed, or ZeRO stage 3 on several ranks (each keeps its shard): each block goes
+        // to host memory as it is made, never all on the device. 8-bit state does not shard.
+        let stage3 = zero.number() == 3 && dist.size() > 1 && args.optimizer == "adamw";
+        let model = match setup.offload.1 || stage3 {
+            true => fitgrad::residency::born_on_host(device, make)?,
+            false => make()?,
+        };
+        let adamw = AdamW::new(model.parameters(), lr)?;
+        let optimizer: Box<dyn Optimizer> = match args.optimizer.as_str() {
+            "adamw8bit" => Box::new(adamw.eight_bit()),
+            _ => Box::new(adamw),
+        };
+        Trainer::new(model, optimizer, config.clone())
+    };
+    let strategy = Strategy {
+        fit_auto: false,
+        zero: setup.zero,
+        zero_given: args.job.zero.is_some(),
+        identity: data.identity.clone(),
+    };
+    run::build_trainer(dist, device, train, strategy, build)
 }
 
 fn main() -> ExitCode {

@@ -44,26 +44,18 @@ pub fn settings(
     let (train, test) = (&data.train, &data.test);
     let batch = run::batch_setting(args.batch_size, args.run.accum_steps, trainer.micro_batch());
     for (key, value) in [
-        (
-            "dataset",
-            format!(
-                "{} ({} train, {} test)",
-                train.name,
-                train.len(),
-                test.len()
-            ),
-        ),
+        ("dataset", run::dataset_setting(train, test)),
         ("model", describe(args, data, trainer)),
         ("optimizer", format!("{} lr {}", args.optimizer, args.lr)),
         ("epochs", data.epochs.to_string()),
         ("batch", batch),
-        ("precision", args.precision.clone()),
+        ("precision", args.run.precision.clone()),
         (
             "memory budget",
             budget.map_or("none".into(), |b| Bytes(b).to_string()),
         ),
         ("preallocation", args.checkpoint.prealloc.to_string()),
-        ("seed", args.seed.to_string()),
+        ("seed", args.run.seed.to_string()),
     ] {
         report.setting(key, value);
     }

@@ -39,6 +39,10 @@ pub struct Args {
     /// Dropout probability inside each block, in [0, 1).
     #[arg(long, default_value_t = 0.1, allow_negative_numbers = true)]
     pub dropout: f64,
+    /// Prune the Linear weights by magnitude to this sparsity in [0, 1) during training
+    /// (cubic schedule from 5% to 60% of the steps), and report the sparsity of each layer.
+    #[arg(long)]
+    pub prune: Option<f32>,
     /// Epochs (default: 8 on digits, 2 on larger datasets).
     #[arg(long)]
     pub epochs: Option<u64>,
@@ -57,21 +61,10 @@ pub struct Args {
     /// block is an nn::Unit), on the device only around the block's forward and backward.
     #[arg(long, default_value = "none", value_parser = ["none", "optimizer", "parameters"])]
     pub offload: String,
-    /// Seeds the weights, dropout masks, data split and order.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// f32, or mixed (f32 master weights and optimizer state, f16 activations and matmuls,
-    /// dynamic loss scaling).
-    #[arg(long, default_value = "f32")]
-    pub precision: String,
     /// Save a sharded checkpoint into this folder after every epoch: each rank writes its
     /// shard of the parameters and optimizer state, rank 0 an index (index.json).
     #[arg(long)]
     pub save_sharded: Option<PathBuf>,
-    /// Prune the Linear weights by magnitude to this sparsity in [0, 1) during training
-    /// (cubic schedule from 5% to 60% of the steps), and report the sparsity of each layer.
-    #[arg(long)]
-    pub prune: Option<f32>,
     /// The flags every training command shares.
     #[command(flatten)]
     pub common: fitgrad::run::TrainArgs,
@@ -92,7 +85,7 @@ pub struct Setup {
 
 /// Checks every flag (the ZeRO stage against `dist`) before any device work.
 pub fn prepare(args: &Args, dist: &Job) -> Result<Setup> {
-    let precision: Precision = args.precision.parse()?;
+    let precision: Precision = args.run.precision.parse()?;
     let zero = Zero::from_flag(args.job.zero.as_deref())?;
     if zero.number() == 3 && args.blocks == 0 {
         return Err(run::invalid(
@@ -195,7 +188,7 @@ pub fn load_data(args: &Args, info: &DeviceInfo, say: impl Fn(&str)) -> Result<D
         s => s,
     };
     let label = args.label_column.as_deref();
-    let (train, test) = data::load_with_label(spec, args.seed, label)?;
+    let (train, test) = data::load_with_label(spec, args.run.seed, label)?;
     say(&run::dataset_line(&train, &test));
     let epochs = args
         .epochs

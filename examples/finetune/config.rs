@@ -36,7 +36,7 @@ pub fn run_config(args: &Args) -> Result<ConfigReport> {
         .as_deref()
         .ok_or_else(|| invalid("run_config needs --config".into()))?;
     let flags = check_flags(args)?;
-    let model = ModelConfig::open(name)?.with(flags.precision.param_dtype(), args.seed);
+    let model = ModelConfig::open(name)?.with(flags.precision.param_dtype(), args.run.seed);
     let (positions, field) = model.positions();
     let context = args.context.unwrap_or(positions);
     if context == 0 || context > positions {
@@ -52,7 +52,7 @@ pub fn run_config(args: &Args) -> Result<ConfigReport> {
     let lora = config_lora(args, &model)?;
     // Windows enough for one effective batch, of seeded random ids.
     let windows = args.batch_size * args.run.accum_steps;
-    let mut rng = fitgrad::tensor::Rng::new(args.seed);
+    let mut rng = fitgrad::tensor::Rng::new(args.run.seed);
     let vocab = model.vocab_size() as u64;
     let ids = (0..windows + context)
         .map(|_| (rng.next_u64() % vocab) as u32)
@@ -81,7 +81,7 @@ pub fn run_config(args: &Args) -> Result<ConfigReport> {
             let build = |d: &Device, q: Option<BaseQuant>| -> Result<Gpt> {
                 let mut gpt = Gpt::new(d, c.clone())?;
                 if let Some(q) = q {
-                    add_lora(&mut gpt, &spec, args.seed)?;
+                    add_lora(&mut gpt, &spec, args.run.seed)?;
                     quantize_gpt_base(&mut gpt, q)?;
                 }
                 Ok(gpt)
@@ -92,7 +92,7 @@ pub fn run_config(args: &Args) -> Result<ConfigReport> {
             let build = |d: &Device, q: Option<BaseQuant>| -> Result<Llama> {
                 let mut llama = Llama::new(d, c.clone())?;
                 if let Some(q) = q {
-                    add_lora(&mut llama, &spec, args.seed)?;
+                    add_lora(&mut llama, &spec, args.run.seed)?;
                     quantize_llama_base(&mut llama, q)?;
                 }
                 Ok(llama)
@@ -140,7 +140,7 @@ fn config_lora(args: &Args, model: &ModelConfig) -> Result<Option<(LoraSpec, Bas
     if args.lora_rank.is_none() {
         return Ok(None);
     }
-    if quant != BaseQuant::None && args.precision == "f16" {
+    if quant != BaseQuant::None && args.run.precision == "f16" {
         return Err(invalid(format!(
             "--quantize {quant} quantizes f32 weights: use --precision f32 or mixed"
         )));

@@ -48,6 +48,12 @@ use std::process::ExitCode;
     args_override_self = true
 )]
 pub struct Args {
+    /// The adapter, the budget, the plan, the JSON line, the accumulation.
+    #[command(flatten)]
+    pub run: fitgrad::run::RunArgs,
+    /// --fit auto and --checkpoint-activations.
+    #[command(flatten)]
+    pub fit: fitgrad::run::FitArgs,
     /// A Hugging Face GPT-2 or Llama folder: config.json, model.safetensors (or
     /// model.safetensors.index.json and its shards), tokenizer.json. Without it: the small
     /// model shipped in the crate (models/shakespeare-gpt2), and with no --text and no
@@ -76,9 +82,6 @@ pub struct Args {
     /// Windows per batch.
     #[arg(long, default_value_t = 4)]
     pub batch_size: usize,
-    /// f32, f16 (weights converted on load; a value past f16's range is an error) or mixed.
-    #[arg(long, default_value = "f32")]
-    pub precision: String,
     /// A prompt to continue after evaluation and fine-tuning.
     #[arg(long)]
     pub generate: Option<String>,
@@ -94,9 +97,6 @@ pub struct Args {
     /// Sample only among the most probable tokens whose probabilities add up to p, in (0, 1].
     #[arg(long)]
     pub top_p: Option<f32>,
-    /// Seed of the window order and of sampling.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
     /// Write the model (after fine-tuning) to this folder as transformers reads it.
     #[arg(long)]
     pub save: Option<PathBuf>,
@@ -134,12 +134,6 @@ pub struct Args {
     /// Write the model with the adapters merged into its weights to this folder.
     #[arg(long)]
     pub merge_into: Option<PathBuf>,
-    /// The adapter, the budget, the plan, the JSON line, the accumulation.
-    #[command(flatten)]
-    pub run: fitgrad::run::RunArgs,
-    /// --fit auto and --checkpoint-activations.
-    #[command(flatten)]
-    pub fit: fitgrad::run::FitArgs,
 }
 
 /// The small GPT-2 folder shipped in the crate (made by examples/make_shipped_model.rs).

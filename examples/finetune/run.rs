@@ -81,9 +81,9 @@ fn with_lora<M: LoraBase>(
         return Ok((model, None));
     };
     match &lora.resume {
-        Some(a) => a.apply(&mut model, args.seed)?,
+        Some(a) => a.apply(&mut model, args.run.seed)?,
         None => {
-            fitgrad::hf::add_lora(&mut model, &lora.spec, args.seed)?;
+            fitgrad::hf::add_lora(&mut model, &lora.spec, args.run.seed)?;
         }
     }
     let base = quantize(&mut model, quant)?;
@@ -291,7 +291,7 @@ where
         );
     }
     if let Some(prompt) = &setup.prompt {
-        let mut sampling = Sampling::new(args.temperature, args.seed);
+        let mut sampling = Sampling::new(args.temperature, args.run.seed);
         sampling.top_k = args.top_k;
         sampling.top_p = args.top_p;
         let ids = gpt.generate_with(prompt, args.max_new_tokens, &sampling)?;
@@ -403,7 +403,7 @@ where
 {
     let eff = args.batch_size * args.run.accum_steps;
     let mut last = None;
-    let mut order = fitgrad::run::StepOrder::new(args.seed);
+    let mut order = fitgrad::run::StepOrder::new(args.run.seed);
     for step in 0..args.steps {
         // Positions step * eff .. of the concatenated seeded epoch orders.
         let idx = order.indices(train, step, eff);

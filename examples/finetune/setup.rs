@@ -129,7 +129,7 @@ pub struct Flags {
 /// Checks the flags that need no file: every count within the bound every command shares,
 /// the budget, the numbers, and the files read and written.
 pub fn check_flags(args: &Args) -> Result<Flags> {
-    let precision: Precision = args.precision.parse()?;
+    let precision: Precision = args.run.precision.parse()?;
     let budget = run::parse_budget(OP, args.run.memory_budget.as_deref())?;
     // Fit auto chooses checkpointing only where it is not asked for.
     let fit = args.fit.fit.as_deref();

@@ -67,7 +67,7 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
     let setup = prepare(&args)?;
     let (train, side) = (&setup.train, setup.side);
     let total_steps = setup::total_steps(&setup, args.run.accum_steps)?;
-    let images = setup.images(args.seed)?;
+    let images = setup.images(args.run.seed)?;
     let device = run::open_device(args.run.adapter.as_deref(), setup.budget)?;
     say!("adapter: {}", device.info().adapter);
     say!(
@@ -91,7 +91,7 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         trainer.model.num_parameters(),
         args.optimizer,
         setup.lr,
-        args.precision,
+        args.run.precision,
         setup.batch_size,
         args.run.accum_steps
     );
@@ -218,7 +218,7 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
             "epochs": setup.epochs,
             "batch_size": setup.batch_size,
             "micro_batch": trainer.micro_batch(),
-            "precision": args.precision,
+            "precision": args.run.precision,
             "checkpoint_activations": args.fit.checkpoint_activations,
             "crop_pad": aug.pad,
             "flip": aug.flip,

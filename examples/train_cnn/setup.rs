@@ -17,6 +17,15 @@ const FASHION_MNIST_DIR: &str = "/usr/share/datasets/fashion-mnist";
 #[derive(Parser, Debug)]
 #[command(about = "Train a small ResNet defined in this example with fitgrad's Trainer")]
 pub struct Args {
+    /// The adapter, the budget, the plan, the JSON line, the accumulation.
+    #[command(flatten)]
+    pub run: fitgrad::run::RunArgs,
+    /// --fit auto and --checkpoint-activations.
+    #[command(flatten)]
+    pub fit: fitgrad::run::FitArgs,
+    /// --prealloc, --save, --resume.
+    #[command(flatten)]
+    pub checkpoint: fitgrad::run::CheckpointArgs,
     /// auto (Fashion-MNIST when installed, else digits), digits, fashion-mnist, mnist, or a
     /// folder of IDX files.
     #[arg(long, default_value = "auto")]
@@ -60,9 +69,6 @@ pub struct Args {
     /// The same as --schedule cosine.
     #[arg(long)]
     pub cosine: bool,
-    /// Seeds the weights, the data split and order, and the augmentation.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
     /// Random crops: pad every side with this many zeros, then crop back to the image size at a
     /// seeded offset (per sample and epoch).
     #[arg(long, default_value_t = 0)]
@@ -76,24 +82,12 @@ pub struct Args {
     /// Train on the first N samples of the training set only (a quick run).
     #[arg(long)]
     pub train_samples: Option<usize>,
-    /// f32, or mixed (f32 master weights, f16 activations, loss scaling).
-    #[arg(long, default_value = "f32")]
-    pub precision: String,
     /// Write an HTML report of the run.
     #[arg(long)]
     pub report: Option<PathBuf>,
     /// `mpi`: one rank of data-parallel training started by mpirun (`--features mpi`).
     #[arg(long)]
     pub distributed: Option<String>,
-    /// The adapter, the budget, the plan, the JSON line, the accumulation.
-    #[command(flatten)]
-    pub run: fitgrad::run::RunArgs,
-    /// --fit auto and --checkpoint-activations.
-    #[command(flatten)]
-    pub fit: fitgrad::run::FitArgs,
-    /// --prealloc, --save, --resume.
-    #[command(flatten)]
-    pub checkpoint: fitgrad::run::CheckpointArgs,
 }
 
 /// Everything the flags ask for, checked on the host, with the defaults of the image size.
@@ -119,7 +113,7 @@ pub struct Setup {
 /// Checks every flag and loads the dataset, before any device work.
 pub fn prepare(args: &Args) -> Result<Setup> {
     let invalid = |reason: &str| run::invalid(OP, reason);
-    let precision: Precision = args.precision.parse()?;
+    let precision: Precision = args.run.precision.parse()?;
     if precision == Precision::F16 {
         return Err(invalid("--precision f32 or mixed"));
     }
@@ -152,15 +146,7 @@ pub fn prepare(args: &Args) -> Result<Setup> {
         run::check_number(OP, "--lr", lr, false)?;
     }
     let budget = run::parse_budget(OP, args.run.memory_budget.as_deref())?;
-    let checkpointing = "activation checkpointing";
-    let fit = args.fit.fit.as_deref();
-    let fit_auto = run::parse_fit(
-        OP,
-        fit,
-        budget,
-        args.fit.checkpoint_activations,
-        checkpointing,
-    )?;
+    let fit_auto = args.fit.auto(OP, budget, "activation checkpointing")?;
     let spec = match args.dataset.as_str() {
         "auto" if Path::new(FASHION_MNIST_DIR).is_dir() => "fashion-mnist",
         "auto" => "digits",
@@ -174,7 +160,7 @@ pub fn prepare(args: &Args) -> Result<Setup> {
         .output("--save", args.checkpoint.save.as_deref())
         .output("--report", args.report.as_deref())
         .check()?;
-    let (mut train, test): (Dataset, Dataset) = data::load(spec, args.seed)?;
+    let (mut train, test): (Dataset, Dataset) = data::load(spec, args.run.seed)?;
     if let Some(n) = args.train_samples.filter(|&n| n < train.len()) {
         train.features.truncate(n * train.dim);
         train.labels.truncate(n);

@@ -26,7 +26,7 @@ pub fn build(
         stem_stride: setup.stem_stride,
         blocks: args.blocks,
         group_norm: setup.group,
-        seed: args.seed,
+        seed: args.run.seed,
     };
     let model = ResNet::new(device, setup.side, setup.train.classes, shape)?;
     if args.fit.checkpoint_activations {
@@ -68,7 +68,7 @@ pub fn train_epochs(
     let mut oom_retries = 0;
     for epoch in first..setup.epochs {
         let epoch_start = Instant::now();
-        trainer.train_epoch(images, args.seed, epoch, |t, done, total| {
+        trainer.train_epoch(images, args.run.seed, epoch, |t, done, total| {
             if args.report.is_some() {
                 capture.after_step(t, images)?;
             }

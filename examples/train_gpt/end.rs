@@ -101,11 +101,11 @@ pub fn finish_run(
             let prompt = &corpus.valid[..1];
             let ids = trainer
                 .model
-                .generate(prompt, n, args.temperature, args.seed)?;
+                .generate(prompt, n, args.temperature, args.run.seed)?;
             let text = corpus.vocab.decode(&ids);
             println!(
                 "sample ({n} characters, temperature {}, seed {}):\n{text}\n",
-                args.temperature, args.seed
+                args.temperature, args.run.seed
             );
             text
         }
@@ -159,7 +159,7 @@ pub fn finish_run(
                 "checkpoint_activations": cfg.checkpoint_blocks,
                 "memory_budget": setup.budget,
                 "fit": fit_json,
-                "seed": args.seed,
+                "seed": args.run.seed,
                 "train_loss": train_loss,
                 "val_loss": valid_loss,
                 "bigram_val_loss": bigram,

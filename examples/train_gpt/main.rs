@@ -208,7 +208,7 @@ fn plan_run(args: &Args, setup: &Setup, trainer: &mut Trainer<Gpt>, root: bool) 
             Box::new(|t| {
                 let g = t
                     .model
-                    .generate(prompt, args.sample_len, args.temperature, args.seed);
+                    .generate(prompt, args.sample_len, args.temperature, args.run.seed);
                 g.map(drop)
             }),
         ));
@@ -263,7 +263,7 @@ fn settings(report: &mut TrainingReport, args: &Args, setup: &Setup, trainer: &T
             "memory budget",
             setup.budget.map_or("none".into(), |b| Bytes(b).to_string()),
         ),
-        ("seed", args.seed.to_string()),
+        ("seed", args.run.seed.to_string()),
     ] {
         report.setting(key, value);
     }

@@ -63,16 +63,9 @@ pub struct Args {
     /// Clip the gradients' total L2 norm to this before each update (0: no clipping).
     #[arg(long, default_value_t = 1.0)]
     pub clip_grad_norm: f32,
-    /// f32, f16, or mixed (f32 master weights and optimizer state, f16 activations and
-    /// matmuls, dynamic loss scaling).
-    #[arg(long, default_value = "f32")]
-    pub precision: String,
     /// fused, composed or auto (fused where the adapter runs it).
     #[arg(long, default_value = "auto")]
     pub attention: String,
-    /// Seed of the weights, the window order, dropout and the sample.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
     /// Evaluate on the first 64 validation windows every this many steps (0: only at the end,
     /// on the whole validation part).
     #[arg(long, default_value_t = 100)]
@@ -143,7 +136,7 @@ const OP: &str = "train_gpt";
 
 /// Checks every flag and loads the text, before any device work.
 pub fn prepare(args: &Args) -> Result<Setup> {
-    let precision: Precision = args.precision.parse()?;
+    let precision: Precision = args.run.precision.parse()?;
     let zero = Zero::from_flag(args.job.zero.as_deref())?;
     let attention = match args.attention.as_str() {
         "auto" => AttentionKind::Auto,
@@ -177,15 +170,7 @@ pub fn prepare(args: &Args) -> Result<Setup> {
         ],
     )?;
     run::check_environment()?;
-    let checkpointing = "block checkpointing";
-    let fit = args.fit.fit.as_deref();
-    let fit_auto = run::parse_fit(
-        OP,
-        fit,
-        budget,
-        args.fit.checkpoint_activations,
-        checkpointing,
-    )?;
+    let fit_auto = args.fit.auto(OP, budget, "block checkpointing")?;
     run::check_number(OP, "--lr", args.lr, false)?;
     if !(args.clip_grad_norm.is_finite() && args.clip_grad_norm >= 0.0) {
         return Err(invalid(format!(
@@ -233,7 +218,7 @@ pub fn prepare(args: &Args) -> Result<Setup> {
     cfg.dropout = args.dropout;
     cfg.checkpoint_blocks = args.fit.checkpoint_activations;
     cfg.dtype = precision.param_dtype();
-    cfg.seed = args.seed;
+    cfg.seed = args.run.seed;
     cfg.attention = attention;
     // Heads dividing dim, dropout in range, a parameter count that fits: the model's own checks.
     cfg.validate()?;

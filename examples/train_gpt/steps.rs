@@ -46,7 +46,7 @@ pub fn train_steps(
     // driver caches them on disk for the next run.
     bar.set_message("compiling GPU kernels (first run on this machine only)...");
     bar.tick();
-    let mut order = StepOrder::new(args.seed);
+    let mut order = StepOrder::new(args.run.seed);
     let mut train_loss = f32::NAN;
     let started = Instant::now();
     let first_step = trainer.steps();

@@ -7,12 +7,13 @@
 //! timeline of a step, the loss, accuracy and throughput curves and the memory table.
 
 use clap::Parser;
+use fitgrad::compress::Pruner;
 use fitgrad::distributed::{Job, Zero};
 use fitgrad::nn::{Mlp, Module};
 use fitgrad::optim::{AdamW, Optimizer, Sgd};
 use fitgrad::report::TrainingReport;
 use fitgrad::run::{self, finish, EpochRun, Strategy};
-use fitgrad::train::{ShardedView, Trainer, TrainerConfig};
+use fitgrad::train::{Evaluation, RunPlan, ShardedView, Trainer, TrainerConfig};
 use fitgrad::Device;
 use std::process::ExitCode;
 
@@ -44,23 +45,103 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         .lr
         .unwrap_or(if args.optimizer == "sgd" { 0.05 } else { 1e-3 });
     let total_steps = train.len().div_ceil(setup.eff) as u64 * args.epochs;
+    // The planner sees the training set as the run trains it: with --shard-size, with the
+    // shards the epoch keeps on the device.
+    let view = ShardedView::new(train, args.shard_size, setup.eff)?;
+    let built = build(&args, &setup, &device, dist, &view, lr, total_steps)?;
+    let run::Built { mut trainer, job } = built;
+    let mut pruner = run::pruner(&mut trainer, setup.prune.clone(), total_steps, &view)?;
+    let title = format!("train_mlp on {}", train.name);
+    let mut report = TrainingReport::new(title, &device, "samples/s");
+    if let Some(b) = setup.budget {
+        let (batch, micro) = (args.batch_size, trainer.micro_batch());
+        report.set_budget(b, batch, micro, job.choice.clone());
+        say!(
+            "{}",
+            run::budget_line(b, batch, micro, args.run.accum_steps, true)
+        );
+    }
+    let epochs = EpochRun {
+        save_sharded: args.save_sharded.as_deref(),
+        compiling_note: true,
+        ..EpochRun::new(dist, &args.common, (train, test), args.epochs)
+    };
+    let (plan, json) = (args.run.plan, args.run.json);
+    let Some(run_plan) = epochs.plan(&mut trainer, &view, job.zero, plan, json)? else {
+        return Ok(());
+    };
+    if args.checkpoint.prealloc {
+        epochs.prealloc(&mut trainer, &view)?;
+    }
+    report.set_plan(run_plan.step.clone());
+    settings(&mut report, &args, &setup, &trainer, lr);
+    let checkpointing = match trainer.model.checkpoint_activations {
+        true => ", activation checkpointing",
+        false => "",
+    };
+    say!(
+        "model: MLP {:?} ({} parameters), {}, {}, batch {} x {} accumulation steps{checkpointing}",
+        setup.widths,
+        trainer.model.num_parameters(),
+        args.optimizer,
+        trainer.config().precision.name(),
+        args.batch_size,
+        args.run.accum_steps,
+    );
+    let pruning = pruner.as_mut();
+    let first_epoch = match &args.checkpoint.resume {
+        Some(path) => epochs.resume(&mut trainer, path, pruning, setup.nothing_to_train)?,
+        None => 0,
+    };
+    // The shard file is removed when `run` returns (the guard is dropped with the locals).
+    let (sharded, _shard_file) = run::temp_shards(dist, train, args.run.seed, args.shard_size)?;
+    let (pruning, zero) = (pruner.as_mut(), job.zero);
+    let trained = epochs.train(
+        &mut trainer,
+        first_epoch,
+        pruning,
+        &mut report,
+        zero,
+        sharded.as_ref(),
+    )?;
+    let end = End {
+        trainer,
+        job,
+        run_plan,
+        pruner,
+        report,
+        trained,
+        lr,
+    };
+    finish_run(&args, &setup, &epochs, end)
+}
+
+/// The model and trainer: built at each ZeRO stage inside the budget logic (at each stage fit
+/// auto tries over MPI), so a budget too small for the model itself gets the smallest budget
+/// that works, like one too small for a step.
+fn build(
+    args: &Args,
+    setup: &Setup,
+    device: &Device,
+    dist: &Job,
+    view: &ShardedView<'_>,
+    lr: f32,
+    total_steps: u64,
+) -> fitgrad::Result<run::Built<Mlp>> {
     let mut config = TrainerConfig::new(args.batch_size, args.run.accum_steps, lr)
         .schedule(run::lr_schedule(args.cosine, total_steps, 0.0))
         .precision(setup.precision);
     config.clip_grad_norm = args.clip_grad_norm;
     config.offload_optimizer = setup.offload_optimizer;
-    // The model and trainer at stage `zero`, built inside the budget logic (at each stage fit
-    // auto tries over MPI): a budget too small for the model itself gets the smallest budget
-    // that works, like one too small for a step.
     let build = |zero: Zero| {
         // ZeRO stage 3 on several ranks: each layer goes to host memory as it is made, so no
         // device holds the whole model (each rank keeps its shard of it). 8-bit state does not
         // shard.
         let born = zero.number() == 3 && dist.size() > 1 && args.optimizer != "adamw8bit";
         let (widths, dtype) = (&setup.widths, setup.param_dtype);
-        let make = || Mlp::with_dtype(&device, widths, setup.act, dtype, args.seed);
+        let make = || Mlp::with_dtype(device, widths, setup.act, dtype, args.run.seed);
         let mut model = match born {
-            true => fitgrad::residency::born_on_host(&device, make)?,
+            true => fitgrad::residency::born_on_host(device, make)?,
             false => make()?,
         };
         model.checkpoint_activations = args.fit.checkpoint_activations;
@@ -74,150 +155,80 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
         };
         Trainer::new(model, optimizer, config.clone())
     };
-    // The planner sees the training set as the run trains it: with --shard-size, with the
-    // shards the epoch keeps on the device.
-    let view = ShardedView::new(train, args.shard_size, setup.eff)?;
     let strategy = Strategy {
         fit_auto: setup.fit_auto,
         zero: setup.zero,
         zero_given: args.job.zero.is_some(),
         identity: setup.identity.clone(),
     };
-    let run::Built { mut trainer, job } =
-        run::build_trainer(dist, &device, &view, strategy, build)?;
-    let mut pruner = run::pruner(&mut trainer, setup.prune.clone(), total_steps, &view)?;
-    let mut report =
-        TrainingReport::new(format!("train_mlp on {}", train.name), &device, "samples/s");
-    if let Some(b) = setup.budget {
-        let micro = trainer.micro_batch();
-        report.set_budget(b, args.batch_size, micro, job.choice.clone());
-        say!(
-            "{}",
-            run::budget_line(b, args.batch_size, micro, args.run.accum_steps, true)
-        );
-    }
-    let epochs = EpochRun {
-        dist,
-        train,
-        test,
-        seed: args.seed,
-        epochs: args.epochs,
-        budgeted: setup.budget.is_some(),
-        reporting: setup.reporting,
-        save: args.checkpoint.save.as_deref(),
-        save_sharded: args.save_sharded.as_deref(),
-        compiling_note: true,
-    };
-    let Some(run_plan) =
-        epochs.plan(&mut trainer, &view, job.zero, args.run.plan, args.run.json)?
-    else {
-        return Ok(());
-    };
-    if args.checkpoint.prealloc {
-        epochs.prealloc(&mut trainer, &view)?;
-    }
-    report.set_plan(run_plan.step.clone());
-    settings(&mut report, &args, &setup, &trainer, lr);
-    say!(
-        "model: MLP {:?} ({} parameters), {}, {}, batch {} x {} accumulation steps{}",
-        setup.widths,
-        trainer.model.num_parameters(),
-        args.optimizer,
-        trainer.config().precision.name(),
-        args.batch_size,
-        args.run.accum_steps,
-        if trainer.model.checkpoint_activations {
-            ", activation checkpointing"
-        } else {
-            ""
-        }
-    );
-    let first_epoch = match &args.checkpoint.resume {
-        Some(path) => epochs.resume(&mut trainer, path, pruner.as_mut(), setup.nothing_to_train)?,
-        None => 0,
-    };
-    // The shard file is removed when `run` returns (the guard is dropped with the locals).
-    let (sharded, _shard_file) = run::temp_shards(dist, train, args.seed, args.shard_size)?;
-    let trained = epochs.train(
-        &mut trainer,
-        first_epoch,
-        pruner.as_mut(),
-        &mut report,
-        job.zero,
-        sharded.as_ref(),
-    )?;
+    run::build_trainer(dist, device, view, strategy, build)
+}
+
+/// What the epochs leave for the end of the run.
+struct End {
+    trainer: Trainer<Mlp>,
+    job: run::Joined,
+    run_plan: RunPlan,
+    pruner: Option<Pruner>,
+    report: TrainingReport,
+    trained: run::Trained,
+    lr: f32,
+}
+
+/// The end of the run: every rank's hashes and peaks; rank 0 evaluates the test set (and the
+/// int8 model), prints the memory beside its plan, writes the report and the JSON line.
+fn finish_run(args: &Args, setup: &Setup, epochs: &EpochRun<'_>, end: End) -> fitgrad::Result<()> {
+    let End {
+        trainer,
+        job,
+        run_plan,
+        pruner,
+        mut report,
+        trained,
+        lr,
+    } = end;
+    let (dist, device) = (epochs.dist, trainer.device());
     let hashes = finish::rank_hashes(dist, &trainer.model)?;
     // And each rank's whole-run peak reserved beside its plan: the plan holds on every rank.
     let rank_peaks = match dist.size() > 1 {
-        true => Some(dist.rank_peaks(run_plan.peak_reserved, &device)?),
+        true => Some(dist.rank_peaks(run_plan.peak_reserved, device)?),
         false => None,
     };
-    if !root {
+    if !dist.is_root() {
         return Ok(());
     }
-    let (summary, eval) = epochs.test(&trainer, &trained)?;
-    let int8 = match args.quantize {
-        true => Some(quantized(
-            &trainer,
-            &setup,
-            &eval,
-            epochs.eval_batch(&trainer),
-        )?),
-        false => None,
+    // `--quantize`: the int8 model's figures beside the trained model's.
+    let int8 = |eval: &Evaluation| match args.quantize {
+        true => quantized(&trainer, setup, eval, epochs.eval_batch(&trainer)).map(Some),
+        false => Ok(None),
     };
-    let sparsity = finish::print_sparsity(pruner.as_ref())?;
-    println!("\n{summary}");
-    finish::print_step_peak(&run_plan.step, &summary);
-    finish::print_whole_run(&run_plan, &device);
-    println!("{}", device.memory_report());
-    let files = (
-        args.report.report.as_deref(),
-        args.report.report_json.as_deref(),
-    );
-    let (final_loss, train_secs, samples_per_s) = (
-        trained.final_loss,
-        trained.train_secs,
-        trained.samples_per_s,
-    );
-    EpochRun::write_report(
-        &mut report,
-        &eval,
-        trained,
-        &summary,
-        trainer.steps(),
-        files,
-    )?;
-    if args.run.json {
-        let mut j = finish::extend(
-            finish::memory_json(&trainer, &run_plan, &summary, &args.offload),
-            serde_json::json!({
-                "dataset": train.name,
-                "hidden": args.hidden,
-                "optimizer": args.optimizer,
-                "lr": lr,
-                "epochs": args.epochs,
-                "batch_size": args.batch_size,
-                "accum_steps": args.run.accum_steps,
-                "precision": trainer.config().precision.name(),
-                "checkpoint_activations": trainer.model.checkpoint_activations,
-                "memory_budget": setup.budget,
-                "seed": args.seed,
-                "final_loss": final_loss,
-                "test_loss": eval.loss,
-                "test_accuracy": eval.accuracy.unwrap_or(f32::NAN),
-                "sparsity": sparsity,
-                "weight_bytes": int8.map(|q| q.0),
-                "int8_weight_bytes": int8.map(|q| q.1),
-                "int8_test_accuracy": int8.and_then(|q| q.2),
-                "parameter_bytes": summary.parameter_bytes,
-                "train_seconds": train_secs,
-                "samples_per_s": samples_per_s,
-            }),
-        );
-        finish::add_job_json(&mut j, dist, &job, &trainer, hashes)?;
-        j["rank_peaks"] = rank_peaks.into();
-        println!("{j}");
+    let pruner = pruner.as_ref();
+    let ended = epochs.end(&trainer, trained, pruner, &run_plan, &mut report, int8)?;
+    if !args.run.json {
+        return Ok(());
     }
+    let int8 = ended.extra;
+    let own = serde_json::json!({
+        "dataset": setup.train.name,
+        "hidden": args.hidden,
+        "optimizer": args.optimizer,
+        "lr": lr,
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "accum_steps": args.run.accum_steps,
+        "precision": trainer.config().precision.name(),
+        "checkpoint_activations": trainer.model.checkpoint_activations,
+        "memory_budget": setup.budget,
+        "seed": args.run.seed,
+        "weight_bytes": int8.map(|q| q.0),
+        "int8_weight_bytes": int8.map(|q| q.1),
+        "int8_test_accuracy": int8.and_then(|q| q.2),
+        "parameter_bytes": ended.summary.parameter_bytes,
+    });
+    let mut j = ended.json(&trainer, &run_plan, &args.offload, own);
+    finish::add_job_json(&mut j, dist, &job, &trainer, hashes)?;
+    j["rank_peaks"] = rank_peaks.into();
+    println!("{j}");
     Ok(())
 }
 

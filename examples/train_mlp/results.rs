@@ -20,15 +20,7 @@ pub fn settings(
     let (train, test) = (&setup.train, &setup.test);
     let cosine = if args.cosine { ", cosine" } else { "" };
     for (key, value) in [
-        (
-            "dataset",
-            format!(
-                "{} ({} train, {} test)",
-                train.name,
-                train.len(),
-                test.len()
-            ),
-        ),
+        ("dataset", run::dataset_setting(train, test)),
         (
             "model",
             format!(
@@ -63,7 +55,7 @@ pub fn settings(
             "clip grad norm",
             args.clip_grad_norm.map_or("off".into(), |c| c.to_string()),
         ),
-        ("seed", args.seed.to_string()),
+        ("seed", args.run.seed.to_string()),
     ] {
         report.setting(key, value);
     }

@@ -52,15 +52,9 @@ pub struct Args {
     /// Clip the gradients' total L2 norm to this before each update.
     #[arg(long)]
     pub clip_grad_norm: Option<f32>,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
     /// Print the adapters wgpu finds and exit.
     #[arg(long)]
     pub list_adapters: bool,
-    /// f32, f16, or mixed (f32 master weights and optimizer state, f16 activations and
-    /// matmuls, dynamic loss scaling).
-    #[arg(long, default_value = "f32")]
-    pub precision: String,
     /// Stream the training set through the device in shards of this many samples, read from a
     /// file on disk (written once to the temp folder), so a dataset larger than the memory
     /// budget trains.
@@ -117,7 +111,7 @@ pub struct Setup {
 /// checkpoint, before any device work.
 pub fn prepare(args: &Args, dist: &Job) -> Result<Setup> {
     const OP: &str = "train_mlp";
-    let precision: Precision = args.precision.parse()?;
+    let precision: Precision = args.run.precision.parse()?;
     let zero = Zero::from_flag(args.job.zero.as_deref())?;
     let quantize = ("--quantize", args.quantize);
     dist.check_zero(zero, &[("--prune", args.prune.is_some()), quantize])?;
@@ -139,25 +133,8 @@ pub fn prepare(args: &Args, dist: &Job) -> Result<Setup> {
     );
     run::check_counts(OP, &counts)?;
     run::check_environment()?;
-    let checkpointing = "activation checkpointing";
-    let fit = args.fit.fit.as_deref();
-    let fit_auto = run::parse_fit(
-        OP,
-        fit,
-        budget,
-        args.fit.checkpoint_activations,
-        checkpointing,
-    )?;
-    if args.fit.checkpoint_activations && act != Activation::Gelu {
-        return Err(run::invalid(
-            OP,
-            format!(
-                "--checkpoint-activations recomputes gelu layers in backward; {} layers keep \
-                 nothing it could drop: use --activation gelu, or drop --checkpoint-activations",
-                args.activation
-            ),
-        ));
-    }
+    let fit_auto = args.fit.auto(OP, budget, "activation checkpointing")?;
+    check_model_flags(args, act)?;
     // No output may overwrite the dataset's files, the checkpoint resumed from, or another
     // output (--save may replace --resume: a run continued in place).
     args.common
@@ -168,24 +145,9 @@ pub fn prepare(args: &Args, dist: &Job) -> Result<Setup> {
         fitgrad::distributed::zero::checkpoint::check_folder("--save-sharded", dir)?;
     }
     let reporting = args.report.report.is_some() || args.report.report_json.is_some();
-    if !matches!(args.optimizer.as_str(), "adamw" | "adamw8bit" | "sgd") {
-        return Err(run::invalid(
-            OP,
-            format!(
-                "unknown optimizer '{}' (adamw, adamw8bit or sgd)",
-                args.optimizer
-            ),
-        ));
-    }
-    if let Some(lr) = args.lr {
-        run::check_number(OP, "--lr", lr, true)?;
-    }
     let prune = args.prune.map(PruneConfig::new);
-    if let Some(cfg) = &prune {
-        cfg.validate()?;
-    }
     let label = args.label_column.as_deref();
-    let (train, test) = data::load_with_label(&args.dataset, args.seed, label)?;
+    let (train, test) = data::load_with_label(&args.dataset, args.run.seed, label)?;
     if train.dim != test.dim {
         return Err(run::invalid(
             OP,
@@ -225,6 +187,38 @@ pub fn prepare(args: &Args, dist: &Job) -> Result<Setup> {
         identity,
         nothing_to_train,
     })
+}
+
+/// The model's and the optimizer's flags: checkpointing that has something to drop, a known
+/// optimizer, a learning rate, a sparsity.
+fn check_model_flags(args: &Args, act: Activation) -> Result<()> {
+    const OP: &str = "train_mlp";
+    if args.fit.checkpoint_activations && act != Activation::Gelu {
+        return Err(run::invalid(
+            OP,
+            format!(
+                "--checkpoint-activations recomputes gelu layers in backward; {} layers keep \
+                 nothing it could drop: use --activation gelu, or drop --checkpoint-activations",
+                args.activation
+            ),
+        ));
+    }
+    if !matches!(args.optimizer.as_str(), "adamw" | "adamw8bit" | "sgd") {
+        return Err(run::invalid(
+            OP,
+            format!(
+                "unknown optimizer '{}' (adamw, adamw8bit or sgd)",
+                args.optimizer
+            ),
+        ));
+    }
+    if let Some(lr) = args.lr {
+        run::check_number(OP, "--lr", lr, true)?;
+    }
+    if let Some(p) = args.prune {
+        PruneConfig::new(p).validate()?;
+    }
+    Ok(())
 }
 
 /// The checkpoint at `path` holds an MLP of these `widths`, `act` and `dtype`, trained on

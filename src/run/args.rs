@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 
 /// What every training command takes: the adapter, the budget, the plan, the JSON line, the
-/// accumulation.
+/// accumulation, the precision and the seed.
 #[derive(clap::Args, Debug, Clone)]
 pub struct RunArgs {
     /// Substring of the adapter name to use.
@@ -18,6 +18,14 @@ pub struct RunArgs {
     /// Batches whose gradients add up before each optimizer step.
     #[arg(long, default_value_t = 1)]
     pub accum_steps: usize,
+    /// f32, f16 (where the command takes it: f16 weights) or mixed (f32 master weights and
+    /// optimizer state, f16 activations and matmuls, dynamic loss scaling).
+    #[arg(long, default_value = "f32")]
+    pub precision: String,
+    /// Seeds everything random: the weights, the data's split and order, dropout,
+    /// augmentation and sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
     /// Print the planned peak memory of a training step, by category, and exit.
     #[arg(long)]
     pub plan: bool,
@@ -65,6 +73,20 @@ pub struct ReportArgs {
     /// Write the report's data as JSON to this file.
     #[arg(long)]
     pub report_json: Option<PathBuf>,
+}
+
+impl FitArgs {
+    /// Whether `--fit auto` is asked for ([`parse_fit`](super::parse_fit)): with a `budget`,
+    /// without `--checkpoint-activations` (fit auto chooses `checkpointing` itself).
+    pub fn auto(
+        &self,
+        op: &'static str,
+        budget: Option<u64>,
+        checkpointing: &str,
+    ) -> crate::Result<bool> {
+        let fit = self.fit.as_deref();
+        super::parse_fit(op, fit, budget, self.checkpoint_activations, checkpointing)
+    }
 }
 
 impl ReportArgs {

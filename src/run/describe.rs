@@ -38,3 +38,13 @@ pub fn budget_line(
         if accumulated { "accumulated " } else { "" }
     )
 }
+
+/// The report's `dataset` setting: `NAME (N train, M test)`.
+pub fn dataset_setting(train: &Dataset, test: &Dataset) -> String {
+    format!(
+        "{} ({} train, {} test)",
+        train.name,
+        train.len(),
+        test.len()
+    )
+}

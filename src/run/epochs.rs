@@ -2,6 +2,7 @@
 //! (`--plan`), a resume, the epochs with a progress bar, pruning, the report's curves, saves
 //! after each epoch, and the test set at the end.
 
+use super::finish;
 use crate::compress::Pruner;
 use crate::distributed::{Job, Zero};
 use crate::report::{StepCapture, TrainingReport};
@@ -39,6 +40,46 @@ pub struct EpochRun<'a> {
     pub save_sharded: Option<&'a Path>,
     /// Say on the first epoch's bar that kernels are compiling.
     pub compiling_note: bool,
+    /// `--report` (HTML) and `--report-json`: where the report is written at the end.
+    pub report_files: (Option<&'a Path>, Option<&'a Path>),
+    /// The end prints the step's peak with the op it is reached at and the peak reserved
+    /// ([`finish::print_step_peak_detail`]), else the short line.
+    pub peak_detail: bool,
+}
+
+/// What the end of a classifier run measured ([`EpochRun::end`]).
+pub struct Ended<T> {
+    /// Training's memory (before the final evaluation).
+    pub summary: MemorySummary,
+    /// The test set's loss and accuracy.
+    pub eval: Evaluation,
+    /// The pruned model's sparsity.
+    pub sparsity: Option<f64>,
+    /// The trained figures' JSON fields ([`Trained::json`]).
+    pub figures: serde_json::Value,
+    /// What the command's own step after the test returned.
+    pub extra: T,
+}
+
+impl<T> Ended<T> {
+    /// The `--json` fields of a classifier run: the memory ([`finish::memory_json`]), the
+    /// figures, the test loss, accuracy and sparsity, then the command's `own` fields.
+    pub fn json<M: crate::nn::Module>(
+        &self,
+        trainer: &Trainer<M>,
+        run: &RunPlan,
+        offload: &str,
+        own: serde_json::Value,
+    ) -> serde_json::Value {
+        let memory = finish::memory_json(trainer, run, &self.summary, offload);
+        let test = serde_json::json!({
+            "test_loss": self.eval.loss,
+            "test_accuracy": self.eval.accuracy.unwrap_or(f32::NAN),
+            "sparsity": self.sparsity,
+        });
+        let j = finish::extend(finish::extend(memory, self.figures.clone()), test);
+        finish::extend(j, own)
+    }
 }
 
 /// What the epochs ended with.
@@ -51,6 +92,36 @@ pub struct Trained {
     pub samples_per_s: f64,
     /// The memory of a step, for the report.
     pub capture: StepCapture,
+}
+
+impl<'a> EpochRun<'a> {
+    /// A run of `epochs` over `train` as the shared flags `args` ask: the seed, the budget,
+    /// `--save`, `--report` and `--report-json`; no sharded saves, no note on compiling, the
+    /// short peak line (set those fields after).
+    pub fn new(
+        dist: &'a Job,
+        args: &'a super::TrainArgs,
+        (train, test): (&'a Dataset, &'a Dataset),
+        epochs: u64,
+    ) -> EpochRun<'a> {
+        EpochRun {
+            dist,
+            train,
+            test,
+            seed: args.run.seed,
+            epochs,
+            budgeted: args.run.memory_budget.is_some(),
+            reporting: args.report.any(),
+            save: args.checkpoint.save.as_deref(),
+            save_sharded: None,
+            compiling_note: false,
+            report_files: (
+                args.report.report.as_deref(),
+                args.report.report_json.as_deref(),
+            ),
+            peak_detail: false,
+        }
+    }
 }
 
 impl EpochRun<'_> {
@@ -291,17 +362,39 @@ impl EpochRun<'_> {
         Ok((summary, eval))
     }
 
-    /// The report of a classifier run completed and written: the test loss and accuracy,
-    /// time, throughput and steps, the step's and the run's memory (`summary`); written as
-    /// `html` (`--report`) and `json` (`--report-json`) ask.
-    pub fn write_report(
-        report: &mut TrainingReport,
-        eval: &Evaluation,
+    /// The end of a classifier run on rank 0: the test set ([`EpochRun::test`]), the command's
+    /// own step `after_test`, the sparsity, the memory summary and the step's and the whole
+    /// run's peaks beside their plans, the device's memory report, and the report written.
+    pub fn end<M, T>(
+        &self,
+        trainer: &Trainer<M>,
         trained: Trained,
-        summary: &MemorySummary,
-        steps: u64,
-        (html, json): (Option<&Path>, Option<&Path>),
-    ) -> Result<()> {
+        pruner: Option<&Pruner>,
+        run: &RunPlan,
+        report: &mut TrainingReport,
+        after_test: impl FnOnce(&Evaluation) -> Result<T>,
+    ) -> Result<Ended<T>>
+    where
+        M: TrainModel<ClassBatch>,
+    {
+        let (summary, eval) = self.test(trainer, &trained)?;
+        let extra = after_test(&eval)?;
+        let sparsity = finish::print_sparsity(pruner)?;
+        println!("\n{summary}");
+        let (plan, stats) = (&run.step, &summary.stats);
+        match self.peak_detail {
+            true => {
+                finish::print_step_peak_detail(plan, stats.peak_bytes_in_use);
+                println!(
+                    "peak reserved: planned {} / measured {}",
+                    Bytes(plan.peak_reserved),
+                    Bytes(stats.peak_bytes_reserved)
+                );
+            }
+            false => finish::print_step_peak(plan, &summary),
+        }
+        finish::print_whole_run(run, trainer.device());
+        println!("{}", trainer.device().memory_report());
         let accuracy = eval.accuracy.unwrap_or(f32::NAN);
         report
             .result("test loss", format!("{:.4}", eval.loss))
@@ -311,10 +404,18 @@ impl EpochRun<'_> {
                 "throughput",
                 format!("{:.0} samples/s", trained.samples_per_s),
             )
-            .result("steps", steps);
+            .result("steps", trainer.steps());
+        let figures = trained.json();
         report.set_step_memory(trained.capture.finish());
         report.set_memory(summary.stats.clone());
-        super::finish::write_reports(report, html, json)
+        finish::write_reports(report, self.report_files.0, self.report_files.1)?;
+        Ok(Ended {
+            summary,
+            eval,
+            sparsity,
+            figures,
+            extra,
+        })
     }
 
     /// Reserves the planned peak up front (`--prealloc`) and says how much.
@@ -353,4 +454,15 @@ pub fn temp_shards(
         );
     }
     Ok((Some(s), Some(file)))
+}
+
+impl Trained {
+    /// The `--json` fields of the figures: `final_loss`, `train_seconds`, `samples_per_s`.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "final_loss": self.final_loss,
+            "train_seconds": self.train_secs,
+            "samples_per_s": self.samples_per_s,
+        })
+    }
 }

@@ -37,9 +37,9 @@ pub use checks::{
     check_counts, check_environment, check_offload, check_paths, check_resume_progress, name_flags,
     MAX_BATCH, MAX_EPOCHS, MAX_LAYERS, MAX_SAMPLE_LEN, MAX_STEPS, MAX_WIDTH,
 };
-pub use describe::{batch_setting, budget_line, dataset_line};
+pub use describe::{batch_setting, budget_line, dataset_line, dataset_setting};
 #[cfg(feature = "cli")]
-pub use epochs::{temp_shards, EpochRun, Trained};
+pub use epochs::{temp_shards, Ended, EpochRun, Trained};
 pub use flags::{check_number, effective_batch, invalid, parse_budget, parse_fit, Files};
 pub use resume::{check_checkpoint, Until};
 pub use steps::StepOrder;
