@@ -44,7 +44,7 @@ mod model;
 mod results;
 mod setup;
 use model::ResMlp;
-use results::{describe, forwards_in, settings};
+use results::{describe, forwards_in, own_json, settings};
 pub use setup::{load_data, prepare, Args, Data, Setup};
 
 /// Checks the flags ([`prepare`]), then trains, evaluates and reports as this process's part of
@@ -137,21 +137,7 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
         |_| Ok(()),
     )?;
     if args.run.json {
-        let own = serde_json::json!({
-            "dataset": train.name,
-            "width": args.width,
-            "blocks": args.blocks,
-            "dropout": args.dropout,
-            "parameters": trainer.model.num_parameters(),
-            "epochs": data.epochs,
-            "batch_size": args.batch_size,
-            "accum_steps": args.run.accum_steps,
-            "lr": args.lr,
-            "optimizer": args.optimizer,
-            "precision": args.run.precision,
-            "seed": args.run.seed,
-            "memory_budget": setup.budget,
-        });
+        let own = own_json(&args, &data, &trainer, setup.budget);
         let mut j = ended.json(&trainer, &run_plan, &args.offload, own);
         finish::add_job_json(&mut j, dist, &job, &trainer, hashes)?;
         println!("{j}");

@@ -60,3 +60,27 @@ pub fn settings(
         report.setting(key, value);
     }
 }
+
+/// The `--json` fields of this model and its flags.
+pub fn own_json(
+    args: &Args,
+    data: &Data,
+    trainer: &Trainer<ResMlp>,
+    budget: Option<u64>,
+) -> serde_json::Value {
+    serde_json::json!({
+        "dataset": data.train.name,
+        "width": args.width,
+        "blocks": args.blocks,
+        "dropout": args.dropout,
+        "parameters": trainer.model.num_parameters(),
+        "epochs": data.epochs,
+        "batch_size": args.batch_size,
+        "accum_steps": args.run.accum_steps,
+        "lr": args.lr,
+        "optimizer": args.optimizer,
+        "precision": args.run.precision,
+        "seed": args.run.seed,
+        "memory_budget": budget,
+    })
+}

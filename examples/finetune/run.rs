@@ -197,83 +197,22 @@ where
     let built = build_model(quant);
     device.set_memory_budget(budget)?;
     let (mut gpt, mut base) = built?;
-    let mut plan_json = None;
+    let mut plan_peak = None;
     if let Some(train) = &setup.train {
-        let mut config = TrainerConfig::new(args.batch_size, args.run.accum_steps, args.lr);
-        config.precision = setup.precision;
-        config.clip_grad_norm = Some(1.0);
-        gpt.set_checkpointing(args.fit.checkpoint_activations);
-        // The first build hands over the model already loaded; a rebuild (budget fitting)
-        // loads the weights again.
-        let first = std::cell::RefCell::new(Some((gpt, quant)));
-        let built_base = std::cell::Cell::new(base);
-        let build_with = |q: &BaseQuant| {
-            let model = match first.borrow_mut().take() {
-                Some((m, mq)) if mq == *q => m,
-                _ => {
-                    let (mut m, b) = build_model(*q)?;
-                    built_base.set(b);
-                    m.set_checkpointing(args.fit.checkpoint_activations);
-                    m
-                }
-            };
-            let optimizer = optimizer_for(args, &model)?;
-            Trainer::new(model, optimizer, config.clone())
-        };
-        let build = || build_with(&quant);
-        let mut fit_choice = None;
-        let mut trainer = if setup.fit_auto && setup.lora.is_some() && quant == BaseQuant::None {
-            // The budget also chooses the base: dense, then int8, then NF4.
-            let bases = [
-                BaseQuant::None,
-                BaseQuant::Int8,
-                BaseQuant::Nf4 { double_quant: true },
-            ];
-            let (trainer, choice) =
-                Trainer::build_fit_auto_variants(device, train, &bases, build_with)?;
-            print!("{choice}");
-            fit_choice = Some(choice.to_string());
-            trainer
-        } else if setup.fit_auto {
-            let (trainer, choice) = Trainer::build_fit_auto(device, train, build)?;
-            print!("{choice}");
-            fit_choice = Some(choice.to_string());
-            trainer
-        } else {
-            let mut trainer = Trainer::build_within_budget(device, train, build)?;
-            trainer.check_device_memory(train)?;
-            trainer
-        };
-        report.fit_choice = fit_choice;
-        let plan = trainer.plan(train)?;
-        report.plan = Some(plan.clone());
-        if args.run.plan {
-            print!("{plan}");
-            if args.run.json {
-                println!("{}", serde_json::json!({"planned_peak_bytes": plan.peak}));
-            }
+        let tuned = fine_tune(
+            args,
+            setup,
+            device,
+            build_model,
+            (gpt, base),
+            train,
+            &mut report,
+        )?;
+        let Some((model, tuned_base)) = tuned else {
             return Ok(report);
-        }
-        plan_json = Some(plan.peak);
-        report.eval_before = evaluate(&trainer.model, setup)?;
-        if let Some(e) = &report.eval_before {
-            println!("eval loss before fine-tuning: {:.6} nats/token", e.loss);
-        }
-        let mut during = Vec::new();
-        report.train_loss = train_steps(args, &mut trainer, train, &mut |step, model| {
-            let every = args.eval_every;
-            if every == 0 || step % every != 0 || step == args.steps {
-                return Ok(());
-            }
-            if let Some(e) = evaluate(model, setup)? {
-                println!("eval loss after step {step}: {:.6} nats/token", e.loss);
-                during.push((step, e));
-            }
-            Ok(())
-        })?;
-        report.eval_during = during;
-        gpt = trainer.model;
-        base = built_base.get();
+        };
+        (gpt, base) = (model, tuned_base);
+        plan_peak = report.plan.as_ref().map(|p| p.peak);
     }
     if let Some((bytes, params)) = base {
         println!(
@@ -305,28 +244,145 @@ where
         println!("saved {}", dir.display());
     }
     if args.run.json {
-        let j = serde_json::json!({
-            "model": args.model_dir().display().to_string(),
-            "adapter": device.info().adapter.name,
-            "params": gpt.num_parameters(),
-            "trainable_params": trainable_parameters(&gpt).iter().map(|(_, t)| t.numel()).sum::<usize>(),
-            "quantize": quant.to_string(),
-            "base_bytes": base.map(|b| b.0),
-            "base_bytes_per_param": base.map(|(b, p)| b as f64 / p as f64),
-            "context": setup.context,
-            "steps": args.steps,
-            "eval_loss": report.eval.map(|e| e.loss),
-            "eval_tokens": report.eval.map(|e| e.tokens),
-            "eval_windows": report.eval.map(|e| e.windows),
-            "eval_loss_before": report.eval_before.map(|e| e.loss),
-            "eval_loss_during": report.eval_during.iter().map(|(s, e)| (s, e.loss)).collect::<Vec<_>>(),
-            "train_loss": report.train_loss,
-            "planned_peak_bytes": plan_json,
-            "generated": report.generated,
-        });
-        println!("{j}");
+        print_json(args, setup, device, &gpt, &report, plan_peak);
     }
     Ok(report)
+}
+
+/// Fine-tunes `first` (the model `build_model` made, and its base's bytes) on `train`: the
+/// trainer built within the budget or by `--fit auto` (under LoRA over the bases too), the
+/// step planned (`--plan` prints it and returns `None`), the eval text before, during and
+/// after. Returns the trained model and its base.
+fn fine_tune<M>(
+    args: &Args,
+    setup: &Setup,
+    device: &Device,
+    build_model: &BuildFn<'_, M>,
+    (gpt, base): Built<M>,
+    train: &TextDataset,
+    report: &mut Report,
+) -> Result<Option<Built<M>>>
+where
+    M: LanguageModel + TrainModel<TokenBatch>,
+{
+    let mut gpt = gpt;
+    let quant = setup.lora.as_ref().map_or(BaseQuant::None, |l| l.quant);
+    let mut config = TrainerConfig::new(args.batch_size, args.run.accum_steps, args.lr);
+    config.precision = setup.precision;
+    config.clip_grad_norm = Some(1.0);
+    gpt.set_checkpointing(args.fit.checkpoint_activations);
+    // The first build hands over the model already loaded; a rebuild (budget fitting)
+    // loads the weights again.
+    let first = std::cell::RefCell::new(Some((gpt, quant)));
+    let built_base = std::cell::Cell::new(base);
+    let build_with = |q: &BaseQuant| {
+        let model = match first.borrow_mut().take() {
+            Some((m, mq)) if mq == *q => m,
+            _ => {
+                let (mut m, b) = build_model(*q)?;
+                built_base.set(b);
+                m.set_checkpointing(args.fit.checkpoint_activations);
+                m
+            }
+        };
+        let optimizer = optimizer_for(args, &model)?;
+        Trainer::new(model, optimizer, config.clone())
+    };
+    let build = || build_with(&quant);
+    let mut fit_choice = None;
+    let mut trainer = if setup.fit_auto && setup.lora.is_some() && quant == BaseQuant::None {
+        // The budget also chooses the base: dense, then int8, then NF4.
+        let bases = [
+            BaseQuant::None,
+            BaseQuant::Int8,
+            BaseQuant::Nf4 { double_quant: true },
+        ];
+        let (trainer, choice) =
+            Trainer::build_fit_auto_variants(device, train, &bases, build_with)?;
+        print!("{choice}");
+        fit_choice = Some(choice.to_string());
+        trainer
+    } else if setup.fit_auto {
+        let (trainer, choice) = Trainer::build_fit_auto(device, train, build)?;
+        print!("{choice}");
+        fit_choice = Some(choice.to_string());
+        trainer
+    } else {
+        let mut trainer = Trainer::build_within_budget(device, train, build)?;
+        trainer.check_device_memory(train)?;
+        trainer
+    };
+    report.fit_choice = fit_choice;
+    let plan = trainer.plan(train)?;
+    report.plan = Some(plan.clone());
+    if args.run.plan {
+        print!("{plan}");
+        if args.run.json {
+            println!("{}", serde_json::json!({"planned_peak_bytes": plan.peak}));
+        }
+        return Ok(None);
+    }
+    report.eval_before = evaluate(&trainer.model, setup)?;
+    if let Some(e) = &report.eval_before {
+        println!("eval loss before fine-tuning: {:.6} nats/token", e.loss);
+    }
+    let mut during = Vec::new();
+    report.train_loss = train_steps(args, &mut trainer, train, &mut |step, model| {
+        let every = args.eval_every;
+        if every == 0 || step % every != 0 || step == args.steps {
+            return Ok(());
+        }
+        if let Some(e) = evaluate(model, setup)? {
+            println!("eval loss after step {step}: {:.6} nats/token", e.loss);
+            during.push((step, e));
+        }
+        Ok(())
+    })?;
+    report.eval_during = during;
+    Ok(Some((trainer.model, built_base.get())))
+}
+
+/// The `--json` line of a folder run: the model, its base, the eval losses, the training
+/// loss, the planned peak and the sample.
+fn print_json<M: LanguageModel>(
+    args: &Args,
+    setup: &Setup,
+    device: &Device,
+    gpt: &M,
+    report: &Report,
+    plan_peak: Option<u64>,
+) {
+    let quant = setup.lora.as_ref().map_or(BaseQuant::None, |l| l.quant);
+    let base = report.base;
+    let trainable = trainable_parameters(gpt)
+        .iter()
+        .map(|(_, t)| t.numel())
+        .sum::<usize>();
+    let during: Vec<_> = report
+        .eval_during
+        .iter()
+        .map(|(s, e)| (s, e.loss))
+        .collect();
+    let j = serde_json::json!({
+        "model": args.model_dir().display().to_string(),
+        "adapter": device.info().adapter.name,
+        "params": gpt.num_parameters(),
+        "trainable_params": trainable,
+        "quantize": quant.to_string(),
+        "base_bytes": base.map(|b| b.0),
+        "base_bytes_per_param": base.map(|(b, p)| b as f64 / p as f64),
+        "context": setup.context,
+        "steps": args.steps,
+        "eval_loss": report.eval.map(|e| e.loss),
+        "eval_tokens": report.eval.map(|e| e.tokens),
+        "eval_windows": report.eval.map(|e| e.windows),
+        "eval_loss_before": report.eval_before.map(|e| e.loss),
+        "eval_loss_during": during,
+        "train_loss": report.train_loss,
+        "planned_peak_bytes": plan_peak,
+        "generated": report.generated,
+    });
+    println!("{j}");
 }
 
 /// `--optimizer` over the parameters that train (under LoRA the adapters only: the base has

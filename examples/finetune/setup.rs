@@ -7,6 +7,7 @@ use fitgrad::hf::TOKENIZER_FILE;
 use fitgrad::hf::{Adapter, LoraSpec, ModelConfig, PretrainedGpt, PretrainedLlama, Tokenizer};
 use fitgrad::nn::LoraConfig;
 use fitgrad::run::{self, MAX_SAMPLE_LEN, MAX_STEPS, MAX_WIDTH};
+use fitgrad::train::plays::Play;
 use fitgrad::train::text::TextDataset;
 use fitgrad::train::Precision;
 use fitgrad::{Error, Result};
@@ -127,7 +128,7 @@ pub struct Flags {
 }
 
 /// Checks the flags that need no file: every count within the bound every command shares,
-/// the budget, the numbers, and the files read and written.
+/// the budget, the numbers.
 pub fn check_flags(args: &Args) -> Result<Flags> {
     let precision: Precision = args.run.precision.parse()?;
     let budget = run::parse_budget(OP, args.run.memory_budget.as_deref())?;
@@ -141,14 +142,14 @@ pub fn check_flags(args: &Args) -> Result<Flags> {
         &[
             ("--steps", args.steps, 0, MAX_STEPS),
             ("--eval-every", args.eval_every, 0, MAX_STEPS),
-            ("--context", n(args.context.unwrap_or(1)), 1, MAX_WIDTH),
+            ("--context", n(args.context.unwrap_or(1)), 0, MAX_WIDTH),
             (
                 "--max-new-tokens",
                 n(args.max_new_tokens),
                 0,
                 MAX_SAMPLE_LEN,
             ),
-            ("--lora-rank", n(args.lora_rank.unwrap_or(1)), 1, MAX_WIDTH),
+            ("--lora-rank", n(args.lora_rank.unwrap_or(1)), 0, MAX_WIDTH),
         ],
     )?;
     run::check_environment()?;
@@ -160,7 +161,6 @@ pub fn check_flags(args: &Args) -> Result<Flags> {
             args.top_k, args.top_p
         )));
     }
-    check_files(args)?;
     Ok(Flags {
         precision,
         budget,
@@ -248,6 +248,9 @@ pub fn prepare(args: &Args) -> Result<Setup> {
     }
     let folder = Folder::open(args.model_dir(), precision.param_dtype())?;
     let lora = prepare_lora(args, &folder, precision)?;
+    // The LoRA flags first (an output of a setting that does not apply says so), then what
+    // the outputs would overwrite.
+    check_files(args)?;
     let tokenizer = folder.tokenizer()?;
     let (n_positions, field) = folder.positions();
     let context = args.context.unwrap_or(n_positions);
@@ -266,41 +269,7 @@ pub fn prepare(args: &Args) -> Result<Setup> {
             ),
         });
     }
-    let eval = match (&args.eval_text, &play) {
-        (None, Some((p, _, held_out))) => {
-            println!(
-                "no --model: the shipped model, on play {} ({}): {} characters to fine-tune \
-                 on, the last {} held out",
-                fitgrad::train::plays::HELD_OUT_PLAY + 1,
-                p.title,
-                p.text.len() - held_out.len(),
-                held_out.len()
-            );
-            Some(tokenizer.encode(held_out)?)
-        }
-        (Some(path), _) => {
-            let ids = tokenizer.encode(&read_text(path)?)?;
-            if ids.len() < 2 {
-                return Err(Error::Data {
-                    path: path.display().to_string(),
-                    reason: format!("{} tokens: the loss needs at least 2", ids.len()),
-                });
-            }
-            Some(ids)
-        }
-        (None, None) => None,
-    };
-    let train = match (&args.text, &play) {
-        (None, Some((_, part, _))) => Some(TextDataset::new(tokenizer.encode(part)?, context)?),
-        (Some(path), _) => {
-            let ids = tokenizer.encode(&read_text(path)?)?;
-            Some(TextDataset::new(ids, context).map_err(|e| Error::Data {
-                path: path.display().to_string(),
-                reason: e.to_string(),
-            })?)
-        }
-        (None, None) => None,
-    };
+    let (eval, train) = read_texts(args, &tokenizer, context, play.as_ref())?;
     let prompt = match &args.generate {
         Some(p) => {
             let ids = tokenizer.encode(p)?;
@@ -325,6 +294,52 @@ pub fn prepare(args: &Args) -> Result<Setup> {
         fit_auto,
         lora,
     })
+}
+
+/// The eval text's ids and the training windows: `--eval-text` and `--text`, or the held-out
+/// `play`'s parts (its eval part said).
+fn read_texts(
+    args: &Args,
+    tokenizer: &Tokenizer,
+    context: usize,
+    play: Option<&(Play, String, String)>,
+) -> Result<(Option<Vec<u32>>, Option<TextDataset>)> {
+    let eval = match (&args.eval_text, play) {
+        (None, Some((p, _, held_out))) => {
+            println!(
+                "no --model: the shipped model, on play {} ({}): {} characters to fine-tune \
+                 on, the last {} held out",
+                fitgrad::train::plays::HELD_OUT_PLAY + 1,
+                p.title,
+                p.text.len() - held_out.len(),
+                held_out.len()
+            );
+            Some(tokenizer.encode(held_out)?)
+        }
+        (Some(path), _) => {
+            let ids = tokenizer.encode(&read_text(path)?)?;
+            if ids.len() < 2 {
+                return Err(Error::Data {
+                    path: path.display().to_string(),
+                    reason: format!("{} tokens: the loss needs at least 2", ids.len()),
+                });
+            }
+            Some(ids)
+        }
+        (None, None) => None,
+    };
+    let train = match (&args.text, play) {
+        (None, Some((_, part, _))) => Some(TextDataset::new(tokenizer.encode(part)?, context)?),
+        (Some(path), _) => {
+            let ids = tokenizer.encode(&read_text(path)?)?;
+            Some(TextDataset::new(ids, context).map_err(|e| Error::Data {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            })?)
+        }
+        (None, None) => None,
+    };
+    Ok((eval, train))
 }
 
 /// The adapters `--lora-rank`, `--lora-alpha`, `--lora-dropout` and `--lora-targets` ask for

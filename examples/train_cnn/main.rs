@@ -24,14 +24,18 @@ pub mod model;
 mod setup;
 mod train;
 
+use augment::Augmented;
+use fitgrad::distributed::AllReduceStats;
 use fitgrad::distributed::Job;
 use fitgrad::nn::Module;
-use fitgrad::report::TrainingReport;
+use fitgrad::report::{StepCapture, TrainingReport};
 use fitgrad::run::{self, finish};
+use fitgrad::train::{Plan, Trainer};
 use fitgrad::{Bytes, Result};
 use model::ResNet;
 pub use setup::{prepare, Args, Setup};
 use std::process::ExitCode;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// What a run ends with: the planned and measured peak bytes in use of its steps, the
@@ -78,69 +82,10 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         train.classes
     );
     let mut trainer = train::build(&args, &setup, &device, total_steps)?;
-    let invariant = trainer.config().batch_invariant;
-    say!(
-        "model: ResNet, stem stride {}, {} stages of width {}, {}, {} ({} blocks, {} norm, {} parameters), {} lr {}, {}, batch {} x {}",
-        setup.stem_stride,
-        3,
-        setup.width,
-        2 * setup.width,
-        4 * setup.width,
-        trainer.model.blocks.len(),
-        args.norm,
-        trainer.model.num_parameters(),
-        args.optimizer,
-        setup.lr,
-        args.run.precision,
-        setup.batch_size,
-        args.run.accum_steps
-    );
-    if invariant {
-        say!("group norm: batch-invariant sums (any micro-batch size gives the same weights)");
+    if root {
+        train::describe(&args, &setup, &trainer, total_steps);
     }
-    let aug = setup.aug;
-    if aug.is_on() {
-        let flips = if aug.flip {
-            "horizontal flips"
-        } else {
-            "no flips"
-        };
-        say!(
-            "augmentation: random crops (padding {}), {flips} (seeded per sample and epoch)",
-            aug.pad
-        );
-    }
-    if setup.cosine {
-        say!(
-            "learning rate: cosine to 0 over {total_steps} steps, warm-up {}",
-            total_steps / 20
-        );
-    }
-    if let Some(b) = setup.budget {
-        if setup.fit_auto {
-            let choice = trainer.fit_auto(&images, b)?;
-            say!("fit auto: {choice}");
-        } else {
-            trainer.fit_to_budget(&images, b)?;
-        }
-    }
-    let all_reduce = dist.join(&mut trainer, &images)?;
-    if let Some(b) = setup.budget {
-        let micro = trainer.micro_batch();
-        say!(
-            "memory budget {}: micro-batch {micro} of {}",
-            Bytes(b),
-            setup.batch_size
-        );
-        if !setup.group && micro < setup.batch_size {
-            say!(
-                "warning: batch norm's statistics are those of each micro-batch of {micro}, not of \
-                 the batch of {} (as in PyTorch with accumulation); --norm group does not \
-                 mix samples (its steps are the whole batch's, bit for bit)",
-                setup.batch_size
-            );
-        }
-    }
+    let all_reduce = fit_budget(&setup, &mut trainer, &images, dist)?;
     let plan = trainer.plan(&images)?;
     if args.run.plan {
         if root {
@@ -175,6 +120,71 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         root,
     )?;
     device.sync()?;
+    let figures = (
+        plan,
+        final_loss,
+        oom_retries,
+        started.elapsed().as_secs_f64(),
+    );
+    finish_run(
+        &args,
+        &setup,
+        trainer,
+        report,
+        (capture, all_reduce),
+        dist,
+        figures,
+    )
+}
+
+/// The budget applied as the flags ask (`--fit auto`'s choice, else the micro-batch fitted to
+/// it), the job joined, and the micro-batch said, with batch norm's warning when it splits a
+/// batch.
+fn fit_budget(
+    setup: &Setup,
+    trainer: &mut Trainer<ResNet>,
+    images: &Augmented<'_>,
+    dist: &Job,
+) -> Result<Option<Arc<Mutex<AllReduceStats>>>> {
+    let root = dist.is_root();
+    if let Some(b) = setup.budget {
+        if setup.fit_auto {
+            let choice = trainer.fit_auto(images, b)?;
+            if root {
+                println!("fit auto: {choice}");
+            }
+        } else {
+            trainer.fit_to_budget(images, b)?;
+        }
+    }
+    let all_reduce = dist.join(trainer, images)?;
+    let (Some(b), true) = (setup.budget, root) else {
+        return Ok(all_reduce);
+    };
+    let (micro, batch) = (trainer.micro_batch(), setup.batch_size);
+    println!("memory budget {}: micro-batch {micro} of {batch}", Bytes(b));
+    if !setup.group && micro < batch {
+        println!(
+            "warning: batch norm's statistics are those of each micro-batch of {micro}, not of \
+             the batch of {batch} (as in PyTorch with accumulation); --norm group does not \
+             mix samples (its steps are the whole batch's, bit for bit)"
+        );
+    }
+    Ok(all_reduce)
+}
+
+/// The end of the run: the outcome on every rank; on rank 0 the test set, the memory beside
+/// its plan, the report and the JSON line. `figures`: the step's plan, the last loss, the
+/// steps redone after running out of memory, the seconds training took.
+fn finish_run(
+    args: &Args,
+    setup: &Setup,
+    trainer: Trainer<ResNet>,
+    mut report: TrainingReport,
+    (capture, all_reduce): (StepCapture, Option<Arc<Mutex<AllReduceStats>>>),
+    dist: &Job,
+    (plan, final_loss, oom_retries, train_secs): (Plan, f32, usize, f64),
+) -> Result<Outcome> {
     let summary = trainer.memory_summary();
     let measured = summary.stats.peak_bytes_in_use;
     let mut outcome = Outcome {
@@ -185,10 +195,9 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         test_accuracy: f32::NAN,
         tensors: tensors_of(&trainer.model)?,
     };
-    if !root {
+    if !dist.is_root() {
         return Ok(outcome);
     }
-    let train_secs = started.elapsed().as_secs_f64();
     let eval = trainer.evaluate(&setup.test, trainer.micro_batch())?;
     let accuracy = eval.accuracy.unwrap_or(f32::NAN);
     outcome.test_accuracy = accuracy;
@@ -208,10 +217,11 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         finish::write_reports(&report, Some(path), None)?;
     }
     if args.run.json {
+        let aug = setup.aug;
         let mut j = serde_json::json!({
-            "dataset": train.name,
+            "dataset": setup.train.name,
             "norm": args.norm,
-            "batch_invariant": invariant,
+            "batch_invariant": trainer.config().batch_invariant,
             "width": setup.width,
             "stem_stride": setup.stem_stride,
             "parameters": trainer.model.num_parameters(),

@@ -105,3 +105,43 @@ pub fn train_epochs(
     }
     Ok((final_loss, oom_retries, capture))
 }
+
+/// Says the model, the sums, the augmentation and the schedule (on rank 0).
+pub fn describe(args: &Args, setup: &Setup, trainer: &Trainer<ResNet>, total_steps: u64) {
+    let w = setup.width;
+    println!(
+        "model: ResNet, stem stride {}, 3 stages of width {w}, {}, {} ({} blocks, {} norm, {} parameters), {} lr {}, {}, batch {} x {}",
+        setup.stem_stride,
+        2 * w,
+        4 * w,
+        trainer.model.blocks.len(),
+        args.norm,
+        trainer.model.num_parameters(),
+        args.optimizer,
+        setup.lr,
+        args.run.precision,
+        setup.batch_size,
+        args.run.accum_steps
+    );
+    if trainer.config().batch_invariant {
+        println!("group norm: batch-invariant sums (any micro-batch size gives the same weights)");
+    }
+    let aug = setup.aug;
+    if aug.is_on() {
+        let flips = if aug.flip {
+            "horizontal flips"
+        } else {
+            "no flips"
+        };
+        println!(
+            "augmentation: random crops (padding {}), {flips} (seeded per sample and epoch)",
+            aug.pad
+        );
+    }
+    if setup.cosine {
+        println!(
+            "learning rate: cosine to 0 over {total_steps} steps, warm-up {}",
+            total_steps / 20
+        );
+    }
+}

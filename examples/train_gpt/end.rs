@@ -7,7 +7,7 @@ use fitgrad::distributed::Job;
 use fitgrad::nn::{Gpt, Module};
 use fitgrad::report::TrainingReport;
 use fitgrad::run::{finish, Joined};
-use fitgrad::train::{BatchSource, RunPlan, Trainer};
+use fitgrad::train::{BatchSource, MemorySummary, RunPlan, Trainer};
 use fitgrad::Result;
 
 /// What [`finish_run`] reports beside the trainer.
@@ -74,105 +74,145 @@ pub fn finish_run(
         dist.save_checkpoint(&trainer, path, 0)?;
     }
     report.log_eval(trainer.steps(), None, "validation", &valid);
-    let corpus = &setup.corpus;
-    let valid_loss = valid.loss;
-    let uniform = (corpus.vocab.len() as f64).ln();
+    let f = Figures {
+        train_loss,
+        valid_loss: valid.loss,
+        bigram,
+        secs,
+        tokens_per_s,
+    };
+    say_figures(args, setup, &trainer, &f, trained.first_step);
+    println!("\n{summary}");
+    finish::print_step_peak(plan, &summary);
+    println!("{}", device.memory_report());
+    let sample = sample(args, setup, &trainer)?;
+    // The whole run's peak, evaluation and sampling included, beside its plan.
+    finish::print_whole_run(&run_plan, &device);
+    report.set_step_memory(trained.capture.finish());
+    report.set_memory(summary.stats.clone());
+    f.results(&mut report, trainer.steps(), &sample);
+    let files = (
+        args.report.report.as_deref(),
+        args.report.report_json.as_deref(),
+    );
+    finish::write_reports(&report, files.0, files.1)?;
+    if args.run.json {
+        let ranks = (dist, hashes, rank_state);
+        let plans = (&run_plan, &job, &summary);
+        print_json(args, setup, &trainer, plans, &f, ranks)?;
+    }
+    out.valid_loss = f.valid_loss;
+    out.sample = sample;
+    out.peak_bytes = device.memory_stats().peak_bytes_reserved;
+    Ok(out)
+}
+
+/// The sample of `--sample-len` characters after the validation part's first, printed.
+fn sample(args: &Args, setup: &Setup, trainer: &Trainer<Gpt>) -> Result<String> {
+    let n = args.sample_len;
+    if n == 0 {
+        return Ok(String::new());
+    }
+    let (corpus, seed) = (&setup.corpus, args.run.seed);
+    let ids = trainer
+        .model
+        .generate(&corpus.valid[..1], n, args.temperature, seed)?;
+    let text = corpus.vocab.decode(&ids);
+    println!(
+        "sample ({n} characters, temperature {}, seed {seed}):\n{text}\n",
+        args.temperature
+    );
+    Ok(text)
+}
+
+/// The run's figures in the JSON line.
+struct Figures {
+    train_loss: f32,
+    valid_loss: f32,
+    bigram: f64,
+    secs: f64,
+    tokens_per_s: f64,
+}
+
+impl Figures {
+    /// The report's results: the losses beside the bigram baseline, time, throughput, steps
+    /// and the sample.
+    fn results(&self, report: &mut TrainingReport, steps: u64, sample: &str) {
+        report
+            .result(
+                "validation loss",
+                format!("{:.4} nats/char", self.valid_loss),
+            )
+            .result("bigram baseline", format!("{:.4} nats/char", self.bigram))
+            .result("training loss", format!("{:.4} nats/char", self.train_loss))
+            .result("training time", format!("{:.1} s", self.secs))
+            .result("throughput", format!("{:.0} tokens/s", self.tokens_per_s))
+            .result("steps", steps);
+        if !sample.is_empty() {
+            report.result("sample", sample);
+        }
+    }
+}
+
+/// The validation loss beside the baselines, and the steps' time and throughput.
+fn say_figures(args: &Args, setup: &Setup, trainer: &Trainer<Gpt>, f: &Figures, first_step: u64) {
+    let (valid_loss, bigram, train_loss) = (f.valid_loss, f.bigram, f.train_loss);
+    let uniform = (setup.corpus.vocab.len() as f64).ln();
     println!(
         "validation: {valid_loss:.4} nats/char on {} characters (bigram baseline {bigram:.4}, uniform {uniform:.4}); train {train_loss:.4}",
         setup.valid.len() * args.context
     );
     let skipped = trainer.scaler().map_or(0, |s| s.skipped_steps());
     println!(
-        "{} steps in {secs:.1} s, {tokens_per_s:.0} tokens/s{}",
-        trainer.steps() - trained.first_step,
+        "{} steps in {:.1} s, {:.0} tokens/s{}",
+        trainer.steps() - first_step,
+        f.secs,
+        f.tokens_per_s,
         if skipped > 0 {
             format!(" ({skipped} more skipped by loss scaling: their gradients overflowed)")
         } else {
             String::new()
         }
     );
-    println!("\n{summary}");
-    finish::print_step_peak(plan, &summary);
-    println!("{}", device.memory_report());
-    let sample = match args.sample_len {
-        0 => String::new(),
-        n => {
-            // The prompt: the validation part's first character.
-            let prompt = &corpus.valid[..1];
-            let ids = trainer
-                .model
-                .generate(prompt, n, args.temperature, args.run.seed)?;
-            let text = corpus.vocab.decode(&ids);
-            println!(
-                "sample ({n} characters, temperature {}, seed {}):\n{text}\n",
-                args.temperature, args.run.seed
-            );
-            text
-        }
-    };
-    // The whole run's peak, evaluation and sampling included, beside its plan.
-    finish::print_whole_run(&run_plan, &device);
-    report.set_step_memory(trained.capture.finish());
-    report.set_memory(summary.stats.clone());
-    report
-        .result("validation loss", format!("{valid_loss:.4} nats/char"))
-        .result("bigram baseline", format!("{bigram:.4} nats/char"))
-        .result("training loss", format!("{train_loss:.4} nats/char"))
-        .result("training time", format!("{secs:.1} s"))
-        .result("throughput", format!("{tokens_per_s:.0} tokens/s"))
-        .result("steps", trainer.steps());
-    if !sample.is_empty() {
-        report.result("sample", &sample);
-    }
-    finish::write_reports(
-        &report,
-        args.report.report.as_deref(),
-        args.report.report_json.as_deref(),
-    )?;
-    if args.run.json {
-        let cfg = trainer.model.gpt_config();
-        // What `--fit auto` chose (null without it).
-        let fit_json = job.choice.as_ref().map(|c| {
-            serde_json::json!({
-                "micro_batch": c.micro_batch,
-                "checkpointing": c.checkpointing,
-                "precision": c.precision.name(),
-                "residence": format!("{:?}", c.residence),
-                "candidates_planned": c.candidates.len(),
-            })
-        });
-        let mut j = finish::extend(
-            finish::memory_json(&trainer, &run_plan, &summary, &args.offload),
-            serde_json::json!({
-                "text": corpus.name,
-                "vocab_size": corpus.vocab.len(),
-                "layers": cfg.layers,
-                "heads": cfg.heads,
-                "dim": cfg.dim,
-                "context": cfg.context,
-                "params": trainer.model.num_parameters(),
-                "lr": args.lr,
-                "optimizer": args.optimizer,
-                "batch_size": args.batch_size,
-                "accum_steps": args.run.accum_steps,
-                "precision": trainer.config().precision.name(),
-                "checkpoint_activations": cfg.checkpoint_blocks,
-                "memory_budget": setup.budget,
-                "fit": fit_json,
-                "seed": args.run.seed,
-                "train_loss": train_loss,
-                "val_loss": valid_loss,
-                "bigram_val_loss": bigram,
-                "train_seconds": secs,
-                "tokens_per_s": tokens_per_s,
-            }),
-        );
-        finish::add_job_json(&mut j, dist, &job, &trainer, hashes)?;
-        j["per_rank_state_bytes"] = rank_state;
-        println!("{j}");
-    }
-    out.valid_loss = valid_loss;
-    out.sample = sample;
-    out.peak_bytes = device.memory_stats().peak_bytes_reserved;
-    Ok(out)
+}
+
+/// The `--json` line: the shared memory fields, the model's, the figures and the job's.
+fn print_json(
+    args: &Args,
+    setup: &Setup,
+    trainer: &Trainer<Gpt>,
+    (run_plan, job, summary): (&RunPlan, &Joined, &MemorySummary),
+    f: &Figures,
+    (dist, hashes, rank_state): (&Job, Option<Vec<u64>>, serde_json::Value),
+) -> Result<()> {
+    let (cfg, corpus) = (trainer.model.gpt_config(), &setup.corpus);
+    let own = serde_json::json!({
+        "text": corpus.name,
+        "vocab_size": corpus.vocab.len(),
+        "layers": cfg.layers,
+        "heads": cfg.heads,
+        "dim": cfg.dim,
+        "context": cfg.context,
+        "params": trainer.model.num_parameters(),
+        "lr": args.lr,
+        "optimizer": args.optimizer,
+        "batch_size": args.batch_size,
+        "accum_steps": args.run.accum_steps,
+        "precision": trainer.config().precision.name(),
+        "checkpoint_activations": cfg.checkpoint_blocks,
+        "memory_budget": setup.budget,
+        "fit": finish::fit_json(job.choice.as_ref()),
+        "seed": args.run.seed,
+        "train_loss": f.train_loss,
+        "val_loss": f.valid_loss,
+        "bigram_val_loss": f.bigram,
+        "train_seconds": f.secs,
+        "tokens_per_s": f.tokens_per_s,
+    });
+    let memory = finish::memory_json(trainer, run_plan, summary, &args.offload);
+    let mut j = finish::extend(memory, own);
+    finish::add_job_json(&mut j, dist, job, trainer, hashes)?;
+    j["per_rank_state_bytes"] = rank_state;
+    println!("{j}");
+    Ok(())
 }

@@ -92,11 +92,11 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         return Ok(Report {
             train_loss: f32::NAN,
             valid_loss: f32::NAN,
-            bigram,
-            steps: trainer.steps(),
             sample: String::new(),
             peak_bytes: 0,
             planned_run_peak: run_plan.peak_reserved,
+            bigram,
+            steps: trainer.steps(),
         });
     }
     if args.checkpoint.prealloc {
@@ -119,19 +119,7 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         }
     );
     if let Some(path) = &args.checkpoint.resume {
-        dist.resume_from(&mut trainer, path)?;
-        say!(
-            "resumed from {} after {} steps",
-            path.display(),
-            trainer.steps()
-        );
-        if setup.nothing_to_train {
-            say!(
-                "nothing left to train: the checkpoint holds {} steps and --steps is {}; evaluating it as it is",
-                trainer.steps(),
-                args.steps
-            );
-        }
+        resume(args, &setup, &mut trainer, path, dist)?;
     }
     report.set_plan(run_plan.step.clone());
     settings(&mut report, args, &setup, &trainer);
@@ -143,6 +131,33 @@ pub fn train(args: &Args, setup: Setup, device: &Device, dist: &Job) -> Result<R
         trained,
     };
     finish_run(args, &setup, trainer, report, dist, end)
+}
+
+/// Resumes from the checkpoint at `path` on every rank, and says so on rank 0.
+fn resume(
+    args: &Args,
+    setup: &Setup,
+    trainer: &mut Trainer<Gpt>,
+    path: &std::path::Path,
+    dist: &Job,
+) -> Result<()> {
+    dist.resume_from(trainer, path)?;
+    if !dist.is_root() {
+        return Ok(());
+    }
+    println!(
+        "resumed from {} after {} steps",
+        path.display(),
+        trainer.steps()
+    );
+    if setup.nothing_to_train {
+        println!(
+            "nothing left to train: the checkpoint holds {} steps and --steps is {}; evaluating it as it is",
+            trainer.steps(),
+            args.steps
+        );
+    }
+    Ok(())
 }
 
 /// The model and trainer at stage `zero` (the budget logic builds it, at each stage fit auto

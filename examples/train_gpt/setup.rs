@@ -138,16 +138,6 @@ const OP: &str = "train_gpt";
 pub fn prepare(args: &Args) -> Result<Setup> {
     let precision: Precision = args.run.precision.parse()?;
     let zero = Zero::from_flag(args.job.zero.as_deref())?;
-    let attention = match args.attention.as_str() {
-        "auto" => AttentionKind::Auto,
-        "fused" => AttentionKind::Fused,
-        "composed" => AttentionKind::Composed,
-        other => {
-            return Err(invalid(format!(
-                "--attention {other}: use fused, composed or auto"
-            )))
-        }
-    };
     let budget = run::parse_budget(OP, args.run.memory_budget.as_deref())?;
     // Every count bounded: a mistyped one is refused here, not run for days.
     let n = |v: usize| v as u64;
@@ -188,12 +178,7 @@ pub fn prepare(args: &Args) -> Result<Setup> {
             ("--distributed", args.job.distributed.is_some()),
         ],
     )?;
-    if !(args.temperature.is_finite() && args.temperature > 0.0) {
-        return Err(invalid(format!(
-            "--temperature must be a number > 0, got {}",
-            args.temperature
-        )));
-    }
+    run::check_number(OP, "--temperature", args.temperature, false)?;
     // No output may overwrite the text, the checkpoint resumed from, or another output
     // (--save may replace --resume: a run continued in place).
     args.common
@@ -208,20 +193,7 @@ pub fn prepare(args: &Args) -> Result<Setup> {
     let head_len = (EVAL_WINDOWS * args.context + 1).min(corpus.valid.len());
     let valid_head = TextDataset::new(corpus.valid[..head_len].to_vec(), args.context)?
         .with_stride(args.context)?;
-    let mut cfg = GptConfig::new(
-        corpus.vocab.len(),
-        args.context,
-        args.layers,
-        args.heads,
-        args.dim,
-    );
-    cfg.dropout = args.dropout;
-    cfg.checkpoint_blocks = args.fit.checkpoint_activations;
-    cfg.dtype = precision.param_dtype();
-    cfg.seed = args.run.seed;
-    cfg.attention = attention;
-    // Heads dividing dim, dropout in range, a parameter count that fits: the model's own checks.
-    cfg.validate()?;
+    let cfg = model_config(args, &corpus, precision)?;
     let identity = vec![
         ("vocab".to_string(), format!("{:016x}", corpus.vocab.hash())),
         ("text".to_string(), format!("{:016x}", corpus.hash())),
@@ -244,6 +216,35 @@ pub fn prepare(args: &Args) -> Result<Setup> {
         identity,
         nothing_to_train,
     })
+}
+
+/// The GPT the flags describe, on `corpus`'s vocabulary, checked by the model's own rules
+/// (heads dividing dim, dropout in range, a parameter count that fits).
+fn model_config(args: &Args, corpus: &TextCorpus, precision: Precision) -> Result<GptConfig> {
+    let attention = match args.attention.as_str() {
+        "auto" => AttentionKind::Auto,
+        "fused" => AttentionKind::Fused,
+        "composed" => AttentionKind::Composed,
+        other => {
+            return Err(invalid(format!(
+                "--attention {other}: use fused, composed or auto"
+            )))
+        }
+    };
+    let mut cfg = GptConfig::new(
+        corpus.vocab.len(),
+        args.context,
+        args.layers,
+        args.heads,
+        args.dim,
+    );
+    cfg.dropout = args.dropout;
+    cfg.checkpoint_blocks = args.fit.checkpoint_activations;
+    cfg.dtype = precision.param_dtype();
+    cfg.seed = args.run.seed;
+    cfg.attention = attention;
+    cfg.validate()?;
+    Ok(cfg)
 }
 
 /// The checkpoint at `path` holds a model of `cfg`'s shape, trained on this text, with no

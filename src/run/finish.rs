@@ -141,3 +141,19 @@ pub fn print_sparsity(pruner: Option<&crate::compress::Pruner>) -> Result<Option
     );
     Ok(Some(report.sparsity()))
 }
+
+/// What `--fit auto` chose, as the JSON line's `fit` (null without it): the micro-batch,
+/// checkpointing, precision, where the state lives, and how many candidates were planned.
+pub fn fit_json(choice: Option<&crate::train::FitChoice>) -> Value {
+    choice
+        .map(|c| {
+            serde_json::json!({
+                "micro_batch": c.micro_batch,
+                "checkpointing": c.checkpointing,
+                "precision": c.precision.name(),
+                "residence": format!("{:?}", c.residence),
+                "candidates_planned": c.candidates.len(),
+            })
+        })
+        .into()
+}
