@@ -1,14 +1,14 @@
 //! The end of a train_gpt run: the whole validation part, the save, the sample, the memory
-//! beside its plan, the report and the JSON line.
+//! beside its plan, the report (and its settings) and the JSON line.
 
 use super::steps::Trained;
 use super::{eval_batch, Args, Report, Setup};
 use fitgrad::distributed::Job;
 use fitgrad::nn::{Gpt, Module};
 use fitgrad::report::TrainingReport;
-use fitgrad::run::{finish, Joined};
+use fitgrad::run::{self, finish, Joined};
 use fitgrad::train::{BatchSource, MemorySummary, RunPlan, Trainer};
-use fitgrad::Result;
+use fitgrad::{Bytes, Result};
 
 /// What [`finish_run`] reports beside the trainer.
 pub struct End {
@@ -215,4 +215,57 @@ fn print_json(
     j["per_rank_state_bytes"] = rank_state;
     println!("{j}");
     Ok(())
+}
+
+/// `GPT L layers, dim D, H heads, context C (N parameters)`.
+pub fn describe(trainer: &Trainer<Gpt>) -> String {
+    let cfg = trainer.model.gpt_config();
+    format!(
+        "GPT {} layers, dim {}, {} heads, context {} ({} parameters)",
+        cfg.layers,
+        cfg.dim,
+        cfg.heads,
+        cfg.context,
+        trainer.model.num_parameters()
+    )
+}
+
+/// The report's settings: the text, the model, the optimizer and the memory flags.
+pub fn settings(report: &mut TrainingReport, args: &Args, setup: &Setup, trainer: &Trainer<Gpt>) {
+    let corpus = &setup.corpus;
+    let cfg = trainer.model.gpt_config();
+    let cosine = if args.cosine { ", cosine" } else { "" };
+    let batch = run::batch_setting(args.batch_size, args.run.accum_steps, trainer.micro_batch());
+    for (key, value) in [
+        (
+            "text",
+            format!(
+                "{} ({} characters, {} distinct)",
+                corpus.name,
+                corpus.len(),
+                corpus.vocab.len()
+            ),
+        ),
+        (
+            "model",
+            format!("{}, attention {}", describe(trainer), args.attention),
+        ),
+        (
+            "optimizer",
+            format!("{} lr {}{cosine}", args.optimizer, args.lr),
+        ),
+        ("steps", args.steps.to_string()),
+        ("batch", batch),
+        ("precision", trainer.config().precision.name().to_string()),
+        ("block checkpointing", cfg.checkpoint_blocks.to_string()),
+        ("dropout", args.dropout.to_string()),
+        ("clip grad norm", args.clip_grad_norm.to_string()),
+        (
+            "memory budget",
+            setup.budget.map_or("none".into(), |b| Bytes(b).to_string()),
+        ),
+        ("seed", args.run.seed.to_string()),
+    ] {
+        report.setting(key, value);
+    }
 }

@@ -28,7 +28,7 @@ use std::time::Instant;
 mod end;
 mod setup;
 mod steps;
-use end::{finish_run, End};
+use end::{describe, finish_run, settings, End};
 pub use setup::{open_device, prepare, Args, Report, Setup};
 use steps::train_steps;
 
@@ -229,59 +229,6 @@ fn plan_run(args: &Args, setup: &Setup, trainer: &mut Trainer<Gpt>, root: bool) 
         ));
     }
     trainer.plan_whole_run(&setup.train, &mut phases)
-}
-
-/// `GPT L layers, dim D, H heads, context C (N parameters)`.
-fn describe(trainer: &Trainer<Gpt>) -> String {
-    let cfg = trainer.model.gpt_config();
-    format!(
-        "GPT {} layers, dim {}, {} heads, context {} ({} parameters)",
-        cfg.layers,
-        cfg.dim,
-        cfg.heads,
-        cfg.context,
-        trainer.model.num_parameters()
-    )
-}
-
-/// The report's settings: the text, the model, the optimizer and the memory flags.
-fn settings(report: &mut TrainingReport, args: &Args, setup: &Setup, trainer: &Trainer<Gpt>) {
-    let corpus = &setup.corpus;
-    let cfg = trainer.model.gpt_config();
-    let cosine = if args.cosine { ", cosine" } else { "" };
-    let batch = run::batch_setting(args.batch_size, args.run.accum_steps, trainer.micro_batch());
-    for (key, value) in [
-        (
-            "text",
-            format!(
-                "{} ({} characters, {} distinct)",
-                corpus.name,
-                corpus.len(),
-                corpus.vocab.len()
-            ),
-        ),
-        (
-            "model",
-            format!("{}, attention {}", describe(trainer), args.attention),
-        ),
-        (
-            "optimizer",
-            format!("{} lr {}{cosine}", args.optimizer, args.lr),
-        ),
-        ("steps", args.steps.to_string()),
-        ("batch", batch),
-        ("precision", trainer.config().precision.name().to_string()),
-        ("block checkpointing", cfg.checkpoint_blocks.to_string()),
-        ("dropout", args.dropout.to_string()),
-        ("clip grad norm", args.clip_grad_norm.to_string()),
-        (
-            "memory budget",
-            setup.budget.map_or("none".into(), |b| Bytes(b).to_string()),
-        ),
-        ("seed", args.run.seed.to_string()),
-    ] {
-        report.setting(key, value);
-    }
 }
 
 /// [`prepare`], [`open_device`], [`train`].
