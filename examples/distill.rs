@@ -183,8 +183,8 @@ impl Figures {
         for (e, (a, d)) in alone_acc.iter().zip(distilled_acc).enumerate() {
             println!("{:>5}  {:>5.2}%  {:>8.2}%", e + 1, 100.0 * a, 100.0 * d);
         }
-        let (ab, ae) = best(&alone_acc);
-        let (db, de) = best(&distilled_acc);
+        let (ab, ae) = best(alone_acc);
+        let (db, de) = best(distilled_acc);
         let (af, df) = (
             alone_acc.last().copied().unwrap_or(f32::NAN),
             distilled_acc.last().copied().unwrap_or(f32::NAN),

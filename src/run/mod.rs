@@ -49,8 +49,9 @@ use crate::{Device, DeviceOptions, Result};
 /// Opens the device a command's flags ask for: the adapter whose name holds `adapter` (else
 /// the one with the most memory) under `budget`.
 pub fn open_device(adapter: Option<&str>, budget: Option<u64>) -> Result<Device> {
-    let mut options = DeviceOptions::default();
-    options.adapter = adapter.map(str::to_string);
-    options.memory_budget = budget;
-    Device::with_options(options)
+    Device::with_options(DeviceOptions {
+        adapter: adapter.map(str::to_string),
+        memory_budget: budget,
+        ..DeviceOptions::default()
+    })
 }
