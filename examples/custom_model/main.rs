@@ -74,7 +74,7 @@ pub fn run(args: Args, dist: &Job) -> Result<()> {
         args.run.accum_steps
     ));
     let eff = trainer.effective_batch();
-    let total_steps = train.len().div_ceil(eff) as u64 * data.epochs;
+    let total_steps = run::total_steps("custom_model", train.len(), eff, data.epochs)?;
     // The default filter prunes every 2-D weight: the stem, the blocks' fc1 and fc2, the head.
     let mut pruner = run::pruner(&mut trainer, setup.prune.clone(), total_steps, train)?;
     if let Some(b) = setup.budget {

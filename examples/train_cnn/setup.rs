@@ -214,11 +214,6 @@ impl Setup {
 
 /// The steps of the whole run, at most [`run::MAX_STEPS`] (epochs x steps per epoch).
 pub fn total_steps(setup: &Setup, accum: usize) -> Result<u64> {
-    let per_epoch = setup.train.len().div_ceil(setup.batch_size * accum) as u64;
-    let total = per_epoch.saturating_mul(setup.epochs);
-    run::check_counts(
-        OP,
-        &[("--epochs x steps per epoch", total, 1, run::MAX_STEPS)],
-    )?;
-    Ok(total)
+    let eff = setup.batch_size * accum;
+    run::total_steps(OP, setup.train.len(), eff, setup.epochs)
 }

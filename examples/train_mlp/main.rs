@@ -38,13 +38,13 @@ pub fn run(args: Args, dist: &Job) -> fitgrad::Result<()> {
     }
     let setup = prepare(&args, dist)?;
     let (train, test) = (&setup.train, &setup.test);
+    let total_steps = run::total_steps("train_mlp", train.len(), setup.eff, args.epochs)?;
     let device = run::open_device(args.run.adapter.as_deref(), setup.budget)?;
     say!("adapter: {}", device.info().adapter);
     say!("{}", run::dataset_line(train, test));
     let lr = args
         .lr
         .unwrap_or(if args.optimizer == "sgd" { 0.05 } else { 1e-3 });
-    let total_steps = train.len().div_ceil(setup.eff) as u64 * args.epochs;
     // The planner sees the training set as the run trains it: with --shard-size, with the
     // shards the epoch keeps on the device.
     let view = ShardedView::new(train, args.shard_size, setup.eff)?;

@@ -172,3 +172,89 @@ impl<'a> Files<'a> {
         check_paths(&inputs, &all, &[("--save", "--resume")])
     }
 }
+
+/// The optimizer steps of `epochs` epochs of `samples` samples, `eff` a step: the one rule for
+/// a product of counts (epochs x steps per epoch), at most [`MAX_STEPS`](super::MAX_STEPS),
+/// so a schedule over the run neither wraps nor runs for years.
+pub fn total_steps(op: &'static str, samples: usize, eff: usize, epochs: u64) -> Result<u64> {
+    let per_epoch = samples.div_ceil(eff.max(1)) as u64;
+    let total = per_epoch.saturating_mul(epochs);
+    let most = super::checks::MAX_STEPS;
+    check_counts(op, &[("--epochs x steps per epoch", total, 0, most)])?;
+    Ok(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fit_auto_needs_a_budget_and_no_checkpointing_flag() {
+        let ck = "activation checkpointing";
+        assert!(!parse_fit("t", None, None, false, ck).unwrap());
+        assert!(parse_fit("t", Some("auto"), Some(8), false, ck).unwrap());
+        for (fit, budget, flag, says) in [
+            (Some("auto"), None, false, "--memory-budget"),
+            (Some("auto"), Some(8), true, "--checkpoint-activations"),
+            (Some("manual"), Some(8), false, "'auto'"),
+        ] {
+            let err = parse_fit("t", fit, budget, flag, ck)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(says), "{err}");
+        }
+        assert!(parse_budget("t", Some("0")).is_err());
+        assert_eq!(parse_budget("t", Some("1KiB")).unwrap(), Some(1024));
+    }
+
+    /// One rule for products of counts: a batch times its accumulation that overflows, and
+    /// epochs times steps past the most steps, are refused naming the flags.
+    #[test]
+    fn products_of_counts_are_bounded() {
+        assert_eq!(effective_batch("t", 8, 4).unwrap(), 32);
+        let err = effective_batch("t", 8, 1 << 58).unwrap_err().to_string();
+        assert!(err.contains("--accum-steps"), "{err}");
+        assert_eq!(total_steps("t", 100, 10, 3).unwrap(), 30);
+        let err = total_steps("t", 100, 1, 1 << 62).unwrap_err().to_string();
+        assert!(err.contains("--epochs"), "{err}");
+    }
+
+    /// An output folder over an input folder's files, and an output onto an input, are
+    /// refused before anything is written; distinct paths pass.
+    #[test]
+    fn outputs_never_overwrite_inputs_or_an_input_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let model = dir.path().join("model");
+        std::fs::create_dir(&model).unwrap();
+        std::fs::write(model.join("model.safetensors"), b"w").unwrap();
+        let data = dir.path().join("d.csv");
+        std::fs::write(&data, b"a,label\n1,0\n").unwrap();
+        let files: &[&str] = &["model.safetensors", "config.json"];
+        let err = Files::new()
+            .input_folder("--model", Some(&model))
+            .output_folder("--save", Some(&model), files)
+            .check()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--model"), "{err}");
+        let err = Files::new()
+            .input("--dataset", Some(&data))
+            .output("--report", Some(&data))
+            .check()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--dataset"), "{err}");
+        let out = dir.path().join("out");
+        Files::new()
+            .input_folder("--model", Some(&model))
+            .input("--dataset", Some(&data))
+            .output_folder("--save", Some(&out), files)
+            .output("--report", Some(&dir.path().join("r.html")))
+            .check()
+            .unwrap();
+        assert_eq!(
+            std::fs::read(model.join("model.safetensors")).unwrap(),
+            b"w"
+        );
+    }
+}

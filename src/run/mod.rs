@@ -40,7 +40,9 @@ pub use checks::{
 pub use describe::{batch_setting, budget_line, dataset_line, dataset_setting};
 #[cfg(feature = "cli")]
 pub use epochs::{temp_shards, Ended, EpochRun, Trained};
-pub use flags::{check_number, effective_batch, invalid, parse_budget, parse_fit, Files};
+pub use flags::{
+    check_number, effective_batch, invalid, parse_budget, parse_fit, total_steps, Files,
+};
 pub use resume::{check_checkpoint, Until};
 pub use steps::StepOrder;
 
