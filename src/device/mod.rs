@@ -22,14 +22,14 @@ pub use queue::{FLUSH_EVERY, MAX_GROUPS_PER_DIM};
 pub use planning::{CategoryScope, PhaseScope, PlanScope};
 pub use timeline::StepScope;
 
-use crate::memory::{Arena, Block, Category, MemoryStats};
-use crate::{Bytes, Error, Result};
+use crate::memory::Arena;
+use crate::{Error, Result};
 use adapter::adapter_memory;
 use queue::Pending;
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The limits that decide what fitgrad can run.

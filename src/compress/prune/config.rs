@@ -22,7 +22,8 @@ pub enum PruneScope {
 /// When the masks grow.
 #[derive(Clone, Copy, Debug, PartialEq, Default)]
 pub enum PruneSchedule {
-    /// Straight to the target at the first [`Pruner::step`](super::Pruner::step) (or by [`Pruner::prune`](super::Pruner::prune)).
+    /// Straight to the target at the first [`Pruner::step`](super::Pruner::step) (or by
+    /// [`Pruner::prune`](super::Pruner::prune)).
     #[default]
     OneShot,
     /// Zhu & Gupta's gradual pruning: at steps `start_step + j · every` up to `end_step`, the
@@ -110,8 +111,8 @@ impl PruneConfig {
 
     /// Checks the numbers without a model: a sparsity outside [0, 1), an initial sparsity
     /// above the target, or an empty schedule (`end_step <= start_step`, `every == 0`) is an
-    /// [`Error::InvalidArgument`]. [`Pruner::new`](super::Pruner::new) calls it; a program can call it before it
-    /// opens a device.
+    /// [`Error::InvalidArgument`]. [`Pruner::new`](super::Pruner::new) calls it; a program can
+    /// call it before it opens a device.
     pub fn validate(&self) -> Result<()> {
         const OP: &str = "PruneConfig";
         check_sparsity(OP, "the sparsity", self.sparsity)?;

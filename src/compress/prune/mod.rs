@@ -29,7 +29,6 @@ use crate::kernels::elementwise::{self, BinaryOp};
 use crate::nn::Module;
 use crate::{DType, Error, Result, Tensor};
 use config::check_sparsity;
-use std::sync::Arc;
 
 /// One pruned weight: the model's tensor (shared), which elements are pruned, and the mask.
 struct Layer {

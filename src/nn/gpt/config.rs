@@ -1,14 +1,14 @@
-//! [`GptConfig`]: a [`Gpt`]'s sizes and settings, every field a checkpoint needs to rebuild the
-//! model, and the checks [`Gpt::new`] makes before any device work.
+//! [`GptConfig`]: a [`Gpt`](super::Gpt)'s sizes and settings, every field a checkpoint needs to
+//! rebuild the model, and the checks [`Gpt::new`](super::Gpt::new) makes before any device work.
 
-use super::Gpt;
 use crate::nn::LAYER_NORM_EPS;
 use crate::{AttentionKind, DType, Error, Result};
 
 /// The most classes the cross-entropy kernel indexes exactly (targets travel as f32).
 const MAX_VOCAB: usize = 1 << 24;
 
-/// A [`Gpt`]'s configuration: every field a checkpoint needs to rebuild the model.
+/// A [`Gpt`](super::Gpt)'s configuration: every field a checkpoint needs to rebuild the
+/// model.
 ///
 /// ```
 /// use fitgrad::nn::GptConfig;
@@ -31,7 +31,8 @@ pub struct GptConfig {
     pub dim: usize,
     /// Dropout probability after the embeddings and on each residual branch, in [0, 1).
     pub dropout: f32,
-    /// Run each block under gradient checkpointing (see [`Gpt::set_checkpoint_blocks`]).
+    /// Run each block under gradient checkpointing (see
+    /// [`Gpt::set_checkpoint_blocks`](super::Gpt::set_checkpoint_blocks)).
     pub checkpoint_blocks: bool,
     /// The parameters' dtype.
     pub dtype: DType,
@@ -91,7 +92,7 @@ impl GptConfig {
         })
     }
 
-    /// Every check [`Gpt::new`] makes before any device work.
+    /// Every check [`Gpt::new`](super::Gpt::new) makes before any device work.
     pub fn validate(&self) -> Result<()> {
         let bad = |reason: String| Error::InvalidArgument {
             op: "Gpt::new",

@@ -1,10 +1,10 @@
 //! [`LlamaConfig`]: the fields of a Llama `config.json` that change the math, and the checks
-//! [`Llama::new`] makes before any device work.
+//! [`Llama::new`](super::Llama::new) makes before any device work.
 
-use super::Llama;
 use crate::{AttentionKind, DType, Error, Result};
 
-/// A [`Llama`]'s configuration: the fields of a Llama `config.json` that change the math.
+/// A [`Llama`](super::Llama)'s configuration: the fields of a Llama `config.json` that change
+/// the math.
 #[non_exhaustive]
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
@@ -76,7 +76,7 @@ impl LlamaConfig {
         }
     }
 
-    /// Every check [`Llama::new`] makes before any device work.
+    /// Every check [`Llama::new`](super::Llama::new) makes before any device work.
     pub fn validate(&self) -> Result<()> {
         let bad = |reason: String| Error::InvalidArgument {
             op: "Llama::new",

@@ -15,7 +15,7 @@ use block::prefixed;
 use crate::nn::generate::{self, KvCache, LanguageModel};
 use crate::nn::{Embedding, Linear, Module};
 use crate::tensor::{Rng, Rope};
-use crate::{Activation, AttentionKind, DType, Device, Error, MatmulOptions, Result, Tensor};
+use crate::{DType, Device, Error, MatmulOptions, Result, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
