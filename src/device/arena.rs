@@ -146,7 +146,11 @@ impl Device {
 
 /// A budget must be positive and, where the adapter reports its device memory, no larger than
 /// it: a bigger one would promise what the driver cannot give and fail later as a driver error.
-pub(super) fn check_budget(budget: Option<u64>, adapter: &AdapterSummary, plan_only: bool) -> Result<()> {
+pub(super) fn check_budget(
+    budget: Option<u64>,
+    adapter: &AdapterSummary,
+    plan_only: bool,
+) -> Result<()> {
     match (budget, adapter.memory.filter(|_| !plan_only)) {
         (Some(0), _) => Err(Error::InvalidArgument {
             op: "memory budget",

@@ -18,8 +18,8 @@ mod transfer;
 
 pub use adapter::{AdapterSummary, DeviceOptions};
 pub(crate) use pipelines::Kernel;
-pub use queue::{FLUSH_EVERY, MAX_GROUPS_PER_DIM};
 pub use planning::{CategoryScope, PhaseScope, PlanScope};
+pub use queue::{FLUSH_EVERY, MAX_GROUPS_PER_DIM};
 pub use timeline::StepScope;
 
 use crate::memory::Arena;

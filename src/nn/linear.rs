@@ -206,9 +206,7 @@ impl Linear {
             .with_requires_grad();
         let b = Tensor::zeros(&dev, &[o, cfg.r], dtype)?.with_requires_grad();
         let drop_seed = seed ^ 0x5851_f42d_4c95_7f2d;
-        self.lora = Some(Arc::new(Lora::from_factors(
-            a, b, cfg, drop_seed,
-        )?));
+        self.lora = Some(Arc::new(Lora::from_factors(a, b, cfg, drop_seed)?));
         self.freeze();
         Ok(())
     }

@@ -90,10 +90,7 @@ pub fn print_plan(run: &RunPlan, json: bool, planned_in: std::time::Duration) {
 
 /// The JSON object of [`print_plan`]: the step's fields at the top, the whole run's phases
 /// and peaks under "run", and the planning time.
-pub fn plan_json(
-    run: &RunPlan,
-    planned_in: std::time::Duration,
-) -> serde_json::Value {
+pub fn plan_json(run: &RunPlan, planned_in: std::time::Duration) -> serde_json::Value {
     let mut j = serde_json::to_value(&run.step).unwrap_or_default();
     j["run"] = serde_json::json!({
         "phases": run.phases,

@@ -37,9 +37,7 @@ impl Layers {
             .find(START)
             .ok_or_else(|| format!("no sentence starting {START:?}"))?;
         let rest = &joined[at + START.len()..];
-        let end = rest
-            .find(". ")
-            .ok_or("the layer sentence has no end")?;
+        let end = rest.find(". ").ok_or("the layer sentence has no end")?;
         let order: Vec<Vec<String>> = rest[..end]
             .split('→')
             .map(backticked)
@@ -49,7 +47,9 @@ impl Layers {
             .find("The leaves (")
             .ok_or("no \"The leaves (...)\" after the layer sentence")?;
         let leaves_text = &rest[end + leaves_at..];
-        let close = leaves_text.find(')').ok_or("the leaves' parentheses do not close")?;
+        let close = leaves_text
+            .find(')')
+            .ok_or("the leaves' parentheses do not close")?;
         let leaves = backticked(&leaves_text[..close]);
         if order.is_empty() || leaves.is_empty() {
             return Err("the layer sentence names no modules".into());
@@ -62,7 +62,9 @@ impl Layers {
         if self.leaves.iter().any(|l| l == module) {
             return Some(usize::MAX);
         }
-        self.order.iter().position(|g| g.iter().any(|m| m == module))
+        self.order
+            .iter()
+            .position(|g| g.iter().any(|m| m == module))
     }
 }
 
@@ -128,7 +130,14 @@ pub fn run(args: &[String]) -> ExitCode {
     if args.iter().any(|a| a == "--graph") {
         for (file, uses) in &report.graph {
             let to: Vec<&str> = uses.keys().map(String::as_str).collect();
-            println!("{file} -> {}", if to.is_empty() { "(none)".into() } else { to.join(", ") });
+            println!(
+                "{file} -> {}",
+                if to.is_empty() {
+                    "(none)".into()
+                } else {
+                    to.join(", ")
+                }
+            );
         }
     }
     print!("{}", summary(&report, &layers));
@@ -204,8 +213,15 @@ fn collect_rs(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), String> {
 
 /// The module path a file defines: `lib.rs` -> [], `nn/mod.rs` and `nn.rs` -> [nn].
 fn file_module(rel: &str) -> Vec<String> {
-    let mut parts: Vec<String> = rel.trim_end_matches(".rs").split('/').map(String::from).collect();
-    if matches!(parts.last().map(String::as_str), Some("mod" | "lib" | "main")) {
+    let mut parts: Vec<String> = rel
+        .trim_end_matches(".rs")
+        .split('/')
+        .map(String::from)
+        .collect();
+    if matches!(
+        parts.last().map(String::as_str),
+        Some("mod" | "lib" | "main")
+    ) {
         parts.pop();
     }
     parts
@@ -289,7 +305,14 @@ fn blank(text: &str) -> String {
             // r"..", r#".."#, br#".."#: ends at a quote followed by as many hashes.
             i += hashes.1;
             while i < c.len() {
-                if c[i] == '"' && c[i + 1..].iter().take(hashes.0).filter(|&&h| h == '#').count() == hashes.0 {
+                if c[i] == '"'
+                    && c[i + 1..]
+                        .iter()
+                        .take(hashes.0)
+                        .filter(|&&h| h == '#')
+                        .count()
+                        == hashes.0
+                {
                     i += 1 + hashes.0;
                     break;
                 }
@@ -380,7 +403,9 @@ fn tokens(text: &str) -> Vec<(Tok, usize)> {
     out
 }
 
-const ITEM_KEYWORDS: [&str; 8] = ["struct", "enum", "trait", "fn", "type", "const", "static", "union"];
+const ITEM_KEYWORDS: [&str; 8] = [
+    "struct", "enum", "trait", "fn", "type", "const", "static", "union",
+];
 
 impl Crate {
     fn add_file(&mut self, rel: &str, text: &str) {
@@ -411,7 +436,9 @@ impl Crate {
                 // `#[macro_export]`, for the `macro_rules!` after it.
                 Tok::Ident(w) if w == "macro_export" => macro_export = true,
                 Tok::Ident(w) if w == "mod" && at_module_level => {
-                    if let (Some(name), Some((Tok::Punct('{'), _))) = (ident(i + 1), toks.get(i + 2)) {
+                    if let (Some(name), Some((Tok::Punct('{'), _))) =
+                        (ident(i + 1), toks.get(i + 2))
+                    {
                         let mut path = cur.clone();
                         path.push(name.to_string());
                         self.modules.entry(path.clone()).or_default().file = rel.to_string();
@@ -426,7 +453,8 @@ impl Crate {
                         let m = self.modules.entry(cur.clone()).or_default();
                         m.items.insert(name.to_string());
                         if macro_export {
-                            self.exported_macros.insert(name.to_string(), rel.to_string());
+                            self.exported_macros
+                                .insert(name.to_string(), rel.to_string());
                         }
                     }
                     macro_export = false;
@@ -440,7 +468,11 @@ impl Crate {
                             name: name.clone(),
                             target: path.clone(),
                         };
-                        self.modules.entry(cur.clone()).or_default().bindings.push(binding);
+                        self.modules
+                            .entry(cur.clone())
+                            .or_default()
+                            .bindings
+                            .push(binding);
                         self.paths.push(PathUse {
                             file: rel.to_string(),
                             module: cur.clone(),
@@ -454,7 +486,11 @@ impl Crate {
                 Tok::Ident(w) if ITEM_KEYWORDS.contains(&w.as_str()) && at_module_level => {
                     if let Some(name) = ident(i + 1) {
                         if !ITEM_KEYWORDS.contains(&name) && name != "unsafe" && name != "async" {
-                            self.modules.entry(cur.clone()).or_default().items.insert(name.into());
+                            self.modules
+                                .entry(cur.clone())
+                                .or_default()
+                                .items
+                                .insert(name.into());
                         }
                     }
                 }
@@ -505,7 +541,11 @@ impl Crate {
         // Layers: every top-level module placed, and no edge to a higher layer.
         let top = |f: &str| file_module(f).first().cloned();
         let tops: BTreeSet<String> = self.files.iter().filter_map(|f| top(f)).collect();
-        report.unplaced = tops.iter().filter(|m| layers.rank(m).is_none()).cloned().collect();
+        report.unplaced = tops
+            .iter()
+            .filter(|m| layers.rank(m).is_none())
+            .cloned()
+            .collect();
         for (from, uses) in &report.graph {
             let Some(a) = top(from).and_then(|m| layers.rank(&m)) else {
                 continue;
@@ -530,7 +570,8 @@ impl Crate {
             !(b.len() > a.len() && b.starts_with(&a))
         };
         let names: Vec<&String> = report.graph.keys().collect();
-        let index: HashMap<&String, usize> = names.iter().enumerate().map(|(i, n)| (*n, i)).collect();
+        let index: HashMap<&String, usize> =
+            names.iter().enumerate().map(|(i, n)| (*n, i)).collect();
         let adj: Vec<Vec<usize>> = names
             .iter()
             .map(|f| {
@@ -588,7 +629,9 @@ impl Crate {
                         break (m, segs);
                     }
                     let file = &self.modules.get(&m)?.file;
-                    if m.is_empty() || self.modules.get(&m[..m.len() - 1]).map(|p| &p.file) != Some(file) {
+                    if m.is_empty()
+                        || self.modules.get(&m[..m.len() - 1]).map(|p| &p.file) != Some(file)
+                    {
                         return None;
                     }
                     m.pop();
@@ -659,7 +702,12 @@ fn use_tree(toks: &[(Tok, usize)], i: usize) -> (Vec<(Vec<String>, Option<String
     (out, k + 1)
 }
 
-fn parse_tree(toks: &[(Tok, usize)], k: &mut usize, prefix: Vec<String>, out: &mut Vec<(Vec<String>, Option<String>)>) {
+fn parse_tree(
+    toks: &[(Tok, usize)],
+    k: &mut usize,
+    prefix: Vec<String>,
+    out: &mut Vec<(Vec<String>, Option<String>)>,
+) {
     let mut path = prefix;
     loop {
         match toks.get(*k).map(|t| &t.0) {
@@ -792,15 +840,27 @@ mod tests {
         let dir = tree(&[
             ("lib.rs", "pub mod mid; mod error; pub use mid::Thing;"),
             ("error.rs", "pub struct Error;"),
-            ("mid/mod.rs", "mod a; mod b; pub use b::Thing; pub use a::*;"),
-            ("mid/a.rs", "use crate::Thing; // crate::mid::b::nothing in a comment\npub fn f() {}"),
-            ("mid/b.rs", "pub struct Thing;\nfn g() { super::a::f(); let _ = \"crate::error\"; }"),
+            (
+                "mid/mod.rs",
+                "mod a; mod b; pub use b::Thing; pub use a::*;",
+            ),
+            (
+                "mid/a.rs",
+                "use crate::Thing; // crate::mid::b::nothing in a comment\npub fn f() {}",
+            ),
+            (
+                "mid/b.rs",
+                "pub struct Thing;\nfn g() { super::a::f(); let _ = \"crate::error\"; }",
+            ),
         ]);
         let r = check(dir.path(), &Layers::from_map(MAP).unwrap()).unwrap();
         assert!(!r.ok());
         assert_eq!(r.circles.len(), 1, "{r:?}");
         assert_eq!(r.circles[0].0, vec!["mid/a.rs", "mid/b.rs"]);
-        assert_eq!(r.graph["mid/a.rs"].keys().collect::<Vec<_>>(), vec!["mid/b.rs"]);
+        assert_eq!(
+            r.graph["mid/a.rs"].keys().collect::<Vec<_>>(),
+            vec!["mid/b.rs"]
+        );
         // The folder's own re-exports of its files are no circle, nor is a string an edge.
         assert!(r.upward.is_empty() && r.unplaced.is_empty());
     }
@@ -811,7 +871,10 @@ mod tests {
             ("lib.rs", "pub mod top; pub mod low; mod extra;"),
             ("top.rs", "pub struct T;"),
             ("low/mod.rs", "mod inner;"),
-            ("low/inner.rs", "#[cfg(test)]\nmod tests {\n    use crate::top::T;\n}"),
+            (
+                "low/inner.rs",
+                "#[cfg(test)]\nmod tests {\n    use crate::top::T;\n}",
+            ),
             ("extra.rs", ""),
         ]);
         let r = check(dir.path(), &Layers::from_map(MAP).unwrap()).unwrap();

@@ -177,7 +177,12 @@ impl LlamaBlock {
 
     /// x -> the block's output with each half checkpointed
     /// ([`checkpoint_halves`](crate::nn::unit::checkpoint_halves)).
-    pub(super) fn checkpointed(self: &Arc<Self>, x: &Tensor, rope: &Rope, dtype: DType) -> Result<Tensor> {
+    pub(super) fn checkpointed(
+        self: &Arc<Self>,
+        x: &Tensor,
+        rope: &Rope,
+        dtype: DType,
+    ) -> Result<Tensor> {
         let (a, m, r) = (self.clone(), self.clone(), rope.clone());
         crate::nn::unit::checkpoint_halves(
             x,

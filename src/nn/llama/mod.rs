@@ -11,11 +11,11 @@ mod config;
 pub use block::{LlamaAttention, LlamaBlock, LlamaMlp, RmsNorm};
 pub use config::LlamaConfig;
 
-use block::prefixed;
 use crate::nn::generate::{self, KvCache, LanguageModel};
 use crate::nn::{Embedding, Linear, Module};
 use crate::tensor::{Rng, Rope};
 use crate::{DType, Device, Error, MatmulOptions, Result, Tensor};
+use block::prefixed;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 

@@ -4,11 +4,11 @@
 
 mod state;
 
+use crate::kernels::optim::{adamw_step, AdamWHyper};
 use crate::optim::groups::{Groups, ParamGroup};
 use crate::optim::offload::{self, HostState, HOST_BYTES_PER_ELEMENT};
 use crate::optim::quant8::{self, Moments8};
 use crate::optim::{check, grad_of, zeros_like, Optimizer, OptimizerState};
-use crate::kernels::optim::{adamw_step, AdamWHyper};
 use crate::{DType, Error, Result, Tensor};
 
 const OP: &str = "AdamW";
