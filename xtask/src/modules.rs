@@ -690,9 +690,11 @@ impl Crate {
     }
 }
 
-/// Parses a use tree from `toks[i]` to its `;`: each leaf path with the name it binds (`None`
-/// for a glob). Returns the leaves and the index after the `;`.
-fn use_tree(toks: &[(Tok, usize)], i: usize) -> (Vec<(Vec<String>, Option<String>)>, usize) {
+/// A leaf of a use tree: its path and the name it binds (`None` for a glob).
+type Leaf = (Vec<String>, Option<String>);
+
+/// Parses a use tree from `toks[i]` to its `;`. Returns the leaves and the index after the `;`.
+fn use_tree(toks: &[(Tok, usize)], i: usize) -> (Vec<Leaf>, usize) {
     let mut out = Vec::new();
     let mut k = i;
     parse_tree(toks, &mut k, Vec::new(), &mut out);
@@ -702,12 +704,7 @@ fn use_tree(toks: &[(Tok, usize)], i: usize) -> (Vec<(Vec<String>, Option<String
     (out, k + 1)
 }
 
-fn parse_tree(
-    toks: &[(Tok, usize)],
-    k: &mut usize,
-    prefix: Vec<String>,
-    out: &mut Vec<(Vec<String>, Option<String>)>,
-) {
+fn parse_tree(toks: &[(Tok, usize)], k: &mut usize, prefix: Vec<String>, out: &mut Vec<Leaf>) {
     let mut path = prefix;
     loop {
         match toks.get(*k).map(|t| &t.0) {
