@@ -96,7 +96,8 @@ fn spec_from_json(cfg: &Map<String, Value>, source: &str) -> Result<LoraSpec> {
 /// naming the file for a configuration that is not LoRA (or uses DoRA, rsLoRA, per-layer
 /// ranks, saved modules, patterns, a bias), a damaged weights file, a tensor missing, extra
 /// (an adapter of another base's modules) or of another shape (another base's widths, or
-/// another rank), a dtype other than F32 / F16 / BF16; the errors of [`resolve_targets`].
+/// another rank), a dtype other than F32 / F16 / BF16; the errors of
+/// [`resolve_targets`](super::resolve_targets).
 pub fn read_adapter(dir: &Path, cfg: &GptConfig) -> Result<Adapter> {
     read_adapter_of(dir, all_modules(cfg), ("GPT-2", MODULES))
 }

@@ -60,7 +60,8 @@ impl Gpt {
     /// [`Gpt::forward_ids`] on the whole sequence. Records no graph; dropout applies only in
     /// training mode.
     ///
-    /// Errors, before any device work: [`Error::InvalidArgument`] for the id checks of
+    /// Errors, before any device work:
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for the id checks of
     /// `forward_ids`, `cache.len() + T` past `context`, a batch other than the cache's, or a
     /// cache of another model.
     pub fn forward_cached(
@@ -97,7 +98,8 @@ impl Gpt {
     /// embeddings are absolute), so the cache is rebuilt from the cropped window at each such
     /// step.
     ///
-    /// Errors, before any device work: [`Error::InvalidArgument`] for an empty prompt, an id of
+    /// Errors, before any device work:
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for an empty prompt, an id of
     /// `vocab_size` or more, or a temperature that is not finite and > 0 (or whose inverse is
     /// not finite); also when the model's probabilities are not finite (NaN weights).
     pub fn generate(
@@ -114,7 +116,8 @@ impl Gpt {
     /// probabilities, as transformers applies them: temperature, then the `top_k` most
     /// probable tokens, then the smallest most-probable set whose mass reaches `top_p`
     /// (`top_k` 1 is greedy decoding). Errors: those of `generate`, and
-    /// [`Error::InvalidArgument`] for a `top_k` of 0 or a `top_p` outside (0, 1].
+    /// [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a `top_k` of 0 or a `top_p`
+    /// outside (0, 1].
     pub fn generate_with(
         &self,
         prompt: &[u32],

@@ -204,7 +204,8 @@ pub(super) fn prefixed(prefix: &str, m: &dyn Module) -> Vec<(String, Tensor)> {
 crate::module! {
     impl Module for LlamaAttention {
         params { q_proj, k_proj, v_proj, o_proj }
-        /// Always an error: the attention needs its positions; run the whole [`Llama`].
+        /// Always an error: the attention needs its positions; run the whole
+        /// [`Llama`](super::Llama).
         fn forward(&self, x: &Tensor) -> Result<Tensor> {
             let _ = x;
             Err(Error::InvalidArgument {
@@ -228,7 +229,8 @@ crate::module! {
 crate::module! {
     impl Module for LlamaBlock {
         params { input_layernorm, self_attn, post_attention_layernorm, mlp }
-        /// Always an error: the block needs its positions; run the whole [`Llama`].
+        /// Always an error: the block needs its positions; run the whole
+        /// [`Llama`](super::Llama).
         fn forward(&self, x: &Tensor) -> Result<Tensor> {
             let _ = x;
             Err(Error::InvalidArgument {
