@@ -2,7 +2,7 @@
 //!
 //! - `shaders`: parses and validates every shader variant with naga (no GPU needed).
 //! - `modules [--graph]`: the graph of src/'s files; fails on a circle of files or an import
-//!   that runs up ARCHITECTURE.md's layer order (see modules.rs).
+//!   that runs up ARCHITECTURE.md's layer order (see modules/).
 //! - `adapters`: lists the adapters wgpu finds.
 //! - `bench [--quick] [--train-only] [--adapter NAME]`: the cross-vendor benchmark report
 //!   (report.json, report.md, report.html; see bench.rs); `bench --html-from REPORT.json`
