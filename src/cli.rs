@@ -5,6 +5,8 @@
 //! ([`name_flags`]). Each is one rule, so every command refuses the same input the same way.
 
 use crate::report::check_output_path;
+// The plan's printing lives with the plan (src/train/run_plan.rs), where `distributed` uses it.
+pub use crate::train::{plan_json, print_plan};
 use crate::{Error, Result};
 use std::path::{Path, PathBuf};
 
@@ -178,20 +180,6 @@ pub fn name_flags(op: &'static str, error: Error, change: &str) -> Error {
     }
 }
 
-/// The plan of a step and of the whole run as one JSON line (`--plan --json`), else as their
-/// tables and the time planning took.
-pub fn print_plan(run: &crate::train::RunPlan, json: bool, planned_in: std::time::Duration) {
-    if json {
-        println!("{}", plan_json(run, planned_in));
-    } else {
-        print!("{}{run}", run.step);
-        println!(
-            "  (planned by running the step and the run on the device's planning mode in {:.0} ms)",
-            planned_in.as_secs_f64() * 1e3
-        );
-    }
-}
-
 /// Where `--offload` puts things: (optimizer offloaded, parameters streamed). `parameters`
 /// implies the optimizer; `units` says whether the command's model names units (a model
 /// without any is refused with how to mark them); `conflicts` are (flag, whether given) of the
@@ -231,22 +219,6 @@ pub fn check_offload(
             reason: format!("--offload {other}: use none, optimizer or parameters"),
         }),
     }
-}
-
-/// The JSON object of [`print_plan`]: the step's fields at the top, the whole run's phases
-/// and peaks under "run", and the planning time.
-pub fn plan_json(
-    run: &crate::train::RunPlan,
-    planned_in: std::time::Duration,
-) -> serde_json::Value {
-    let mut j = serde_json::to_value(&run.step).unwrap_or_default();
-    j["run"] = serde_json::json!({
-        "phases": run.phases,
-        "peak": run.peak,
-        "peak_reserved": run.peak_reserved,
-    });
-    j["planning_ms"] = (planned_in.as_secs_f64() * 1e3).into();
-    j
 }
 
 #[cfg(test)]

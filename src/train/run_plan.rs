@@ -74,6 +74,33 @@ impl fmt::Display for RunPlan {
     }
 }
 
+/// The plan of a step and of the whole run as one JSON line (`--plan --json`), else as their
+/// tables and the time planning took.
+pub fn print_plan(run: &RunPlan, json: bool, planned_in: std::time::Duration) {
+    if json {
+        println!("{}", plan_json(run, planned_in));
+    } else {
+        print!("{}{run}", run.step);
+        println!(
+            "  (planned by running the step and the run on the device's planning mode in {:.0} ms)",
+            planned_in.as_secs_f64() * 1e3
+        );
+    }
+}
+
+/// The JSON object of [`print_plan`]: the step's fields at the top, the whole run's phases
+/// and peaks under "run", and the planning time.
+pub fn plan_json(run: &RunPlan, planned_in: std::time::Duration) -> serde_json::Value {
+    let mut j = serde_json::to_value(&run.step).unwrap_or_default();
+    j["run"] = serde_json::json!({
+        "phases": run.phases,
+        "peak": run.peak,
+        "peak_reserved": run.peak_reserved,
+    });
+    j["planning_ms"] = (planned_in.as_secs_f64() * 1e3).into();
+    j
+}
+
 impl<M: Module> Trainer<M> {
     /// Plans the whole run under the device's budget: a training step on `data` at the
     /// current micro-batch (as [`Trainer::plan`], with what the source keeps resident), then

@@ -2,375 +2,26 @@
 //! pre-RMSNorm blocks of grouped-query self-attention with rotary positions (rotate-half, no
 //! position table) and a SwiGLU MLP, a final RMSNorm, and a head of its own or tied to the
 //! embedding. Parameters carry transformers' names, so a folder loads and saves one to one.
-//! Generation with a KV cache shares src/nn/generate.rs with [`Gpt`](super::Gpt).
+//! Generation with a KV cache shares src/nn/generate.rs with [`Gpt`](super::Gpt). The
+//! configuration is config.rs, the layers of a block block.rs.
 
-use super::generate::{KvCache, LanguageModel};
-use super::{Embedding, Linear, Module};
+mod block;
+mod config;
+
+pub use block::{LlamaAttention, LlamaBlock, LlamaMlp, RmsNorm};
+pub use config::LlamaConfig;
+
+use crate::nn::generate::{self, KvCache, LanguageModel};
+use crate::nn::{Embedding, Linear, Module};
 use crate::tensor::{Rng, Rope};
-use crate::{Activation, AttentionKind, DType, Device, Error, MatmulOptions, Result, Tensor};
+use crate::{DType, Device, Error, MatmulOptions, Result, Tensor};
+use block::prefixed;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// The init of a model built from a configuration alone: N(0, 0.02), as transformers'
 /// `initializer_range` default.
 const INIT_STD: f32 = 0.02;
-
-/// A [`Llama`]'s configuration: the fields of a Llama `config.json` that change the math.
-#[non_exhaustive]
-#[derive(Clone, Debug, PartialEq)]
-pub struct LlamaConfig {
-    /// Token ids are `0..vocab_size`.
-    pub vocab_size: usize,
-    /// Model width C (`hidden_size`).
-    pub dim: usize,
-    /// The MLP's inner width (`intermediate_size`).
-    pub intermediate: usize,
-    /// Blocks (`num_hidden_layers`).
-    pub layers: usize,
-    /// Query heads H (`num_attention_heads`).
-    pub heads: usize,
-    /// Key and value heads KV (`num_key_value_heads`), dividing H: H / KV query heads share
-    /// each (grouped-query attention).
-    pub kv_heads: usize,
-    /// Head dim D (`head_dim`, C / H unless given); even.
-    pub head_dim: usize,
-    /// The most positions a forward sees (`max_position_embeddings`).
-    pub context: usize,
-    /// Every RMSNorm's eps (`rms_norm_eps`).
-    pub rms_norm_eps: f32,
-    /// RoPE's base (`rope_theta`).
-    pub rope_theta: f32,
-    /// The head is the embedding (`tie_word_embeddings`).
-    pub tie_embeddings: bool,
-    /// q, k, v and o projections with biases (`attention_bias`).
-    pub attention_bias: bool,
-    /// gate, up and down projections with biases (`mlp_bias`).
-    pub mlp_bias: bool,
-    /// The parameters' dtype.
-    pub dtype: DType,
-    /// Seed of the initial weights.
-    pub seed: u64,
-    /// Which attention implementation the blocks run.
-    pub attention: AttentionKind,
-}
-
-impl LlamaConfig {
-    /// `layers` blocks of width `dim`, `heads` query heads over `kv_heads` kv heads of dim
-    /// `dim / heads`, an MLP of `intermediate`; transformers' defaults otherwise (eps 1e-6,
-    /// theta 10000, untied, no biases), f32, seed 0.
-    pub fn new(
-        vocab_size: usize,
-        dim: usize,
-        intermediate: usize,
-        layers: usize,
-        heads: usize,
-        kv_heads: usize,
-        context: usize,
-    ) -> LlamaConfig {
-        LlamaConfig {
-            vocab_size,
-            dim,
-            intermediate,
-            layers,
-            heads,
-            kv_heads,
-            head_dim: dim.checked_div(heads).unwrap_or(0),
-            context,
-            rms_norm_eps: 1e-6,
-            rope_theta: 10000.0,
-            tie_embeddings: false,
-            attention_bias: false,
-            mlp_bias: false,
-            dtype: DType::F32,
-            seed: 0,
-            attention: AttentionKind::Auto,
-        }
-    }
-
-    /// Every check [`Llama::new`] makes before any device work.
-    pub fn validate(&self) -> Result<()> {
-        let bad = |reason: String| Error::InvalidArgument {
-            op: "Llama::new",
-            reason,
-        };
-        let sizes = [
-            ("vocab_size", self.vocab_size),
-            ("hidden_size", self.dim),
-            ("intermediate_size", self.intermediate),
-            ("num_hidden_layers", self.layers),
-            ("num_attention_heads", self.heads),
-            ("num_key_value_heads", self.kv_heads),
-            ("head_dim", self.head_dim),
-            ("max_position_embeddings", self.context),
-        ];
-        if let Some((name, _)) = sizes.iter().find(|(_, v)| *v == 0) {
-            return Err(bad(format!("{name} must be at least 1, got 0")));
-        }
-        if !self.heads.is_multiple_of(self.kv_heads) {
-            return Err(bad(format!(
-                "num_key_value_heads = {} must divide num_attention_heads = {}",
-                self.kv_heads, self.heads
-            )));
-        }
-        if !self.head_dim.is_multiple_of(2) {
-            return Err(bad(format!(
-                "head_dim = {} must be even (RoPE rotates its two halves)",
-                self.head_dim
-            )));
-        }
-        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
-            return Err(bad(format!(
-                "rms_norm_eps must be a finite number >= 0, got {}",
-                self.rms_norm_eps
-            )));
-        }
-        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
-            return Err(bad(format!(
-                "rope_theta must be a finite number > 0, got {}",
-                self.rope_theta
-            )));
-        }
-        if self.vocab_size > 1 << 24 {
-            return Err(bad(format!(
-                "vocab_size = {} passes 2^24, the most classes the cross-entropy indexes exactly",
-                self.vocab_size
-            )));
-        }
-        if self.context > 1 << 24 {
-            return Err(bad(format!(
-                "max_position_embeddings = {} passes 2^24 (f32 rotary angles)",
-                self.context
-            )));
-        }
-        Ok(())
-    }
-}
-
-/// RMSNorm over the last dim with a weight (Llama's `LlamaRMSNorm`), see [`Tensor::rms_norm`].
-pub struct RmsNorm {
-    /// (C), ones at init.
-    pub weight: Tensor,
-    /// Added to the mean square.
-    pub eps: f32,
-}
-
-impl RmsNorm {
-    /// Ones of width `dim` in `dtype`.
-    pub fn new(device: &Device, dim: usize, eps: f32, dtype: DType) -> Result<RmsNorm> {
-        Ok(RmsNorm {
-            weight: Tensor::ones(device, &[dim], dtype)?.with_requires_grad(),
-            eps,
-        })
-    }
-}
-
-impl Module for RmsNorm {
-    /// x (.., C) in any dtype; a weight of another dtype is cast inside the graph.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        x.rms_norm(Some(&self.weight.cast(x.dtype())?), self.eps)
-    }
-
-    fn named_parameters(&self) -> Vec<(String, Tensor)> {
-        vec![("weight".into(), self.weight.clone())]
-    }
-}
-
-/// Grouped-query self-attention with rotary positions: q, k, v and o projections
-/// (transformers' `q_proj`, `k_proj`, `v_proj`, `o_proj`).
-pub struct LlamaAttention {
-    /// C -> H D
-    pub q_proj: Linear,
-    /// C -> KV D
-    pub k_proj: Linear,
-    /// C -> KV D
-    pub v_proj: Linear,
-    /// H D -> C
-    pub o_proj: Linear,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    kind: AttentionKind,
-}
-
-impl LlamaAttention {
-    /// x (B, T, C) at positions `rope`'s -> (B, T, C); `kv` holds the cached keys and values
-    /// (B, KV, T_seen, D) when generating, and gets these positions' appended.
-    fn forward_in(
-        &self,
-        x: &Tensor,
-        rope: &Rope,
-        kv: Option<&mut super::attention::LayerKv>,
-        dtype: DType,
-    ) -> Result<Tensor> {
-        let &[b, t, _] = x.dims() else {
-            return Err(Error::Shape {
-                op: "LlamaAttention::forward",
-                lhs: x.dims().to_vec(),
-                rhs: vec![],
-                reason: "the input must be (batch, time, hidden), rank 3".into(),
-            });
-        };
-        let d = self.head_dim;
-        // (B, T, N D) -> (B, N, T, D)
-        let split = |y: Tensor, n: usize| y.reshape(&[b, t, n, d])?.permute(&[0, 2, 1, 3]);
-        let q = split(
-            self.q_proj.forward_in(x, Activation::None, dtype)?,
-            self.heads,
-        )?;
-        let k = split(
-            self.k_proj.forward_in(x, Activation::None, dtype)?,
-            self.kv_heads,
-        )?;
-        let v = split(
-            self.v_proj.forward_in(x, Activation::None, dtype)?,
-            self.kv_heads,
-        )?;
-        let (q, k) = (q.rope_with(rope)?, k.rope_with(rope)?);
-        let y = match kv {
-            None => super::attention::attend(&q, &k, &v, true, self.kind)?,
-            Some(kv) => {
-                let (k, v) = match kv.take() {
-                    Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2)?, Tensor::cat(&[&pv, &v], 2)?),
-                    None => (k, v),
-                };
-                let y = super::attention::attend(&q, &k, &v, true, self.kind)?;
-                *kv = Some((k, v));
-                y
-            }
-        };
-        let y = y.permute(&[0, 2, 1, 3])?.reshape(&[b, t, self.heads * d])?;
-        self.o_proj.forward_in(&y, Activation::None, dtype)
-    }
-}
-
-/// The SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
-pub struct LlamaMlp {
-    /// C -> I
-    pub gate_proj: Linear,
-    /// C -> I
-    pub up_proj: Linear,
-    /// I -> C
-    pub down_proj: Linear,
-}
-
-impl LlamaMlp {
-    fn forward_in(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
-        let gate = self.gate_proj.forward_in(x, Activation::None, dtype)?;
-        let up = self.up_proj.forward_in(x, Activation::None, dtype)?;
-        self.down_proj
-            .forward_in(&gate.swiglu(&up)?, Activation::None, dtype)
-    }
-}
-
-/// One decoder layer: `h = x + attn(norm1(x))`, `out = h + mlp(norm2(h))`.
-pub struct LlamaBlock {
-    /// Before the attention.
-    pub input_layernorm: RmsNorm,
-    /// Grouped-query self-attention with rotary positions.
-    pub self_attn: LlamaAttention,
-    /// Before the MLP.
-    pub post_attention_layernorm: RmsNorm,
-    /// The SwiGLU MLP.
-    pub mlp: LlamaMlp,
-}
-
-impl LlamaBlock {
-    fn forward_in(
-        &self,
-        x: &Tensor,
-        rope: &Rope,
-        kv: Option<&mut super::attention::LayerKv>,
-        dtype: DType,
-    ) -> Result<Tensor> {
-        let a = self
-            .self_attn
-            .forward_in(&self.input_layernorm.forward(x)?, rope, kv, dtype)?;
-        self.mlp_half(&x.add(&a)?, dtype)
-    }
-
-    /// The first residual half: x + attention(norm(x)), no cache.
-    fn attention_half(&self, x: &Tensor, rope: &Rope, dtype: DType) -> Result<Tensor> {
-        let a = self
-            .self_attn
-            .forward_in(&self.input_layernorm.forward(x)?, rope, None, dtype)?;
-        x.add(&a)
-    }
-
-    /// The second residual half: h + mlp(norm(h)).
-    fn mlp_half(&self, h: &Tensor, dtype: DType) -> Result<Tensor> {
-        let m = self
-            .mlp
-            .forward_in(&self.post_attention_layernorm.forward(h)?, dtype)?;
-        h.add(&m)
-    }
-
-    /// The parameters of each half, the inputs of its checkpointed segment.
-    fn half_parameters(&self) -> [Vec<Tensor>; 2] {
-        let mut attn = self.input_layernorm.parameters();
-        attn.extend(self.self_attn.parameters());
-        let mut mlp = self.post_attention_layernorm.parameters();
-        mlp.extend(self.mlp.parameters());
-        [attn, mlp]
-    }
-
-    /// x -> the block's output with each half checkpointed
-    /// ([`checkpoint_halves`](super::unit::checkpoint_halves)).
-    fn checkpointed(self: &Arc<Self>, x: &Tensor, rope: &Rope, dtype: DType) -> Result<Tensor> {
-        let (a, m, r) = (self.clone(), self.clone(), rope.clone());
-        super::unit::checkpoint_halves(
-            x,
-            &self.input_layernorm.weight,
-            self.half_parameters(),
-            move |h| a.attention_half(h, &r, dtype),
-            move |h| m.mlp_half(h, dtype),
-        )
-    }
-}
-
-fn prefixed(prefix: &str, m: &dyn Module) -> Vec<(String, Tensor)> {
-    m.named_parameters()
-        .into_iter()
-        .map(|(n, t)| (format!("{prefix}.{n}"), t))
-        .collect()
-}
-
-crate::module! {
-    impl Module for LlamaAttention {
-        params { q_proj, k_proj, v_proj, o_proj }
-        /// Always an error: the attention needs its positions; run the whole [`Llama`].
-        fn forward(&self, x: &Tensor) -> Result<Tensor> {
-            let _ = x;
-            Err(Error::InvalidArgument {
-                op: "LlamaAttention::forward",
-                reason: "the attention needs its positions: run the Llama".into(),
-            })
-        }
-    }
-}
-
-crate::module! {
-    impl Module for LlamaMlp {
-        params { gate_proj, up_proj, down_proj }
-        /// x (.., C) -> (.., C) in the parameters' dtype.
-        fn forward(&self, x: &Tensor) -> Result<Tensor> {
-            self.forward_in(x, self.gate_proj.weight.dtype())
-        }
-    }
-}
-
-crate::module! {
-    impl Module for LlamaBlock {
-        params { input_layernorm, self_attn, post_attention_layernorm, mlp }
-        /// Always an error: the block needs its positions; run the whole [`Llama`].
-        fn forward(&self, x: &Tensor) -> Result<Tensor> {
-            let _ = x;
-            Err(Error::InvalidArgument {
-                op: "LlamaBlock::forward",
-                reason: "the block needs its positions: run the Llama".into(),
-            })
-        }
-    }
-}
 
 /// A Llama-family language model: ids (B, T) -> logits (B, T, V).
 ///
@@ -477,7 +128,7 @@ impl Llama {
     }
 
     /// Whether each block runs under gradient checkpointing (two segments, one per residual
-    /// half, as [`Gpt`](super::Gpt)'s).
+    /// half, as [`Gpt`](crate::nn::Gpt)'s).
     pub fn checkpoint_blocks(&self) -> bool {
         self.checkpoint_blocks.load(Ordering::Relaxed)
     }
@@ -580,7 +231,7 @@ impl Llama {
         }
         self.check_vocab("Llama::loss", targets)?;
         let logits = self.forward_ids_in(ids, batch, t, dtype)?;
-        super::cross_entropy(&logits.reshape(&[batch * t, self.cfg.vocab_size])?, targets)
+        crate::nn::cross_entropy(&logits.reshape(&[batch * t, self.cfg.vocab_size])?, targets)
     }
 
     /// Logits (B, T, V) of ids at positions `start..start + t`, each block's keys and values
@@ -594,7 +245,7 @@ impl Llama {
         cache: Option<&mut KvCache>,
         dtype: DType,
     ) -> Result<Tensor> {
-        super::generate::check_ids(
+        generate::check_ids(
             "Llama::forward_ids",
             ids,
             batch,
