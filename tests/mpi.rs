@@ -17,7 +17,6 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-#[path = "common/mpirun.rs"]
 mod mpirun;
 use mpirun::*;
 

@@ -15,7 +15,6 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
-#[path = "common/mpirun.rs"]
 mod mpirun;
 use mpirun::*;
 

@@ -11,7 +11,6 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-#[path = "common/mpirun.rs"]
 mod mpirun;
 use mpirun::*;
 

@@ -11,7 +11,6 @@
 
 use std::process::Command;
 
-#[path = "common/mpirun.rs"]
 mod mpirun;
 use mpirun::*;
 

@@ -4,27 +4,32 @@
 //!
 //! The rest of the device's work is split by job: `adapter` chooses and lists adapters,
 //! `queue` records ops into the pending encoder and submits them, `transfer` uploads and reads
-//! back, `pipelines` compiles and caches kernels.
+//! back, `pipelines` compiles and caches kernels, `planning` is planning mode and the scopes that
+//! tag allocations, `arena` the device's side of the arena (statistics, reserve, budget,
+//! allocation).
 
 mod adapter;
+mod arena;
 mod pipelines;
+mod planning;
 mod queue;
 mod timeline;
 mod transfer;
 
 pub use adapter::{AdapterSummary, DeviceOptions};
 pub(crate) use pipelines::Kernel;
+pub use planning::{CategoryScope, PhaseScope, PlanScope};
 pub use queue::{FLUSH_EVERY, MAX_GROUPS_PER_DIM};
 pub use timeline::StepScope;
 
-use crate::memory::{Arena, Block, Category, MemoryStats};
-use crate::{Bytes, Error, Result};
+use crate::memory::Arena;
+use crate::{Error, Result};
 use adapter::adapter_memory;
 use queue::Pending;
 use std::any::{Any, TypeId};
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// The limits that decide what fitgrad can run.
@@ -249,7 +254,7 @@ impl Device {
                 *lock(&lost_sink) = Some(format!("{reason:?}: {msg}"));
             });
         }
-        check_budget(options.memory_budget, &info.adapter, options.plan_only)?;
+        arena::check_budget(options.memory_budget, &info.adapter, options.plan_only)?;
         let param_ring = queue::param_ring(&device);
         let mut arena = Arena::new(info.limits.max_buffer_size, options.memory_budget);
         if options.plan_only {
@@ -310,339 +315,6 @@ impl Device {
         f(slot
             .downcast_mut::<T>()
             .expect("the slot of a type holds that type"))
-    }
-
-    // ---- planning ----
-
-    /// Whether this device is in planning mode (see `Device::planning`): allocations are
-    /// counted but nothing runs, and readbacks return zeros. Code with host-side state that a
-    /// step advances (a dropout call counter) leaves it alone while planning.
-    pub fn is_planning(&self) -> bool {
-        self.inner.plan_only
-            || self.inner.planning.load(Ordering::Acquire)
-                && *lock(&self.inner.plan_thread) == Some(std::thread::current().id())
-    }
-
-    /// Opens planning mode: until the scope drops, every allocation goes through a copy of the
-    /// arena (same segments, free ranges, rounding, reuse and budget) that creates no buffer;
-    /// no kernel is compiled or recorded, nothing is uploaded, readbacks return zeros, and
-    /// matmuls are not autotuned. Running a step inside it gives that step's exact peak.
-    /// Planning applies to the calling thread only: other threads' work runs as usual (their
-    /// frees reach the plan too; their allocations do not).
-    pub fn planning(&self) -> Result<PlanScope> {
-        self.flush()?;
-        let mut plan = lock(&self.inner.plan);
-        if plan.is_some() {
-            return Err(Error::InvalidArgument {
-                op: "Device::planning",
-                reason: "this device is already planning".into(),
-            });
-        }
-        let id = self.inner.plans.fetch_add(1, Ordering::AcqRel) + 1;
-        *plan = Some(lock(&self.inner.arena).planning_copy(id));
-        *lock(&self.inner.plan_thread) = Some(std::thread::current().id());
-        self.inner.planning.store(true, Ordering::Release);
-        Ok(PlanScope {
-            device: self.clone(),
-        })
-    }
-
-    /// Runs `f` on the arena allocations go to now: the planning one inside a plan.
-    fn with_arena<R>(&self, f: impl FnOnce(&mut Arena) -> R) -> R {
-        if self.is_planning() {
-            if let Some(a) = lock(&self.inner.plan).as_mut() {
-                return f(a);
-            }
-        }
-        f(&mut lock(&self.inner.arena))
-    }
-
-    /// Sets what new allocations count as ([`MemoryStats::in_use_by_category`]) until the
-    /// guard drops.
-    pub fn category_scope(&self, cat: Category) -> CategoryScope {
-        let prev = self.with_arena(|a| a.set_category(cat));
-        CategoryScope {
-            device: self.clone(),
-            prev,
-        }
-    }
-
-    /// Counts `block`'s memory as `cat` from now on (see `Device::retag`, which takes the
-    /// tensor).
-    pub(crate) fn retag_block(&self, block: &Block, cat: Category) {
-        lock(&self.inner.arena).retag(block, cat);
-        if let Some(a) = lock(&self.inner.plan).as_mut() {
-            a.retag(block, cat);
-        }
-    }
-
-    /// Names the phase of a step (`"forward"`, `"backward"`, ...) that the peak's op is
-    /// reported with, until the guard drops.
-    pub fn phase_scope(&self, phase: &'static str) -> PhaseScope {
-        self.with_arena(|a| a.set_phase(Some(phase)));
-        PhaseScope {
-            device: self.clone(),
-        }
-    }
-
-    /// While planning: the op now being recorded names a pending peak, and nothing runs.
-    fn planned_op(&self, name: &str) -> bool {
-        self.note_op(name);
-        if !self.is_planning() {
-            return false;
-        }
-        if let Some(a) = lock(&self.inner.plan).as_mut() {
-            a.name_peak(name);
-        }
-        true
-    }
-
-    // ---- memory ----
-
-    /// The arena's statistics (the real arena's, even while planning).
-    pub fn memory_stats(&self) -> MemoryStats {
-        lock(&self.inner.arena).stats()
-    }
-
-    /// The layout (segments and their free ranges) of the arena allocations go to now: the
-    /// planning one inside a plan. Equal at the end of two steps means every later step
-    /// repeats the last one.
-    pub(crate) fn arena_layout(&self) -> crate::memory::Layout {
-        self.with_arena(|a| a.layout())
-    }
-
-    /// A readable table of the arena's state.
-    pub fn memory_report(&self) -> String {
-        format!(
-            "fitgrad memory on {}\n{}",
-            self.inner.info.adapter.name,
-            self.memory_stats()
-        )
-    }
-
-    /// (size, bytes in use) of each of the arena's segments (wgpu buffers), for reports and
-    /// tests of fragmentation.
-    pub fn memory_segments(&self) -> Vec<(u64, u64)> {
-        lock(&self.inner.arena).segments()
-    }
-
-    /// Fault injection for tests: the allocation after `n` more fails with
-    /// [`Error::OutOfMemory`], once, as if the driver had run out.
-    #[doc(hidden)]
-    pub fn inject_oom_after(&self, n: u64) {
-        lock(&self.inner.arena).inject_oom_after(n);
-    }
-
-    /// Makes the next peaks start from the current usage.
-    pub fn reset_peak(&self) {
-        lock(&self.inner.arena).reset_peak();
-    }
-
-    /// Returns every segment that holds no tensor to the driver. (Recorded commands keep their
-    /// own references, so dropping a segment they name is safe.)
-    pub fn empty_cache(&self) {
-        lock(&self.inner.arena).release_free_segments();
-    }
-
-    /// Preallocates `bytes` so allocations up to that total create no buffers. Over the budget
-    /// it is an [`Error::OutOfMemory`]; past the device memory the adapter reports (where it
-    /// reports one), an [`Error::InvalidArgument`] before anything is allocated.
-    pub fn reserve(&self, bytes: u64) -> Result<()> {
-        if let Some(memory) = self.inner.info.adapter.memory {
-            let total = self.memory_stats().bytes_reserved.saturating_add(bytes);
-            if total > memory {
-                return Err(Error::InvalidArgument {
-                    op: "Device::reserve",
-                    reason: format!(
-                        "reserving {} (on top of {} held) passes the {} of device memory that \
-                         '{}' reports; reserve less, or use a smaller batch or model",
-                        Bytes(bytes),
-                        Bytes(total - bytes),
-                        Bytes(memory),
-                        self.inner.info.adapter.name
-                    ),
-                });
-            }
-        }
-        let dev = &self.inner.device;
-        self.with_arena(|a| a.reserve(dev, bytes))
-    }
-
-    /// Sets or clears the hard memory budget. Lowering it below what is reserved frees cached
-    /// segments at the next allocation that needs room. A budget of 0, or one above the device
-    /// memory the adapter reports, is an [`Error::InvalidArgument`] (and changes nothing).
-    pub fn set_memory_budget(&self, budget: Option<u64>) -> Result<()> {
-        check_budget(budget, &self.inner.info.adapter, self.inner.plan_only)?;
-        lock(&self.inner.arena).set_budget(budget);
-        Ok(())
-    }
-
-    /// Whether a tensor of `bytes` bytes could exist on this device (one buffer holds it, and
-    /// it is not by itself over the budget), checked before any host work.
-    pub(crate) fn check_tensor_bytes(&self, op: &'static str, bytes: u64) -> Result<()> {
-        let size = Arena::block_size(bytes);
-        let limit = self.inner.info.limits.max_buffer_size;
-        if size > limit {
-            return Err(Error::Limit {
-                op,
-                what: "tensor size in bytes",
-                value: size,
-                limit,
-            });
-        }
-        let budget = self.with_arena(|a| a.stats().budget);
-        match budget {
-            Some(b) if size > b => Err(Error::OutOfMemory {
-                requested: size,
-                in_use: self.memory_stats().bytes_in_use,
-                reserved: self.memory_stats().bytes_reserved,
-                budget,
-            }),
-            _ => Ok(()),
-        }
-    }
-
-    /// Bytes of each window but the last of a block bound as several (the binding limit
-    /// rounded down to the arena's alignment).
-    pub(crate) fn window_bytes(&self) -> u64 {
-        self.inner.info.limits.max_storage_buffer_binding_size / crate::memory::BLOCK_ALIGN
-            * crate::memory::BLOCK_ALIGN
-    }
-
-    /// Windows a block of `bytes` bytes is bound as: 1 within the binding limit, else enough
-    /// windows of [`Device::window_bytes`].
-    pub(crate) fn binding_windows(&self, bytes: u64) -> u32 {
-        if bytes <= self.inner.info.limits.max_storage_buffer_binding_size {
-            1
-        } else {
-            bytes.div_ceil(self.window_bytes()) as u32
-        }
-    }
-
-    /// A block of at least `bytes` bytes from the arena allocations go to now.
-    pub(crate) fn alloc(&self, bytes: u64) -> Result<Block> {
-        let dev = &self.inner.device;
-        self.with_arena(|a| a.alloc(dev, bytes))
-    }
-
-    /// Returns `block` to its arena.
-    pub(crate) fn free(&self, block: &Block) {
-        // A real block freed while planning leaves both arenas; a planned one only its own.
-        if block.plan_id == 0 {
-            lock(&self.inner.arena).free(block);
-        }
-        if let Some(a) = lock(&self.inner.plan).as_mut() {
-            a.free(block);
-        }
-    }
-}
-
-/// The error for a tensor made while planning that is used for real after the plan ended.
-fn planned_outside_plan() -> Error {
-    Error::InvalidArgument {
-        op: "device",
-        reason:
-            "a tensor created while planning has no device memory and cannot be used after the plan"
-                .into(),
-    }
-}
-
-/// Planning mode of a [`Device`] (see [`Device::planning`]); it ends when this drops.
-pub struct PlanScope {
-    device: Device,
-}
-
-impl PlanScope {
-    /// The planning arena's statistics: peaks since the plan began (in use, reserved, by
-    /// category, the peak's op), allocations, the segments it would have created.
-    pub fn stats(&self) -> MemoryStats {
-        lock(&self.device.inner.plan)
-            .as_ref()
-            .map(Arena::stats)
-            .unwrap_or_default()
-    }
-
-    /// Makes the plan's peaks start from what is in use now.
-    pub fn reset_peak(&self) {
-        if let Some(a) = lock(&self.device.inner.plan).as_mut() {
-            a.reset_peak();
-            a.set_phase(None);
-        }
-    }
-
-    /// Leaves `block` out of the plan (see `PlanScope::forget`, which takes the tensor).
-    pub(crate) fn forget_block(&self, block: &Block) {
-        if let Some(a) = lock(&self.device.inner.plan).as_mut() {
-            a.free(block);
-        }
-    }
-
-    /// Sets the budget the planning arena enforces (it starts with the device's).
-    pub fn set_budget(&self, budget: Option<u64>) {
-        if let Some(a) = lock(&self.device.inner.plan).as_mut() {
-            a.set_budget(budget);
-        }
-    }
-}
-
-impl Drop for PlanScope {
-    fn drop(&mut self) {
-        self.device.inner.planning.store(false, Ordering::Release);
-        *lock(&self.device.inner.plan_thread) = None;
-        let plan = lock(&self.device.inner.plan).take();
-        if plan.is_some_and(|a| a.is_recording()) {
-            self.device.inner.recorders.fetch_sub(1, Ordering::AcqRel);
-        }
-    }
-}
-
-/// Restores the previous allocation category when dropped (see [`Device::category_scope`]).
-#[must_use = "the category applies only while the guard lives"]
-pub struct CategoryScope {
-    device: Device,
-    prev: Category,
-}
-
-impl Drop for CategoryScope {
-    fn drop(&mut self) {
-        self.device.with_arena(|a| a.set_category(self.prev));
-    }
-}
-
-/// Clears the phase when dropped (see [`Device::phase_scope`]).
-#[must_use = "the phase applies only while the guard lives"]
-pub struct PhaseScope {
-    device: Device,
-}
-
-impl Drop for PhaseScope {
-    fn drop(&mut self) {
-        self.device.with_arena(|a| a.set_phase(None));
-    }
-}
-
-/// A budget must be positive and, where the adapter reports its device memory, no larger than
-/// it: a bigger one would promise what the driver cannot give and fail later as a driver error.
-fn check_budget(budget: Option<u64>, adapter: &AdapterSummary, plan_only: bool) -> Result<()> {
-    match (budget, adapter.memory.filter(|_| !plan_only)) {
-        (Some(0), _) => Err(Error::InvalidArgument {
-            op: "memory budget",
-            reason: "a budget of 0 bytes leaves no room for any tensor; give a positive size \
-                     (e.g. 512MiB), or none for no limit"
-                .into(),
-        }),
-        (Some(b), Some(m)) if b > m => Err(Error::InvalidArgument {
-            op: "memory budget",
-            reason: format!(
-                "a budget of {} is more than the {} of device memory that '{}' reports; give at \
-                 most {}, or none to use what the driver allows",
-                Bytes(b),
-                Bytes(m),
-                adapter.name,
-                Bytes(m)
-            ),
-        }),
-        _ => Ok(()),
     }
 }
 

@@ -8,7 +8,8 @@
 //! vector is written with one `write_buffer` just before the submit, so a batch of a few hundred
 //! ops costs one upload and one submit.
 
-use super::{lock, planned_outside_plan, Device, Kernel};
+use super::planning::planned_outside_plan;
+use super::{lock, Device, Kernel};
 use crate::memory::Block;
 use crate::{Error, Result};
 

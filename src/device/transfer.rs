@@ -1,7 +1,8 @@
 //! Host transfers: uploads through the queue (after the pending work that may still read the
 //! block's previous contents), and readback through a staging buffer.
 
-use super::{lock, planned_outside_plan, Device};
+use super::planning::planned_outside_plan;
+use super::{lock, Device};
 use crate::memory::Block;
 use crate::{Error, Result};
 

@@ -397,9 +397,9 @@ impl Job {
         trainer.resume_from_checkpoint(&super::load_checkpoint(path)?)
     }
 
-    /// Prints the run's plan (`--plan`) on rank 0 ([`RunPlan::print`]); on an MPI rank also
-    /// every rank's planned device bytes and the step's collectives ([`RankPlans`], under
-    /// `per_rank` in the JSON). Call it on every rank at the same point.
+    /// Prints the run's plan (`--plan`) on rank 0 ([`crate::train::print_plan`]); on an MPI
+    /// rank also every rank's planned device bytes and the step's collectives ([`RankPlans`],
+    /// under `per_rank` in the JSON). Call it on every rank at the same point.
     pub fn print_plan<M: Module>(
         &self,
         trainer: &Trainer<M>,
@@ -413,13 +413,13 @@ impl Job {
             return Ok(());
         }
         if json {
-            let mut j = run.to_json(planned_in);
+            let mut j = crate::train::plan_json(run, planned_in);
             if let Some(r) = &ranks {
                 j["per_rank"] = serde_json::to_value(r).unwrap_or_default();
             }
             println!("{j}");
         } else {
-            run.print(false, planned_in);
+            crate::train::print_plan(run, false, planned_in);
             if let Some(r) = &ranks {
                 print!("{r}");
             }

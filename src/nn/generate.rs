@@ -1,10 +1,10 @@
-//! Autoregressive generation for any [`LanguageModel`] ([`Gpt`], [`Llama`](super::Llama)) with
-//! a KV cache: each block keeps the keys and values of the positions seen so far, so a new
-//! token runs through the blocks alone (one query over the cached keys) instead of the whole
-//! context again.
+//! Autoregressive generation for any [`LanguageModel`] ([`Gpt`](super::Gpt),
+//! [`Llama`](super::Llama)) with a KV cache: each block keeps the keys and values of the
+//! positions seen so far, so a new token runs through the blocks alone (one query over the
+//! cached keys) instead of the whole context again. Knows no model: each implements
+//! [`LanguageModel`] in its own files.
 
 use super::attention::LayerKv;
-use super::gpt::Gpt;
 use super::Module;
 use crate::tensor::Rng;
 use crate::{DType, Error, Result, SoftmaxOptions, Tensor};
@@ -46,7 +46,7 @@ pub trait LanguageModel: Module {
         check_vocab(op, ids, self.vocab_size())
     }
 
-    /// [`Gpt::generate_with`] for this model.
+    /// [`Gpt::generate_with`](super::Gpt::generate_with) for this model.
     fn generate_with(&self, prompt: &[u32], max_new: usize, sampling: &Sampling) -> Result<Vec<u32>>
     where
         Self: Sized,
@@ -179,128 +179,7 @@ impl<M: Module> Drop for RestoreMode<'_, M> {
     }
 }
 
-impl LanguageModel for Gpt {
-    fn vocab_size(&self) -> usize {
-        self.gpt_config().vocab_size
-    }
-
-    fn context(&self) -> usize {
-        self.gpt_config().context
-    }
-
-    fn dtype(&self) -> DType {
-        self.gpt_config().dtype
-    }
-
-    fn kv_cache(&self) -> KvCache {
-        Gpt::kv_cache(self)
-    }
-
-    fn forward_cached(
-        &self,
-        ids: &[u32],
-        batch: usize,
-        t: usize,
-        cache: &mut KvCache,
-    ) -> Result<Tensor> {
-        Gpt::forward_cached(self, ids, batch, t, cache)
-    }
-
-    fn loss_in(
-        &self,
-        ids: &[u32],
-        targets: &[u32],
-        batch: usize,
-        t: usize,
-        dtype: DType,
-    ) -> Result<Tensor> {
-        Gpt::loss_in(self, ids, targets, batch, t, dtype)
-    }
-
-    fn is_training(&self) -> bool {
-        Gpt::is_training(self)
-    }
-}
-
-impl Gpt {
-    /// An empty cache for this model.
-    pub fn kv_cache(&self) -> KvCache {
-        KvCache::with_layers(self.block_list().len())
-    }
-
-    /// Logits (B, T, V), in the parameters' dtype, of ids (B, T) at positions
-    /// `cache.len()..cache.len() + T`, attending over the cached positions too; their keys and
-    /// values are appended to `cache`. Equal (up to rounding) to the last T positions of
-    /// [`Gpt::forward_ids`] on the whole sequence. Records no graph; dropout applies only in
-    /// training mode.
-    ///
-    /// Errors, before any device work: [`Error::InvalidArgument`] for the id checks of
-    /// `forward_ids`, `cache.len() + T` past `context`, a batch other than the cache's, or a
-    /// cache of another model.
-    pub fn forward_cached(
-        &self,
-        ids: &[u32],
-        batch: usize,
-        t: usize,
-        cache: &mut KvCache,
-    ) -> Result<Tensor> {
-        const OP: &str = "Gpt::forward_cached";
-        let cfg = self.gpt_config();
-        cache.check(OP, cfg.layers, batch)?;
-        self.check_ids(OP, ids, batch, t, cfg.context - cache.len)?;
-        let _g = crate::no_grad();
-        let dtype = cfg.dtype;
-        let mut x = self.embed(ids, batch, t, cache.len, dtype)?;
-        for (block, kv) in self.block_list().iter().zip(&mut cache.layers) {
-            x = crate::residency::within(&block.ln1.weight, || {
-                block.forward_cached(&x, kv, dtype)
-            })?;
-        }
-        cache.len += t;
-        cache.batch = batch;
-        self.head(&x, dtype)
-    }
-
-    /// `prompt` followed by `max_new` tokens sampled one at a time from
-    /// softmax(logits / `temperature`) with a host generator seeded by `seed` (the same seed, the
-    /// same tokens on one adapter). Runs under `no_grad` in evaluation mode (the model's mode is
-    /// restored afterwards).
-    ///
-    /// The model sees at most the last `context` tokens. While the sequence fits, each step runs
-    /// only the newest token through the blocks against the KV cache; once it passes `context`
-    /// the window slides by one token per step, which moves every position (the position
-    /// embeddings are absolute), so the cache is rebuilt from the cropped window at each such
-    /// step.
-    ///
-    /// Errors, before any device work: [`Error::InvalidArgument`] for an empty prompt, an id of
-    /// `vocab_size` or more, or a temperature that is not finite and > 0 (or whose inverse is
-    /// not finite); also when the model's probabilities are not finite (NaN weights).
-    pub fn generate(
-        &self,
-        prompt: &[u32],
-        max_new: usize,
-        temperature: f32,
-        seed: u64,
-    ) -> Result<Vec<u32>> {
-        self.generate_with(prompt, max_new, &Sampling::new(temperature, seed))
-    }
-
-    /// [`Gpt::generate`] with top-k and top-p (nucleus) filtering of each step's
-    /// probabilities, as transformers applies them: temperature, then the `top_k` most
-    /// probable tokens, then the smallest most-probable set whose mass reaches `top_p`
-    /// (`top_k` 1 is greedy decoding). Errors: those of `generate`, and
-    /// [`Error::InvalidArgument`] for a `top_k` of 0 or a `top_p` outside (0, 1].
-    pub fn generate_with(
-        &self,
-        prompt: &[u32],
-        max_new: usize,
-        sampling: &Sampling,
-    ) -> Result<Vec<u32>> {
-        generate(self, prompt, max_new, sampling)
-    }
-}
-
-/// [`Gpt::generate_with`] for any [`LanguageModel`].
+/// [`Gpt::generate_with`](super::Gpt::generate_with) for any [`LanguageModel`].
 pub(crate) fn generate<M: LanguageModel>(
     model: &M,
     prompt: &[u32],
@@ -382,7 +261,7 @@ pub(crate) fn generate<M: LanguageModel>(
     Ok(out)
 }
 
-/// How [`Gpt::generate_with`] picks each token.
+/// How [`Gpt::generate_with`](super::Gpt::generate_with) picks each token.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Sampling {
     /// Logits are divided by it before the softmax (> 0).

@@ -3,7 +3,7 @@
 //! in its epilogue) that reads W transposed in place. A layer may carry a LoRA adapter
 //! (src/nn/lora.rs) and hold its frozen weight quantized ([`QuantWeight`]).
 
-use super::lora::Lora;
+use super::lora::{Lora, LoraConfig};
 use super::Module;
 use crate::tensor::QuantWeight;
 use crate::{Activation, DType, Device, Error, MatmulOptions, Result, Tensor};
@@ -183,5 +183,72 @@ impl Module for Linear {
         if let Some(l) = &self.lora {
             l.dropout.set_training(training);
         }
+    }
+}
+
+/// The layer's LoRA adapter: adding, merging, unmerging (the adapter itself is src/nn/lora.rs).
+impl Linear {
+    /// Adds a fresh adapter of `cfg` (A from `seed`, B zero, in the weight's dtype) and freezes
+    /// the layer's own weight and bias. Errors, before any device work: those of
+    /// [`LoraConfig::check`], and an [`Error::InvalidArgument`] when the layer has an adapter.
+    pub fn add_lora(&mut self, cfg: &LoraConfig, seed: u64) -> Result<()> {
+        let (i, o) = (self.in_features, self.out_features);
+        cfg.check("the layer", i, o)?;
+        if self.lora.is_some() {
+            return Err(Error::InvalidArgument {
+                op: "Linear::add_lora",
+                reason: "the layer already has a LoRA adapter".into(),
+            });
+        }
+        let (dev, dtype) = (self.weight.device().clone(), self.weight.dtype());
+        let bound = 1.0 / (i as f32).sqrt();
+        let a = Tensor::rand_uniform(&dev, &[cfg.r, i], -bound, bound, seed, dtype)?
+            .with_requires_grad();
+        let b = Tensor::zeros(&dev, &[o, cfg.r], dtype)?.with_requires_grad();
+        let drop_seed = seed ^ 0x5851_f42d_4c95_7f2d;
+        self.lora = Some(Arc::new(Lora::from_factors(a, b, cfg, drop_seed)?));
+        self.freeze();
+        Ok(())
+    }
+
+    /// Detaches the layer's own weight and bias from autograd: they get no gradient and no
+    /// optimizer state. An adapter stays trainable.
+    pub fn freeze(&mut self) {
+        self.weight = self.weight.detach();
+        self.bias = self.bias.as_ref().map(Tensor::detach);
+    }
+
+    /// Whether an adapter runs beside the weight (there is one and it is not merged).
+    pub fn lora_active(&self) -> bool {
+        self.lora.as_ref().is_some_and(|l| !l.is_merged())
+    }
+
+    /// Adds the adapter's `scaling · B A` to the weight in place; the forward then skips the
+    /// adapter. Nothing happens without an adapter or when it is merged already. A quantized
+    /// weight is an [`Error::InvalidArgument`] (merge into the dense folder instead).
+    pub fn merge_lora(&self) -> Result<()> {
+        self.move_update(true)
+    }
+
+    /// Subtracts what [`Linear::merge_lora`] added (equal up to rounding), so the adapter runs
+    /// beside the weight again.
+    pub fn unmerge_lora(&self) -> Result<()> {
+        self.move_update(false)
+    }
+
+    fn move_update(&self, merge: bool) -> Result<()> {
+        let Some(l) = &self.lora else { return Ok(()) };
+        if l.is_merged() == merge {
+            return Ok(());
+        }
+        if self.quantized.is_some() {
+            return Err(Error::InvalidArgument {
+                op: "Linear::merge_lora",
+                reason: "the weight is quantized: merge the adapter into the dense weights \
+                         (hf::merge_adapter) instead"
+                    .into(),
+            });
+        }
+        l.move_update(&self.weight, merge)
     }
 }

@@ -5,7 +5,7 @@
 //! PEFT unchanged. Merging adds `scaling · B A` to the dense weight in place; unmerging
 //! subtracts it again.
 
-use super::{Dropout, Linear, Module};
+use super::{Dropout, Module};
 use crate::tensor::autograd::no_grad;
 use crate::{Activation, DType, Error, MatmulOptions, Result, Tensor};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -115,6 +115,19 @@ impl Lora {
         let _g = no_grad();
         self.b.matmul(&self.a)?.mul_scalar(self.scaling)
     }
+
+    /// Adds the update to `weight` in place (`merge`), or subtracts it again; nothing when it
+    /// is there already, or not.
+    pub(crate) fn move_update(&self, weight: &Tensor, merge: bool) -> Result<()> {
+        if self.is_merged() == merge {
+            return Ok(());
+        }
+        let d = self.update()?.cast(weight.dtype())?;
+        let d = if merge { d } else { d.neg()? };
+        weight.add_(&d)?;
+        self.merged.store(merge, Ordering::Relaxed);
+        Ok(())
+    }
 }
 
 /// `act(y)` as the fused epilogue would apply it.
@@ -126,78 +139,6 @@ pub(crate) fn activate(y: &Tensor, act: Activation) -> Result<Tensor> {
         Activation::Tanh => y.tanh(),
         Activation::Sigmoid => y.sigmoid(),
         Activation::Silu => y.silu(),
-    }
-}
-
-impl Linear {
-    /// Adds a fresh adapter of `cfg` (A from `seed`, B zero, in the weight's dtype) and freezes
-    /// the layer's own weight and bias. Errors, before any device work: those of
-    /// [`LoraConfig::check`], and an [`Error::InvalidArgument`] when the layer has an adapter.
-    pub fn add_lora(&mut self, cfg: &LoraConfig, seed: u64) -> Result<()> {
-        let (i, o) = (self.in_features, self.out_features);
-        cfg.check("the layer", i, o)?;
-        if self.lora.is_some() {
-            return Err(Error::InvalidArgument {
-                op: "Linear::add_lora",
-                reason: "the layer already has a LoRA adapter".into(),
-            });
-        }
-        let (dev, dtype) = (self.weight.device().clone(), self.weight.dtype());
-        let bound = 1.0 / (i as f32).sqrt();
-        let a = Tensor::rand_uniform(&dev, &[cfg.r, i], -bound, bound, seed, dtype)?
-            .with_requires_grad();
-        let b = Tensor::zeros(&dev, &[o, cfg.r], dtype)?.with_requires_grad();
-        let drop_seed = seed ^ 0x5851_f42d_4c95_7f2d;
-        self.lora = Some(std::sync::Arc::new(Lora::from_factors(
-            a, b, cfg, drop_seed,
-        )?));
-        self.freeze();
-        Ok(())
-    }
-
-    /// Detaches the layer's own weight and bias from autograd: they get no gradient and no
-    /// optimizer state. An adapter stays trainable.
-    pub fn freeze(&mut self) {
-        self.weight = self.weight.detach();
-        self.bias = self.bias.as_ref().map(Tensor::detach);
-    }
-
-    /// Whether an adapter runs beside the weight (there is one and it is not merged).
-    pub fn lora_active(&self) -> bool {
-        self.lora.as_ref().is_some_and(|l| !l.is_merged())
-    }
-
-    /// Adds the adapter's `scaling · B A` to the weight in place; the forward then skips the
-    /// adapter. Nothing happens without an adapter or when it is merged already. A quantized
-    /// weight is an [`Error::InvalidArgument`] (merge into the dense folder instead).
-    pub fn merge_lora(&self) -> Result<()> {
-        self.move_update(true)
-    }
-
-    /// Subtracts what [`Linear::merge_lora`] added (equal up to rounding), so the adapter runs
-    /// beside the weight again.
-    pub fn unmerge_lora(&self) -> Result<()> {
-        self.move_update(false)
-    }
-
-    fn move_update(&self, merge: bool) -> Result<()> {
-        let Some(l) = &self.lora else { return Ok(()) };
-        if l.is_merged() == merge {
-            return Ok(());
-        }
-        if self.quantized.is_some() {
-            return Err(Error::InvalidArgument {
-                op: "Linear::merge_lora",
-                reason: "the weight is quantized: merge the adapter into the dense weights \
-                         (hf::merge_adapter) instead"
-                    .into(),
-            });
-        }
-        let d = l.update()?.cast(self.weight.dtype())?;
-        let d = if merge { d } else { d.neg()? };
-        self.weight.add_(&d)?;
-        l.merged.store(merge, Ordering::Relaxed);
-        Ok(())
     }
 }
 

@@ -5,6 +5,8 @@
 //! ([`name_flags`]). Each is one rule, so every command refuses the same input the same way.
 
 use crate::report::check_output_path;
+// The plan's printing lives with the plan (src/train/run_plan.rs), where `distributed` uses it.
+pub use crate::train::{plan_json, print_plan};
 use crate::{Error, Result};
 use std::path::{Path, PathBuf};
 

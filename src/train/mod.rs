@@ -4,6 +4,7 @@
 
 #[doc(hidden)]
 pub mod bench;
+mod born;
 mod budget;
 mod config;
 mod csv_file;
@@ -38,7 +39,7 @@ pub use model::{
 pub use order::epoch_permutation;
 pub use plan::Plan;
 pub use rows::{HostRows, ShardedView};
-pub use run_plan::{Phase, PhasePlan, RunPlan};
+pub use run_plan::{plan_json, print_plan, Phase, PhasePlan, RunPlan};
 pub use summary::{Evaluation, MemorySummary};
 pub use sync::{GradientSync, UnitTraffic};
 pub use trainer::Trainer;

@@ -2,7 +2,7 @@
 //! settings that change a step's math, the data identity), the checks that keep a diverged
 //! model from replacing a good file, and a resume that refuses a checkpoint of another run.
 
-use super::trainer::REMEDY;
+use super::summary::REMEDY;
 use super::Trainer;
 use crate::nn::Module;
 use crate::{Error, Result};

@@ -74,33 +74,31 @@ impl fmt::Display for RunPlan {
     }
 }
 
-impl RunPlan {
-    /// The plan as one JSON object (`--plan --json`): the step's fields at the top, the whole
-    /// run's phases and peaks under "run", and the time planning took (`planned_in`).
-    pub fn to_json(&self, planned_in: std::time::Duration) -> serde_json::Value {
-        let mut j = serde_json::to_value(&self.step).unwrap_or_default();
-        j["run"] = serde_json::json!({
-            "phases": self.phases,
-            "peak": self.peak,
-            "peak_reserved": self.peak_reserved,
-        });
-        j["planning_ms"] = (planned_in.as_secs_f64() * 1e3).into();
-        j
+/// The plan of a step and of the whole run as one JSON line (`--plan --json`), else as their
+/// tables and the time planning took.
+pub fn print_plan(run: &RunPlan, json: bool, planned_in: std::time::Duration) {
+    if json {
+        println!("{}", plan_json(run, planned_in));
+    } else {
+        print!("{}{run}", run.step);
+        println!(
+            "  (planned by running the step and the run on the device's planning mode in {:.0} ms)",
+            planned_in.as_secs_f64() * 1e3
+        );
     }
+}
 
-    /// Prints the plan: [`RunPlan::to_json`] as one line with `json`, else the step's and the
-    /// run's tables and the time planning took.
-    pub fn print(&self, json: bool, planned_in: std::time::Duration) {
-        if json {
-            println!("{}", self.to_json(planned_in));
-        } else {
-            print!("{}{self}", self.step);
-            println!(
-                "  (planned by running the step and the run on the device's planning mode in {:.0} ms)",
-                planned_in.as_secs_f64() * 1e3
-            );
-        }
-    }
+/// The JSON object of [`print_plan`]: the step's fields at the top, the whole run's phases
+/// and peaks under "run", and the planning time.
+pub fn plan_json(run: &RunPlan, planned_in: std::time::Duration) -> serde_json::Value {
+    let mut j = serde_json::to_value(&run.step).unwrap_or_default();
+    j["run"] = serde_json::json!({
+        "phases": run.phases,
+        "peak": run.peak,
+        "peak_reserved": run.peak_reserved,
+    });
+    j["planning_ms"] = (planned_in.as_secs_f64() * 1e3).into();
+    j
 }
 
 impl<M: Module> Trainer<M> {

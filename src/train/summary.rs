@@ -3,6 +3,11 @@
 
 use crate::{Error, MemoryStats, Result};
 
+/// What a diverged run can change (the examples' flags in parentheses): the remedy of every
+/// [`Error::NonFinite`] training returns.
+pub(super) const REMEDY: &str = "lower the learning rate (--lr), clip the gradients \
+     (--clip-grad-norm), or resume from a checkpoint saved before it diverged";
+
 /// Where the device memory of training went, from the arena's statistics.
 #[derive(Clone, Debug)]
 pub struct MemorySummary {
@@ -88,7 +93,7 @@ impl Evaluation {
         Err(Error::NonFinite {
             step,
             what: format!("the {on} loss is {}", self.loss),
-            remedy: super::trainer::REMEDY.into(),
+            remedy: REMEDY.into(),
         })
     }
 }

@@ -11,17 +11,13 @@
 use super::config::TrainerConfig;
 use super::events::TrainEvent;
 use super::model::{Batch, BatchSource, StepContext, TrainModel};
-use super::summary::MemorySummary;
+use super::summary::{MemorySummary, REMEDY};
 use super::sync::GradientSync;
 use super::Precision;
 use crate::memory::Category;
 use crate::nn::Module;
 use crate::optim::{GradScaler, Optimizer};
 use crate::{DType, Device, Error, Result, Tensor};
-
-/// What a diverged run can change (the examples' flags in parentheses).
-pub(super) const REMEDY: &str = "lower the learning rate (--lr), clip the gradients \
-     (--clip-grad-norm), or resume from a checkpoint saved before it diverged";
 
 /// Trains `model` with `optimizer`: micro-batches under a budget, accumulation, mixed precision
 /// with loss scaling, out-of-memory retry, checkpoints. `Send` when the model is.
@@ -55,7 +51,7 @@ pub struct Trainer<M> {
     pub(super) streaming: Option<crate::residency::Streaming>,
     /// What the model's birth in host memory turned on that the configuration did not ask
     /// for (ZeRO stage 3 turns it off again: its units stream from the ranks).
-    pub(super) born: super::stream::BornOnHost,
+    pub(super) born: super::born::BornOnHost,
 }
 
 impl<M: Module> Trainer<M> {
@@ -108,7 +104,7 @@ impl<M: Module> Trainer<M> {
             return invalid("the model has no parameters".into());
         };
         let device = first.device().clone();
-        let mut born = super::stream::BornOnHost::of(&params, &config);
+        let mut born = super::born::BornOnHost::of(&params, &config);
         if crate::residency::made_on_host(&params) {
             config.offload_parameters = true;
             config.offload_optimizer = true;
@@ -395,7 +391,7 @@ impl<M: Module> Trainer<M> {
         let chunks: Vec<&[usize]> = indices.chunks(mb).collect();
         let last = chunks.len().saturating_sub(1);
         if self.streaming.is_some() && self.sync.is_some() {
-            return Err(super::stream::not_with_streaming("data-parallel training"));
+            return Err(super::born::not_with_streaming("data-parallel training"));
         }
         // While planning, the skipped micro-batches move what the second one moved (each
         // after the first finds the units the one before left).

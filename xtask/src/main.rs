@@ -1,6 +1,8 @@
 //! `cargo xtask <task>`: project chores that are not tests.
 //!
 //! - `shaders`: parses and validates every shader variant with naga (no GPU needed).
+//! - `modules [--graph]`: the graph of src/'s files; fails on a circle of files or an import
+//!   that runs up ARCHITECTURE.md's layer order (see modules/).
 //! - `adapters`: lists the adapters wgpu finds.
 //! - `bench [--quick] [--train-only] [--adapter NAME]`: the cross-vendor benchmark report
 //!   (report.json, report.md, report.html; see bench.rs); `bench --html-from REPORT.json`
@@ -12,6 +14,7 @@ mod bench_context;
 mod bench_html;
 mod bench_ops;
 mod bench_report;
+mod modules;
 
 use std::process::{Command, ExitCode};
 
@@ -19,6 +22,7 @@ fn main() -> ExitCode {
     let task = std::env::args().nth(1).unwrap_or_default();
     match task.as_str() {
         "shaders" => shaders(),
+        "modules" => modules::run(&std::env::args().skip(2).collect::<Vec<_>>()),
         "bench" => {
             let args: Vec<String> = std::env::args().skip(2).collect();
             if cfg!(debug_assertions) && !bench::renders_only(&args) {
@@ -58,7 +62,7 @@ fn main() -> ExitCode {
         _ => {
             eprintln!(
                 "usage: cargo xtask <shaders|bench [--quick] [--train-only] [--adapter NAME]\
-                 |bench --html-from REPORT.json [--out PAGE.html]|adapters|ci>"
+                 |bench --html-from REPORT.json [--out PAGE.html]|modules [--graph]|adapters|ci>"
             );
             ExitCode::from(2)
         }

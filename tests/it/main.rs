@@ -1,0 +1,67 @@
+//! The integration tests, one binary: a module per area. Tests that need a process of their own
+//! keep a binary of their own beside this one (tests/mpi*.rs: MPI jobs under `mpirun`).
+
+mod common;
+
+mod examples;
+
+mod attention;
+mod autograd;
+mod batch_invariant;
+mod budget_limits;
+mod checkpoint;
+mod clip;
+mod cnn;
+mod compress_models;
+mod conv2d;
+mod creation;
+mod custom_model;
+mod data;
+mod data_parallel;
+mod device;
+mod distill;
+mod divergence;
+mod dropout;
+mod elementwise;
+mod embedding;
+mod errors;
+mod example_budgets;
+mod fit;
+mod fit_auto;
+mod generic;
+mod gpt;
+mod hf;
+mod large;
+mod layer_norm;
+mod layout;
+mod llama;
+mod lora;
+mod lora_finetune;
+mod matmul;
+mod max_argmax;
+mod memory;
+mod nonfinite;
+mod optim;
+mod optim_state;
+mod param_groups;
+mod prune;
+mod quantize;
+mod reduce;
+mod report;
+mod report_browser;
+mod resume_checks;
+mod select;
+mod shard;
+mod shipped_model;
+mod softmax;
+mod softmax_masked;
+mod stream_params;
+mod text;
+mod timeline;
+mod train;
+mod train_cnn;
+mod train_gpt_cli;
+mod transpose_cast;
+mod unary_more;
+mod zero3;
+mod zero_checkpoint;
