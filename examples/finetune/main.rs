@@ -20,7 +20,7 @@
 //! `--merge-into DIR` writes the model with the adapter merged. With `--fit auto` the budget
 //! also chooses among the dense, int8 and NF4 bases.
 //!
-//! tests/hf.rs and tests/lora_finetune.rs include this file as a module and call [`prepare`],
+//! tests/it/hf.rs and tests/it/lora_finetune.rs include this file as a module and call [`prepare`],
 //! [`run`] and [`run_config`]. The flags are in this file; [`setup`] reads and checks them on the
 //! host, [`run`] evaluates and fine-tunes a folder, [`config`] plans or trains a model built
 //! from a config alone.
@@ -29,7 +29,7 @@ mod config;
 mod run;
 mod setup;
 
-// What tests/hf.rs and tests/lora_finetune.rs call (each uses some).
+// What tests/it/hf.rs and tests/it/lora_finetune.rs call (each uses some).
 #[allow(unused_imports)]
 pub use config::{run_config, ConfigReport};
 #[allow(unused_imports)]

@@ -12,7 +12,7 @@
 //! rank of an MPI job (`mpirun -np 2 ...`, built with `--features mpi`): each rank trains its
 //! share of every batch; rank 0 prints, evaluates, samples and saves.
 //!
-//! tests/train_gpt_cli.rs includes this file as a module and calls [`prepare`] and [`train`].
+//! tests/it/train_gpt_cli.rs includes this file as a module and calls [`prepare`] and [`train`].
 
 use clap::Parser;
 use fitgrad::distributed::{Job, Zero};
