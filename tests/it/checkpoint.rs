@@ -742,20 +742,26 @@ fn killed_during_save_keeps_the_previous_checkpoint() {
     let path = tmp.join("big.safetensors");
     let mut reference: Option<Checkpoint> = None;
     let mut last_step = 0;
-    kill::kill_during_saves("checkpoint::kill_child_saver", CHILD_ENV, &path, 8, |round, first| {
-        let c = checkpoint::load(&path)
-            .unwrap_or_else(|e| panic!("round {round}: the checkpoint does not load: {e}"));
-        let step = c.training_state().unwrap().step;
-        assert!(
-            step >= first && step >= last_step,
-            "round {round}: step {step}"
-        );
-        last_step = step;
-        match &reference {
-            None => reference = Some(c),
-            Some(r) => assert!(r.tensors == c.tensors, "round {round}: tensors differ"),
-        }
-    });
+    kill::kill_during_saves(
+        "checkpoint::kill_child_saver",
+        CHILD_ENV,
+        &path,
+        8,
+        |round, first| {
+            let c = checkpoint::load(&path)
+                .unwrap_or_else(|e| panic!("round {round}: the checkpoint does not load: {e}"));
+            let step = c.training_state().unwrap().step;
+            assert!(
+                step >= first && step >= last_step,
+                "round {round}: step {step}"
+            );
+            last_step = step;
+            match &reference {
+                None => reference = Some(c),
+                Some(r) => assert!(r.tensors == c.tensors, "round {round}: tensors differ"),
+            }
+        },
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
