@@ -254,7 +254,7 @@ fn accessors(b: &Binding) -> String {
         (true, Storage::F16Packed) => {
             s += &format!(
                 "fn ld4_{n}(i: u32) -> vec4<f32> {{ let w = {}; \
-                 return vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y)); }}\n",
+                 return vec4<f32>(fg16_unpack2(w.x), fg16_unpack2(w.y)); }}\n",
                 rd("i >> 2u")
             );
         }
@@ -266,7 +266,7 @@ fn accessors(b: &Binding) -> String {
         }
         (false, Storage::F16Packed) => {
             s += &format!(
-                "fn ld_{n}(i: u32) -> f32 {{ return unpack2x16float({})[i & 1u]; }}\n",
+                "fn ld_{n}(i: u32) -> f32 {{ return fg16_to_f32({} >> (16u * (i & 1u))); }}\n",
                 rd("i >> 1u")
             );
         }
@@ -287,8 +287,8 @@ fn accessors(b: &Binding) -> String {
             "fn st4_{n}(i: u32, v: vec4<f32>) {{ {}; }}\n\
              fn st_{n}(i: u32, v: f32) {{\n  var w = ld4_{n}(i & ~3u);\n  w[i & 3u] = v;\n  st4_{n}(i & ~3u, w);\n}}\n\
              fn st2_{n}(w: u32, v0: f32, v1: f32, n: u32) {{ {}; }}\n",
-            wr("i >> 2u", "vec2<u32>(pack2x16float(v.xy), pack2x16float(v.zw))"),
-            wrc("w >> 1u", "w & 1u", "pack2x16float(vec2<f32>(v0, v1))")
+            wr("i >> 2u", "vec2<u32>(fg16_pack2(v.xy), fg16_pack2(v.zw))"),
+            wrc("w >> 1u", "w & 1u", "fg16_pack2(vec2<f32>(v0, v1))")
         ),
         (true, _) => format!(
             "fn st4_{n}(i: u32, v: vec4<f32>) {{ {}; }}\n\
@@ -303,12 +303,14 @@ fn accessors(b: &Binding) -> String {
         (false, Storage::F16Packed) => format!(
             "fn st2_{n}(w: u32, v0: f32, v1: f32, n: u32) {{ {}; }}\n\
              fn st4_{n}(i: u32, v: vec4<f32>) {{ {}; {}; }}\n\
-             fn st_{n}(i: u32, v: f32) {{\n  var w = unpack2x16float({});\n  w[i & 1u] = v;\n  {};\n}}\n",
-            wr("w", "pack2x16float(vec2<f32>(v0, v1))"),
-            wr("i >> 1u", "pack2x16float(v.xy)"),
-            wr("(i >> 1u) + 1u", "pack2x16float(v.zw)"),
-            rd("i >> 1u"),
-            wr("i >> 1u", "pack2x16float(w)")
+             fn st_{n}(i: u32, v: f32) {{ {}; }}\n",
+            wr("w", "fg16_pack2(vec2<f32>(v0, v1))"),
+            wr("i >> 1u", "fg16_pack2(v.xy)"),
+            wr("(i >> 1u) + 1u", "fg16_pack2(v.zw)"),
+            wr(
+                "i >> 1u",
+                &format!("fg16_set_half({}, i & 1u, v)", rd("i >> 1u"))
+            )
         ),
         (false, _) => format!(
             "fn st_{n}(i: u32, v: f32) {{ {}; }}\n\
@@ -335,6 +337,10 @@ pub fn assemble(body: &str, bindings: &[Binding]) -> String {
     if bindings.iter().any(|b| b.storage == Storage::F16) {
         // Must be the first line of the module.
         src.push_str("enable f16;\n");
+    }
+    if bindings.iter().any(|b| b.storage == Storage::F16Packed) {
+        // The packed accessors convert on the bits (see the file).
+        src.push_str(include_str!("../../shaders/include/f16_bits.wgsl"));
     }
     // A split binding's further windows take the numbers after every plain binding, in order
     // (the device binds a block's windows in the same order).
