@@ -282,6 +282,16 @@ fn accessors(b: &Binding) -> String {
     if !b.write {
         return s;
     }
+    // f32 to the stored type: native f16 by fitgrad's integer code too (include/f16_bits.wgsl),
+    // as the spec leaves `f16(v)` of NaN and of values past f16's range open.
+    let conv = |v: &str| match b.storage {
+        Storage::F16 => format!("fg16_h({v})"),
+        _ => format!("{t}({v})"),
+    };
+    let conv4 = |v: &str| match b.storage {
+        Storage::F16 => format!("fg16_h4({v})"),
+        _ => format!("vec4<{t}>({v})"),
+    };
     s += &match (b.vec4, b.storage) {
         (true, Storage::F16Packed) => format!(
             "fn st4_{n}(i: u32, v: vec4<f32>) {{ {}; }}\n\
@@ -297,8 +307,8 @@ fn accessors(b: &Binding) -> String {
                let i = 2u * w;\n  \
                if (i < n) {{ st_{n}(i, v0); }}\n  \
                if (i + 1u < n) {{ st_{n}(i + 1u, v1); }}\n}}\n",
-            wr("i >> 2u", &format!("vec4<{t}>(v)")),
-            wrc("i >> 2u", "i & 3u", &format!("{t}(v)"))
+            wr("i >> 2u", &conv4("v")),
+            wrc("i >> 2u", "i & 3u", &conv("v"))
         ),
         (false, Storage::F16Packed) => format!(
             "fn st2_{n}(w: u32, v0: f32, v1: f32, n: u32) {{ {}; }}\n\
@@ -319,13 +329,13 @@ fn accessors(b: &Binding) -> String {
                if (i < n) {{ {}; }}\n  \
                if (i + 1u < n) {{ {}; }}\n}}\n\
              fn st4_{n}(i: u32, v: vec4<f32>) {{ {}; {}; {}; {}; }}\n",
-            wr("i", &format!("{t}(v)")),
-            wr("i", &format!("{t}(v0)")),
-            wr("i + 1u", &format!("{t}(v1)")),
-            wr("i", &format!("{t}(v.x)")),
-            wr("i + 1u", &format!("{t}(v.y)")),
-            wr("i + 2u", &format!("{t}(v.z)")),
-            wr("i + 3u", &format!("{t}(v.w)"))
+            wr("i", &conv("v")),
+            wr("i", &conv("v0")),
+            wr("i + 1u", &conv("v1")),
+            wr("i", &conv("v.x")),
+            wr("i + 1u", &conv("v.y")),
+            wr("i + 2u", &conv("v.z")),
+            wr("i + 3u", &conv("v.w"))
         ),
     };
     s
@@ -338,9 +348,22 @@ pub fn assemble(body: &str, bindings: &[Binding]) -> String {
         // Must be the first line of the module.
         src.push_str("enable f16;\n");
     }
-    if bindings.iter().any(|b| b.storage == Storage::F16Packed) {
-        // The packed accessors convert on the bits (see the file).
+    if bindings
+        .iter()
+        .any(|b| matches!(b.storage, Storage::F16Packed | Storage::F16))
+    {
+        // The f16 accessors convert on the bits (see the file).
         src.push_str(include_str!("../../shaders/include/f16_bits.wgsl"));
+    }
+    if bindings.iter().any(|b| b.storage == Storage::F16 && b.write) {
+        // Native f16 stores: rounded by the integer code, then converted exactly (the f32 holds
+        // an f16 value). naga 30 has no 16-bit bitcast, so a NaN's payload and sign are the
+        // hardware conversion's: the one thing the native path leaves to the driver.
+        src.push_str(
+            "fn fg16_h(v: f32) -> f16 { return f16(fg16_to_f32(fg16_from_f32(v))); }\n\
+             fn fg16_h4(v: vec4<f32>) -> vec4<f16> {\n  \
+               return vec4<f16>(fg16_h(v.x), fg16_h(v.y), fg16_h(v.z), fg16_h(v.w));\n}\n",
+        );
     }
     // A split binding's further windows take the numbers after every plain binding, in order
     // (the device binds a block's windows in the same order).
