@@ -355,7 +355,10 @@ pub fn assemble(body: &str, bindings: &[Binding]) -> String {
         // The f16 accessors convert on the bits (see the file).
         src.push_str(include_str!("../../shaders/include/f16_bits.wgsl"));
     }
-    if bindings.iter().any(|b| b.storage == Storage::F16 && b.write) {
+    if bindings
+        .iter()
+        .any(|b| b.storage == Storage::F16 && b.write)
+    {
         // Native f16 stores: rounded by the integer code, then converted exactly (the f32 holds
         // an f16 value). naga 30 has no 16-bit bitcast, so a NaN's payload and sign are the
         // hardware conversion's: the one thing the native path leaves to the driver.

@@ -276,34 +276,38 @@ fn f16_conversions_bit_exact(dev: &Device) {
     }
     // f32 -> f16: random bits (every class in proportion) and the edges of each class.
     let mut r = HostRng::new(38);
-    let mut xs: Vec<f32> = (0..1 << 15).map(|_| f32::from_bits(r.next_u64() as u32)).collect();
+    let mut xs: Vec<f32> = (0..1 << 15)
+        .map(|_| f32::from_bits(r.next_u64() as u32))
+        .collect();
     for sign in [0u32, 0x8000_0000] {
         let f = |bits: u32| f32::from_bits(sign | bits);
         xs.extend([
-            f(0),                 // zero
-            f(1),                 // the smallest f32 subnormal
-            f(0x007f_ffff),       // the largest f32 subnormal
-            f(0x7f80_0000),       // inf
-            f(0x7fc0_0000),       // the quiet NaN
-            f(0x7fc0_0001),       // quiet, payload only in bits f16 drops
-            f(0x7fff_ffff),       // quiet, full payload
-            f(0x7f80_0001),       // signalling, payload only in bits f16 drops
-            f(0x7fa0_0000),       // signalling, payload kept
-            f(0x3300_0000),       // 2^-25: the tie between 0 and the smallest subnormal
-            f(0x3300_0001),       // just above it: rounds up
-            f(0x337f_ffff),       // just below 2^-24
-            f(0x3380_0000),       // 2^-24: the smallest f16 subnormal
-            f(0x387f_c000),       // tie between the largest subnormal and the smallest normal
-            f(0x3880_0000),       // 2^-14: the smallest normal f16
-            f(0x477f_e000),       // 65504: the largest f16
-            f(0x477f_efff),       // just below the tie with 65536: 65504
-            f(0x477f_f000),       // the tie with 65536: rounds to even, inf
-            f(0x4780_0000),       // 65536: inf
-            f(0x7f7f_ffff),       // the largest f32: inf
+            f(0),           // zero
+            f(1),           // the smallest f32 subnormal
+            f(0x007f_ffff), // the largest f32 subnormal
+            f(0x7f80_0000), // inf
+            f(0x7fc0_0000), // the quiet NaN
+            f(0x7fc0_0001), // quiet, payload only in bits f16 drops
+            f(0x7fff_ffff), // quiet, full payload
+            f(0x7f80_0001), // signalling, payload only in bits f16 drops
+            f(0x7fa0_0000), // signalling, payload kept
+            f(0x3300_0000), // 2^-25: the tie between 0 and the smallest subnormal
+            f(0x3300_0001), // just above it: rounds up
+            f(0x337f_ffff), // just below 2^-24
+            f(0x3380_0000), // 2^-24: the smallest f16 subnormal
+            f(0x387f_c000), // tie between the largest subnormal and the smallest normal
+            f(0x3880_0000), // 2^-14: the smallest normal f16
+            f(0x477f_e000), // 65504: the largest f16
+            f(0x477f_efff), // just below the tie with 65536: 65504
+            f(0x477f_f000), // the tie with 65536: rounds to even, inf
+            f(0x4780_0000), // 65536: inf
+            f(0x7f7f_ffff), // the largest f32: inf
         ]);
         // Every f32 exponent, with tie, just-below and just-above mantissas.
         for e in 0..=255u32 {
-            for m in [0u32, 0x1000, 0x0fff, 0x1001, 0x3000, 0x2000, 0x7f_ffff, 0x40_0000] {
+            for m in [
+                0u32, 0x1000, 0x0fff, 0x1001, 0x3000, 0x2000, 0x7f_ffff, 0x40_0000,
+            ] {
                 xs.push(f((e << 23) | m));
             }
         }
