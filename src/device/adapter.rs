@@ -197,6 +197,7 @@ fn vendor_name(id: u32) -> &'static str {
         0x5143 => "Qualcomm",
         0x1414 => "Microsoft",
         0x10005 => "Mesa",
+        0x1ae0 => "Google",
         _ => "unknown vendor",
     }
 }
