@@ -44,9 +44,10 @@ const ROWS: u32 = 16;
 const PER_LANE: u32 = 4;
 
 /// The fewest lanes the blocks are built for. Below 8 each lane holds more of every row's
-/// accumulators (`col_quads` = quads / sg) in straight-line code: at 4 lanes (SwiftShader)
-/// compiling one pass took minutes and more than 5 GB, so such an adapter gets the workgroup
-/// tiles (`Choice::Auto`), and forcing the subgroup kernels there is refused.
+/// accumulators (`col_quads` = quads / sg) in straight-line code: at 4 lanes (SwiftShader) one
+/// fused-attention test ran for minutes, mostly compiling, where the workgroup tiles take
+/// seconds, so such an adapter gets the tiles (`Choice::Auto`), and forcing the subgroup
+/// kernels there is refused.
 const MIN_SG: u32 = 8;
 
 /// The blocks for head-dim bucket `bucket` (32, 64 or 128) on subgroups of `sg` lanes, or None
