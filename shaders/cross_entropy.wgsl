@@ -52,9 +52,9 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
             } else {
                 v[c] = vec4<f32>(ninf);
             }
-            mc = max(mc, max4(v[c]));
+            mc = maxn(mc, max4(v[c]));
         }
-        let shift = select(mc, 0.0, mc == ninf);
+        let shift = select(mc, 0.0, is_neg_inf(mc));
         var sc = 0.0;
         for (var c = 0u; c < CHUNKS; c++) {
             v[c] = exp(v[c] - shift);
@@ -64,8 +64,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         var st = 0.0;
         for (var q = lane + CHUNKS * lanes; q < quads; q += lanes) {
             let x = load4(base, q);
-            let mn = max(mt, max4(x));
-            if (mn != ninf) {
+            let mn = maxn(mt, max4(x));
+            if (!is_neg_inf(mn)) {
                 st = st * exp(mt - mn) + sum4(exp(x - mn));
                 mt = mn;
             }
@@ -77,11 +77,16 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         let big_m = stats.x;
         let big_s = stats.y;
         let t = u32(ld_t(row));
+        // A row holding NaN or +inf, or all -inf: a NaN loss and gradient.
+        let bad = not_finite(big_m);
         if (lane == 0u) {
-            // All -inf: big_s is NaN, and so is the loss.
-            st_loss(row, (big_m + log(big_s)) - ld_x(base + t));
+            st_loss(row, select((big_m + log(big_s)) - ld_x(base + t), nan(), bad));
         }
-        if (GRAD != 0u) {
+        if (GRAD != 0u && bad) {
+            for (var q = lane; q < quads; q += lanes) {
+                store4(base, q, vec4<f32>(nan()));
+            }
+        } else if (GRAD != 0u) {
             let factor = exp(mc - big_m) / big_s;
             let inv = 1.0 / big_s;
             for (var c = 0u; c < CHUNKS; c++) {
@@ -104,15 +109,20 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     let base = row * p.c;
     var m = ninf;
     for (var i = 0u; i < p.c; i++) {
-        m = max(m, ld_x(base + i));
+        m = maxn(m, ld_x(base + i));
     }
     var s = 0.0;
     for (var i = 0u; i < p.c; i++) {
         s += exp(ld_x(base + i) - m);
     }
     let t = u32(ld_t(row));
-    st_loss(row, (m + log(s)) - ld_x(base + t));
-    if (GRAD != 0u) {
+    let bad = not_finite(m);
+    st_loss(row, select((m + log(s)) - ld_x(base + t), nan(), bad));
+    if (GRAD != 0u && bad) {
+        for (var i = 0u; i < p.c; i++) {
+            st_out(base + i, nan());
+        }
+    } else if (GRAD != 0u) {
         let inv = 1.0 / s;
         for (var i = 0u; i < p.c; i++) {
             let hot = select(0.0, 1.0, i == t);

@@ -57,10 +57,10 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
             } else {
                 v[c] = vec4<f32>(ninf);
             }
-            mc = max(mc, max4(v[c]));
+            mc = maxn(mc, max4(v[c]));
         }
         // A lane that holds only -inf subtracts 0: its exponentials are 0, not NaN.
-        let shift = select(mc, 0.0, mc == ninf);
+        let shift = select(mc, 0.0, is_neg_inf(mc));
         var sc = 0.0;
         for (var c = 0u; c < CHUNKS; c++) {
             let e = exp(v[c] - shift);
@@ -74,8 +74,8 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         var st = 0.0;
         for (var q = lane + CHUNKS * lanes; q < quads; q += lanes) {
             let x = row_in(r, q);
-            let mn = max(mt, max4(x));
-            if (mn != ninf) {
+            let mn = maxn(mt, max4(x));
+            if (!is_neg_inf(mn)) {
                 st = st * exp(mt - mn) + sum4(exp(x - mn));
                 mt = mn;
             }
@@ -86,10 +86,17 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         }
         let big_m = stats.x;
         let big_s = stats.y;
-        if (MASKED != 0u && big_m == ninf) {
+        if (MASKED != 0u && is_neg_inf(big_m)) {
             // softmax_masked of a row masked entirely: zeros.
             for (var q = lane; q < quads; q += lanes) {
                 store4(r.base, q, vec4<f32>(0.0));
+            }
+            return;
+        }
+        if (not_finite(big_m)) {
+            // A row holding NaN or +inf, or all -inf: NaN everywhere.
+            for (var q = lane; q < quads; q += lanes) {
+                store4(r.base, q, vec4<f32>(nan()));
             }
             return;
         }
@@ -130,11 +137,18 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
     let base = r.base;
     var m = ninf;
     for (var i = 0u; i < p.c; i++) {
-        m = max(m, row_at(r, i));
+        m = maxn(m, row_at(r, i));
     }
-    if (MASKED != 0u && m == ninf) {
+    if (MASKED != 0u && is_neg_inf(m)) {
         for (var i = 0u; i < p.c; i++) {
             st_out(base + i, 0.0);
+        }
+        return;
+    }
+    if (not_finite(m)) {
+        // A row holding NaN or +inf, or all -inf: NaN everywhere.
+        for (var i = 0u; i < p.c; i++) {
+            st_out(base + i, nan());
         }
         return;
     }

@@ -35,12 +35,14 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         if (q < quads) {
             v[c] = row_in(r, q);
         }
-        m = max(m, max4(v[c]));
+        m = maxn(m, max4(v[c]));
     }
     for (var q = lane + CHUNKS * SG; q < quads; q += SG) {
-        m = max(m, max4(row_in(r, q)));
+        m = maxn(m, max4(row_in(r, q)));
     }
-    let big_m = subgroupMax(m);
+    // subgroupMax may drop a NaN as max does: a lane's NaN is counted on its own.
+    let any_nan = subgroupMax(select(0u, 1u, is_nan(m)));
+    let big_m = select(subgroupMax(m), nan(), any_nan != 0u);
     // exp(x - M): 0 for -inf entries and padding when M is finite; NaN everywhere for an all
     // -inf row (M = -inf) or one holding +inf, which is what the output must be.
     var s = 0.0;
@@ -55,10 +57,17 @@ fn main(@builtin(workgroup_id) wg: vec3<u32>,
         s += sum4(exp(row_in(r, q) - big_m));
     }
     let big_s = subgroupAdd(s);
-    if (MASKED != 0u && big_m == ninf) {
+    if (MASKED != 0u && is_neg_inf(big_m)) {
         // softmax_masked of a row masked entirely: zeros.
         for (var q = lane; q < quads; q += SG) {
             store4(r.base, q, vec4<f32>(0.0));
+        }
+        return;
+    }
+    if (not_finite(big_m)) {
+        // A row holding NaN or +inf, or all -inf: NaN everywhere.
+        for (var q = lane; q < quads; q += SG) {
+            store4(r.base, q, vec4<f32>(nan()));
         }
         return;
     }

@@ -34,13 +34,31 @@ fn inf_like(x: f32) -> f32 {
     return bitcast<f32>((bitcast<u32>(x) | 0x7fffffffu) & 0x7f800000u);
 }
 
-// log and sqrt of a negative number are NaN (torch); the builtins leave it undefined.
+// The edges of exp, log and sqrt, which the builtins leave undefined (SwiftShader's log(0) is
+// -88.03, its exp(NaN) inf), pinned to torch's answers on the bits: exp(+-inf) = inf, 0;
+// log(+-0) = -inf, log(inf) = inf; sqrt(+-0) = +-0, sqrt(inf) = inf; log and sqrt of a negative
+// number (-inf too) NaN. NaN itself is kept by `keep_nan`.
+fn neg_inf_like(x: f32) -> f32 {
+    return bitcast<f32>(bitcast<u32>(inf_like(x)) | 0x80000000u);
+}
+
+fn exp_edges(x: f32) -> f32 {
+    let b = bitcast<u32>(x);
+    let r = select(exp(x), inf_like(x), b == 0x7f800000u);
+    return select(r, 0.0, b == 0xff800000u);
+}
+
 fn log_nan(x: f32) -> f32 {
-    return select(log(x), nan_like(x), x < 0.0);
+    let b = bitcast<u32>(x);
+    var r = select(log(x), inf_like(x), b == 0x7f800000u);
+    r = select(r, neg_inf_like(x), (b & 0x7fffffffu) == 0u);
+    return select(r, nan_like(x), b > 0x80000000u);
 }
 
 fn sqrt_nan(x: f32) -> f32 {
-    return select(sqrt(x), nan_like(x), x < 0.0);
+    let b = bitcast<u32>(x);
+    let r = select(sqrt(x), x, (b & 0x7fffffffu) == 0u || b == 0x7f800000u);
+    return select(r, nan_like(x), b > 0x80000000u);
 }
 
 // x^e with torch (C pow) semantics: x^0 = 1 even for NaN; a negative base with an integer
@@ -84,19 +102,25 @@ fn clamp_nan(x: f32, lo: f32, hi: f32) -> f32 {
     return select(min(max(x, lo), hi), x, is_nan(x));
 }
 
+// NaN in, NaN out, decided on the bits: the spec lets the builtins (exp, log, sqrt, ...) assume
+// no NaN, and SwiftShader's exp(NaN) is inf.
+fn keep_nan(r: f32, x: f32) -> f32 {
+    return select(r, x, is_nan(x));
+}
+
 fn apply(x: f32) -> f32 {
     // Constant conditions: the compiler keeps one of these, or none.
-    if (OP == 9u) { return gelu(x); }
-    if (OP == 10u) { return tanh_stable(x); }
-    if (OP == 11u) { return sigmoid(x); }
-    if (OP == 12u) { return exp(x); }
-    if (OP == 13u) { return log_nan(x); }
-    if (OP == 14u) { return sqrt_nan(x); }
+    if (OP == 9u) { return keep_nan(gelu(x), x); }
+    if (OP == 10u) { return keep_nan(tanh_stable(x), x); }
+    if (OP == 11u) { return keep_nan(sigmoid(x), x); }
+    if (OP == 12u) { return keep_nan(exp_edges(x), x); }
+    if (OP == 13u) { return keep_nan(log_nan(x), x); }
+    if (OP == 14u) { return keep_nan(sqrt_nan(x), x); }
     if (OP == 15u) { return pow_scalar(x, p.s); }
     if (OP == 16u) { return clamp_nan(x, p.s, p.s2); }
     // |x| by clearing the sign bit: NaN stays NaN, -0 becomes 0.
     if (OP == 17u) { return bitcast<f32>(bitcast<u32>(x) & 0x7fffffffu); }
-    if (OP == 18u) { return silu(x); }
+    if (OP == 18u) { return keep_nan(silu(x), x); }
     switch p.op {
         case 0u: { return x; }
         case 1u: { return relu(x); }

@@ -30,8 +30,28 @@ fn nan() -> f32 {
     return bitcast<f32>(0x7fc00000u | (p.c & 0u));
 }
 
+// Special values on the bits: the WGSL spec lets an adapter assume no NaN or infinity (fold
+// `x != x`, compare infinities as anything) and lets `max(NaN, x)` return x (SwiftShader does).
+fn is_nan(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7fffffffu) > 0x7f800000u;
+}
+
+fn is_neg_inf(x: f32) -> bool {
+    return bitcast<u32>(x) == 0xff800000u;
+}
+
+// NaN, +inf or -inf.
+fn not_finite(x: f32) -> bool {
+    return (bitcast<u32>(x) & 0x7f800000u) == 0x7f800000u;
+}
+
+// max that keeps NaN (torch): a row's max is NaN when the row holds one, on every adapter.
+fn maxn(a: f32, b: f32) -> f32 {
+    return select(max(a, b), nan(), is_nan(a) || is_nan(b));
+}
+
 fn max4(v: vec4<f32>) -> f32 {
-    return max(max(v.x, v.y), max(v.z, v.w));
+    return maxn(maxn(v.x, v.y), maxn(v.z, v.w));
 }
 
 fn sum4(v: vec4<f32>) -> f32 {
@@ -77,8 +97,8 @@ var<workgroup> ps: array<f32, WG / MIN_LANES * PARTS>;
 // Merges two (max, sum of exp(x - max)) pairs. A pair with max -inf is empty (sum 0), and two
 // empty pairs stay empty rather than giving exp(-inf + inf) = NaN.
 fn merge(a: vec2<f32>, b: vec2<f32>) -> vec2<f32> {
-    let m = max(a.x, b.x);
-    if (m == neg_inf()) {
+    let m = maxn(a.x, b.x);
+    if (is_neg_inf(m)) {
         return vec2<f32>(m, 0.0);
     }
     return vec2<f32>(m, a.y * exp(a.x - m) + b.y * exp(b.x - m));
@@ -88,7 +108,9 @@ fn merge(a: vec2<f32>, b: vec2<f32>) -> vec2<f32> {
 // `mine`, in two stages: PARTS invocations of the row merge lanes / PARTS pairs each (max first,
 // then one exp per pair), then every invocation merges the PARTS results. Two barriers, so every
 // invocation of the workgroup calls it; the order is fixed, so results are bitwise reproducible.
-// A row of all -inf gives M = -inf and S = NaN.
+// A row of all -inf gives M = -inf; a row holding NaN gives M = NaN; one holding +inf, +inf.
+// The callers write NaN for every row whose M is not finite (torch's answer) on the bits,
+// rather than trusting NaN and infinity arithmetic to get there.
 fn row_stats(lid: u32, mine: vec2<f32>) -> vec2<f32> {
     let lanes = 1u << p.lane_shift;
     let slot = lid >> p.lane_shift;
@@ -101,10 +123,10 @@ fn row_stats(lid: u32, mine: vec2<f32>) -> vec2<f32> {
         let j0 = slot * lanes + lane * per_part;
         var m = wm[j0];
         for (var j = 1u; j < per_part; j++) {
-            m = max(m, wm[j0 + j]);
+            m = maxn(m, wm[j0 + j]);
         }
         var s = 0.0;
-        if (m != neg_inf()) {
+        if (!is_neg_inf(m)) {
             for (var j = 0u; j < per_part; j++) {
                 s += ws[j0 + j] * exp(wm[j0 + j] - m);
             }
@@ -116,7 +138,7 @@ fn row_stats(lid: u32, mine: vec2<f32>) -> vec2<f32> {
     let p0 = slot * PARTS;
     var big_m = pm[p0];
     for (var j = 1u; j < PARTS; j++) {
-        big_m = max(big_m, pm[p0 + j]);
+        big_m = maxn(big_m, pm[p0 + j]);
     }
     var big_s = 0.0;
     for (var j = 0u; j < PARTS; j++) {

@@ -197,6 +197,7 @@ fn vendor_name(id: u32) -> &'static str {
         0x5143 => "Qualcomm",
         0x1414 => "Microsoft",
         0x10005 => "Mesa",
+        0x1ae0 => "Google",
         _ => "unknown vendor",
     }
 }
@@ -231,10 +232,24 @@ pub(super) fn adapter_memory(adapter: &wgpu::Adapter) -> Option<u64> {
 
 /// The order adapters are preferred in: GPUs before CPU adapters (discrete, then integrated and
 /// virtual), within a class the most device memory first (unreported memory last), then native
-/// APIs before GL.
-fn adapter_key(a: &wgpu::Adapter, memory: Option<u64>) -> (u32, std::cmp::Reverse<u64>, u32) {
+/// APIs before GL, then SwiftShader after any other adapter it ties with.
+fn adapter_key(
+    a: &wgpu::Adapter,
+    memory: Option<u64>,
+) -> ((u32, std::cmp::Reverse<u64>, u32), bool) {
     let i = a.get_info();
-    rank(i.device_type, i.backend, memory)
+    (
+        rank(i.device_type, i.backend, memory),
+        is_swiftshader(&i.name),
+    )
+}
+
+/// Google's SwiftShader (Chromium's software Vulkan driver): where it is installed beside
+/// lavapipe (VK_ADD_DRIVER_FILES; the test suite does this), both are CPU adapters with the
+/// same 2 GiB heap, and SwiftShader is several times slower, so lavapipe wins the tie. Chosen
+/// alone (VK_ICD_FILENAMES) or by name (FITGRAD_ADAPTER=swiftshader) it is used as any other.
+fn is_swiftshader(name: &str) -> bool {
+    name.to_ascii_lowercase().contains("swiftshader")
 }
 
 /// The sort key of an adapter; lower is better: discrete, integrated, virtual, then software.

@@ -43,12 +43,19 @@ pub(crate) struct Blocks {
 const ROWS: u32 = 16;
 const PER_LANE: u32 = 4;
 
+/// The fewest lanes the blocks are built for. Below 8 each lane holds more of every row's
+/// accumulators (`col_quads` = quads / sg) in straight-line code: at 4 lanes (SwiftShader) one
+/// fused-attention test ran for minutes, mostly compiling, where the workgroup tiles take
+/// seconds, so such an adapter gets the tiles (`Choice::Auto`), and forcing the subgroup
+/// kernels there is refused.
+const MIN_SG: u32 = 8;
+
 /// The blocks for head-dim bucket `bucket` (32, 64 or 128) on subgroups of `sg` lanes, or None
 /// where the block does not split into whole subgroups or a lane cannot own whole column quads
 /// (the bucket's quads are not a multiple of `sg`).
 pub(crate) fn blocks(sg: u32, bucket: u32) -> Option<Blocks> {
     let quads = bucket / 4;
-    if sg == 0 || !ROWS.is_multiple_of(sg) || !quads.is_multiple_of(sg) {
+    if sg < MIN_SG || !ROWS.is_multiple_of(sg) || !quads.is_multiple_of(sg) {
         return None;
     }
     let block = Block {

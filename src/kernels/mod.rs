@@ -254,7 +254,7 @@ fn accessors(b: &Binding) -> String {
         (true, Storage::F16Packed) => {
             s += &format!(
                 "fn ld4_{n}(i: u32) -> vec4<f32> {{ let w = {}; \
-                 return vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y)); }}\n",
+                 return vec4<f32>(fg16_unpack2(w.x), fg16_unpack2(w.y)); }}\n",
                 rd("i >> 2u")
             );
         }
@@ -266,7 +266,7 @@ fn accessors(b: &Binding) -> String {
         }
         (false, Storage::F16Packed) => {
             s += &format!(
-                "fn ld_{n}(i: u32) -> f32 {{ return unpack2x16float({})[i & 1u]; }}\n",
+                "fn ld_{n}(i: u32) -> f32 {{ return fg16_to_f32({} >> (16u * (i & 1u))); }}\n",
                 rd("i >> 1u")
             );
         }
@@ -282,13 +282,23 @@ fn accessors(b: &Binding) -> String {
     if !b.write {
         return s;
     }
+    // f32 to the stored type: native f16 by fitgrad's integer code too (include/f16_bits.wgsl),
+    // as the spec leaves `f16(v)` of NaN and of values past f16's range open.
+    let conv = |v: &str| match b.storage {
+        Storage::F16 => format!("fg16_h({v})"),
+        _ => format!("{t}({v})"),
+    };
+    let conv4 = |v: &str| match b.storage {
+        Storage::F16 => format!("fg16_h4({v})"),
+        _ => format!("vec4<{t}>({v})"),
+    };
     s += &match (b.vec4, b.storage) {
         (true, Storage::F16Packed) => format!(
             "fn st4_{n}(i: u32, v: vec4<f32>) {{ {}; }}\n\
              fn st_{n}(i: u32, v: f32) {{\n  var w = ld4_{n}(i & ~3u);\n  w[i & 3u] = v;\n  st4_{n}(i & ~3u, w);\n}}\n\
              fn st2_{n}(w: u32, v0: f32, v1: f32, n: u32) {{ {}; }}\n",
-            wr("i >> 2u", "vec2<u32>(pack2x16float(v.xy), pack2x16float(v.zw))"),
-            wrc("w >> 1u", "w & 1u", "pack2x16float(vec2<f32>(v0, v1))")
+            wr("i >> 2u", "vec2<u32>(fg16_pack2(v.xy), fg16_pack2(v.zw))"),
+            wrc("w >> 1u", "w & 1u", "fg16_pack2(vec2<f32>(v0, v1))")
         ),
         (true, _) => format!(
             "fn st4_{n}(i: u32, v: vec4<f32>) {{ {}; }}\n\
@@ -297,18 +307,20 @@ fn accessors(b: &Binding) -> String {
                let i = 2u * w;\n  \
                if (i < n) {{ st_{n}(i, v0); }}\n  \
                if (i + 1u < n) {{ st_{n}(i + 1u, v1); }}\n}}\n",
-            wr("i >> 2u", &format!("vec4<{t}>(v)")),
-            wrc("i >> 2u", "i & 3u", &format!("{t}(v)"))
+            wr("i >> 2u", &conv4("v")),
+            wrc("i >> 2u", "i & 3u", &conv("v"))
         ),
         (false, Storage::F16Packed) => format!(
             "fn st2_{n}(w: u32, v0: f32, v1: f32, n: u32) {{ {}; }}\n\
              fn st4_{n}(i: u32, v: vec4<f32>) {{ {}; {}; }}\n\
-             fn st_{n}(i: u32, v: f32) {{\n  var w = unpack2x16float({});\n  w[i & 1u] = v;\n  {};\n}}\n",
-            wr("w", "pack2x16float(vec2<f32>(v0, v1))"),
-            wr("i >> 1u", "pack2x16float(v.xy)"),
-            wr("(i >> 1u) + 1u", "pack2x16float(v.zw)"),
-            rd("i >> 1u"),
-            wr("i >> 1u", "pack2x16float(w)")
+             fn st_{n}(i: u32, v: f32) {{ {}; }}\n",
+            wr("w", "fg16_pack2(vec2<f32>(v0, v1))"),
+            wr("i >> 1u", "fg16_pack2(v.xy)"),
+            wr("(i >> 1u) + 1u", "fg16_pack2(v.zw)"),
+            wr(
+                "i >> 1u",
+                &format!("fg16_set_half({}, i & 1u, v)", rd("i >> 1u"))
+            )
         ),
         (false, _) => format!(
             "fn st_{n}(i: u32, v: f32) {{ {}; }}\n\
@@ -317,13 +329,13 @@ fn accessors(b: &Binding) -> String {
                if (i < n) {{ {}; }}\n  \
                if (i + 1u < n) {{ {}; }}\n}}\n\
              fn st4_{n}(i: u32, v: vec4<f32>) {{ {}; {}; {}; {}; }}\n",
-            wr("i", &format!("{t}(v)")),
-            wr("i", &format!("{t}(v0)")),
-            wr("i + 1u", &format!("{t}(v1)")),
-            wr("i", &format!("{t}(v.x)")),
-            wr("i + 1u", &format!("{t}(v.y)")),
-            wr("i + 2u", &format!("{t}(v.z)")),
-            wr("i + 3u", &format!("{t}(v.w)"))
+            wr("i", &conv("v")),
+            wr("i", &conv("v0")),
+            wr("i + 1u", &conv("v1")),
+            wr("i", &conv("v.x")),
+            wr("i + 1u", &conv("v.y")),
+            wr("i + 2u", &conv("v.z")),
+            wr("i + 3u", &conv("v.w"))
         ),
     };
     s
@@ -335,6 +347,26 @@ pub fn assemble(body: &str, bindings: &[Binding]) -> String {
     if bindings.iter().any(|b| b.storage == Storage::F16) {
         // Must be the first line of the module.
         src.push_str("enable f16;\n");
+    }
+    if bindings
+        .iter()
+        .any(|b| matches!(b.storage, Storage::F16Packed | Storage::F16))
+    {
+        // The f16 accessors convert on the bits (see the file).
+        src.push_str(include_str!("../../shaders/include/f16_bits.wgsl"));
+    }
+    if bindings
+        .iter()
+        .any(|b| b.storage == Storage::F16 && b.write)
+    {
+        // Native f16 stores: rounded by the integer code, then converted exactly (the f32 holds
+        // an f16 value). naga 30 has no 16-bit bitcast, so a NaN's payload and sign are the
+        // hardware conversion's: the one thing the native path leaves to the driver.
+        src.push_str(
+            "fn fg16_h(v: f32) -> f16 { return f16(fg16_to_f32(fg16_from_f32(v))); }\n\
+             fn fg16_h4(v: vec4<f32>) -> vec4<f16> {\n  \
+               return vec4<f16>(fg16_h(v.x), fg16_h(v.y), fg16_h(v.z), fg16_h(v.w));\n}\n",
+        );
     }
     // A split binding's further windows take the numbers after every plain binding, in order
     // (the device binds a block's windows in the same order).

@@ -198,19 +198,19 @@ fn the_optimizer_over_the_smallest_binding() {
     let n = 3001;
     let x: Vec<f32> = (0..n).map(|i| ((i % 97) as f32 - 48.0) / 16.0).collect();
     let g: Vec<f32> = (0..n).map(|i| ((i % 31) as f32 - 15.0) / 8.0).collect();
-    let step = |dev: &Device| -> Vec<u32> {
+    let step = |dev: &Device| -> fitgrad::Result<Vec<u32>> {
         let mut p = upload(dev, &x, &[n], DType::F32);
         p.set_requires_grad(true);
         let mut opt = AdamW::new(vec![p.clone()], 1e-2).unwrap();
         for _ in 0..2 {
             p.set_grad(Some(upload(dev, &g, &[n], DType::F32))).unwrap();
-            opt.step().unwrap();
+            opt.step()?;
         }
-        p.to_vec_f32()
+        Ok(p.to_vec_f32()
             .unwrap()
             .iter()
             .map(|v| v.to_bits())
-            .collect()
+            .collect())
     };
     let (Some(whole), Some(split)) = (
         binding_device(false, false),
@@ -219,7 +219,20 @@ fn the_optimizer_over_the_smallest_binding() {
         return;
     };
     assert_eq!(split.info().limits.max_storage_buffer_binding_size, 256);
-    assert!(step(&whole) == step(&split), "AdamW over 256-byte bindings");
+    match step(&split) {
+        Ok(bits) => assert!(
+            bits == step(&whole).unwrap(),
+            "AdamW over 256-byte bindings"
+        ),
+        // The update's windows need 16 storage bindings; an adapter that allows fewer per stage
+        // (SwiftShader: 10) refuses it with the typed error, before any pipeline is made.
+        Err(fitgrad::Error::Limit { value, limit, .. })
+            if limit == split.info().limits.max_storage_buffers_per_shader_stage as u64 =>
+        {
+            assert!(value > limit, "{value}")
+        }
+        Err(e) => panic!("AdamW over 256-byte bindings: {e}"),
+    }
     let p = upload(&split, &x, &[n], DType::F32);
     match p.mul(&p) {
         Err(fitgrad::Error::Limit { value, limit, .. }) => assert!(value > limit, "{value}"),

@@ -15,7 +15,8 @@ device_tests!(
     transpose_fixed_shapes,
     casts_of_special_values,
     casts_of_subnormals_and_overflow,
-    cast_of_nan_stays_nan
+    cast_of_nan_stays_nan,
+    f16_conversions_bit_exact
 );
 
 fn check_transpose(dev: &Device, dtype: DType, dims: &[usize], seed: u64) -> Result<(), String> {
@@ -222,4 +223,115 @@ fn cast_of_nan_stays_nan(dev: &Device) {
         "on {}: {f:?}",
         label(dev)
     );
+}
+
+/// Every f16 bit pattern to f32, and f32 values of every class (random bits, values around each
+/// f16 boundary and rounding tie, signed zeros, f32 subnormals, infinities, quiet and signalling
+/// NaN with payloads of both signs) to f16, bit for bit against the `half` crate, on every
+/// adapter. The packed path converts with fitgrad's own integer code (shaders/include/
+/// f16_bits.wgsl), so these bits are the same on every driver; `pack2x16float` would leave inf
+/// and NaN indeterminate (SwiftShader made NaN of inf) and an inexact value free to round either
+/// way.
+fn f16_conversions_bit_exact(dev: &Device) {
+    let what = format!("f16 conversions on {}", label(dev));
+    // f16 -> f32: all 65,536 patterns.
+    let all: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+    let x = Tensor::from_slice(dev, &all, &[all.len()]).unwrap();
+    let got = x.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+    for (h, g) in all.iter().zip(&got) {
+        let want = h.to_f32();
+        assert_eq!(
+            g.to_bits(),
+            want.to_bits(),
+            "{what}: f16 {:#06x} -> f32 gave {:#010x} ({g:e}), half gives {:#010x} ({want:e})",
+            h.to_bits(),
+            g.to_bits(),
+            want.to_bits()
+        );
+    }
+    // ... and back to f16: every pattern returns (a signalling NaN as its quiet twin, as half).
+    let back: Vec<u16> = Tensor::from_slice(dev, &got, &[got.len()])
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap()
+        .to_vec::<f16>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect();
+    // The native f16 path stores through WGSL's f16(): naga 30 has no 16-bit bitcast, so a
+    // NaN's payload and sign there are the hardware's (the spec leaves them open); any NaN is
+    // right. Every other value, and every NaN on the packed path, is the half crate's bits.
+    let native = dev.info().f16_native;
+    let same = |got: u16, want: u16| {
+        got == want || (native && f16::from_bits(want).is_nan() && f16::from_bits(got).is_nan())
+    };
+    for (h, b) in all.iter().zip(&back) {
+        let want = f16::from_f32(h.to_f32()).to_bits();
+        assert!(
+            same(*b, want),
+            "{what}: f16 {:#06x} -> f32 -> f16 gave {b:#06x}, half gives {want:#06x}",
+            h.to_bits()
+        );
+    }
+    // f32 -> f16: random bits (every class in proportion) and the edges of each class.
+    let mut r = HostRng::new(38);
+    let mut xs: Vec<f32> = (0..1 << 15)
+        .map(|_| f32::from_bits(r.next_u64() as u32))
+        .collect();
+    for sign in [0u32, 0x8000_0000] {
+        let f = |bits: u32| f32::from_bits(sign | bits);
+        xs.extend([
+            f(0),           // zero
+            f(1),           // the smallest f32 subnormal
+            f(0x007f_ffff), // the largest f32 subnormal
+            f(0x7f80_0000), // inf
+            f(0x7fc0_0000), // the quiet NaN
+            f(0x7fc0_0001), // quiet, payload only in bits f16 drops
+            f(0x7fff_ffff), // quiet, full payload
+            f(0x7f80_0001), // signalling, payload only in bits f16 drops
+            f(0x7fa0_0000), // signalling, payload kept
+            f(0x3300_0000), // 2^-25: the tie between 0 and the smallest subnormal
+            f(0x3300_0001), // just above it: rounds up
+            f(0x337f_ffff), // just below 2^-24
+            f(0x3380_0000), // 2^-24: the smallest f16 subnormal
+            f(0x387f_c000), // tie between the largest subnormal and the smallest normal
+            f(0x3880_0000), // 2^-14: the smallest normal f16
+            f(0x477f_e000), // 65504: the largest f16
+            f(0x477f_efff), // just below the tie with 65536: 65504
+            f(0x477f_f000), // the tie with 65536: rounds to even, inf
+            f(0x4780_0000), // 65536: inf
+            f(0x7f7f_ffff), // the largest f32: inf
+        ]);
+        // Every f32 exponent, with tie, just-below and just-above mantissas.
+        for e in 0..=255u32 {
+            for m in [
+                0u32, 0x1000, 0x0fff, 0x1001, 0x3000, 0x2000, 0x7f_ffff, 0x40_0000,
+            ] {
+                xs.push(f((e << 23) | m));
+            }
+        }
+        // Every f16 subnormal's neighbourhood, where the shift varies.
+        for k in 0..24u32 {
+            let base = 0x3300_0000u32 + (k << 22);
+            xs.extend([f(base), f(base + 1), f(base - 1), f(base | 0x0040_0000)]);
+        }
+    }
+    let h: Vec<u16> = Tensor::from_slice(dev, &xs, &[xs.len()])
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap()
+        .to_vec::<f16>()
+        .unwrap()
+        .iter()
+        .map(|v| v.to_bits())
+        .collect();
+    for (x, g) in xs.iter().zip(&h) {
+        let want = f16::from_f32(*x).to_bits();
+        assert!(
+            same(*g, want),
+            "{what}: f32 {:#010x} ({x:e}) -> f16 gave {g:#06x}, half gives {want:#06x}",
+            x.to_bits()
+        );
+    }
 }

@@ -65,6 +65,44 @@ fn quick_driver_compiles() {
             std::env::set_var("GALLIVM_PERF", "nopt");
         }
     });
+    add_swiftshader();
+}
+
+/// Google's SwiftShader, a second Vulkan driver with a compiler of its own (Debian's `chromium`
+/// package ships it); the suite runs on it as `::vulkan_swiftshader` under
+/// FITGRAD_TEST_SWIFTSHADER=1 (it is several times slower than lavapipe, so the README's plain
+/// `cargo test` leaves it out; CI runs it in a step of its own).
+pub const SWIFTSHADER_ICD: &str = "/usr/lib/chromium/vk_swiftshader_icd.json";
+
+/// Whether this run asked for SwiftShader as one more adapter: FITGRAD_TEST_SWIFTSHADER=1, and
+/// no FITGRAD_BACKEND or Vulkan driver list of the user's (VK_ICD_FILENAMES, VK_DRIVER_FILES),
+/// which choose the adapters themselves.
+fn swiftshader_wanted() -> bool {
+    let set = |v: &str| std::env::var_os(v).is_some_and(|s| !s.is_empty());
+    std::env::var("FITGRAD_TEST_SWIFTSHADER").is_ok_and(|v| v == "1")
+        && !set("FITGRAD_BACKEND")
+        && !set("VK_ICD_FILENAMES")
+        && !set("VK_DRIVER_FILES")
+}
+
+/// Adds SwiftShader's ICD to the drivers the Vulkan loader loads (VK_ADD_DRIVER_FILES, read when
+/// an instance is created), once, before the first adapter is opened, when it is wanted and
+/// installed. Every instance of the process then sees it beside lavapipe; the crate ranks it
+/// after an adapter it ties with, so `Device::new()` keeps choosing lavapipe (or the GPU) and
+/// only the `vulkan_swiftshader` device, chosen by name, runs on it.
+fn add_swiftshader() -> bool {
+    static ADDED: OnceLock<bool> = OnceLock::new();
+    *ADDED.get_or_init(|| {
+        if !swiftshader_wanted() || !std::path::Path::new(SWIFTSHADER_ICD).exists() {
+            return false;
+        }
+        let list = match std::env::var("VK_ADD_DRIVER_FILES") {
+            Ok(old) if !old.is_empty() => format!("{old}:{SWIFTSHADER_ICD}"),
+            _ => SWIFTSHADER_ICD.to_string(),
+        };
+        std::env::set_var("VK_ADD_DRIVER_FILES", list);
+        true
+    })
 }
 
 /// A short label for a device: backend plus f16 mode, e.g. "vulkan/f16-native".
@@ -114,9 +152,32 @@ fn open_all() -> Result<Vec<(String, Device)>, String> {
             }
         }
     }
+    // SwiftShader, chosen by name, where it was asked for (and is not already the Vulkan
+    // adapter: a machine without lavapipe or a GPU).
+    if add_swiftshader() {
+        let vulkan_is_it = devs.iter().any(|(k, d)| {
+            k == "vulkan" && d.info().adapter.name.to_lowercase().contains("swiftshader")
+        });
+        if !vulkan_is_it {
+            match Device::with_options(
+                DeviceOptions::default()
+                    .backend("vulkan")
+                    .adapter("swiftshader"),
+            ) {
+                Ok(d) => devs.push(("vulkan_swiftshader".into(), d)),
+                Err(e) => failures.push(format!("vulkan_swiftshader: {e}")),
+            }
+        }
+    } else if swiftshader_wanted() && under_ci() {
+        return Err(format!(
+            "FITGRAD_TEST_SWIFTSHADER=1 under CI=true, but {SWIFTSHADER_ICD} is missing \
+             (apt-get install chromium)"
+        ));
+    }
     // The packed f16 path on adapters that would otherwise compute in f16.
     let natives: Vec<String> = devs
         .iter()
+        .filter(|(k, _)| k != "vulkan_swiftshader")
         .filter(|(_, d)| d.info().f16_native)
         .map(|(_, d)| d.info().adapter.backend.clone())
         .collect();
@@ -128,6 +189,14 @@ fn open_all() -> Result<Vec<(String, Device)>, String> {
         ) {
             Ok(d) => devs.push((key(&backend, true), d)),
             Err(e) => failures.push(format!("{backend} with force_packed_f16: {e}")),
+        }
+    }
+    if swiftshader_wanted() && under_ci() && !devs.iter().any(|(k, _)| k == "vulkan_swiftshader") {
+        if let Some(f) = failures
+            .iter()
+            .find(|f| f.starts_with("vulkan_swiftshader"))
+        {
+            return Err(format!("FITGRAD_TEST_SWIFTSHADER=1 under CI=true: {f}"));
         }
     }
     if devs.is_empty() {
@@ -170,7 +239,9 @@ pub fn dtypes(dev: &Device) -> &'static [DType] {
     let info = dev.info();
     let twin = !info.f16_native
         && keyed_devices().iter().any(|(_, d)| {
-            d.info().f16_native && d.info().adapter.wgpu_backend == info.adapter.wgpu_backend
+            d.info().f16_native
+                && d.info().adapter.wgpu_backend == info.adapter.wgpu_backend
+                && d.info().adapter.name == info.adapter.name
         });
     if twin {
         &[DType::F16]
@@ -194,6 +265,8 @@ pub fn run_on(key: &str, test: fn(&Device)) {
     match devs.iter().find(|(k, _)| k == key) {
         Some((_, d)) => test(d),
         None if devs.is_empty() => {} // already reported by open_all
+        // Not asked for (FITGRAD_TEST_SWIFTSHADER): nothing to say for every test.
+        None if key == "vulkan_swiftshader" && !swiftshader_wanted() => {}
         None => log(&format!(
             "*** SKIPPED on {key}: this machine has no such adapter (it has {}) ***",
             devs.iter()
@@ -206,7 +279,7 @@ pub fn run_on(key: &str, test: fn(&Device)) {
 
 /// One `#[test]` per backend for each named `fn(&Device)`, so a failure names the adapter:
 /// `device_tests!(matmul_matches_reference)` defines `matmul_matches_reference::vulkan`,
-/// `::vulkan_f16_packed` and `::gl` (plus `::metal` on macOS and `::dx12` on Windows), each
+/// `::vulkan_f16_packed`, `::gl` and `::vulkan_swiftshader` (see [`SWIFTSHADER_ICD`]; plus `::metal` on macOS and `::dx12` on Windows), each
 /// running the function on that backend's shared device (skipped loudly where the machine has
 /// no such adapter). A property test goes inside the function with proptest's closure form:
 /// `proptest!(ProptestConfig::with_cases(16), |(dims in strat::shape())| { ... });`.
@@ -225,6 +298,10 @@ macro_rules! device_tests {
             #[test]
             fn gl() {
                 $crate::common::run_on("gl", super::$name)
+            }
+            #[test]
+            fn vulkan_swiftshader() {
+                $crate::common::run_on("vulkan_swiftshader", super::$name)
             }
             #[cfg(target_os = "macos")]
             #[test]
