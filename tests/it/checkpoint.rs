@@ -292,6 +292,30 @@ fn mismatched_models_and_optimizers_are_data_errors() {
     let reason = data_reason(more.apply_model(&model), &path, "extra");
     assert!(reason.contains("model.layers.7.weight"), "{reason}");
 
+    // A model holding NaN, an infinity or an f16 NaN evaluates to a NaN loss: refused by
+    // name, nothing written (issue 43, item 5).
+    for (bits, what) in [
+        (0x7fc0_0001u32, "NaN"),
+        (0xff80_0000, "-inf"),
+        (0x7f80_0000, "inf"),
+    ] {
+        let mut broken = ckpt.clone();
+        let t = broken.tensors.get_mut("model.layers.1.bias").unwrap();
+        t.bytes[4..8].copy_from_slice(&bits.to_le_bytes());
+        let before = host(model.layers[1].bias.as_ref().unwrap());
+        let reason = data_reason(broken.apply_model(&model), &path, what);
+        assert!(
+            reason.contains("'model.layers.1.bias'")
+                && reason.contains(&format!("holds {what} (element 1)")),
+            "{reason}"
+        );
+        assert_eq!(
+            host(model.layers[1].bias.as_ref().unwrap()),
+            before,
+            "nothing written"
+        );
+    }
+
     // Optimizer state for other shapes.
     let mut wide_opt = adamw(&wide);
     let reason = data_reason(ckpt.apply_optimizer(&mut wide_opt), &path, "optimizer");
@@ -742,20 +766,26 @@ fn killed_during_save_keeps_the_previous_checkpoint() {
     let path = tmp.join("big.safetensors");
     let mut reference: Option<Checkpoint> = None;
     let mut last_step = 0;
-    kill::kill_during_saves("checkpoint::kill_child_saver", CHILD_ENV, &path, 8, |round, first| {
-        let c = checkpoint::load(&path)
-            .unwrap_or_else(|e| panic!("round {round}: the checkpoint does not load: {e}"));
-        let step = c.training_state().unwrap().step;
-        assert!(
-            step >= first && step >= last_step,
-            "round {round}: step {step}"
-        );
-        last_step = step;
-        match &reference {
-            None => reference = Some(c),
-            Some(r) => assert!(r.tensors == c.tensors, "round {round}: tensors differ"),
-        }
-    });
+    kill::kill_during_saves(
+        "checkpoint::kill_child_saver",
+        CHILD_ENV,
+        &path,
+        8,
+        |round, first| {
+            let c = checkpoint::load(&path)
+                .unwrap_or_else(|e| panic!("round {round}: the checkpoint does not load: {e}"));
+            let step = c.training_state().unwrap().step;
+            assert!(
+                step >= first && step >= last_step,
+                "round {round}: step {step}"
+            );
+            last_step = step;
+            match &reference {
+                None => reference = Some(c),
+                Some(r) => assert!(r.tensors == c.tensors, "round {round}: tensors differ"),
+            }
+        },
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
