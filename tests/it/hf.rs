@@ -526,6 +526,36 @@ fn non_finite_weights_are_refused_naming_the_tensor() {
     }
 }
 
+/// Under a budget that holds one window's forward but not eight, `window_loss` splits its
+/// forwards and gives the loss of the unbudgeted run (issue 43, item 6: finetune --eval-text at
+/// the named smallest budget ran out of memory during evaluation).
+#[test]
+fn window_loss_splits_its_batches_to_fit_the_budget() {
+    let tok = Tokenizer::from_file(&fixtures().join("gpt2-tiny/tokenizer.json")).unwrap();
+    let ids = tok.encode(&eval_text()).unwrap();
+    let folder = PretrainedGpt::open(&fixtures().join("gpt2-tiny"), DType::F32).unwrap();
+    let Some(free) = fresh_with_budget(None) else {
+        return;
+    };
+    let gpt = folder.build(&free).unwrap();
+    gpt.set_training(false);
+    let want = window_loss(&gpt, &ids, 32, 8, DType::F32).unwrap();
+    // The logits of 8 windows alone are 8 * 32 * 320 * 4 = 320 KiB.
+    let budget = 256 << 10;
+    let dev = fresh_with_budget(Some(budget)).unwrap();
+    let gpt = folder.build(&dev).unwrap();
+    gpt.set_training(false);
+    let got = window_loss(&gpt, &ids, 32, 8, DType::F32).expect("the windows split to fit");
+    assert!(dev.memory_stats().peak_bytes_reserved <= budget);
+    assert_eq!((got.tokens, got.windows), (want.tokens, want.windows));
+    assert!(
+        (got.loss - want.loss).abs() <= 1e-6 * want.loss,
+        "{} against {}",
+        got.loss,
+        want.loss
+    );
+}
+
 fn finetune_args(extra: &[&str]) -> finetune::Args {
     use clap::Parser;
     let mut all = vec!["finetune".to_string()];
