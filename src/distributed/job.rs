@@ -91,6 +91,32 @@ impl Job {
         }
     }
 
+    /// Agrees, at start-up and before any other collective, on every setting that shapes the
+    /// run: `settings` are (flag, resolved value) pairs, the same flags in the same order on
+    /// every rank (steps, batch, accumulation, model, data, precision, `--zero`, ...). On a
+    /// mismatch every rank returns the same [`Error::Distributed`] naming the first flag that
+    /// differs and ends on it together (each prints it once and exits non-zero; none is left
+    /// waiting). One process agrees with itself. See [`agree_settings`](super::agree_settings).
+    pub fn agree_settings(&self, settings: &[(&str, String)]) -> Result<()> {
+        match self {
+            Job::Single => {
+                let _ = settings;
+                Ok(())
+            }
+            #[cfg(feature = "mpi")]
+            Job::Mpi(m) => {
+                match super::settings::disagreement_of(&mut m.communicator()?, settings)? {
+                    Some(e) => {
+                        // Every rank found the same difference: each ends on it, none aborts.
+                        self.fail_together();
+                        Err(e)
+                    }
+                    None => Ok(()),
+                }
+            }
+        }
+    }
+
     /// This process's rank (0 alone); rank 0 prints, evaluates and writes checkpoints.
     pub fn rank(&self) -> usize {
         match self {
