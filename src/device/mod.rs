@@ -221,7 +221,8 @@ impl Device {
         };
         // A device that only plans binds and creates nothing: what an adapter's buffers and
         // bindings could hold does not bound what it plans (any size plans on any adapter; a
-        // real run is refused by the same checks on the real limits). A binding cap a caller
+        // real run is refused by the same checks on the real limits). Every tensor binds as
+        // one window there, so no kernel passes the binding count. A binding cap a caller
         // asked for stays.
         let unbounded = |real: u64| {
             if options.plan_only {
@@ -234,18 +235,15 @@ impl Device {
             Some(_) => binding,
             None => unbounded(binding),
         };
-        let bindings = if options.plan_only {
-            u32::MAX
-        } else {
-            l.max_storage_buffers_per_shader_stage
-        };
         let limits = DeviceLimits {
             max_storage_buffer_binding_size: binding,
             max_buffer_size: unbounded(l.max_buffer_size),
             max_compute_workgroup_storage_size: l.max_compute_workgroup_storage_size,
             max_compute_invocations_per_workgroup: l.max_compute_invocations_per_workgroup,
             max_compute_workgroups_per_dimension: l.max_compute_workgroups_per_dimension,
-            max_storage_buffers_per_shader_stage: bindings,
+            // Kept: kernels are chosen by it, and with one window per tensor no kernel binds
+            // more than its tensors.
+            max_storage_buffers_per_shader_stage: l.max_storage_buffers_per_shader_stage,
             min_storage_buffer_offset_alignment: l.min_storage_buffer_offset_alignment,
             min_uniform_buffer_offset_alignment: l.min_uniform_buffer_offset_alignment,
         };
