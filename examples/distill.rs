@@ -16,13 +16,13 @@
 //! `--json` ends stdout with one JSON object.
 
 use clap::Parser;
-use fitgrad::cli::{self, MAX_BATCH, MAX_EPOCHS, MAX_WIDTH};
 use fitgrad::compress::{Distill, DistillConfig};
 use fitgrad::nn::{Activation, Mlp, Module};
 use fitgrad::optim::AdamW;
+use fitgrad::run::{self, MAX_BATCH, MAX_EPOCHS, MAX_WIDTH};
 use fitgrad::train::data::{self, Dataset};
 use fitgrad::train::{TrainModel, Trainer, TrainerConfig};
-use fitgrad::{Bytes, Device, DeviceOptions, Error, Result};
+use fitgrad::{Bytes, Device, Error, Result};
 use std::process::ExitCode;
 
 #[derive(Parser, Debug)]
@@ -114,7 +114,8 @@ fn best(acc: &[f32]) -> (f32, usize) {
     (b, acc.iter().position(|&a| a == b).map_or(0, |i| i + 1))
 }
 
-fn run(args: Args) -> Result<()> {
+/// Every flag checked before any device work; the distillation's settings.
+fn check(args: &Args) -> Result<DistillConfig> {
     let invalid = |reason: String| Error::InvalidArgument {
         op: "distill",
         reason,
@@ -136,14 +137,9 @@ fn run(args: Args) -> Result<()> {
             .iter()
             .map(|&w| ("--student-hidden", n(w), 1, MAX_WIDTH)),
     );
-    cli::check_counts("distill", &counts)?;
-    cli::check_environment()?;
-    if !(args.lr.is_finite() && args.lr > 0.0) {
-        return Err(invalid(format!(
-            "--lr must be a number > 0, got {}",
-            args.lr
-        )));
-    }
+    run::check_counts("distill", &counts)?;
+    run::check_environment()?;
+    run::check_number("distill", "--lr", args.lr, false)?;
     // Checked before the teacher trains, not after.
     let distill = DistillConfig::new(args.alpha, args.temperature);
     distill.validate()?;
@@ -159,6 +155,86 @@ fn run(args: Args) -> Result<()> {
             args.teacher_weight_decay
         )));
     }
+    Ok(distill)
+}
+
+/// What the three models reached: accuracy per epoch and parameter bytes.
+struct Figures {
+    teacher_acc: Vec<f32>,
+    alone_acc: Vec<f32>,
+    distilled_acc: Vec<f32>,
+    teacher_bytes: u64,
+    student_bytes: u64,
+}
+
+impl Figures {
+    /// Both students' accuracy by epoch, the best of each, the memory, and the `--json` line.
+    fn print(
+        &self,
+        args: &Args,
+        dev: &Device,
+        dataset: &str,
+        (tw, sw): (&[usize], &[usize]),
+        (teacher_samples, student_samples): (usize, usize),
+    ) {
+        let (alone_acc, distilled_acc) = (&self.alone_acc, &self.distilled_acc);
+        let (teacher_bytes, student_bytes) = (self.teacher_bytes, self.student_bytes);
+        println!("epoch  alone  distilled");
+        for (e, (a, d)) in alone_acc.iter().zip(distilled_acc).enumerate() {
+            println!("{:>5}  {:>5.2}%  {:>8.2}%", e + 1, 100.0 * a, 100.0 * d);
+        }
+        let (ab, ae) = best(alone_acc);
+        let (db, de) = best(distilled_acc);
+        let (af, df) = (
+            alone_acc.last().copied().unwrap_or(f32::NAN),
+            distilled_acc.last().copied().unwrap_or(f32::NAN),
+        );
+        println!(
+            "student trained alone:        accuracy {:.2}% (best {:.2}% at epoch {ae})",
+            100.0 * af,
+            100.0 * ab
+        );
+        println!(
+            "student trained with teacher: accuracy {:.2}% (best {:.2}% at epoch {de})",
+            100.0 * df,
+            100.0 * db
+        );
+        println!(
+            "parameter memory: teacher {}, student {} ({:.1}x smaller)",
+            Bytes(teacher_bytes),
+            Bytes(student_bytes),
+            teacher_bytes as f64 / student_bytes.max(1) as f64
+        );
+        if args.json {
+            let j = serde_json::json!({
+                "adapter": dev.info().adapter.name,
+                "dataset": dataset,
+                "teacher_widths": tw,
+                "student_widths": sw,
+                "alpha": args.alpha,
+                "temperature": args.temperature,
+                "teacher_weight_decay": args.teacher_weight_decay,
+                "teacher_samples": teacher_samples,
+                "student_samples": student_samples,
+                "teacher_accuracy": self.teacher_acc.last(),
+                "student_alone_accuracy": af,
+                "student_distilled_accuracy": df,
+                "student_alone_per_epoch": alone_acc,
+                "student_distilled_per_epoch": distilled_acc,
+                "teacher_parameter_bytes": teacher_bytes,
+                "student_parameter_bytes": student_bytes,
+            });
+            println!("{j}");
+        }
+    }
+}
+
+fn run(args: Args) -> Result<()> {
+    let invalid = |reason: String| Error::InvalidArgument {
+        op: "distill",
+        reason,
+    };
+    let distill = check(&args)?;
     let (train_set, test_set) =
         data::load_with_label(&args.dataset, args.seed, args.label_column.as_deref())?;
     // The students' samples: a seeded subset of the teacher's.
@@ -174,18 +250,9 @@ fn run(args: Args) -> Result<()> {
             train_set.len()
         )));
     }
-    let mut opts = DeviceOptions::default();
-    opts.adapter = args.adapter.clone();
-    let dev = Device::with_options(opts)?;
+    let dev = run::open_device(args.adapter.as_deref(), None)?;
     println!("adapter: {}", dev.info().adapter);
-    println!(
-        "dataset: {} ({} train, {} test, {} features, {} classes)",
-        train_set.name,
-        train_set.len(),
-        test_set.len(),
-        train_set.dim,
-        train_set.classes
-    );
+    println!("{}", run::dataset_line(&train_set, &test_set));
     let widths = |hidden: &[usize]| {
         let mut w = vec![train_set.dim];
         w.extend_from_slice(hidden);
@@ -243,53 +310,15 @@ fn run(args: Args) -> Result<()> {
         args.alpha,
         args.temperature
     );
-    println!("epoch  alone  distilled");
-    for (e, (a, d)) in alone_acc.iter().zip(&distilled_acc).enumerate() {
-        println!("{:>5}  {:>5.2}%  {:>8.2}%", e + 1, 100.0 * a, 100.0 * d);
-    }
-    let (ab, ae) = best(&alone_acc);
-    let (db, de) = best(&distilled_acc);
-    let (af, df) = (
-        alone_acc.last().copied().unwrap_or(f32::NAN),
-        distilled_acc.last().copied().unwrap_or(f32::NAN),
-    );
-    println!(
-        "student trained alone:        accuracy {:.2}% (best {:.2}% at epoch {ae})",
-        100.0 * af,
-        100.0 * ab
-    );
-    println!(
-        "student trained with teacher: accuracy {:.2}% (best {:.2}% at epoch {de})",
-        100.0 * df,
-        100.0 * db
-    );
-    println!(
-        "parameter memory: teacher {}, student {} ({:.1}x smaller)",
-        Bytes(teacher_bytes),
-        Bytes(student_bytes),
-        teacher_bytes as f64 / student_bytes.max(1) as f64
-    );
-    if args.json {
-        let j = serde_json::json!({
-            "adapter": dev.info().adapter.name,
-            "dataset": train_set.name,
-            "teacher_widths": tw,
-            "student_widths": sw,
-            "alpha": args.alpha,
-            "temperature": args.temperature,
-            "teacher_weight_decay": args.teacher_weight_decay,
-            "teacher_samples": train_set.len(),
-            "student_samples": student_set.len(),
-            "teacher_accuracy": teacher_acc.last(),
-            "student_alone_accuracy": af,
-            "student_distilled_accuracy": df,
-            "student_alone_per_epoch": alone_acc,
-            "student_distilled_per_epoch": distilled_acc,
-            "teacher_parameter_bytes": teacher_bytes,
-            "student_parameter_bytes": student_bytes,
-        });
-        println!("{j}");
-    }
+    let figures = Figures {
+        teacher_acc,
+        alone_acc,
+        distilled_acc,
+        teacher_bytes,
+        student_bytes,
+    };
+    let samples = (train_set.len(), student_set.len());
+    figures.print(&args, &dev, &train_set.name, (&tw, &sw), samples);
     Ok(())
 }
 

@@ -25,9 +25,9 @@
 //! `--batches`, `--accumulation-steps`, `--lr`, `--seed`, `--adapter`.
 
 use clap::Parser;
-use fitgrad::cli::{self, MAX_BATCH, MAX_EPOCHS, MAX_STEPS, MAX_WIDTH};
 use fitgrad::nn::{mse_loss, Linear, Module};
 use fitgrad::optim::{Optimizer, Sgd};
+use fitgrad::run::{self, MAX_BATCH, MAX_EPOCHS, MAX_STEPS, MAX_WIDTH};
 use fitgrad::{DType, Device, DeviceOptions, Error, Tensor};
 use std::process::ExitCode;
 
@@ -66,7 +66,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
         reason,
     };
     let n = |v: usize| v as u64;
-    cli::check_counts(
+    run::check_counts(
         "grad_accumulation",
         &[
             ("--features", n(args.features), 1, MAX_WIDTH),
@@ -81,7 +81,7 @@ fn run(args: Args) -> fitgrad::Result<()> {
             ),
         ],
     )?;
-    cli::check_environment()?;
+    run::check_environment()?;
     if !args.batches.is_multiple_of(args.accumulation_steps) {
         return Err(invalid(format!(
             "--batches {} is not a multiple of --accumulation-steps {}: the last micro-batches' \

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Makes the Hugging Face fixtures of tests/hf.rs and checks fitgrad's exported folders.
+"""Makes the Hugging Face fixtures of tests/it/hf.rs and checks fitgrad's exported folders.
 
     python scripts/make_hf_fixtures.py [--out tests/fixtures/hf]
     python scripts/make_hf_fixtures.py llama [OUT]
@@ -52,7 +52,7 @@ Deny thy father and refuse thy name; — café, naïve, Ωμέγα, 日本語 an
 And I'll no longer be a Capulet.\r
 """
 
-# Strings whose ids and decoded text tests/hf.rs compares with the Rust tokenizers crate.
+# Strings whose ids and decoded text tests/it/hf.rs compares with the Rust tokenizers crate.
 TOKENIZER_CASES = [
     "Hello, world!",
     "",

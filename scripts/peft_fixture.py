@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""Makes the PEFT fixtures of tests/lora.rs: PEFT's logits of adapters fitgrad trained.
+"""Makes the PEFT fixtures of tests/it/lora.rs: PEFT's logits of adapters fitgrad trained.
 
-    cargo test --test lora_finetune make_peft_fixture -- --ignored
+    cargo test lora_finetune::make_peft_fixture -- --ignored
     python scripts/peft_fixture.py [--dir tests/fixtures/lora]
 
 The ignored tests fine-tune LoRA adapters with fitgrad's finetune example and save them with

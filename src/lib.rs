@@ -15,7 +15,6 @@
 
 mod activation;
 pub mod checkpoint;
-pub mod cli;
 pub mod compress;
 pub mod device;
 pub mod distributed;
@@ -30,6 +29,7 @@ pub mod nn;
 pub mod optim;
 pub mod report;
 pub mod residency;
+pub mod run;
 mod shape;
 pub mod tensor;
 pub mod train;

@@ -1,7 +1,7 @@
 //! The model: a residual MLP written with `fitgrad::module!` and `TrainModel<ClassBatch>`, all
 //! a model needs to train with every memory feature (the module docs of main.rs describe it).
 
-use fitgrad::nn::{self, Dropout, LayerNorm, Linear, Module, Unit};
+use fitgrad::nn::{Dropout, LayerNorm, Linear, Module, Unit};
 use fitgrad::train::{ClassBatch, EvalBatch, StepContext, TrainModel};
 use fitgrad::{Activation, DType, Device, Result, Tensor};
 
@@ -135,18 +135,10 @@ fitgrad::module! {
 
 impl TrainModel<ClassBatch> for ResMlp {
     fn forward_loss(&self, b: &ClassBatch, ctx: &StepContext) -> Result<Tensor> {
-        let x = b.x.to_device(&ctx.device)?; // (B, IN) f32
-        let logits = self.forward_in(&x, ctx.dtype)?;
-        drop(x); // the graph keeps what backward needs
-        nn::cross_entropy(&logits, &b.y)
+        b.loss(ctx, |x| self.forward_in(x, ctx.dtype))
     }
 
     fn evaluate_batch(&self, b: &ClassBatch, ctx: &StepContext) -> Result<EvalBatch> {
-        let x = b.x.to_device(&ctx.device)?;
-        let logits = self.forward_in(&x, ctx.dtype)?;
-        Ok(EvalBatch {
-            loss: nn::cross_entropy(&logits, &b.y)?.item()?,
-            correct: Some(nn::correct(&logits, &b.y)?),
-        })
+        b.evaluate(ctx, |x| self.forward_in(x, ctx.dtype))
     }
 }

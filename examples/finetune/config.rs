@@ -36,7 +36,7 @@ pub fn run_config(args: &Args) -> Result<ConfigReport> {
         .as_deref()
         .ok_or_else(|| invalid("run_config needs --config".into()))?;
     let flags = check_flags(args)?;
-    let model = ModelConfig::open(name)?.with(flags.precision.param_dtype(), args.seed);
+    let model = ModelConfig::open(name)?.with(flags.precision.param_dtype(), args.run.seed);
     let (positions, field) = model.positions();
     let context = args.context.unwrap_or(positions);
     if context == 0 || context > positions {
@@ -44,28 +44,32 @@ pub fn run_config(args: &Args) -> Result<ConfigReport> {
             "--context {context}: between 1 and the model's {field} = {positions}"
         )));
     }
-    if !args.plan && args.steps == 0 {
+    if !args.run.plan && args.steps == 0 {
         return Err(invalid(
             "--config builds a model with random weights: add --plan, or --steps N".into(),
         ));
     }
     let lora = config_lora(args, &model)?;
     // Windows enough for one effective batch, of seeded random ids.
-    let windows = args.batch_size * args.accum_steps;
-    let mut rng = fitgrad::tensor::Rng::new(args.seed);
+    let windows = args.batch_size * args.run.accum_steps;
+    let mut rng = fitgrad::tensor::Rng::new(args.run.seed);
     let vocab = model.vocab_size() as u64;
     let ids = (0..windows + context)
         .map(|_| (rng.next_u64() % vocab) as u32)
         .collect();
     let train = TextDataset::new(ids, context)?;
-    let mut options = DeviceOptions::default().plan_only(args.plan);
-    options.adapter = args.adapter.clone();
+    let mut options = DeviceOptions::default().plan_only(args.run.plan);
+    options.adapter = args.run.adapter.clone();
     options.memory_budget = flags.budget;
     let device = Device::with_options(options)?;
     println!(
         "adapter: {}{}",
         device.info().adapter,
-        if args.plan { " (planning only)" } else { "" }
+        if args.run.plan {
+            " (planning only)"
+        } else {
+            ""
+        }
     );
     println!(
         "model: {name} ({}), {} parameters, context {context}, random weights",
@@ -77,7 +81,7 @@ pub fn run_config(args: &Args) -> Result<ConfigReport> {
             let build = |d: &Device, q: Option<BaseQuant>| -> Result<Gpt> {
                 let mut gpt = Gpt::new(d, c.clone())?;
                 if let Some(q) = q {
-                    add_lora(&mut gpt, &spec, args.seed)?;
+                    add_lora(&mut gpt, &spec, args.run.seed)?;
                     quantize_gpt_base(&mut gpt, q)?;
                 }
                 Ok(gpt)
@@ -88,7 +92,7 @@ pub fn run_config(args: &Args) -> Result<ConfigReport> {
             let build = |d: &Device, q: Option<BaseQuant>| -> Result<Llama> {
                 let mut llama = Llama::new(d, c.clone())?;
                 if let Some(q) = q {
-                    add_lora(&mut llama, &spec, args.seed)?;
+                    add_lora(&mut llama, &spec, args.run.seed)?;
                     quantize_llama_base(&mut llama, q)?;
                 }
                 Ok(llama)
@@ -136,7 +140,7 @@ fn config_lora(args: &Args, model: &ModelConfig) -> Result<Option<(LoraSpec, Bas
     if args.lora_rank.is_none() {
         return Ok(None);
     }
-    if quant != BaseQuant::None && args.precision == "f16" {
+    if quant != BaseQuant::None && args.run.precision == "f16" {
         return Err(invalid(format!(
             "--quantize {quant} quantizes f32 weights: use --precision f32 or mixed"
         )));
@@ -188,7 +192,7 @@ where
         BaseQuant::Nf4 { double_quant: true },
     ];
     let mut ladder = Vec::new();
-    if args.plan && !flags.fit_auto {
+    if args.run.plan && !flags.fit_auto {
         // The ladder without a budget: each rung's planned peak.
         let budget = device.memory_stats().budget;
         device.set_memory_budget(None)?;
@@ -217,19 +221,19 @@ where
     }
     let mut trainer = if flags.fit_auto && quant == BaseQuant::None {
         let (trainer, choice) = Trainer::build_fit_auto_variants(device, train, &bases, |q| {
-            some(build(*q, args.checkpoint_activations))
+            some(build(*q, args.fit.checkpoint_activations))
         })?;
         print!("{choice}");
         trainer
     } else if flags.fit_auto {
         let (trainer, choice) = Trainer::build_fit_auto(device, train, || {
-            some(build(quant, args.checkpoint_activations))
+            some(build(quant, args.fit.checkpoint_activations))
         })?;
         print!("{choice}");
         trainer
     } else {
         let mut trainer = Trainer::build_within_budget(device, train, || {
-            some(build(quant, args.checkpoint_activations))
+            some(build(quant, args.fit.checkpoint_activations))
         })?;
         trainer.check_device_memory(train)?;
         trainer
@@ -259,10 +263,10 @@ where
     M: LanguageModel + TrainModel<TokenBatch>,
 {
     let mut options = DeviceOptions::default().plan_only(true);
-    options.adapter = args.adapter.clone();
+    options.adapter = args.run.adapter.clone();
     let device = Device::with_options(options)?;
     let mut m = model(&device, None)?;
-    m.set_checkpointing(args.checkpoint_activations);
+    m.set_checkpointing(args.fit.checkpoint_activations);
     let optimizer = optimizer_for(args, &m)?;
     Trainer::new(m, optimizer, trainer_config(args, flags.precision))?.plan(train)
 }
@@ -307,7 +311,7 @@ where
         ..Default::default()
     };
     print!("{}", report.plan);
-    if !args.plan {
+    if !args.run.plan {
         let mut first = 0;
         report.train_loss = train_steps(args, trainer, train, &mut |step, _| {
             if step == 1 {
@@ -333,7 +337,7 @@ where
         report.measured_first_step_peak = Some(first);
         report.measured_peak = Some(measured);
     }
-    if args.json {
+    if args.run.json {
         println!(
             "{}",
             serde_json::json!({

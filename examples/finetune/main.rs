@@ -20,7 +20,7 @@
 //! `--merge-into DIR` writes the model with the adapter merged. With `--fit auto` the budget
 //! also chooses among the dense, int8 and NF4 bases.
 //!
-//! tests/hf.rs and tests/lora_finetune.rs include this file as a module and call [`prepare`],
+//! tests/it/hf.rs and tests/it/lora_finetune.rs include this file as a module and call [`prepare`],
 //! [`run`] and [`run_config`]. The flags are in this file; [`setup`] reads and checks them on the
 //! host, [`run`] evaluates and fine-tunes a folder, [`config`] plans or trains a model built
 //! from a config alone.
@@ -29,7 +29,7 @@ mod config;
 mod run;
 mod setup;
 
-// What tests/hf.rs and tests/lora_finetune.rs call (each uses some).
+// What tests/it/hf.rs and tests/it/lora_finetune.rs call (each uses some).
 #[allow(unused_imports)]
 pub use config::{run_config, ConfigReport};
 #[allow(unused_imports)]
@@ -48,6 +48,12 @@ use std::process::ExitCode;
     args_override_self = true
 )]
 pub struct Args {
+    /// The adapter, the budget, the plan, the JSON line, the accumulation.
+    #[command(flatten)]
+    pub run: fitgrad::run::RunArgs,
+    /// --fit auto and --checkpoint-activations.
+    #[command(flatten)]
+    pub fit: fitgrad::run::FitArgs,
     /// A Hugging Face GPT-2 or Llama folder: config.json, model.safetensors (or
     /// model.safetensors.index.json and its shards), tokenizer.json. Without it: the small
     /// model shipped in the crate (models/shakespeare-gpt2), and with no --text and no
@@ -76,24 +82,6 @@ pub struct Args {
     /// Windows per batch.
     #[arg(long, default_value_t = 4)]
     pub batch_size: usize,
-    /// Batches whose gradients add up before each optimizer step.
-    #[arg(long, default_value_t = 1)]
-    pub accum_steps: usize,
-    /// f32, f16 (weights converted on load; a value past f16's range is an error) or mixed.
-    #[arg(long, default_value = "f32")]
-    pub precision: String,
-    /// Hard limit on device memory (e.g. 512MiB); the micro-batch is fitted to it.
-    #[arg(long)]
-    pub memory_budget: Option<String>,
-    /// `auto`: let --memory-budget choose micro-batch, checkpointing and precision.
-    #[arg(long)]
-    pub fit: Option<String>,
-    /// Recompute each block's halves in backward instead of keeping their activations.
-    #[arg(long)]
-    pub checkpoint_activations: bool,
-    /// Print the planned peak memory of a fine-tuning step, by category, and exit.
-    #[arg(long)]
-    pub plan: bool,
     /// A prompt to continue after evaluation and fine-tuning.
     #[arg(long)]
     pub generate: Option<String>,
@@ -109,15 +97,9 @@ pub struct Args {
     /// Sample only among the most probable tokens whose probabilities add up to p, in (0, 1].
     #[arg(long)]
     pub top_p: Option<f32>,
-    /// Seed of the window order and of sampling.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
     /// Write the model (after fine-tuning) to this folder as transformers reads it.
     #[arg(long)]
     pub save: Option<PathBuf>,
-    /// Substring of the adapter name to use.
-    #[arg(long)]
-    pub adapter: Option<String>,
     /// Build the model from a config alone, with random weights and no tokenizer (the steps
     /// train on seeded random token ids): a config.json, a folder holding one, or a shipped
     /// name (gpt2, gpt2-medium, gpt2-large, gpt2-xl, llama-3-8b, tinyllama-1.1b). With --plan
@@ -127,9 +109,6 @@ pub struct Args {
     /// adamw, or sgd (plain SGD: no optimizer state).
     #[arg(long, default_value = "adamw", value_parser = ["adamw", "sgd"])]
     pub optimizer: String,
-    /// End stdout with one JSON object describing the run.
-    #[arg(long)]
-    pub json: bool,
     /// Train LoRA adapters of this rank instead of the whole model (the base is frozen).
     #[arg(long)]
     pub lora_rank: Option<usize>,

@@ -11,8 +11,8 @@ use fitgrad::nn::{trainable_parameters, Gpt, LanguageModel, Module, Sampling};
 use fitgrad::optim::{decay_groups, AdamW, Optimizer, Sgd};
 use fitgrad::train::text::{TextDataset, TokenBatch};
 use fitgrad::train::WindowLoss;
-use fitgrad::train::{window_loss, BatchSource, Precision, TrainModel, Trainer, TrainerConfig};
-use fitgrad::{Device, DeviceOptions, Result};
+use fitgrad::train::{window_loss, Precision, TrainModel, Trainer, TrainerConfig};
+use fitgrad::{Device, Result};
 use std::path::Path;
 
 /// Windows per forward when evaluating.
@@ -81,9 +81,9 @@ fn with_lora<M: LoraBase>(
         return Ok((model, None));
     };
     match &lora.resume {
-        Some(a) => a.apply(&mut model, args.seed)?,
+        Some(a) => a.apply(&mut model, args.run.seed)?,
         None => {
-            fitgrad::hf::add_lora(&mut model, &lora.spec, args.seed)?;
+            fitgrad::hf::add_lora(&mut model, &lora.spec, args.run.seed)?;
         }
     }
     let base = quantize(&mut model, quant)?;
@@ -92,10 +92,7 @@ fn with_lora<M: LoraBase>(
 
 /// Opens the device the flags ask for.
 pub fn open_device(args: &Args, setup: &Setup) -> Result<Device> {
-    let mut o = DeviceOptions::default();
-    o.adapter = args.adapter.clone();
-    o.memory_budget = setup.budget;
-    Device::with_options(o)
+    fitgrad::run::open_device(args.run.adapter.as_deref(), setup.budget)
 }
 
 pub fn evaluate<M: LanguageModel>(model: &M, setup: &Setup) -> Result<Option<WindowLoss>> {
@@ -200,83 +197,22 @@ where
     let built = build_model(quant);
     device.set_memory_budget(budget)?;
     let (mut gpt, mut base) = built?;
-    let mut plan_json = None;
+    let mut plan_peak = None;
     if let Some(train) = &setup.train {
-        let mut config = TrainerConfig::new(args.batch_size, args.accum_steps, args.lr);
-        config.precision = setup.precision;
-        config.clip_grad_norm = Some(1.0);
-        gpt.set_checkpointing(args.checkpoint_activations);
-        // The first build hands over the model already loaded; a rebuild (budget fitting)
-        // loads the weights again.
-        let first = std::cell::RefCell::new(Some((gpt, quant)));
-        let built_base = std::cell::Cell::new(base);
-        let build_with = |q: &BaseQuant| {
-            let model = match first.borrow_mut().take() {
-                Some((m, mq)) if mq == *q => m,
-                _ => {
-                    let (mut m, b) = build_model(*q)?;
-                    built_base.set(b);
-                    m.set_checkpointing(args.checkpoint_activations);
-                    m
-                }
-            };
-            let optimizer = optimizer_for(args, &model)?;
-            Trainer::new(model, optimizer, config.clone())
-        };
-        let build = || build_with(&quant);
-        let mut fit_choice = None;
-        let mut trainer = if setup.fit_auto && setup.lora.is_some() && quant == BaseQuant::None {
-            // The budget also chooses the base: dense, then int8, then NF4.
-            let bases = [
-                BaseQuant::None,
-                BaseQuant::Int8,
-                BaseQuant::Nf4 { double_quant: true },
-            ];
-            let (trainer, choice) =
-                Trainer::build_fit_auto_variants(device, train, &bases, build_with)?;
-            print!("{choice}");
-            fit_choice = Some(choice.to_string());
-            trainer
-        } else if setup.fit_auto {
-            let (trainer, choice) = Trainer::build_fit_auto(device, train, build)?;
-            print!("{choice}");
-            fit_choice = Some(choice.to_string());
-            trainer
-        } else {
-            let mut trainer = Trainer::build_within_budget(device, train, build)?;
-            trainer.check_device_memory(train)?;
-            trainer
-        };
-        report.fit_choice = fit_choice;
-        let plan = trainer.plan(train)?;
-        report.plan = Some(plan.clone());
-        if args.plan {
-            print!("{plan}");
-            if args.json {
-                println!("{}", serde_json::json!({"planned_peak_bytes": plan.peak}));
-            }
+        let tuned = fine_tune(
+            args,
+            setup,
+            device,
+            build_model,
+            (gpt, base),
+            train,
+            &mut report,
+        )?;
+        let Some((model, tuned_base)) = tuned else {
             return Ok(report);
-        }
-        plan_json = Some(plan.peak);
-        report.eval_before = evaluate(&trainer.model, setup)?;
-        if let Some(e) = &report.eval_before {
-            println!("eval loss before fine-tuning: {:.6} nats/token", e.loss);
-        }
-        let mut during = Vec::new();
-        report.train_loss = train_steps(args, &mut trainer, train, &mut |step, model| {
-            let every = args.eval_every;
-            if every == 0 || step % every != 0 || step == args.steps {
-                return Ok(());
-            }
-            if let Some(e) = evaluate(model, setup)? {
-                println!("eval loss after step {step}: {:.6} nats/token", e.loss);
-                during.push((step, e));
-            }
-            Ok(())
-        })?;
-        report.eval_during = during;
-        gpt = trainer.model;
-        base = built_base.get();
+        };
+        (gpt, base) = (model, tuned_base);
+        plan_peak = report.plan.as_ref().map(|p| p.peak);
     }
     if let Some((bytes, params)) = base {
         println!(
@@ -294,7 +230,7 @@ where
         );
     }
     if let Some(prompt) = &setup.prompt {
-        let mut sampling = Sampling::new(args.temperature, args.seed);
+        let mut sampling = Sampling::new(args.temperature, args.run.seed);
         sampling.top_k = args.top_k;
         sampling.top_p = args.top_p;
         let ids = gpt.generate_with(prompt, args.max_new_tokens, &sampling)?;
@@ -307,29 +243,146 @@ where
         save(&gpt, dir, Some(&setup.folder.dir().join(TOKENIZER_FILE)))?;
         println!("saved {}", dir.display());
     }
-    if args.json {
-        let j = serde_json::json!({
-            "model": args.model_dir().display().to_string(),
-            "adapter": device.info().adapter.name,
-            "params": gpt.num_parameters(),
-            "trainable_params": trainable_parameters(&gpt).iter().map(|(_, t)| t.numel()).sum::<usize>(),
-            "quantize": quant.to_string(),
-            "base_bytes": base.map(|b| b.0),
-            "base_bytes_per_param": base.map(|(b, p)| b as f64 / p as f64),
-            "context": setup.context,
-            "steps": args.steps,
-            "eval_loss": report.eval.map(|e| e.loss),
-            "eval_tokens": report.eval.map(|e| e.tokens),
-            "eval_windows": report.eval.map(|e| e.windows),
-            "eval_loss_before": report.eval_before.map(|e| e.loss),
-            "eval_loss_during": report.eval_during.iter().map(|(s, e)| (s, e.loss)).collect::<Vec<_>>(),
-            "train_loss": report.train_loss,
-            "planned_peak_bytes": plan_json,
-            "generated": report.generated,
-        });
-        println!("{j}");
+    if args.run.json {
+        print_json(args, setup, device, &gpt, &report, plan_peak);
     }
     Ok(report)
+}
+
+/// Fine-tunes `first` (the model `build_model` made, and its base's bytes) on `train`: the
+/// trainer built within the budget or by `--fit auto` (under LoRA over the bases too), the
+/// step planned (`--plan` prints it and returns `None`), the eval text before, during and
+/// after. Returns the trained model and its base.
+fn fine_tune<M>(
+    args: &Args,
+    setup: &Setup,
+    device: &Device,
+    build_model: &BuildFn<'_, M>,
+    (gpt, base): Built<M>,
+    train: &TextDataset,
+    report: &mut Report,
+) -> Result<Option<Built<M>>>
+where
+    M: LanguageModel + TrainModel<TokenBatch>,
+{
+    let mut gpt = gpt;
+    let quant = setup.lora.as_ref().map_or(BaseQuant::None, |l| l.quant);
+    let mut config = TrainerConfig::new(args.batch_size, args.run.accum_steps, args.lr);
+    config.precision = setup.precision;
+    config.clip_grad_norm = Some(1.0);
+    gpt.set_checkpointing(args.fit.checkpoint_activations);
+    // The first build hands over the model already loaded; a rebuild (budget fitting)
+    // loads the weights again.
+    let first = std::cell::RefCell::new(Some((gpt, quant)));
+    let built_base = std::cell::Cell::new(base);
+    let build_with = |q: &BaseQuant| {
+        let model = match first.borrow_mut().take() {
+            Some((m, mq)) if mq == *q => m,
+            _ => {
+                let (mut m, b) = build_model(*q)?;
+                built_base.set(b);
+                m.set_checkpointing(args.fit.checkpoint_activations);
+                m
+            }
+        };
+        let optimizer = optimizer_for(args, &model)?;
+        Trainer::new(model, optimizer, config.clone())
+    };
+    let build = || build_with(&quant);
+    let mut fit_choice = None;
+    let mut trainer = if setup.fit_auto && setup.lora.is_some() && quant == BaseQuant::None {
+        // The budget also chooses the base: dense, then int8, then NF4.
+        let bases = [
+            BaseQuant::None,
+            BaseQuant::Int8,
+            BaseQuant::Nf4 { double_quant: true },
+        ];
+        let (trainer, choice) =
+            Trainer::build_fit_auto_variants(device, train, &bases, build_with)?;
+        print!("{choice}");
+        fit_choice = Some(choice.to_string());
+        trainer
+    } else if setup.fit_auto {
+        let (trainer, choice) = Trainer::build_fit_auto(device, train, build)?;
+        print!("{choice}");
+        fit_choice = Some(choice.to_string());
+        trainer
+    } else {
+        let mut trainer = Trainer::build_within_budget(device, train, build)?;
+        trainer.check_device_memory(train)?;
+        trainer
+    };
+    report.fit_choice = fit_choice;
+    let plan = trainer.plan(train)?;
+    report.plan = Some(plan.clone());
+    if args.run.plan {
+        print!("{plan}");
+        if args.run.json {
+            println!("{}", serde_json::json!({"planned_peak_bytes": plan.peak}));
+        }
+        return Ok(None);
+    }
+    report.eval_before = evaluate(&trainer.model, setup)?;
+    if let Some(e) = &report.eval_before {
+        println!("eval loss before fine-tuning: {:.6} nats/token", e.loss);
+    }
+    let mut during = Vec::new();
+    report.train_loss = train_steps(args, &mut trainer, train, &mut |step, model| {
+        let every = args.eval_every;
+        if every == 0 || step % every != 0 || step == args.steps {
+            return Ok(());
+        }
+        if let Some(e) = evaluate(model, setup)? {
+            println!("eval loss after step {step}: {:.6} nats/token", e.loss);
+            during.push((step, e));
+        }
+        Ok(())
+    })?;
+    report.eval_during = during;
+    Ok(Some((trainer.model, built_base.get())))
+}
+
+/// The `--json` line of a folder run: the model, its base, the eval losses, the training
+/// loss, the planned peak and the sample.
+fn print_json<M: LanguageModel>(
+    args: &Args,
+    setup: &Setup,
+    device: &Device,
+    gpt: &M,
+    report: &Report,
+    plan_peak: Option<u64>,
+) {
+    let quant = setup.lora.as_ref().map_or(BaseQuant::None, |l| l.quant);
+    let base = report.base;
+    let trainable = trainable_parameters(gpt)
+        .iter()
+        .map(|(_, t)| t.numel())
+        .sum::<usize>();
+    let during: Vec<_> = report
+        .eval_during
+        .iter()
+        .map(|(s, e)| (s, e.loss))
+        .collect();
+    let j = serde_json::json!({
+        "model": args.model_dir().display().to_string(),
+        "adapter": device.info().adapter.name,
+        "params": gpt.num_parameters(),
+        "trainable_params": trainable,
+        "quantize": quant.to_string(),
+        "base_bytes": base.map(|b| b.0),
+        "base_bytes_per_param": base.map(|(b, p)| b as f64 / p as f64),
+        "context": setup.context,
+        "steps": args.steps,
+        "eval_loss": report.eval.map(|e| e.loss),
+        "eval_tokens": report.eval.map(|e| e.tokens),
+        "eval_windows": report.eval.map(|e| e.windows),
+        "eval_loss_before": report.eval_before.map(|e| e.loss),
+        "eval_loss_during": during,
+        "train_loss": report.train_loss,
+        "planned_peak_bytes": plan_peak,
+        "generated": report.generated,
+    });
+    println!("{j}");
 }
 
 /// `--optimizer` over the parameters that train (under LoRA the adapters only: the base has
@@ -346,7 +399,7 @@ pub fn optimizer_for<M: Module>(args: &Args, model: &M) -> Result<Box<dyn Optimi
 
 /// The trainer's settings the flags ask for: gradients clipped to norm 1.
 pub fn trainer_config(args: &Args, precision: Precision) -> TrainerConfig {
-    let mut config = TrainerConfig::new(args.batch_size, args.accum_steps, args.lr);
+    let mut config = TrainerConfig::new(args.batch_size, args.run.accum_steps, args.lr);
     config.precision = precision;
     config.clip_grad_norm = Some(1.0);
     config
@@ -368,14 +421,14 @@ where
     M: LanguageModel + TrainModel<TokenBatch>,
 {
     let config = trainer_config(args, precision);
-    first.set_checkpointing(args.checkpoint_activations);
+    first.set_checkpointing(args.fit.checkpoint_activations);
     let first = std::cell::RefCell::new(Some(first));
     let build = || {
         let model = match first.borrow_mut().take() {
             Some(m) => m,
             None => {
                 let mut m = build_model()?;
-                m.set_checkpointing(args.checkpoint_activations);
+                m.set_checkpointing(args.fit.checkpoint_activations);
                 m
             }
         };
@@ -404,21 +457,12 @@ pub fn train_steps<M>(
 where
     M: LanguageModel + TrainModel<TokenBatch>,
 {
-    let eff = args.batch_size * args.accum_steps;
-    let n = train.len() as u64;
+    let eff = args.batch_size * args.run.accum_steps;
     let mut last = None;
-    let mut order = (u64::MAX, Vec::new());
+    let mut order = fitgrad::run::StepOrder::new(args.run.seed);
     for step in 0..args.steps {
         // Positions step * eff .. of the concatenated seeded epoch orders.
-        let idx: Vec<usize> = (0..eff as u64)
-            .map(|i| {
-                let pos = step * eff as u64 + i;
-                if order.0 != pos / n {
-                    order = (pos / n, train.epoch_order(args.seed, pos / n));
-                }
-                order.1[(pos % n) as usize]
-            })
-            .collect();
+        let idx = order.indices(train, step, eff);
         trainer.step(train, &idx)?;
         if (step + 1) % 10 == 0 || step + 1 == args.steps {
             let loss = trainer.take_loss()?;

@@ -6,9 +6,11 @@ use fitgrad::compress::BaseQuant;
 use fitgrad::hf::TOKENIZER_FILE;
 use fitgrad::hf::{Adapter, LoraSpec, ModelConfig, PretrainedGpt, PretrainedLlama, Tokenizer};
 use fitgrad::nn::LoraConfig;
+use fitgrad::run::{self, MAX_SAMPLE_LEN, MAX_STEPS, MAX_WIDTH};
+use fitgrad::train::plays::Play;
 use fitgrad::train::text::TextDataset;
 use fitgrad::train::Precision;
-use fitgrad::{Bytes, Error, Result};
+use fitgrad::{Error, Result};
 use std::path::Path;
 
 /// A model folder read and checked on the host.
@@ -101,11 +103,11 @@ pub struct LoraSetup {
 }
 
 pub fn invalid(reason: String) -> Error {
-    Error::InvalidArgument {
-        op: "finetune",
-        reason,
-    }
+    run::invalid(OP, reason)
 }
+
+/// This command's name in its errors.
+const OP: &str = "finetune";
 
 pub fn read_text(path: &std::path::Path) -> Result<String> {
     let bytes = std::fs::read(path).map_err(|source| Error::Io {
@@ -125,44 +127,34 @@ pub struct Flags {
     pub fit_auto: bool,
 }
 
-/// Checks the flags that need no file.
+/// Checks the flags that need no file: every count within the bound every command shares,
+/// the budget, the numbers.
 pub fn check_flags(args: &Args) -> Result<Flags> {
-    let precision: Precision = args.precision.parse()?;
-    let budget = args
-        .memory_budget
-        .as_deref()
-        .map(|b| b.parse::<Bytes>().map(|b| b.0))
-        .transpose()?;
-    if budget == Some(0) {
-        return Err(invalid("--memory-budget must be more than 0 bytes".into()));
-    }
-    let fit_auto = match args.fit.as_deref() {
-        None => false,
-        Some("auto") if budget.is_none() => {
-            return Err(invalid(
-                "--fit auto fits a budget: add --memory-budget".into(),
-            ))
-        }
-        Some("auto") => true,
-        Some(other) => return Err(invalid(format!("--fit {other}: the one mode is 'auto'"))),
-    };
-    if args.batch_size == 0 || args.accum_steps == 0 {
-        return Err(invalid(
-            "--batch-size and --accum-steps must be at least 1".into(),
-        ));
-    }
-    if !(args.lr.is_finite() && args.lr > 0.0) {
-        return Err(invalid(format!(
-            "--lr must be a number > 0, got {}",
-            args.lr
-        )));
-    }
-    if !(args.temperature.is_finite() && args.temperature > 0.0) {
-        return Err(invalid(format!(
-            "--temperature must be a number > 0, got {}",
-            args.temperature
-        )));
-    }
+    let precision: Precision = args.run.precision.parse()?;
+    let budget = run::parse_budget(OP, args.run.memory_budget.as_deref())?;
+    // Fit auto chooses checkpointing only where it is not asked for.
+    let fit = args.fit.fit.as_deref();
+    let fit_auto = run::parse_fit(OP, fit, budget, false, "block checkpointing")?;
+    run::effective_batch(OP, args.batch_size, args.run.accum_steps)?;
+    let n = |v: usize| v as u64;
+    run::check_counts(
+        OP,
+        &[
+            ("--steps", args.steps, 0, MAX_STEPS),
+            ("--eval-every", args.eval_every, 0, MAX_STEPS),
+            ("--context", n(args.context.unwrap_or(1)), 0, MAX_WIDTH),
+            (
+                "--max-new-tokens",
+                n(args.max_new_tokens),
+                0,
+                MAX_SAMPLE_LEN,
+            ),
+            ("--lora-rank", n(args.lora_rank.unwrap_or(1)), 0, MAX_WIDTH),
+        ],
+    )?;
+    run::check_environment()?;
+    run::check_number(OP, "--lr", args.lr, false)?;
+    run::check_number(OP, "--temperature", args.temperature, false)?;
     if args.top_k == Some(0) || args.top_p.is_some_and(|p| !(p > 0.0 && p <= 1.0)) {
         return Err(invalid(format!(
             "--top-k must be at least 1 and --top-p in (0, 1], got {:?} and {:?}",
@@ -176,6 +168,60 @@ pub fn check_flags(args: &Args) -> Result<Flags> {
     })
 }
 
+/// The files a model folder holds that `--save` and `--merge-into` write.
+const MODEL_FILES: &[&str] = &["model.safetensors", "config.json", TOKENIZER_FILE];
+/// The files of a PEFT adapter folder.
+const ADAPTER_FILES: &[&str] = &["adapter_model.safetensors", "adapter_config.json"];
+
+/// No output overwrites an input (a file of the model's folder or the adapter's, the texts)
+/// or another output, checked before any device work.
+fn check_files(args: &Args) -> Result<()> {
+    let model = args.config.is_none().then(|| args.model_dir());
+    run::Files::new()
+        .input_folder("--model", model)
+        .input_folder("--resume-adapter", args.resume_adapter.as_deref())
+        .input("--text", args.text.as_deref())
+        .input("--eval-text", args.eval_text.as_deref())
+        .output_folder("--save", args.save.as_deref(), MODEL_FILES)
+        .output_folder("--merge-into", args.merge_into.as_deref(), MODEL_FILES)
+        .output_folder(
+            "--save-adapter",
+            args.save_adapter.as_deref(),
+            ADAPTER_FILES,
+        )
+        .check()?;
+    // An output folder that is an input folder would mix the run's files with the input's.
+    let outputs = [
+        ("--save", &args.save),
+        ("--merge-into", &args.merge_into),
+        ("--save-adapter", &args.save_adapter),
+    ];
+    let inputs = [
+        ("--model", model),
+        ("--resume-adapter", args.resume_adapter.as_deref()),
+    ];
+    for (flag, dir) in outputs {
+        let Some(dir) = dir else { continue };
+        for (input, idir) in inputs {
+            if idir.is_some_and(|i| same_folder(dir, i)) {
+                return Err(invalid(format!(
+                    "{flag} {} is the {input} folder: writing it would overwrite an input \
+                     folder; give {flag} another folder",
+                    dir.display()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether `a` and `b` name one folder (after resolving links).
+fn same_folder(a: &Path, b: &Path) -> bool {
+    a.canonicalize()
+        .ok()
+        .is_some_and(|x| Some(x) == b.canonicalize().ok())
+}
+
 /// Checks every flag, reads the folder, the tokenizer and the texts, before any device work.
 pub fn prepare(args: &Args) -> Result<Setup> {
     let Flags {
@@ -187,7 +233,7 @@ pub fn prepare(args: &Args) -> Result<Setup> {
     // eighth play's first part and evaluated on its held-out end.
     let play = (args.model.is_none() && args.text.is_none() && args.eval_text.is_none())
         .then(fitgrad::train::plays::held_out_play);
-    if (args.steps > 0 || args.plan) && args.text.is_none() && play.is_none() {
+    if (args.steps > 0 || args.run.plan) && args.text.is_none() && play.is_none() {
         return Err(invalid(
             "--steps and --plan fine-tune on a text: add --text FILE".into(),
         ));
@@ -202,6 +248,9 @@ pub fn prepare(args: &Args) -> Result<Setup> {
     }
     let folder = Folder::open(args.model_dir(), precision.param_dtype())?;
     let lora = prepare_lora(args, &folder, precision)?;
+    // The LoRA flags first (an output of a setting that does not apply says so), then what
+    // the outputs would overwrite.
+    check_files(args)?;
     let tokenizer = folder.tokenizer()?;
     let (n_positions, field) = folder.positions();
     let context = args.context.unwrap_or(n_positions);
@@ -220,41 +269,7 @@ pub fn prepare(args: &Args) -> Result<Setup> {
             ),
         });
     }
-    let eval = match (&args.eval_text, &play) {
-        (None, Some((p, _, held_out))) => {
-            println!(
-                "no --model: the shipped model, on play {} ({}): {} characters to fine-tune \
-                 on, the last {} held out",
-                fitgrad::train::plays::HELD_OUT_PLAY + 1,
-                p.title,
-                p.text.len() - held_out.len(),
-                held_out.len()
-            );
-            Some(tokenizer.encode(held_out)?)
-        }
-        (Some(path), _) => {
-            let ids = tokenizer.encode(&read_text(path)?)?;
-            if ids.len() < 2 {
-                return Err(Error::Data {
-                    path: path.display().to_string(),
-                    reason: format!("{} tokens: the loss needs at least 2", ids.len()),
-                });
-            }
-            Some(ids)
-        }
-        (None, None) => None,
-    };
-    let train = match (&args.text, &play) {
-        (None, Some((_, part, _))) => Some(TextDataset::new(tokenizer.encode(part)?, context)?),
-        (Some(path), _) => {
-            let ids = tokenizer.encode(&read_text(path)?)?;
-            Some(TextDataset::new(ids, context).map_err(|e| Error::Data {
-                path: path.display().to_string(),
-                reason: e.to_string(),
-            })?)
-        }
-        (None, None) => None,
-    };
+    let (eval, train) = read_texts(args, &tokenizer, context, play.as_ref())?;
     let prompt = match &args.generate {
         Some(p) => {
             let ids = tokenizer.encode(p)?;
@@ -279,6 +294,52 @@ pub fn prepare(args: &Args) -> Result<Setup> {
         fit_auto,
         lora,
     })
+}
+
+/// The eval text's ids and the training windows: `--eval-text` and `--text`, or the held-out
+/// `play`'s parts (its eval part said).
+fn read_texts(
+    args: &Args,
+    tokenizer: &Tokenizer,
+    context: usize,
+    play: Option<&(Play, String, String)>,
+) -> Result<(Option<Vec<u32>>, Option<TextDataset>)> {
+    let eval = match (&args.eval_text, play) {
+        (None, Some((p, _, held_out))) => {
+            println!(
+                "no --model: the shipped model, on play {} ({}): {} characters to fine-tune \
+                 on, the last {} held out",
+                fitgrad::train::plays::HELD_OUT_PLAY + 1,
+                p.title,
+                p.text.len() - held_out.len(),
+                held_out.len()
+            );
+            Some(tokenizer.encode(held_out)?)
+        }
+        (Some(path), _) => {
+            let ids = tokenizer.encode(&read_text(path)?)?;
+            if ids.len() < 2 {
+                return Err(Error::Data {
+                    path: path.display().to_string(),
+                    reason: format!("{} tokens: the loss needs at least 2", ids.len()),
+                });
+            }
+            Some(ids)
+        }
+        (None, None) => None,
+    };
+    let train = match (&args.text, play) {
+        (None, Some((_, part, _))) => Some(TextDataset::new(tokenizer.encode(part)?, context)?),
+        (Some(path), _) => {
+            let ids = tokenizer.encode(&read_text(path)?)?;
+            Some(TextDataset::new(ids, context).map_err(|e| Error::Data {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            })?)
+        }
+        (None, None) => None,
+    };
+    Ok((eval, train))
 }
 
 /// The adapters `--lora-rank`, `--lora-alpha`, `--lora-dropout` and `--lora-targets` ask for
@@ -342,25 +403,6 @@ pub fn prepare_lora(
              --save-adapter DIR (the adapters alone)"
                 .into(),
         ));
-    }
-    for (flag, dir) in [
-        ("--save-adapter", &args.save_adapter),
-        ("--merge-into", &args.merge_into),
-    ] {
-        let Some(dir) = dir else { continue };
-        let same = |a: &std::path::Path, b: &std::path::Path| {
-            a.canonicalize()
-                .ok()
-                .is_some_and(|x| Some(x) == b.canonicalize().ok())
-        };
-        if same(dir, args.model_dir())
-            || args.resume_adapter.as_deref().is_some_and(|r| same(dir, r))
-        {
-            return Err(invalid(format!(
-                "{flag} {} would overwrite an input folder",
-                dir.display()
-            )));
-        }
     }
     let (spec, resume) = match &args.resume_adapter {
         Some(dir) => {

@@ -2,7 +2,7 @@
 //! conv-norm-relu, strided blocks doubling the channels, global average pool, Linear head),
 //! with BatchNorm2d or GroupNorm as its norm.
 
-use fitgrad::nn::{self, AvgPool2d, BatchNorm2d, Conv2d, GroupNorm, Linear, Module};
+use fitgrad::nn::{AvgPool2d, BatchNorm2d, Conv2d, GroupNorm, Linear, Module};
 use fitgrad::train::{ClassBatch, EvalBatch, StepContext, TrainModel};
 use fitgrad::{autograd, Activation, Conv2dOptions, DType, Device};
 use fitgrad::{Result, Tensor};
@@ -239,19 +239,11 @@ fitgrad::module! {
 
 impl TrainModel<ClassBatch> for ResNet {
     fn forward_loss(&self, b: &ClassBatch, ctx: &StepContext) -> Result<Tensor> {
-        let x = b.x.to_device(&ctx.device)?;
-        let logits = self.forward_in(&x, ctx.dtype)?;
-        drop(x);
-        nn::cross_entropy(&logits, &b.y)
+        b.loss(ctx, |x| self.forward_in(x, ctx.dtype))
     }
 
     fn evaluate_batch(&self, b: &ClassBatch, ctx: &StepContext) -> Result<EvalBatch> {
-        let x = b.x.to_device(&ctx.device)?;
-        let logits = self.forward_in(&x, ctx.dtype)?;
-        Ok(EvalBatch {
-            loss: nn::cross_entropy(&logits, &b.y)?.item()?,
-            correct: Some(nn::correct(&logits, &b.y)?),
-        })
+        b.evaluate(ctx, |x| self.forward_in(x, ctx.dtype))
     }
 
     fn set_checkpointing(&mut self, on: bool) -> bool {

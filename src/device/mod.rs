@@ -356,7 +356,7 @@ mod tests {
     fn extension_slots_are_per_type_and_per_device() {
         let dev = match Device::new() {
             Ok(d) => d,
-            // Under CI=true a missing adapter is a failure, as in tests/common.
+            // Under CI=true a missing adapter is a failure, as in tests/it/common.
             Err(e) if std::env::var("CI").as_deref() != Ok("true") => {
                 eprintln!("*** no GPU adapter ({e}): extension slots not tested ***");
                 return;

@@ -145,6 +145,37 @@ pub struct ClassBatch {
     pub y: Vec<u32>,
 }
 
+impl ClassBatch {
+    /// The mean cross-entropy of the logits `logits_of` computes from the batch's features
+    /// (uploaded to the step's device; (B, ...) -> (B, classes)): a classifier's
+    /// [`TrainModel::forward_loss`] in one line.
+    pub fn loss(
+        &self,
+        ctx: &StepContext,
+        logits_of: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        let x = self.x.to_device(&ctx.device)?;
+        let logits = logits_of(&x)?;
+        drop(x); // the graph keeps what backward needs
+        nn::cross_entropy(&logits, &self.y)
+    }
+
+    /// The loss and the correct predictions of the logits `logits_of` computes: a
+    /// classifier's [`TrainModel::evaluate_batch`] in one line.
+    pub fn evaluate(
+        &self,
+        ctx: &StepContext,
+        logits_of: impl FnOnce(&Tensor) -> Result<Tensor>,
+    ) -> Result<EvalBatch> {
+        let x = self.x.to_device(&ctx.device)?;
+        let logits = logits_of(&x)?;
+        Ok(EvalBatch {
+            loss: nn::cross_entropy(&logits, &self.y)?.item()?,
+            correct: Some(nn::correct(&logits, &self.y)?),
+        })
+    }
+}
+
 impl Batch for ClassBatch {
     fn len(&self) -> usize {
         self.y.len()
@@ -186,19 +217,11 @@ pub(super) fn check_indices(op: &'static str, indices: &[usize], len: usize) -> 
 
 impl TrainModel<ClassBatch> for Mlp {
     fn forward_loss(&self, b: &ClassBatch, ctx: &StepContext) -> Result<Tensor> {
-        let x = b.x.to_device(&ctx.device)?;
-        let logits = self.forward_in(&x, ctx.dtype)?;
-        drop(x); // the graph keeps what backward needs
-        nn::cross_entropy(&logits, &b.y)
+        b.loss(ctx, |x| self.forward_in(x, ctx.dtype))
     }
 
     fn evaluate_batch(&self, b: &ClassBatch, ctx: &StepContext) -> Result<EvalBatch> {
-        let x = b.x.to_device(&ctx.device)?;
-        let logits = self.forward_in(&x, ctx.dtype)?;
-        Ok(EvalBatch {
-            loss: nn::cross_entropy(&logits, &b.y)?.item()?,
-            correct: Some(nn::correct(&logits, &b.y)?),
-        })
+        b.evaluate(ctx, |x| self.forward_in(x, ctx.dtype))
     }
 
     /// Sets [`Mlp::checkpoint_activations`]; only gelu layers have activations to drop.

@@ -74,6 +74,26 @@ fn inval(e: Error, says: &str) {
     }
 }
 
+/// No output overwrites the model folder's files, and every count is bounded by the rule
+/// every example shares: refused by `prepare`, before any device work (issue 43).
+#[test]
+fn outputs_and_counts_are_checked_before_device_work() {
+    let base = base_dir();
+    let before = std::fs::read(base.join("model.safetensors")).unwrap();
+    inval(prepare_err(&["--save", base.to_str().unwrap()]), "--model");
+    inval(
+        prepare_err(&["--batch-size", "1000000000000"]),
+        "--batch-size",
+    );
+    inval(prepare_err(&["--steps", "18446744073709551615"]), "--steps");
+    inval(
+        prepare_err(&["--max-new-tokens", "100000000000"]),
+        "--max-new-tokens",
+    );
+    let after = std::fs::read(base.join("model.safetensors")).unwrap();
+    assert!(before == after, "the model folder changed");
+}
+
 /// The LoRA flags, each refused with a typed error naming the problem by `prepare`, which
 /// opens no device.
 #[test]

@@ -257,6 +257,51 @@ fn schedule_and_stem_stride_are_checked() {
     );
 }
 
+/// No output overwrites an input or another output, refused before any device work (issue
+/// 43): the dataset as `--save` or `--report`, one file as both, a folder as `--save`.
+#[test]
+fn outputs_never_overwrite_inputs_or_each_other() {
+    let csv = images_csv(8);
+    let data = csv.path().display().to_string();
+    let before = std::fs::read(csv.path()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.bin").display().to_string();
+    let folder = dir.path().display().to_string();
+    for (flags, says) in [
+        (vec!["--save", &data], "--dataset"),
+        (vec!["--report", &data], "--dataset"),
+        (vec!["--save", &out, "--report", &out], "--save"),
+        (vec!["--save", &folder], "folder"),
+    ] {
+        let mut argv = vec!["train_cnn", "--dataset", &data];
+        argv.extend(&flags);
+        let args = train_cnn::Args::try_parse_from(argv).unwrap();
+        match train_cnn::prepare(&args) {
+            Err(fitgrad::Error::InvalidArgument { reason, .. }) => {
+                assert!(reason.contains(says), "{flags:?}: {reason}")
+            }
+            other => panic!("{flags:?}: {:?}", other.err()),
+        }
+    }
+    assert_eq!(
+        std::fs::read(csv.path()).unwrap(),
+        before,
+        "the dataset changed"
+    );
+}
+
+/// Every count is bounded by the rule every example shares, before any device work (issue
+/// 43): an accumulation that divided by zero, epochs that wrapped the schedule, a width
+/// that failed inside.
+#[test]
+fn counts_are_bounded() {
+    let huge = (1u64 << 58).to_string();
+    refused(&["--accum-steps", &huge], "--accum-steps");
+    refused(&["--epochs", "9223372036854775808", "--cosine"], "--epochs");
+    refused(&["--width", "100000"], "--width");
+    refused(&["--batch-size", "0"], "--batch-size");
+}
+
 /// The example run with `flags` (on a dataset that does not exist) is refused before any
 /// device work with an [`fitgrad::Error::InvalidArgument`] whose reason `says` this.
 fn refused(flags: &[&str], says: &str) {

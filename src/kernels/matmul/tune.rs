@@ -240,7 +240,7 @@ pub struct AutotuneEnv {
 /// Reads `FITGRAD_AUTOTUNE` (unset, empty, 1 / on / true, or 0 / off / false, any case) and
 /// `FITGRAD_AUTOTUNE_BUDGET` (seconds >= 0); any other value is an [`Error::InvalidArgument`]
 /// naming the variable and what it takes. The one reading of both: the tuner uses it, and so
-/// does `fitgrad::cli::check_environment`.
+/// does `fitgrad::run::check_environment`.
 pub fn env_settings() -> Result<AutotuneEnv> {
     let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
     let bad = |op: &'static str, v: &str, takes: &str| Error::InvalidArgument {

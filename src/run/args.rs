@@ -1,0 +1,158 @@
+//! The flags training commands share, defined once for clap (feature `cli`): a command
+//! flattens the groups it takes into its own flags (`#[command(flatten)]`), so each flag has
+//! one name, one meaning and one help text in every command.
+
+use std::path::PathBuf;
+
+/// What every training command takes: the adapter, the budget, the plan, the JSON line, the
+/// accumulation, the precision and the seed.
+#[derive(clap::Args, Debug, Clone)]
+pub struct RunArgs {
+    /// Substring of the adapter name to use.
+    #[arg(long)]
+    pub adapter: Option<String>,
+    /// Hard limit on device memory (e.g. 48MiB). The micro-batch is chosen to fit, with
+    /// gradient accumulation keeping the effective batch.
+    #[arg(long)]
+    pub memory_budget: Option<String>,
+    /// Batches whose gradients add up before each optimizer step.
+    #[arg(long, default_value_t = 1)]
+    pub accum_steps: usize,
+    /// f32, f16 (where the command takes it: f16 weights) or mixed (f32 master weights and
+    /// optimizer state, f16 activations and matmuls, dynamic loss scaling).
+    #[arg(long, default_value = "f32")]
+    pub precision: String,
+    /// Seeds everything random: the weights, the data's split and order, dropout,
+    /// augmentation and sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Print the planned peak memory of a training step, by category, and exit.
+    #[arg(long)]
+    pub plan: bool,
+    /// End stdout with one JSON object describing the run.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `--fit auto` and the checkpointing it chooses.
+#[derive(clap::Args, Debug, Clone)]
+pub struct FitArgs {
+    /// `auto`: let --memory-budget choose the micro-batch, activation checkpointing and mixed
+    /// precision (cheapest first), and print each planned candidate.
+    #[arg(long)]
+    pub fit: Option<String>,
+    /// Recompute activations in backward instead of keeping them (what each model can
+    /// recompute: gelu layers, each block's halves, each residual block).
+    #[arg(long)]
+    pub checkpoint_activations: bool,
+}
+
+/// A run's checkpoints and its memory reserved up front.
+#[derive(clap::Args, Debug, Clone)]
+pub struct CheckpointArgs {
+    /// Reserve the planned peak before training, so no buffer is created afterwards.
+    #[arg(long)]
+    pub prealloc: bool,
+    /// Save a checkpoint (safetensors, written atomically) as the run goes: after every
+    /// epoch, or at every evaluation and at the end.
+    #[arg(long)]
+    pub save: Option<PathBuf>,
+    /// Resume from a checkpoint written by --save (same model and training flags), or from a
+    /// sharded checkpoint's folder (--save-sharded), on any number of ranks.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+}
+
+/// The run's report.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ReportArgs {
+    /// Write an HTML report (memory timeline of a step, loss / accuracy / throughput curves,
+    /// memory table) to this file.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    /// Write the report's data as JSON to this file.
+    #[arg(long)]
+    pub report_json: Option<PathBuf>,
+}
+
+impl FitArgs {
+    /// Whether `--fit auto` is asked for ([`parse_fit`](super::parse_fit)): with a `budget`,
+    /// without `--checkpoint-activations` (fit auto chooses `checkpointing` itself).
+    pub fn auto(
+        &self,
+        op: &'static str,
+        budget: Option<u64>,
+        checkpointing: &str,
+    ) -> crate::Result<bool> {
+        let fit = self.fit.as_deref();
+        super::parse_fit(op, fit, budget, self.checkpoint_activations, checkpointing)
+    }
+}
+
+impl ReportArgs {
+    /// Whether a report is written.
+    pub fn any(&self) -> bool {
+        self.report.is_some() || self.report_json.is_some()
+    }
+}
+
+/// Data-parallel training over MPI and its ZeRO stage.
+#[derive(clap::Args, Debug, Clone)]
+pub struct JobArgs {
+    /// `mpi`: this process is one rank of data-parallel training started by mpirun (built with
+    /// `--features mpi`). The batch flags give the whole job's batch, split across the ranks;
+    /// rank 0 prints, evaluates and saves. Without dropout the weights are those of one
+    /// process with the same flags.
+    #[arg(long)]
+    pub distributed: Option<String>,
+    /// ZeRO stage under --distributed mpi: 0 replicates everything (plain data parallelism),
+    /// 1 keeps each rank's shard of the optimizer state only, 2 also its shard of the summed
+    /// gradients, 3 also its shard of each unit's parameters (gathered around its forward and
+    /// backward); the weights are those of stage 0. One process holds every shard, so the
+    /// stage changes nothing there.
+    #[arg(long)]
+    pub zero: Option<String>,
+}
+
+/// The flags of a training command with checkpoints, a report and data-parallel ranks: the
+/// groups above, together.
+#[derive(clap::Args, Debug, Clone)]
+pub struct TrainArgs {
+    /// The adapter, the budget, the plan, the JSON line, the accumulation.
+    #[command(flatten)]
+    pub run: RunArgs,
+    /// `--prealloc`, `--save`, `--resume`.
+    #[command(flatten)]
+    pub checkpoint: CheckpointArgs,
+    /// `--report`, `--report-json`.
+    #[command(flatten)]
+    pub report: ReportArgs,
+    /// `--distributed`, `--zero`.
+    #[command(flatten)]
+    pub job: JobArgs,
+}
+
+/// The command's flags from the command line: `Err` with the exit code when they are wrong
+/// (1, clap's message on stderr) or when `--help` or `--version` printed (0).
+pub fn parse<A: clap::Parser>() -> Result<A, std::process::ExitCode> {
+    A::try_parse().map_err(|e| {
+        if e.use_stderr() {
+            eprint!("{e}");
+            return std::process::ExitCode::FAILURE;
+        }
+        let _ = e.print();
+        std::process::ExitCode::SUCCESS
+    })
+}
+
+impl TrainArgs {
+    /// `files` with what these flags read and write: the checkpoint resumed from, and the
+    /// checkpoint, report and report data written.
+    pub fn files<'a>(&'a self, files: super::Files<'a>) -> super::Files<'a> {
+        files
+            .input("--resume", self.checkpoint.resume.as_deref())
+            .output("--save", self.checkpoint.save.as_deref())
+            .output("--report", self.report.report.as_deref())
+            .output("--report-json", self.report.report_json.as_deref())
+    }
+}
