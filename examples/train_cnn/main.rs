@@ -81,11 +81,7 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         setup.test.len(),
         train.classes
     );
-    let mut trainer = train::build(&args, &setup, &device, total_steps)?;
-    if root {
-        train::describe(&args, &setup, &trainer, total_steps);
-    }
-    let all_reduce = fit_budget(&setup, &mut trainer, &images, dist)?;
+    let (mut trainer, all_reduce) = fit_budget(&args, &setup, &device, total_steps, &images, dist)?;
     let plan = trainer.plan(&images)?;
     if args.run.plan {
         if root {
@@ -137,29 +133,40 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
     )
 }
 
-/// The budget applied as the flags ask (`--fit auto`'s choice, else the micro-batch fitted to
-/// it), the job joined, and the micro-batch said, with batch norm's warning when it splits a
-/// batch.
+/// The replica's exchange statistics under MPI.
+type Exchange = Option<Arc<Mutex<AllReduceStats>>>;
+
+/// The trainer built under the budget as the flags ask (`--fit auto`'s choice, else the
+/// micro-batch fitted to it), the model made afresh for each budget tried so a too-small
+/// budget names the smallest that works ([`Trainer::build_within_budget`],
+/// [`Trainer::build_fit_auto`]); the job joined, and the micro-batch said, with batch norm's
+/// warning when it splits a batch.
 fn fit_budget(
+    args: &Args,
     setup: &Setup,
-    trainer: &mut Trainer<ResNet>,
+    device: &fitgrad::Device,
+    total_steps: u64,
     images: &Augmented<'_>,
     dist: &Job,
-) -> Result<Option<Arc<Mutex<AllReduceStats>>>> {
+) -> Result<(Trainer<ResNet>, Exchange)> {
     let root = dist.is_root();
-    if let Some(b) = setup.budget {
-        if setup.fit_auto {
-            let choice = trainer.fit_auto(images, b)?;
-            if root {
-                println!("fit auto: {choice}");
-            }
-        } else {
-            trainer.fit_to_budget(images, b)?;
+    let build = || train::build(args, setup, device, total_steps);
+    let mut trainer = if setup.fit_auto && setup.budget.is_some() {
+        // Planned alike on every rank: when nothing fits, every rank ends with the error.
+        let (trainer, choice) = dist.together(Trainer::build_fit_auto(device, images, build))?;
+        if root {
+            println!("fit auto: {choice}");
         }
+        trainer
+    } else {
+        Trainer::build_within_budget(device, images, build)?
+    };
+    if root {
+        train::describe(args, setup, &trainer, total_steps);
     }
-    let all_reduce = dist.join(trainer, images)?;
+    let all_reduce = dist.join(&mut trainer, images)?;
     let (Some(b), true) = (setup.budget, root) else {
-        return Ok(all_reduce);
+        return Ok((trainer, all_reduce));
     };
     let (micro, batch) = (trainer.micro_batch(), setup.batch_size);
     println!("memory budget {}: micro-batch {micro} of {batch}", Bytes(b));
@@ -170,7 +177,7 @@ fn fit_budget(
              mix samples (its steps are the whole batch's, bit for bit)"
         );
     }
-    Ok(all_reduce)
+    Ok((trainer, all_reduce))
 }
 
 /// The end of the run: the outcome on every rank; on rank 0 the test set, the memory beside

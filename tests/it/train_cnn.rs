@@ -411,3 +411,30 @@ fn fit_auto_fits_every_budget_from_the_minimum_it_names() {
         assert!(outcome.planned_peak <= budget, "{budget}");
     }
 }
+
+/// The smallest budget a too-small `--memory-budget` names (the model built under each
+/// budget tried, as the other examples do) runs when passed back, and one byte less is
+/// refused again (issue 43 item 6).
+#[test]
+fn minimum_budget_works_as_printed() {
+    if common::fresh_with_budget(None).is_none() {
+        return;
+    }
+    let csv = images_csv(32);
+    let run = |budget: &str| try_run(&csv, 16, &["--memory-budget", budget]).map(|_| ());
+    common::budget_figure::figure_passed_back_works(run, "1KiB");
+}
+
+/// `--fit auto` under a 1-byte budget names the smallest budget (a `BudgetTooSmall`), not a
+/// raw out-of-memory (issue 43 item 6).
+#[test]
+fn fit_auto_under_one_byte_names_the_smallest_budget() {
+    if common::fresh_with_budget(None).is_none() {
+        return;
+    }
+    let csv = images_csv(32);
+    match try_run(&csv, 16, &["--memory-budget", "1", "--fit", "auto"]) {
+        Err(fitgrad::Error::BudgetTooSmall { minimum, .. }) => assert!(minimum > 1),
+        other => panic!("{other:?}"),
+    }
+}
