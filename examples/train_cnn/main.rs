@@ -262,6 +262,7 @@ fn main() -> ExitCode {
         Err(code) => return code,
     };
     Job::main(args.distributed.clone().as_deref(), |dist| {
+        run::agree_flags::<Args>(dist)?;
         run(args, dist).map(drop)
     })
 }

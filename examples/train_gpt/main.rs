@@ -247,6 +247,7 @@ pub fn run(args: &Args, dist: &Job) -> Result<Report> {
 fn main() -> ExitCode {
     let args = Args::parse();
     Job::main(args.job.distributed.as_deref(), |dist| {
+        run::agree_flags::<Args>(dist)?;
         run(&args, dist).map(drop)
     })
 }

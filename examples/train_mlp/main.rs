@@ -235,6 +235,7 @@ fn finish_run(args: &Args, setup: &Setup, epochs: &EpochRun<'_>, end: End) -> fi
 fn main() -> ExitCode {
     let args = Args::parse();
     Job::main(args.job.distributed.clone().as_deref(), |dist| {
+        run::agree_flags::<Args>(dist)?;
         run(args, dist).map_err(|e| {
             run::name_flags(
                 "train_mlp",

@@ -156,3 +156,55 @@ impl TrainArgs {
             .output("--report-json", self.report.report_json.as_deref())
     }
 }
+
+/// Every flag of command `A` as `argv` resolves it (given, or its default), as `(flag,
+/// value)` pairs in the command's order, for [`agree_flags`]: a value naming a file gets its
+/// size beside it (the data a rank reads, not only its name). What only rank 0 writes
+/// (`--save`, `--report`, `--report-json`) and the job flag itself are left out.
+pub fn flag_settings<A: clap::CommandFactory>(
+    argv: impl IntoIterator<Item = std::ffi::OsString>,
+) -> Result<Vec<(String, String)>, clap::Error> {
+    let matches = A::command().try_get_matches_from(argv)?;
+    let own = ["save", "report", "report-json", "distributed"];
+    let mut settings = Vec::new();
+    for arg in A::command().get_arguments() {
+        let Some(long) = arg.get_long().filter(|l| !own.contains(l)) else {
+            continue;
+        };
+        let Ok(Some(raw)) = matches.try_get_raw(arg.get_id().as_str()) else {
+            continue;
+        };
+        let values: Vec<String> = raw
+            .map(|v| {
+                let v = v.to_string_lossy().into_owned();
+                match std::fs::metadata(&v) {
+                    Ok(m) if m.is_file() => format!("{v} ({} bytes)", m.len()),
+                    _ => v,
+                }
+            })
+            .collect();
+        settings.push((format!("--{long}"), values.join(" ")));
+    }
+    Ok(settings)
+}
+
+/// Agrees, before any other collective, on every flag of command `A` as this rank's command
+/// line resolves it ([`flag_settings`], then [`Job::agree_settings`](crate::distributed::Job::agree_settings)):
+/// ranks started with different steps, batch, accumulation, model, data, precision, ZeRO
+/// stage, seed, budget or any other flag all end with one message naming the first flag that
+/// differs. One process agrees with itself.
+pub fn agree_flags<A: clap::CommandFactory>(dist: &crate::distributed::Job) -> crate::Result<()> {
+    if dist.size() < 2 {
+        return Ok(());
+    }
+    let settings =
+        flag_settings::<A>(std::env::args_os()).map_err(|e| crate::Error::InvalidArgument {
+            op: "agree_flags",
+            reason: e.to_string(),
+        })?;
+    let pairs: Vec<(&str, String)> = settings
+        .iter()
+        .map(|(f, v)| (f.as_str(), v.clone()))
+        .collect();
+    dist.agree_settings(&pairs)
+}

@@ -31,7 +31,10 @@ pub mod resume;
 pub mod steps;
 
 #[cfg(feature = "cli")]
-pub use args::{parse, CheckpointArgs, FitArgs, JobArgs, ReportArgs, RunArgs, TrainArgs};
+pub use args::{
+    agree_flags, flag_settings, parse, CheckpointArgs, FitArgs, JobArgs, ReportArgs, RunArgs,
+    TrainArgs,
+};
 pub use build::{build_trainer, lr_schedule, pruner, Built, Joined, Strategy};
 pub use checks::{
     check_counts, check_environment, check_offload, check_paths, check_resume_progress, name_flags,

@@ -438,3 +438,34 @@ fn fit_auto_under_one_byte_names_the_smallest_budget() {
         other => panic!("{other:?}"),
     }
 }
+
+/// What ranks agree on before any collective (issue 43 item 3): every flag as resolved, a
+/// default included, the dataset with its size, and not what only rank 0 writes; a flag
+/// given otherwise is the pair that differs.
+#[test]
+fn ranks_agree_on_every_flag_as_resolved() {
+    let csv = images_csv(8);
+    let path = csv.path().display().to_string();
+    let settings = |extra: &[&str]| {
+        let mut argv = vec!["train_cnn", "--dataset", &path, "--save", "/tmp/x"];
+        argv.extend_from_slice(extra);
+        fitgrad::run::flag_settings::<train_cnn::Args>(argv.into_iter().map(Into::into)).unwrap()
+    };
+    let a = settings(&["--epochs", "1"]);
+    let b = settings(&["--epochs", "2"]);
+    let get = |s: &[(String, String)], f: &str| s.iter().find(|(k, _)| k == f).cloned();
+    let size = std::fs::metadata(csv.path()).unwrap().len();
+    assert_eq!(
+        get(&a, "--dataset").unwrap().1,
+        format!("{path} ({size} bytes)")
+    );
+    assert_eq!(
+        get(&a, "--accum-steps").unwrap().1,
+        "1",
+        "a default is agreed on too"
+    );
+    assert!(get(&a, "--save").is_none(), "rank 0 alone writes");
+    let differ: Vec<_> = a.iter().zip(&b).filter(|(x, y)| x != y).collect();
+    assert_eq!(differ.len(), 1, "{differ:?}");
+    assert_eq!(differ[0].0 .0, "--epochs");
+}
