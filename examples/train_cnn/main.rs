@@ -35,6 +35,7 @@ use fitgrad::{Bytes, Result};
 use model::ResNet;
 pub use setup::{prepare, Args, Setup};
 use std::process::ExitCode;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -235,8 +236,9 @@ fn finish_run(
             "epochs": setup.epochs,
             "batch_size": setup.batch_size,
             "micro_batch": trainer.micro_batch(),
-            "precision": args.run.precision,
-            "checkpoint_activations": args.fit.checkpoint_activations,
+            // What the run trained with: --fit auto's choice, else the flags.
+            "precision": format!("{:?}", trainer.config().precision).to_lowercase(),
+            "checkpoint_activations": trainer.model.checkpoint.load(Ordering::Relaxed),
             "crop_pad": aug.pad,
             "flip": aug.flip,
             "cosine": setup.cosine,

@@ -438,19 +438,40 @@ impl Job {
         if !self.is_root() {
             return Ok(());
         }
+        let note = self.zero_note(zero);
         if json {
             let mut j = crate::train::plan_json(run, planned_in);
             if let Some(r) = &ranks {
                 j["per_rank"] = serde_json::to_value(r).unwrap_or_default();
             }
+            if let Some(n) = &note {
+                j["zero_note"] = n.clone().into();
+            }
             println!("{j}");
         } else {
+            if let Some(n) = &note {
+                println!("{n}");
+            }
             crate::train::print_plan(run, false, planned_in);
             if let Some(r) = &ranks {
                 print!("{r}");
             }
         }
         Ok(())
+    }
+
+    /// What a plan at ZeRO stage `zero` is on this job, where the stage changes nothing: on
+    /// one process (no `--distributed`) every shard is held by the one rank, so the plan is a
+    /// plain run's, said rather than left for the reader to assume (issue 43 item 4).
+    pub fn zero_note(&self, zero: Zero) -> Option<String> {
+        (zero.number() > 0 && self.size() < 2).then(|| {
+            format!(
+                "ZeRO stage {} asked for on one process: it holds every shard, so this is a \
+                 plain run's plan; start the ranks with mpirun and --distributed mpi to plan \
+                 each rank's share",
+                zero.number()
+            )
+        })
     }
 
     /// Every rank's plan of its step (`plan` is this rank's) and the step's collectives at
