@@ -191,6 +191,8 @@ fn main() -> ExitCode {
             run(&args, setup, &device).map(|_| ())
         }),
     };
+    // A divergence's remedy in this command's flags (it clips gradients at norm 1 already).
+    let result = result.map_err(|e| fitgrad::run::own_remedy(e, "lower the learning rate (--lr)"));
     match result {
         Ok(_) => ExitCode::SUCCESS,
         Err(e) => {

@@ -115,7 +115,8 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         first_epoch,
         &mut report,
         root,
-    )?;
+    )
+    .map_err(|e| run::own_remedy(e, REMEDY))?;
     device.sync()?;
     let figures = (
         plan,
@@ -256,6 +257,10 @@ fn finish_run(
     }
     Ok(outcome)
 }
+
+/// What to change when training diverges, in this command's flags.
+const REMEDY: &str = "lower the learning rate (--lr), or resume (--resume) from a checkpoint \
+                      saved (--save) before it diverged";
 
 fn main() -> ExitCode {
     // Flag errors exit with 1 and clap's message; --help prints and exits with 0.

@@ -38,7 +38,7 @@ pub use args::{
 pub use build::{build_trainer, lr_schedule, pruner, Built, Joined, Strategy};
 pub use checks::{
     check_counts, check_environment, check_offload, check_paths, check_resume_progress, name_flags,
-    MAX_BATCH, MAX_EPOCHS, MAX_LAYERS, MAX_SAMPLE_LEN, MAX_STEPS, MAX_WIDTH,
+    own_remedy, MAX_BATCH, MAX_EPOCHS, MAX_LAYERS, MAX_SAMPLE_LEN, MAX_STEPS, MAX_WIDTH,
 };
 pub use describe::{batch_setting, budget_line, dataset_line, dataset_setting};
 #[cfg(feature = "cli")]

@@ -469,3 +469,21 @@ fn ranks_agree_on_every_flag_as_resolved() {
     assert_eq!(differ.len(), 1, "{differ:?}");
     assert_eq!(differ[0].0 .0, "--epochs");
 }
+
+/// A run that diverges suggests only flags train_cnn has: no `--clip-grad-norm` (issue 43
+/// item 7).
+#[test]
+fn divergence_names_only_flags_it_has() {
+    if common::fresh_with_budget(None).is_none() {
+        return;
+    }
+    let csv = images_csv(32);
+    match try_run(&csv, 16, &["--lr", "1e30", "--optimizer", "sgd"]) {
+        Err(e @ fitgrad::Error::NonFinite { .. }) => {
+            let msg = e.to_string();
+            assert!(!msg.contains("--clip-grad-norm"), "{msg}");
+            assert!(msg.contains("--lr") && msg.contains("--resume"), "{msg}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
