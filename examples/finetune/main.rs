@@ -179,7 +179,11 @@ impl Args {
 }
 
 fn main() -> ExitCode {
-    let mut args = Args::parse();
+    // Flag errors exit with 1 and clap's message (a negative number names its flag).
+    let mut args = match fitgrad::run::parse::<Args>() {
+        Ok(a) => a,
+        Err(code) => return code,
+    };
     if args.is_bare() {
         println!("no flags: finetune {}", DEFAULT_RUN.join(" "));
         args = Args::default_run(&[]);

@@ -135,7 +135,7 @@ pub struct TrainArgs {
 /// The command's flags from the command line: `Err` with the exit code when they are wrong
 /// (1, clap's message on stderr) or when `--help` or `--version` printed (0).
 pub fn parse<A: clap::Parser>() -> Result<A, std::process::ExitCode> {
-    A::try_parse().map_err(|e| {
+    try_parse_from::<A>(std::env::args_os().collect()).map_err(|e| {
         if e.use_stderr() {
             eprint!("{e}");
             return std::process::ExitCode::FAILURE;
@@ -143,6 +143,39 @@ pub fn parse<A: clap::Parser>() -> Result<A, std::process::ExitCode> {
         let _ = e.print();
         std::process::ExitCode::SUCCESS
     })
+}
+
+/// The command's flags from `argv`, as [`parse`] reads them: a negative number given to a
+/// flag (which clap takes for an unknown flag, "unexpected argument '-1'") is refused naming
+/// the flag and saying it takes a positive number.
+pub fn try_parse_from<A: clap::Parser>(argv: Vec<std::ffi::OsString>) -> Result<A, clap::Error> {
+    A::try_parse_from(&argv).map_err(|e| negative_number(e, &argv))
+}
+
+/// clap's "unexpected argument '-N'" for a negative number `-N` after a flag, as that flag's
+/// error; any other error as it is.
+fn negative_number(error: clap::Error, argv: &[std::ffi::OsString]) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if error.kind() != ErrorKind::UnknownArgument {
+        return error;
+    }
+    let Some(ContextValue::String(given)) = error.get(ContextKind::InvalidArg) else {
+        return error;
+    };
+    if !given.starts_with('-') || given[1..].parse::<f64>().is_err() {
+        return error;
+    }
+    let flag = argv
+        .iter()
+        .position(|a| a.to_str() == Some(given.as_str()))
+        .and_then(|i| i.checked_sub(1))
+        .and_then(|i| argv[i].to_str())
+        .filter(|f| f.starts_with("--"));
+    let msg = match flag {
+        Some(f) => format!("{f} takes a positive number, got {given}\n"),
+        None => format!("{given}: numbers given to flags are positive\n"),
+    };
+    clap::Error::raw(ErrorKind::ValueValidation, msg)
 }
 
 impl TrainArgs {

@@ -32,8 +32,8 @@ pub mod steps;
 
 #[cfg(feature = "cli")]
 pub use args::{
-    agree_flags, flag_settings, parse, CheckpointArgs, FitArgs, JobArgs, ReportArgs, RunArgs,
-    TrainArgs,
+    agree_flags, flag_settings, parse, try_parse_from, CheckpointArgs, FitArgs, JobArgs,
+    ReportArgs, RunArgs, TrainArgs,
 };
 pub use build::{build_trainer, lr_schedule, pruner, Built, Joined, Strategy};
 pub use checks::{

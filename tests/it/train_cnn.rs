@@ -487,3 +487,27 @@ fn divergence_names_only_flags_it_has() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A negative number given to a flag is refused naming the flag and saying it takes a
+/// positive number, not as clap's "unexpected argument '-1'" (issue 43 item 7); the shared
+/// parse of every example.
+#[test]
+fn negative_numbers_name_their_flag() {
+    let argv = |extra: &[&str]| {
+        let mut a = vec!["train_cnn", "--dataset", "digits"];
+        a.extend_from_slice(extra);
+        a.into_iter()
+            .map(Into::into)
+            .collect::<Vec<std::ffi::OsString>>()
+    };
+    for flag in ["--batch-size", "--epochs", "--accum-steps", "--width"] {
+        let err = fitgrad::run::try_parse_from::<train_cnn::Args>(argv(&[flag, "-1"]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("{flag} takes a positive number, got -1")),
+            "{err}"
+        );
+    }
+    assert!(fitgrad::run::try_parse_from::<train_cnn::Args>(argv(&["--epochs", "2"])).is_ok());
+}
