@@ -193,12 +193,14 @@ impl TrainArgs {
 /// Every flag of command `A` as `argv` resolves it (given, or its default), as `(flag,
 /// value)` pairs in the command's order, for [`agree_flags`]: a value naming a file gets its
 /// size beside it (the data a rank reads, not only its name). What only rank 0 writes
-/// (`--save`, `--report`, `--report-json`) and the job flag itself are left out.
+/// (`--save`, `--report`, `--report-json`), the adapter each node picks and the job flag
+/// itself are left out.
 pub fn flag_settings<A: clap::CommandFactory>(
     argv: impl IntoIterator<Item = std::ffi::OsString>,
 ) -> Result<Vec<(String, String)>, clap::Error> {
     let matches = A::command().try_get_matches_from(argv)?;
-    let own = ["save", "report", "report-json", "distributed"];
+    // The adapter picked on each node need not match; it changes no collective.
+    let own = ["save", "report", "report-json", "distributed", "adapter"];
     let mut settings = Vec::new();
     for arg in A::command().get_arguments() {
         let Some(long) = arg.get_long().filter(|l| !own.contains(l)) else {
