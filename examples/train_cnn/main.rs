@@ -157,7 +157,7 @@ fn fit_budget(
         // Planned alike on every rank: when nothing fits, every rank ends with the error.
         let (trainer, choice) = dist.together(Trainer::build_fit_auto(device, images, build))?;
         if root {
-            println!("fit auto: {choice}");
+            print!("{choice}");
         }
         trainer
     } else {
