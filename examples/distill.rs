@@ -323,7 +323,11 @@ fn run(args: Args) -> Result<()> {
 }
 
 fn main() -> ExitCode {
-    match run(Args::parse()) {
+    let args = match fitgrad::run::parse::<Args>() {
+        Ok(a) => a,
+        Err(code) => return code,
+    };
+    match run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");

@@ -140,7 +140,11 @@ fn run(args: Args) -> fitgrad::Result<()> {
 }
 
 fn main() -> ExitCode {
-    match run(Args::parse()) {
+    let args = match fitgrad::run::parse::<Args>() {
+        Ok(a) => a,
+        Err(code) => return code,
+    };
+    match run(args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");

@@ -232,6 +232,23 @@ pub enum Error {
         limit: u64,
     },
 
+    /// A model's tensor passes what one buffer of this adapter holds: checked before the model
+    /// is made (a device that only plans has no such limit).
+    #[error(
+        "tensor '{tensor}' needs {}, past this adapter's largest buffer of {}: store the model in \
+         f16, or use an adapter with larger buffers (--plan on a device that only plans has no \
+         such limit)",
+        Bytes(*.bytes), Bytes(*.limit)
+    )]
+    TensorLimit {
+        /// The tensor's name, as the model names its parameters.
+        tensor: String,
+        /// The bytes of the buffer it needs.
+        bytes: u64,
+        /// The adapter's largest buffer.
+        limit: u64,
+    },
+
     /// The device was lost (driver reset, GPU removed).
     #[error("the GPU device was lost: {0}")]
     DeviceLost(String),

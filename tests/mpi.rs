@@ -722,3 +722,33 @@ fn fit_auto_under_mpi_takes_the_first_stage_that_fits() {
         "both ranks joined at the stage chosen:\n{text}"
     );
 }
+
+/// Ranks started with different flags (an MPMD mpirun: `--epochs 1` on rank 0, `--epochs 2`
+/// on rank 1) end together, before any device work, each with one message naming the flag,
+/// not a corrupted heap or a silent exit (issue 43 item 3).
+#[test]
+fn ranks_started_with_different_flags_end_naming_the_flag() {
+    let _one = one_job_at_a_time();
+    let exe = example("train_mlp");
+    let rank = |epochs: &str| {
+        let exe = exe.display().to_string();
+        strings(&["-np", "1", &exe, "--epochs", epochs, "--distributed", "mpi"])
+    };
+    let mut cmd = Command::new("mpirun");
+    cmd.args(["--allow-run-as-root", "--oversubscribe"])
+        .args(["--mca", "btl_vader_single_copy_mechanism", "none"])
+        .args(rank("1"))
+        .arg(":")
+        .args(rank("2"));
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(!out.status.success(), "ran:\n{err}");
+    for r in 0..2 {
+        let line = format!("rank {r}: --epochs differs between the ranks");
+        assert!(
+            err.contains(&line),
+            "rank {r} did not name --epochs:\n{err}"
+        );
+    }
+    assert!(!err.contains("adapter") && !err.contains("malloc"), "{err}");
+}

@@ -203,6 +203,7 @@ fn main() -> ExitCode {
         Err(code) => return code,
     };
     Job::main(args.job.distributed.clone().as_deref(), |dist| {
+        run::agree_flags::<Args>(dist)?;
         run(args, dist).map_err(|e| {
             run::name_flags(
                 "custom_model",

@@ -26,6 +26,8 @@ pub struct ConfigReport {
     pub candidates: Vec<(String, bool, u64)>,
     /// Under LoRA: the plan of a step fine-tuning the whole model instead, for comparison.
     pub full_plan: Option<Plan>,
+    /// The trained model's parameters.
+    pub params: usize,
 }
 
 /// `--config`: the architecture built with random weights; with `--plan` on a device that only
@@ -76,7 +78,7 @@ pub fn run_config(args: &Args) -> Result<ConfigReport> {
         model.describe(),
         model.num_parameters()
     );
-    match (&model, lora) {
+    let report = match (&model, lora) {
         (ModelConfig::Gpt2(c), Some((spec, quant))) => {
             let build = |d: &Device, q: Option<BaseQuant>| -> Result<Gpt> {
                 let mut gpt = Gpt::new(d, c.clone())?;
@@ -107,7 +109,22 @@ pub fn run_config(args: &Args) -> Result<ConfigReport> {
             let build = || Llama::new(&device, c.clone());
             config_steps(args, &flags, &device, &train, build()?, &build)
         }
+    }?;
+    // The JSON ends stdout: after every plan printed, the full fine-tune's included.
+    if args.run.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "params": report.params,
+                "planned_peak_bytes": report.plan.peak,
+                "plan": report.plan,
+                "measured_peak_bytes": report.measured_peak,
+                "measured_first_step_peak_bytes": report.measured_first_step_peak,
+                "train_loss": report.train_loss,
+            })
+        );
     }
+    Ok(report)
 }
 
 /// The LoRA flags of a `--config` run, checked against its architecture on the host: the
@@ -337,18 +354,6 @@ where
         report.measured_first_step_peak = Some(first);
         report.measured_peak = Some(measured);
     }
-    if args.run.json {
-        println!(
-            "{}",
-            serde_json::json!({
-                "params": trainer.model.num_parameters(),
-                "planned_peak_bytes": report.plan.peak,
-                "plan": report.plan,
-                "measured_peak_bytes": report.measured_peak,
-                "measured_first_step_peak_bytes": report.measured_first_step_peak,
-                "train_loss": report.train_loss,
-            })
-        );
-    }
+    report.params = trainer.model.num_parameters();
     Ok(report)
 }

@@ -179,7 +179,11 @@ impl Args {
 }
 
 fn main() -> ExitCode {
-    let mut args = Args::parse();
+    // Flag errors exit with 1 and clap's message (a negative number names its flag).
+    let mut args = match fitgrad::run::parse::<Args>() {
+        Ok(a) => a,
+        Err(code) => return code,
+    };
     if args.is_bare() {
         println!("no flags: finetune {}", DEFAULT_RUN.join(" "));
         args = Args::default_run(&[]);
@@ -191,6 +195,8 @@ fn main() -> ExitCode {
             run(&args, setup, &device).map(|_| ())
         }),
     };
+    // A divergence's remedy in this command's flags (it clips gradients at norm 1 already).
+    let result = result.map_err(|e| fitgrad::run::own_remedy(e, "lower the learning rate (--lr)"));
     match result {
         Ok(_) => ExitCode::SUCCESS,
         Err(e) => {

@@ -132,9 +132,9 @@ pub struct Flags {
 pub fn check_flags(args: &Args) -> Result<Flags> {
     let precision: Precision = args.run.precision.parse()?;
     let budget = run::parse_budget(OP, args.run.memory_budget.as_deref())?;
-    // Fit auto chooses checkpointing only where it is not asked for.
-    let fit = args.fit.fit.as_deref();
-    let fit_auto = run::parse_fit(OP, fit, budget, false, "block checkpointing")?;
+    // Fit auto chooses checkpointing itself: --checkpoint-activations beside it is refused,
+    // as in every command, never dropped.
+    let fit_auto = args.fit.auto(OP, budget, "block checkpointing")?;
     run::effective_batch(OP, args.batch_size, args.run.accum_steps)?;
     let n = |v: usize| v as u64;
     run::check_counts(

@@ -35,6 +35,7 @@ use fitgrad::{Bytes, Result};
 use model::ResNet;
 pub use setup::{prepare, Args, Setup};
 use std::process::ExitCode;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -81,11 +82,7 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         setup.test.len(),
         train.classes
     );
-    let mut trainer = train::build(&args, &setup, &device, total_steps)?;
-    if root {
-        train::describe(&args, &setup, &trainer, total_steps);
-    }
-    let all_reduce = fit_budget(&setup, &mut trainer, &images, dist)?;
+    let (mut trainer, all_reduce) = fit_budget(&args, &setup, &device, total_steps, &images, dist)?;
     let plan = trainer.plan(&images)?;
     if args.run.plan {
         if root {
@@ -118,7 +115,8 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
         first_epoch,
         &mut report,
         root,
-    )?;
+    )
+    .map_err(|e| run::own_remedy(e, REMEDY))?;
     device.sync()?;
     let figures = (
         plan,
@@ -137,29 +135,40 @@ pub fn run(args: Args, dist: &Job) -> Result<Outcome> {
     )
 }
 
-/// The budget applied as the flags ask (`--fit auto`'s choice, else the micro-batch fitted to
-/// it), the job joined, and the micro-batch said, with batch norm's warning when it splits a
-/// batch.
+/// The replica's exchange statistics under MPI.
+type Exchange = Option<Arc<Mutex<AllReduceStats>>>;
+
+/// The trainer built under the budget as the flags ask (`--fit auto`'s choice, else the
+/// micro-batch fitted to it), the model made afresh for each budget tried so a too-small
+/// budget names the smallest that works ([`Trainer::build_within_budget`],
+/// [`Trainer::build_fit_auto`]); the job joined, and the micro-batch said, with batch norm's
+/// warning when it splits a batch.
 fn fit_budget(
+    args: &Args,
     setup: &Setup,
-    trainer: &mut Trainer<ResNet>,
+    device: &fitgrad::Device,
+    total_steps: u64,
     images: &Augmented<'_>,
     dist: &Job,
-) -> Result<Option<Arc<Mutex<AllReduceStats>>>> {
+) -> Result<(Trainer<ResNet>, Exchange)> {
     let root = dist.is_root();
-    if let Some(b) = setup.budget {
-        if setup.fit_auto {
-            let choice = trainer.fit_auto(images, b)?;
-            if root {
-                println!("fit auto: {choice}");
-            }
-        } else {
-            trainer.fit_to_budget(images, b)?;
+    let build = || train::build(args, setup, device, total_steps);
+    let mut trainer = if setup.fit_auto && setup.budget.is_some() {
+        // Planned alike on every rank: when nothing fits, every rank ends with the error.
+        let (trainer, choice) = dist.together(Trainer::build_fit_auto(device, images, build))?;
+        if root {
+            print!("{choice}");
         }
+        trainer
+    } else {
+        Trainer::build_within_budget(device, images, build)?
+    };
+    if root {
+        train::describe(args, setup, &trainer, total_steps);
     }
-    let all_reduce = dist.join(trainer, images)?;
+    let all_reduce = dist.join(&mut trainer, images)?;
     let (Some(b), true) = (setup.budget, root) else {
-        return Ok(all_reduce);
+        return Ok((trainer, all_reduce));
     };
     let (micro, batch) = (trainer.micro_batch(), setup.batch_size);
     println!("memory budget {}: micro-batch {micro} of {batch}", Bytes(b));
@@ -170,7 +179,7 @@ fn fit_budget(
              mix samples (its steps are the whole batch's, bit for bit)"
         );
     }
-    Ok(all_reduce)
+    Ok((trainer, all_reduce))
 }
 
 /// The end of the run: the outcome on every rank; on rank 0 the test set, the memory beside
@@ -228,8 +237,9 @@ fn finish_run(
             "epochs": setup.epochs,
             "batch_size": setup.batch_size,
             "micro_batch": trainer.micro_batch(),
-            "precision": args.run.precision,
-            "checkpoint_activations": args.fit.checkpoint_activations,
+            // What the run trained with: --fit auto's choice, else the flags.
+            "precision": format!("{:?}", trainer.config().precision).to_lowercase(),
+            "checkpoint_activations": trainer.model.checkpoint.load(Ordering::Relaxed),
             "crop_pad": aug.pad,
             "flip": aug.flip,
             "cosine": setup.cosine,
@@ -248,6 +258,10 @@ fn finish_run(
     Ok(outcome)
 }
 
+/// What to change when training diverges, in this command's flags.
+const REMEDY: &str = "lower the learning rate (--lr), or resume (--resume) from a checkpoint \
+                      saved (--save) before it diverged";
+
 fn main() -> ExitCode {
     // Flag errors exit with 1 and clap's message; --help prints and exits with 0.
     let args = match run::parse::<Args>() {
@@ -255,6 +269,7 @@ fn main() -> ExitCode {
         Err(code) => return code,
     };
     Job::main(args.distributed.clone().as_deref(), |dist| {
+        run::agree_flags::<Args>(dist)?;
         run(args, dist).map(drop)
     })
 }

@@ -14,7 +14,6 @@
 //!
 //! tests/it/train_gpt_cli.rs includes this file as a module and calls [`prepare`] and [`train`].
 
-use clap::Parser;
 use fitgrad::distributed::{Job, Zero};
 use fitgrad::nn::{Gpt, Module};
 use fitgrad::optim::{decay_groups, AdamW};
@@ -245,8 +244,13 @@ pub fn run(args: &Args, dist: &Job) -> Result<Report> {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    // Flag errors exit with 1 and clap's message (a negative number names its flag).
+    let args = match run::parse::<Args>() {
+        Ok(a) => a,
+        Err(code) => return code,
+    };
     Job::main(args.job.distributed.as_deref(), |dist| {
+        run::agree_flags::<Args>(dist)?;
         run(&args, dist).map(drop)
     })
 }

@@ -6,7 +6,6 @@
 //! `--report report.html` (and `--report-json report.json`) writes a page with the memory
 //! timeline of a step, the loss, accuracy and throughput curves and the memory table.
 
-use clap::Parser;
 use fitgrad::compress::Pruner;
 use fitgrad::distributed::{Job, Zero};
 use fitgrad::nn::{Mlp, Module};
@@ -233,8 +232,13 @@ fn finish_run(args: &Args, setup: &Setup, epochs: &EpochRun<'_>, end: End) -> fi
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    // Flag errors exit with 1 and clap's message (a negative number names its flag).
+    let args = match run::parse::<Args>() {
+        Ok(a) => a,
+        Err(code) => return code,
+    };
     Job::main(args.job.distributed.clone().as_deref(), |dist| {
+        run::agree_flags::<Args>(dist)?;
         run(args, dist).map_err(|e| {
             run::name_flags(
                 "train_mlp",

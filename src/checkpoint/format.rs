@@ -46,6 +46,15 @@ impl HostTensor {
         self.dims.iter().product()
     }
 
+    /// The first element that is NaN or infinite, with its index, read on its bits.
+    pub fn first_nonfinite(&self) -> Option<(usize, NonFinite)> {
+        let width = match self.dtype {
+            DType::F32 => Width::F32,
+            DType::F16 => Width::F16,
+        };
+        first_nonfinite(width, &self.bytes)
+    }
+
     /// The values as f32 whatever the dtype.
     pub fn to_f32(&self) -> Vec<f32> {
         match self.dtype {
@@ -72,6 +81,62 @@ impl HostTensor {
             ),
         }
     }
+}
+
+/// What a non-finite element is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NonFinite {
+    /// Not a number.
+    NaN,
+    /// Positive infinity.
+    Inf,
+    /// Negative infinity.
+    NegInf,
+}
+
+impl std::fmt::Display for NonFinite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            NonFinite::NaN => "NaN",
+            NonFinite::Inf => "inf",
+            NonFinite::NegInf => "-inf",
+        })
+    }
+}
+
+/// A float layout whose special values [`first_nonfinite`] reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Width {
+    F32,
+    F16,
+    BF16,
+}
+
+/// The first NaN or infinity among little-endian floats of `width` in `bytes`, found on the
+/// bits (all-ones exponent; a zero mantissa is an infinity), not by float compares.
+pub(crate) fn first_nonfinite(width: Width, bytes: &[u8]) -> Option<(usize, NonFinite)> {
+    // (bytes per element, exponent mask, mantissa mask, sign bit) of each layout.
+    let (size, exp, man, sign): (usize, u32, u32, u32) = match width {
+        Width::F32 => (4, 0x7f80_0000, 0x007f_ffff, 0x8000_0000),
+        Width::F16 => (2, 0x7c00, 0x03ff, 0x8000),
+        Width::BF16 => (2, 0x7f80, 0x007f, 0x8000),
+    };
+    bytes.chunks_exact(size).enumerate().find_map(|(i, b)| {
+        let bits = match size {
+            4 => u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            _ => u32::from(u16::from_le_bytes([b[0], b[1]])),
+        };
+        (bits & exp == exp).then(|| {
+            let kind = if bits & man != 0 {
+                NonFinite::NaN
+            } else if bits & sign != 0 {
+                NonFinite::NegInf
+            } else {
+                NonFinite::Inf
+            };
+            (i, kind)
+        })
+    })
 }
 
 impl safetensors::View for &HostTensor {

@@ -45,8 +45,10 @@
 mod format;
 mod restore;
 
-pub use format::HostTensor;
-pub(crate) use format::{list, parse_safetensors, safetensors_bytes, RawTensor};
+pub(crate) use format::{
+    first_nonfinite, list, parse_safetensors, safetensors_bytes, RawTensor, Width,
+};
+pub use format::{HostTensor, NonFinite};
 
 use crate::nn::Module;
 use crate::optim::{Optimizer, OptimizerState};

@@ -109,10 +109,11 @@ impl Checkpoint {
     /// learning-rate problem.
     pub fn check_finite(&self) -> Result<()> {
         for (name, t) in &self.tensors {
-            if let Some(bad) = t.to_f32().into_iter().find(|v| !v.is_finite()) {
+            if let Some((i, bad)) = t.first_nonfinite() {
                 return Err(self.err(format!(
-                    "tensor '{name}' holds {bad}: the run that wrote it had diverged; resume \
-                     from an earlier checkpoint, or start a new run without resuming"
+                    "tensor '{name}' holds {bad} (element {i}): the run that wrote it had \
+                     diverged; resume from an earlier checkpoint, or start a new run without \
+                     resuming"
                 )));
             }
         }
@@ -144,6 +145,13 @@ impl Checkpoint {
                     h.dims,
                     p.dtype(),
                     p.dims()
+                )));
+            }
+            // A model of NaN or infinities evaluates to a NaN loss that reads as a result.
+            if let Some((i, bad)) = h.first_nonfinite() {
+                return Err(self.err(format!(
+                    "tensor '{key}' holds {bad} (element {i}): a model that cannot compute; \
+                     the run that wrote it had diverged, load an earlier checkpoint"
                 )));
             }
             plan.push((p, h));

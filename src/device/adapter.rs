@@ -34,11 +34,14 @@ pub struct DeviceOptions {
     /// windows of their buffer, as tensors past the adapter's own limit are (tests run that
     /// path at small sizes this way).
     pub max_binding_size: Option<u64>,
-    /// A device that only plans: memory is counted as on the adapter (its limits, rounding
+    /// A device that only plans: memory is counted as on the adapter (its rounding, kernels
     /// and budget) but no buffer is ever created and nothing runs, as inside
     /// `Device::planning`, for as long as the device lives. Any model, of any size, can be
-    /// built on it and its steps planned; no value can be read back (readbacks are zeros). The
-    /// budget may exceed the adapter's memory (asking whether a model fits a larger GPU).
+    /// built on it and its steps planned: the adapter's buffer and binding sizes do not apply
+    /// (both are [`PLAN_ONLY_LIMIT`](crate::device::PLAN_ONLY_LIMIT), so every tensor binds as
+    /// one window; a cap of `max_binding_size` stays). No value can be read back (readbacks
+    /// are zeros). The budget may exceed the adapter's memory (asking whether a model fits a
+    /// larger GPU).
     pub plan_only: bool,
 }
 

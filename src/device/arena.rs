@@ -109,6 +109,25 @@ impl Device {
         }
     }
 
+    /// The first of a model's tensors (name, element count, element bytes) that no buffer of
+    /// this adapter holds, as [`Error::TensorLimit`] naming it: checked by a model's
+    /// constructor before any device work, so a model too large for the adapter is refused by
+    /// the tensor's name rather than by the op that would make it.
+    pub fn check_model_tensors(&self, tensors: &[(String, usize, usize)]) -> Result<()> {
+        let limit = self.inner.info.limits.max_buffer_size;
+        for (name, numel, size) in tensors {
+            let bytes = (*numel as u64).saturating_mul(*size as u64);
+            if Arena::block_size(bytes) > limit {
+                return Err(Error::TensorLimit {
+                    tensor: name.clone(),
+                    bytes,
+                    limit,
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes of each window but the last of a block bound as several (the binding limit
     /// rounded down to the arena's alignment).
     pub(crate) fn window_bytes(&self) -> u64 {

@@ -32,6 +32,10 @@ use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU32};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+/// The buffer and binding size of a device that only plans ([`DeviceOptions::plan_only`]):
+/// 2^56 bytes, past any model, with room to add to it without overflow.
+pub const PLAN_ONLY_LIMIT: u64 = 1 << 56;
+
 /// The limits that decide what fitgrad can run.
 #[derive(Clone, Debug)]
 pub struct DeviceLimits {
@@ -215,12 +219,30 @@ impl Device {
             Some(cap) => cap.min(l.max_storage_buffer_binding_size),
             None => l.max_storage_buffer_binding_size,
         };
+        // A device that only plans binds and creates nothing: what an adapter's buffers and
+        // bindings could hold does not bound what it plans (any size plans on any adapter; a
+        // real run is refused by the same checks on the real limits). Every tensor binds as
+        // one window there, so no kernel passes the binding count. A binding cap a caller
+        // asked for stays.
+        let unbounded = |real: u64| {
+            if options.plan_only {
+                PLAN_ONLY_LIMIT
+            } else {
+                real
+            }
+        };
+        let binding = match options.max_binding_size {
+            Some(_) => binding,
+            None => unbounded(binding),
+        };
         let limits = DeviceLimits {
             max_storage_buffer_binding_size: binding,
-            max_buffer_size: l.max_buffer_size,
+            max_buffer_size: unbounded(l.max_buffer_size),
             max_compute_workgroup_storage_size: l.max_compute_workgroup_storage_size,
             max_compute_invocations_per_workgroup: l.max_compute_invocations_per_workgroup,
             max_compute_workgroups_per_dimension: l.max_compute_workgroups_per_dimension,
+            // Kept: kernels are chosen by it, and with one window per tensor no kernel binds
+            // more than its tensors.
             max_storage_buffers_per_shader_stage: l.max_storage_buffers_per_shader_stage,
             min_storage_buffer_offset_alignment: l.min_storage_buffer_offset_alignment,
             min_uniform_buffer_offset_alignment: l.min_uniform_buffer_offset_alignment,

@@ -91,6 +91,32 @@ impl Job {
         }
     }
 
+    /// Agrees, at start-up and before any other collective, on every setting that shapes the
+    /// run: `settings` are (flag, resolved value) pairs, the same flags in the same order on
+    /// every rank (steps, batch, accumulation, model, data, precision, `--zero`, ...). On a
+    /// mismatch every rank returns the same [`Error::Distributed`] naming the first flag that
+    /// differs and ends on it together (each prints it once and exits non-zero; none is left
+    /// waiting). One process agrees with itself. See [`agree_settings`](super::agree_settings).
+    pub fn agree_settings(&self, settings: &[(&str, String)]) -> Result<()> {
+        match self {
+            Job::Single => {
+                let _ = settings;
+                Ok(())
+            }
+            #[cfg(feature = "mpi")]
+            Job::Mpi(m) => {
+                match super::settings::disagreement_of(&mut m.communicator()?, settings)? {
+                    Some(e) => {
+                        // Every rank found the same difference: each ends on it, none aborts.
+                        self.fail_together();
+                        Err(e)
+                    }
+                    None => Ok(()),
+                }
+            }
+        }
+    }
+
     /// This process's rank (0 alone); rank 0 prints, evaluates and writes checkpoints.
     pub fn rank(&self) -> usize {
         match self {
@@ -412,19 +438,40 @@ impl Job {
         if !self.is_root() {
             return Ok(());
         }
+        let note = self.zero_note(zero);
         if json {
             let mut j = crate::train::plan_json(run, planned_in);
             if let Some(r) = &ranks {
                 j["per_rank"] = serde_json::to_value(r).unwrap_or_default();
             }
+            if let Some(n) = &note {
+                j["zero_note"] = n.clone().into();
+            }
             println!("{j}");
         } else {
+            if let Some(n) = &note {
+                println!("{n}");
+            }
             crate::train::print_plan(run, false, planned_in);
             if let Some(r) = &ranks {
                 print!("{r}");
             }
         }
         Ok(())
+    }
+
+    /// What a plan at ZeRO stage `zero` is on this job, where the stage changes nothing: on
+    /// one process (no `--distributed`) every shard is held by the one rank, so the plan is a
+    /// plain run's, said rather than left for the reader to assume (issue 43 item 4).
+    pub fn zero_note(&self, zero: Zero) -> Option<String> {
+        (zero.number() > 0 && self.size() < 2).then(|| {
+            format!(
+                "ZeRO stage {} asked for on one process: it holds every shard, so this is a \
+                 plain run's plan; start the ranks with mpirun and --distributed mpi to plan \
+                 each rank's share",
+                zero.number()
+            )
+        })
     }
 
     /// Every rank's plan of its step (`plan` is this rank's) and the step's collectives at

@@ -17,6 +17,7 @@ mod fit_stage;
 mod job;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+mod settings;
 pub mod zero;
 
 pub use allreduce::{attach, AllReduceStats, GradientAllReduce};
@@ -24,5 +25,6 @@ pub use comm::{share_of, Communicator, LocalComm, LocalGroup, LOCAL_TIMEOUT};
 pub use data_parallel::DataParallel;
 pub use fit_stage::StageChoice;
 pub use job::Job;
+pub use settings::{agree_settings, first_difference, setting_hash, settings_hash};
 pub use zero::checkpoint::load_checkpoint;
 pub use zero::{attach_zero, Zero};

@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-use crate::checkpoint::{parse_safetensors, safetensors_bytes, HostTensor, RawTensor};
+use crate::checkpoint::{
+    first_nonfinite, parse_safetensors, safetensors_bytes, HostTensor, RawTensor, Width,
+};
 use crate::{DType, Error, Result};
 
 /// The single-file weights' name.
@@ -144,6 +146,20 @@ pub(crate) fn convert(
     to: DType,
 ) -> std::result::Result<HostTensor, String> {
     use safetensors::Dtype as S;
+    // A model holding NaN or infinities evaluates to a NaN loss that reads as a result: refused
+    // here, on the bits, for every float dtype a folder or adapter can hold.
+    let width = match from {
+        S::F32 => Some(Width::F32),
+        S::F16 => Some(Width::F16),
+        S::BF16 => Some(Width::BF16),
+        _ => None,
+    };
+    if let Some((i, bad)) = width.and_then(|w| first_nonfinite(w, bytes)) {
+        return Err(format!(
+            "element {i} is {bad}: a model that cannot compute (a diverged or damaged save); \
+             use a folder of finite weights"
+        ));
+    }
     let values: Vec<f32> = match from {
         S::F32 if to == DType::F32 => {
             return HostTensor::new(to, dims, bytes.to_vec()).map_err(|e| e.to_string())

@@ -135,7 +135,7 @@ pub struct TrainArgs {
 /// The command's flags from the command line: `Err` with the exit code when they are wrong
 /// (1, clap's message on stderr) or when `--help` or `--version` printed (0).
 pub fn parse<A: clap::Parser>() -> Result<A, std::process::ExitCode> {
-    A::try_parse().map_err(|e| {
+    try_parse_from::<A>(std::env::args_os().collect()).map_err(|e| {
         if e.use_stderr() {
             eprint!("{e}");
             return std::process::ExitCode::FAILURE;
@@ -143,6 +143,39 @@ pub fn parse<A: clap::Parser>() -> Result<A, std::process::ExitCode> {
         let _ = e.print();
         std::process::ExitCode::SUCCESS
     })
+}
+
+/// The command's flags from `argv`, as [`parse`] reads them: a negative number given to a
+/// flag (which clap takes for an unknown flag, "unexpected argument '-1'") is refused naming
+/// the flag and saying it takes a positive number.
+pub fn try_parse_from<A: clap::Parser>(argv: Vec<std::ffi::OsString>) -> Result<A, clap::Error> {
+    A::try_parse_from(&argv).map_err(|e| negative_number(e, &argv))
+}
+
+/// clap's "unexpected argument '-N'" for a negative number `-N` after a flag, as that flag's
+/// error; any other error as it is.
+fn negative_number(error: clap::Error, argv: &[std::ffi::OsString]) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    if error.kind() != ErrorKind::UnknownArgument {
+        return error;
+    }
+    let Some(ContextValue::String(given)) = error.get(ContextKind::InvalidArg) else {
+        return error;
+    };
+    if !given.starts_with('-') || given[1..].parse::<f64>().is_err() {
+        return error;
+    }
+    let flag = argv
+        .iter()
+        .position(|a| a.to_str() == Some(given.as_str()))
+        .and_then(|i| i.checked_sub(1))
+        .and_then(|i| argv[i].to_str())
+        .filter(|f| f.starts_with("--"));
+    let msg = match flag {
+        Some(f) => format!("{f} takes a positive number, got {given}\n"),
+        None => format!("{given}: numbers given to flags are positive\n"),
+    };
+    clap::Error::raw(ErrorKind::ValueValidation, msg)
 }
 
 impl TrainArgs {
@@ -155,4 +188,58 @@ impl TrainArgs {
             .output("--report", self.report.report.as_deref())
             .output("--report-json", self.report.report_json.as_deref())
     }
+}
+
+/// Every flag of command `A` as `argv` resolves it (given, or its default), as `(flag,
+/// value)` pairs in the command's order, for [`agree_flags`]: a value naming a file gets its
+/// size beside it (the data a rank reads, not only its name). What only rank 0 writes
+/// (`--save`, `--report`, `--report-json`), the adapter each node picks and the job flag
+/// itself are left out.
+pub fn flag_settings<A: clap::CommandFactory>(
+    argv: impl IntoIterator<Item = std::ffi::OsString>,
+) -> Result<Vec<(String, String)>, clap::Error> {
+    let matches = A::command().try_get_matches_from(argv)?;
+    // The adapter picked on each node need not match; it changes no collective.
+    let own = ["save", "report", "report-json", "distributed", "adapter"];
+    let mut settings = Vec::new();
+    for arg in A::command().get_arguments() {
+        let Some(long) = arg.get_long().filter(|l| !own.contains(l)) else {
+            continue;
+        };
+        let Ok(Some(raw)) = matches.try_get_raw(arg.get_id().as_str()) else {
+            continue;
+        };
+        let values: Vec<String> = raw
+            .map(|v| {
+                let v = v.to_string_lossy().into_owned();
+                match std::fs::metadata(&v) {
+                    Ok(m) if m.is_file() => format!("{v} ({} bytes)", m.len()),
+                    _ => v,
+                }
+            })
+            .collect();
+        settings.push((format!("--{long}"), values.join(" ")));
+    }
+    Ok(settings)
+}
+
+/// Agrees, before any other collective, on every flag of command `A` as this rank's command
+/// line resolves it ([`flag_settings`], then [`Job::agree_settings`](crate::distributed::Job::agree_settings)):
+/// ranks started with different steps, batch, accumulation, model, data, precision, ZeRO
+/// stage, seed, budget or any other flag all end with one message naming the first flag that
+/// differs. One process agrees with itself.
+pub fn agree_flags<A: clap::CommandFactory>(dist: &crate::distributed::Job) -> crate::Result<()> {
+    if dist.size() < 2 {
+        return Ok(());
+    }
+    let settings =
+        flag_settings::<A>(std::env::args_os()).map_err(|e| crate::Error::InvalidArgument {
+            op: "agree_flags",
+            reason: e.to_string(),
+        })?;
+    let pairs: Vec<(&str, String)> = settings
+        .iter()
+        .map(|(f, v)| (f.as_str(), v.clone()))
+        .collect();
+    dist.agree_settings(&pairs)
 }

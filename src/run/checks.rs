@@ -167,6 +167,30 @@ pub fn check_environment() -> Result<()> {
     crate::kernels::matmul::env_settings().map(drop)
 }
 
+/// `error` with a divergence's remedy in this command's own flags: the library's names
+/// flags that not every command has (`--clip-grad-norm`, a resume), so a command gives
+/// `remedy` from its own; mixed precision is still suggested where the library suggests it
+/// (the run was not in it). Any other error is returned as it is.
+pub fn own_remedy(error: Error, remedy: &str) -> Error {
+    match error {
+        Error::NonFinite {
+            step,
+            what,
+            remedy: library,
+        } => {
+            let remedy = match library.contains("--precision mixed") {
+                true => format!(
+                    "{remedy}, or use mixed precision (--precision mixed), whose loss scaling \
+                     skips such steps"
+                ),
+                false => remedy.to_string(),
+            };
+            Error::NonFinite { step, what, remedy }
+        }
+        e => e,
+    }
+}
+
 /// `error` with the flags that change it, where the error cannot know them: an adapter limit
 /// passed by a buffer (the batch, the model's size) becomes an [`Error::InvalidArgument`] of
 /// `op` that says `change`; any other error is returned as it is.

@@ -31,11 +31,14 @@ pub mod resume;
 pub mod steps;
 
 #[cfg(feature = "cli")]
-pub use args::{parse, CheckpointArgs, FitArgs, JobArgs, ReportArgs, RunArgs, TrainArgs};
+pub use args::{
+    agree_flags, flag_settings, parse, try_parse_from, CheckpointArgs, FitArgs, JobArgs,
+    ReportArgs, RunArgs, TrainArgs,
+};
 pub use build::{build_trainer, lr_schedule, pruner, Built, Joined, Strategy};
 pub use checks::{
     check_counts, check_environment, check_offload, check_paths, check_resume_progress, name_flags,
-    MAX_BATCH, MAX_EPOCHS, MAX_LAYERS, MAX_SAMPLE_LEN, MAX_STEPS, MAX_WIDTH,
+    own_remedy, MAX_BATCH, MAX_EPOCHS, MAX_LAYERS, MAX_SAMPLE_LEN, MAX_STEPS, MAX_WIDTH,
 };
 pub use describe::{batch_setting, budget_line, dataset_line, dataset_setting};
 #[cfg(feature = "cli")]

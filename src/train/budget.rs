@@ -15,6 +15,13 @@ impl<M: Module> Trainer<M> {
     /// batch stays: more micro-batches accumulate) and returns it. A budget too small for one
     /// sample is [`Error::BudgetTooSmall`] naming the smallest budget that works, before any
     /// step runs.
+    ///
+    /// That figure is for the model as the arena laid it out: a model made under a smaller
+    /// budget lies in segments of its own sizes, and made afresh under the figure can take
+    /// larger shared ones and need more (train_cnn's ResNet made under 1 MiB names 3,544,576
+    /// B; made under that, it needs 3,608,576). For the figure of a fresh run, make the model
+    /// with [`Trainer::build_within_budget`] (or [`Trainer::build_fit_auto`]), which builds it
+    /// afresh under each budget it tries.
     pub fn fit_to_budget<D>(&mut self, data: &D, budget: u64) -> Result<usize>
     where
         D: BatchSource,

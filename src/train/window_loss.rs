@@ -19,7 +19,9 @@ pub struct WindowLoss {
 
 /// The loss of `model` on `tokens` in windows of `context + 1` tokens starting every `context`
 /// tokens, `batch` full windows per forward (the shorter last one alone), with the matmuls in
-/// `dtype`. Runs under `no_grad`; the model's dropout follows its training mode.
+/// `dtype`. Runs under `no_grad`; the model's dropout follows its training mode. Under a
+/// budget, a forward of several windows that does not fit is split in halves (the same windows,
+/// so the same loss up to the rounding of the sum).
 ///
 /// Errors, before any device work: [`Error::InvalidArgument`] for fewer than 2 tokens, a
 /// `context` or `batch` of 0, a context past the model's, and the id checks of
@@ -65,15 +67,28 @@ pub fn window_loss<M: LanguageModel + ?Sized>(
     let mut groups: Vec<(Vec<usize>, usize)> =
         full.chunks(batch).map(|c| (c.to_vec(), context)).collect();
     groups.extend(short.iter().map(|&s| (vec![s], tokens.len() - 1 - s)));
-    for (starts, t) in &groups {
+    // In order; a group that runs out of memory (a budget's typed error, raised before the
+    // driver is asked) is split in halves, so a budget bounds evaluation as it bounds
+    // `Trainer::evaluate`: only one window that does not fit is an error.
+    groups.reverse();
+    while let Some((starts, t)) = groups.pop() {
         let (mut ids, mut targets) = (Vec::new(), Vec::new());
-        for &s in starts {
+        for &s in &starts {
             ids.extend_from_slice(&tokens[s..s + t]);
             targets.extend_from_slice(&tokens[s + 1..s + t + 1]);
         }
-        let mean = model
-            .loss_in(&ids, &targets, starts.len(), *t, dtype)?
-            .item()?;
+        let mean = match model
+            .loss_in(&ids, &targets, starts.len(), t, dtype)
+            .and_then(|l| l.item())
+        {
+            Err(Error::OutOfMemory { .. }) if starts.len() > 1 => {
+                let (a, b) = starts.split_at(starts.len().div_ceil(2));
+                groups.push((b.to_vec(), t));
+                groups.push((a.to_vec(), t));
+                continue;
+            }
+            other => other?,
+        };
         nats += mean as f64 * (starts.len() * t) as f64;
     }
     Ok(WindowLoss {

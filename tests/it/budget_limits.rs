@@ -152,3 +152,101 @@ fn evaluation_splits_batches_to_fit_the_budget() {
     );
     assert_eq!(split.accuracy, small.accuracy);
 }
+
+/// A Llama-70B `config.json` (the tiny fixture's with 70B's sizes) in a temporary folder.
+fn llama_70b_config() -> (tempfile::TempDir, std::path::PathBuf) {
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/hf/llama-tiny-gqa/config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
+    let c = json.as_object_mut().unwrap();
+    for (k, v) in [
+        ("hidden_size", 8192),
+        ("num_hidden_layers", 80),
+        ("num_attention_heads", 64),
+        ("num_key_value_heads", 8),
+        ("head_dim", 128),
+        ("intermediate_size", 28672),
+        ("vocab_size", 128256),
+        ("max_position_embeddings", 8192),
+    ] {
+        c.insert(k.into(), v.into());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.json");
+    std::fs::write(&path, serde_json::to_string(&json).unwrap()).unwrap();
+    (dir, path)
+}
+
+/// Any size plans on any adapter (issue 43, item 6): a Llama-70B step is planned on a device
+/// that only plans, whatever that adapter's buffer and binding limits (lavapipe: 2 GiB buffers,
+/// 128 MiB bindings; the embedding alone is 4 GiB in f32), and the figures are the model's.
+#[test]
+fn a_70b_model_plans_on_any_adapter() {
+    use fitgrad::hf::ModelConfig;
+    use fitgrad::nn::Llama;
+    use fitgrad::train::text::TextDataset;
+    let (_d, path) = llama_70b_config();
+    let ModelConfig::Llama(cfg) = ModelConfig::open(path.to_str().unwrap())
+        .unwrap()
+        .with(fitgrad::DType::F32, 1)
+    else {
+        panic!("a Llama config");
+    };
+    let Some(dev) = fresh_device(fitgrad::DeviceOptions::default().plan_only(true)) else {
+        return;
+    };
+    let context = 16;
+    let ids: Vec<u32> = (0..2 * context as u32 + 1).collect();
+    let data = TextDataset::new(ids, context).unwrap();
+    let model = Llama::new(&dev, cfg).expect("a 70B Llama is made on a planning device");
+    let params = model.num_parameters() as u64;
+    assert!(params > 70_000_000_000, "{params}");
+    let opt: Box<dyn Optimizer> = Box::new(AdamW::new(model.parameters(), 1e-4).unwrap());
+    let mut t = Trainer::new(model, opt, TrainerConfig::new(1, 1, 1e-4)).unwrap();
+    let plan = t.plan(&data).expect("a 70B step plans");
+    // Parameters, gradients and AdamW's two moments, in f32.
+    assert!(
+        plan.peak > 16 * params,
+        "{} for {params} parameters",
+        plan.peak
+    );
+}
+
+/// A real run of a model with a tensor no buffer of the adapter holds is refused before any
+/// device work, naming the tensor and the limit (the 70B's embedding is 3.9 GiB in f32; lavapipe's
+/// buffers hold 2 GiB; adapters with larger buffers skip).
+#[test]
+fn a_tensor_past_the_adapters_buffers_is_named() {
+    use fitgrad::hf::ModelConfig;
+    use fitgrad::nn::Llama;
+    let (_d, path) = llama_70b_config();
+    let ModelConfig::Llama(cfg) = ModelConfig::open(path.to_str().unwrap())
+        .unwrap()
+        .with(fitgrad::DType::F32, 1)
+    else {
+        panic!("a Llama config");
+    };
+    let Some(dev) = fresh_with_budget(None) else {
+        return;
+    };
+    let limit = dev.info().limits.max_buffer_size;
+    let embed = (cfg.vocab_size * cfg.dim * 4) as u64;
+    if embed <= limit {
+        eprintln!("SKIPPED: this adapter's buffers hold the 70B's embedding");
+        return;
+    }
+    match Llama::new(&dev, cfg) {
+        Err(Error::TensorLimit {
+            tensor,
+            bytes,
+            limit: l,
+        }) => {
+            assert_eq!(tensor, "model.embed_tokens.weight");
+            assert_eq!((bytes, l), (embed, limit));
+        }
+        Err(e) => panic!("{e} is not a TensorLimit"),
+        Ok(_) => panic!("a 70B Llama was made on {}", dev.info().adapter),
+    }
+    assert_eq!(dev.memory_stats().bytes_reserved, 0, "nothing was made");
+}

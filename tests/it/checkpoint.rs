@@ -292,6 +292,30 @@ fn mismatched_models_and_optimizers_are_data_errors() {
     let reason = data_reason(more.apply_model(&model), &path, "extra");
     assert!(reason.contains("model.layers.7.weight"), "{reason}");
 
+    // A model holding NaN, an infinity or an f16 NaN evaluates to a NaN loss: refused by
+    // name, nothing written (issue 43, item 5).
+    for (bits, what) in [
+        (0x7fc0_0001u32, "NaN"),
+        (0xff80_0000, "-inf"),
+        (0x7f80_0000, "inf"),
+    ] {
+        let mut broken = ckpt.clone();
+        let t = broken.tensors.get_mut("model.layers.1.bias").unwrap();
+        t.bytes[4..8].copy_from_slice(&bits.to_le_bytes());
+        let before = host(model.layers[1].bias.as_ref().unwrap());
+        let reason = data_reason(broken.apply_model(&model), &path, what);
+        assert!(
+            reason.contains("'model.layers.1.bias'")
+                && reason.contains(&format!("holds {what} (element 1)")),
+            "{reason}"
+        );
+        assert_eq!(
+            host(model.layers[1].bias.as_ref().unwrap()),
+            before,
+            "nothing written"
+        );
+    }
+
     // Optimizer state for other shapes.
     let mut wide_opt = adamw(&wide);
     let reason = data_reason(ckpt.apply_optimizer(&mut wide_opt), &path, "optimizer");

@@ -878,3 +878,55 @@ fn batch_norm_buffers_are_rank_0s_on_every_replica(dev: &Device) {
         "the replicas' shares must differ for the test to mean anything"
     );
 }
+
+/// Ranks agree on every setting that shapes the run before any collective (issue 43, item 3):
+/// the same settings pass; another `--steps` on one rank ends every rank with the same error
+/// naming `--steps`; another number of settings (another program) is named as such.
+#[test]
+fn ranks_agree_on_their_settings_or_all_name_the_flag() {
+    use fitgrad::distributed::agree_settings;
+    let run = |steps: &[&str], extra: &[bool]| -> Vec<Result<()>> {
+        let (_group, members) = LocalGroup::new(steps.len(), Duration::from_secs(60)).unwrap();
+        std::thread::scope(|s| {
+            let handles: Vec<_> = members
+                .into_iter()
+                .map(|mut m| {
+                    let r = m.rank();
+                    let (steps, extra) = (steps[r].to_string(), extra[r]);
+                    s.spawn(move || {
+                        let mut settings = vec![
+                            ("--batch-size", "32".to_string()),
+                            ("--steps", steps),
+                            ("--precision", "f32".to_string()),
+                        ];
+                        if extra {
+                            settings.push(("--zero", "2".into()));
+                        }
+                        agree_settings(&mut m, &settings)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    assert!(run(&["100", "100", "100"], &[false; 3])
+        .iter()
+        .all(|r| r.is_ok()));
+    let errors = run(&["100", "100", "7"], &[false; 3]);
+    for (rank, r) in errors.iter().enumerate() {
+        match r {
+            Err(Error::Distributed { reason, .. }) => assert!(
+                reason.contains("--steps differs") && reason.contains("rank 2 from rank 0"),
+                "rank {rank}: {reason}"
+            ),
+            other => panic!("rank {rank}: {other:?}"),
+        }
+    }
+    let errors = run(&["1", "1"], &[false, true]);
+    assert!(
+        errors
+            .iter()
+            .all(|r| matches!(r, Err(Error::Distributed { reason, .. }) if reason.contains("the program differs"))),
+        "{errors:?}"
+    );
+}

@@ -422,6 +422,140 @@ fn bad_folders_are_refused_before_device_work() {
     );
 }
 
+/// A folder or adapter holding NaN or an infinity, in any float dtype and any shard, is refused
+/// naming the file and the tensor: a model that cannot compute would report `eval loss: NaN` as
+/// a result (issue 43, item 5). Read on the bits; no device.
+#[test]
+fn non_finite_weights_are_refused_naming_the_tensor() {
+    let cases: [(&str, &str, &str, &str); 4] = [
+        // (folder, file, tensor (the file's last float one if empty), what)
+        (
+            "gpt2-tiny",
+            "model.safetensors",
+            "h.0.attn.c_attn.bias",
+            "NaN",
+        ),
+        (
+            "gpt2-tiny-bf16",
+            "model.safetensors",
+            "h.0.ln_2.weight",
+            "-inf",
+        ),
+        (
+            "gpt2-tiny-f16-sharded",
+            "model-00002-of-00002.safetensors",
+            "",
+            "inf",
+        ),
+        ("llama-tiny-gqa", "model.safetensors", "", "NaN"),
+    ];
+    for (folder, file, tensor, what) in cases {
+        let (_d, dir) = copy_of(folder);
+        let mut name = tensor.to_string();
+        edit_weights(&dir, file, |ts| {
+            use safetensors::Dtype as S;
+            let float = |d: S| matches!(d, S::F32 | S::F16 | S::BF16);
+            let t = match ts
+                .iter_mut()
+                .find(|t| !tensor.is_empty() && t.0.ends_with(tensor))
+            {
+                Some(t) => t,
+                None => ts.iter_mut().rev().find(|t| float(t.1)).unwrap(),
+            };
+            name = t.0.clone();
+            // The first element's bits in the tensor's own dtype.
+            let (nan, inf, sign) = match t.1 {
+                S::F32 => (0x7fc0_0000u32, 0x7f80_0000u32, 0x8000_0000u32),
+                S::F16 => (0x7e00, 0x7c00, 0x8000),
+                _ => (0x7fc0, 0x7f80, 0x8000),
+            };
+            let bits = match what {
+                "NaN" => nan,
+                "inf" => inf,
+                _ => inf | sign,
+            };
+            let size = if t.1 == S::F32 { 4 } else { 2 };
+            t.3[..size].copy_from_slice(&bits.to_le_bytes()[..size]);
+        });
+        for dtype in [DType::F32, DType::F16] {
+            let r = if folder.starts_with("llama") {
+                fitgrad::hf::PretrainedLlama::open(&dir, dtype).map(|_| ())
+            } else {
+                PretrainedGpt::open(&dir, dtype).map(|_| ())
+            };
+            match r {
+                Err(Error::Data { path, reason }) => {
+                    assert!(path.ends_with(file), "{path}: {reason}");
+                    assert!(
+                        reason.contains(&format!("'{name}'"))
+                            && reason.contains(&format!("element 0 is {what}")),
+                        "{folder}: {reason}"
+                    );
+                }
+                Err(e) => panic!("{folder}: {e} is not an Error::Data"),
+                Ok(()) => panic!("{folder} with {what} in '{name}' loaded"),
+            }
+        }
+    }
+
+    // A PEFT adapter holding NaN.
+    let dir = tempfile::tempdir().unwrap();
+    let adapter =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/lora/gpt2-tiny-adapter");
+    for f in std::fs::read_dir(&adapter).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), dir.path().join(f.file_name())).unwrap();
+    }
+    let mut name = String::new();
+    edit_weights(dir.path(), "adapter_model.safetensors", |ts| {
+        let t = ts.last_mut().unwrap();
+        name = t.0.clone();
+        let n = t.3.len();
+        t.3[n - 4..].copy_from_slice(&f32::NAN.to_bits().to_le_bytes());
+    });
+    let base = PretrainedGpt::open(&fixtures().join("gpt2-tiny"), DType::F32).unwrap();
+    match fitgrad::hf::read_adapter(dir.path(), &base.config) {
+        Err(Error::Data { reason, .. }) => {
+            assert!(
+                reason.contains(&format!("'{name}'")) && reason.contains("NaN"),
+                "{reason}"
+            )
+        }
+        Err(e) => panic!("{e} is not an Error::Data"),
+        Ok(_) => panic!("an adapter holding NaN loaded"),
+    }
+}
+
+/// Under a budget that holds one window's forward but not eight, `window_loss` splits its
+/// forwards and gives the loss of the unbudgeted run (issue 43, item 6: finetune --eval-text at
+/// the named smallest budget ran out of memory during evaluation).
+#[test]
+fn window_loss_splits_its_batches_to_fit_the_budget() {
+    let tok = Tokenizer::from_file(&fixtures().join("gpt2-tiny/tokenizer.json")).unwrap();
+    let ids = tok.encode(&eval_text()).unwrap();
+    let folder = PretrainedGpt::open(&fixtures().join("gpt2-tiny"), DType::F32).unwrap();
+    let Some(free) = fresh_with_budget(None) else {
+        return;
+    };
+    let gpt = folder.build(&free).unwrap();
+    gpt.set_training(false);
+    let want = window_loss(&gpt, &ids, 32, 8, DType::F32).unwrap();
+    // The logits of 8 windows alone are 8 * 32 * 320 * 4 = 320 KiB.
+    let budget = 256 << 10;
+    let dev = fresh_with_budget(Some(budget)).unwrap();
+    let gpt = folder.build(&dev).unwrap();
+    gpt.set_training(false);
+    let got = window_loss(&gpt, &ids, 32, 8, DType::F32).expect("the windows split to fit");
+    assert!(dev.memory_stats().peak_bytes_reserved <= budget);
+    assert_eq!((got.tokens, got.windows), (want.tokens, want.windows));
+    assert!(
+        (got.loss - want.loss).abs() <= 1e-6 * want.loss,
+        "{} against {}",
+        got.loss,
+        want.loss
+    );
+}
+
 fn finetune_args(extra: &[&str]) -> finetune::Args {
     use clap::Parser;
     let mut all = vec!["finetune".to_string()];

@@ -480,3 +480,17 @@ fn fit_auto_chooses_the_base() {
     let roomy = plan(&auto, Some(256 << 20)).fit_choice.unwrap();
     assert!(roomy.starts_with("fit auto: none\n"), "{roomy}");
 }
+
+/// `--checkpoint-activations` beside `--fit auto` is refused, as in every command, never
+/// dropped from the plan fit auto makes (issue 43 item 4).
+#[test]
+fn checkpointing_beside_fit_auto_is_refused() {
+    let flags = [
+        "--fit",
+        "auto",
+        "--memory-budget",
+        "1GiB",
+        "--checkpoint-activations",
+    ];
+    inval(prepare_err(&flags), "--checkpoint-activations");
+}

@@ -411,3 +411,103 @@ fn fit_auto_fits_every_budget_from_the_minimum_it_names() {
         assert!(outcome.planned_peak <= budget, "{budget}");
     }
 }
+
+/// The smallest budget a too-small `--memory-budget` names (the model built under each
+/// budget tried, as the other examples do) runs when passed back, and one byte less is
+/// refused again (issue 43 item 6).
+#[test]
+fn minimum_budget_works_as_printed() {
+    if common::fresh_with_budget(None).is_none() {
+        return;
+    }
+    let csv = images_csv(32);
+    let run = |budget: &str| try_run(&csv, 16, &["--memory-budget", budget]).map(|_| ());
+    common::budget_figure::figure_passed_back_works(run, "1KiB");
+}
+
+/// `--fit auto` under a 1-byte budget names the smallest budget (a `BudgetTooSmall`), not a
+/// raw out-of-memory (issue 43 item 6).
+#[test]
+fn fit_auto_under_one_byte_names_the_smallest_budget() {
+    if common::fresh_with_budget(None).is_none() {
+        return;
+    }
+    let csv = images_csv(32);
+    match try_run(&csv, 16, &["--memory-budget", "1", "--fit", "auto"]) {
+        Err(fitgrad::Error::BudgetTooSmall { minimum, .. }) => assert!(minimum > 1),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// What ranks agree on before any collective (issue 43 item 3): every flag as resolved, a
+/// default included, the dataset with its size, and not what only rank 0 writes; a flag
+/// given otherwise is the pair that differs.
+#[test]
+fn ranks_agree_on_every_flag_as_resolved() {
+    let csv = images_csv(8);
+    let path = csv.path().display().to_string();
+    let settings = |extra: &[&str]| {
+        let mut argv = vec!["train_cnn", "--dataset", &path, "--save", "/tmp/x"];
+        argv.extend_from_slice(extra);
+        fitgrad::run::flag_settings::<train_cnn::Args>(argv.into_iter().map(Into::into)).unwrap()
+    };
+    let a = settings(&["--epochs", "1"]);
+    let b = settings(&["--epochs", "2"]);
+    let get = |s: &[(String, String)], f: &str| s.iter().find(|(k, _)| k == f).cloned();
+    let size = std::fs::metadata(csv.path()).unwrap().len();
+    assert_eq!(
+        get(&a, "--dataset").unwrap().1,
+        format!("{path} ({size} bytes)")
+    );
+    assert_eq!(
+        get(&a, "--accum-steps").unwrap().1,
+        "1",
+        "a default is agreed on too"
+    );
+    assert!(get(&a, "--save").is_none(), "rank 0 alone writes");
+    let differ: Vec<_> = a.iter().zip(&b).filter(|(x, y)| x != y).collect();
+    assert_eq!(differ.len(), 1, "{differ:?}");
+    assert_eq!(differ[0].0 .0, "--epochs");
+}
+
+/// A run that diverges suggests only flags train_cnn has: no `--clip-grad-norm` (issue 43
+/// item 7).
+#[test]
+fn divergence_names_only_flags_it_has() {
+    if common::fresh_with_budget(None).is_none() {
+        return;
+    }
+    let csv = images_csv(32);
+    match try_run(&csv, 16, &["--lr", "1e30", "--optimizer", "sgd"]) {
+        Err(e @ fitgrad::Error::NonFinite { .. }) => {
+            let msg = e.to_string();
+            assert!(!msg.contains("--clip-grad-norm"), "{msg}");
+            assert!(msg.contains("--lr") && msg.contains("--resume"), "{msg}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// A negative number given to a flag is refused naming the flag and saying it takes a
+/// positive number, not as clap's "unexpected argument '-1'" (issue 43 item 7); the shared
+/// parse of every example.
+#[test]
+fn negative_numbers_name_their_flag() {
+    let argv = |extra: &[&str]| {
+        let mut a = vec!["train_cnn", "--dataset", "digits"];
+        a.extend_from_slice(extra);
+        a.into_iter()
+            .map(Into::into)
+            .collect::<Vec<std::ffi::OsString>>()
+    };
+    for flag in ["--batch-size", "--epochs", "--accum-steps", "--width"] {
+        let err = fitgrad::run::try_parse_from::<train_cnn::Args>(argv(&[flag, "-1"]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains(&format!("{flag} takes a positive number, got -1")),
+            "{err}"
+        );
+    }
+    assert!(fitgrad::run::try_parse_from::<train_cnn::Args>(argv(&["--epochs", "2"])).is_ok());
+}

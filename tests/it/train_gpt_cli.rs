@@ -395,3 +395,18 @@ fn minimum_budget_works_as_printed() {
 fn whole_run_peak_is_planned_and_bounded() {
     run_on("vulkan", whole_run_peak_is_planned_and_bounded_by_a_budget);
 }
+
+/// `--zero N` on one process says what its plan is (a plain run's: the one process holds
+/// every shard), in the text and the JSON (issue 43 item 4); stage 0 and a job of ranks say
+/// nothing.
+#[test]
+fn zero_on_one_process_is_said() {
+    use fitgrad::distributed::Zero;
+    let note = Job::Single.zero_note(Zero::stage(3).unwrap()).unwrap();
+    assert!(note.contains("ZeRO stage 3"), "{note}");
+    assert!(
+        note.contains("--distributed mpi") && !note.contains("  "),
+        "{note}"
+    );
+    assert!(Job::Single.zero_note(Zero::OFF).is_none());
+}

@@ -67,6 +67,15 @@ impl Gpt {
     pub fn new(device: &Device, cfg: GptConfig) -> Result<Gpt> {
         cfg.validate()?;
         let (c, dtype) = (cfg.dim, cfg.dtype);
+        // The largest tensors of each kind, named, against the adapter's buffers.
+        let mut tensors = vec![
+            ("wte.weight".to_string(), cfg.vocab_size * c, dtype.size()),
+            ("wpe.weight".into(), cfg.context * c, dtype.size()),
+        ];
+        if cfg.layers > 0 {
+            tensors.push(("blocks.0.mlp.fc.weight".into(), 4 * c * c, dtype.size()));
+        }
+        device.check_model_tensors(&tensors)?;
         let mut rng = Rng::new(cfg.seed);
         let mut seed = || rng.next_u64();
         let resid_std = INIT_STD / (2.0 * cfg.layers as f32).sqrt();

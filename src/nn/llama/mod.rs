@@ -50,6 +50,31 @@ impl Llama {
     pub fn new(device: &Device, cfg: LlamaConfig) -> Result<Llama> {
         cfg.validate()?;
         let (c, dtype) = (cfg.dim, cfg.dtype);
+        // The largest tensors of each kind, named, against the adapter's buffers.
+        let (q, kv) = (cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim);
+        let mut tensors = vec![(
+            "model.embed_tokens.weight".to_string(),
+            cfg.vocab_size.saturating_mul(c),
+        )];
+        if !cfg.tie_embeddings {
+            tensors.push(("lm_head.weight".into(), cfg.vocab_size.saturating_mul(c)));
+        }
+        if cfg.layers > 0 {
+            let layer = "model.layers.0";
+            tensors.extend([
+                (
+                    format!("{layer}.mlp.gate_proj.weight"),
+                    cfg.intermediate.saturating_mul(c),
+                ),
+                (format!("{layer}.self_attn.q_proj.weight"), q * c),
+                (format!("{layer}.self_attn.k_proj.weight"), kv * c),
+            ]);
+        }
+        let sized: Vec<(String, usize, usize)> = tensors
+            .into_iter()
+            .map(|(n, e)| (n, e, dtype.size()))
+            .collect();
+        device.check_model_tensors(&sized)?;
         let mut rng = Rng::new(cfg.seed);
         let mut seed = || rng.next_u64();
         let mut linear = |i: usize, o: usize, bias: bool| -> Result<Linear> {
